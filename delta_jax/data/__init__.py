@@ -1,0 +1,1 @@
+"""Data: tfds builders over local files, grain pipelines, prompt templates, synthetic tasks."""

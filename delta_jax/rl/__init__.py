@@ -1,0 +1,1 @@
+"""Pure RL functions: advantages, policy losses, DelTA coefficients, rewards."""

@@ -1,0 +1,1 @@
+"""Training: pure train step, the RL loop, checkpoints, metrics."""
