@@ -1,0 +1,174 @@
+"""Token filtering and sampling math for the rollout engine: pure, jittable functions.
+
+Definitions (the ones every caller and test relies on):
+
+* Tempered distribution: softmax(z / T) over the whole vocabulary, computed in fp32.
+* Candidate order: tokens sorted by (-z / T, token id), i.e. larger logit first and, among equal
+  logits, the smaller token id first. This makes top-k and top-p deterministic under ties.
+* top-k (k > 0): keep the first k tokens of the candidate order (exactly k, even under ties).
+  k = -1 (or k >= V) disables it.
+* top-p (0 < p <= 1): applied after top-k, on the tempered distribution renormalised over the top-k
+  set. Keep the smallest prefix of the candidate order whose probability mass is >= p, i.e. token at
+  sorted position i is kept iff the mass of the tokens strictly before it is < p. The first token is
+  always kept. p = 1 disables it.
+* Sampling distribution: the tempered distribution restricted to the kept set and renormalised.
+* Greedy (T = 0): the first token of the candidate order (argmax, smallest id under ties). Its
+  log-probs are reported under softmax(z) (the T = 1 convention), since the point mass it samples
+  from has log-prob 0 everywhere and would carry no information.
+
+Sorting happens only when needed: `jax.lax.top_k` when 0 < k < V (it orders equal values by lower
+index first), a full stable sort only when top-p < 1 without top-k, nothing otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling parameters (python scalars).
+
+    temperature: >= 0; 0 means greedy. top_p: in (0, 1]. top_k: -1 (off) or >= 1.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self):
+        validate_sampling_params(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def effective_top_k(self, vocab_size: int) -> int:
+        """top_k as a static int for the jitted code: -1 when it filters nothing (k >= V)."""
+        return -1 if (self.top_k == -1 or self.top_k >= vocab_size) else int(self.top_k)
+
+    @property
+    def use_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+
+def validate_sampling_params(temperature, top_p, top_k) -> None:
+    """Raise ValueError naming the argument when a sampling parameter is invalid."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"top_k must be an int (-1 = off, or >= 1), got {top_k!r}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k!r}")
+
+
+def tempered_logits(logits: jax.Array, temperature) -> jax.Array:
+    """z / T in fp32. logits [..., V]; temperature a scalar (array or python float) > 0."""
+    return logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+
+
+def sorted_candidates(scaled: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Candidates in (-value, token id) order.
+
+    scaled: fp32 [B, V]. top_k: static int; 0 < top_k < V keeps k candidates, -1 sorts all V.
+    Returns (values [B, K], token ids int32 [B, K]).
+    """
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        values, ids = jax.lax.top_k(scaled, top_k)  # equal values: lower index first
+        return values, ids.astype(jnp.int32)
+    ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    # A stable ascending sort of -value keeps equal values in token-id order.
+    neg_values, ids = jax.lax.sort((-scaled, ids), dimension=-1, is_stable=True, num_keys=1)
+    return -neg_values, ids
+
+
+def top_p_keep_mask(sorted_values: jax.Array, top_p) -> jax.Array:
+    """Smallest prefix of the sorted candidates with mass >= top_p (always >= 1 token).
+
+    sorted_values: fp32 [B, K] in descending order (the distribution is their softmax).
+    top_p: scalar in (0, 1]. Returns bool [B, K].
+    """
+    probs = jax.nn.softmax(sorted_values, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < jnp.asarray(top_p, jnp.float32)
+    return keep.at[..., 0].set(True)
+
+
+def filtered_candidates(
+    logits: jax.Array, temperature, top_p, *, top_k: int, use_top_p: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """The sampling distribution's support as masked candidate logits.
+
+    logits [B, V]; temperature > 0 and top_p scalars (may be traced); top_k, use_top_p static.
+    Returns (values fp32 [B, K], ids int32 [B, K] or None). Dropped candidates have value -inf.
+    ids is None when nothing is filtered: then values are the tempered logits over all V tokens.
+    """
+    scaled = tempered_logits(logits, temperature)
+    if top_k == -1 and not use_top_p:
+        return scaled, None
+    values, ids = sorted_candidates(scaled, top_k)
+    if use_top_p:
+        keep = top_p_keep_mask(values, top_p)
+        values = jnp.where(keep, values, -jnp.inf)
+    return values, ids
+
+
+def filtered_log_probs(logits: jax.Array, temperature, top_p, *, top_k: int,
+                       use_top_p: bool) -> jax.Array:
+    """Full-vocabulary log-probs of the sampling distribution (-inf outside the kept set).
+
+    logits [B, V] -> fp32 [B, V]. For analysis and tests; the sampler never builds this.
+    """
+    values, ids = filtered_candidates(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
+    logp = jax.nn.log_softmax(values, axis=-1)
+    if ids is None:
+        return logp
+    rows = jnp.arange(logits.shape[0])[:, None]
+    full = jnp.full(logits.shape, -jnp.inf, jnp.float32)
+    return full.at[rows, ids].set(logp)
+
+
+def sample_tokens(
+    keys: jax.Array,
+    logits: jax.Array,
+    temperature,
+    top_p,
+    *,
+    top_k: int,
+    use_top_p: bool,
+    greedy: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token per row.
+
+    keys: [B] PRNG keys (one independent stream per row). logits: [B, V] (any float dtype).
+    temperature, top_p: scalars (may be traced; temperature ignored when greedy).
+    top_k (-1 = off), use_top_p, greedy: static.
+    Returns (tokens int32 [B],
+             logprobs fp32 [B]: log-prob under the sampling distribution (filtered, tempered,
+                               renormalised),
+             tempered_logprobs fp32 [B]: log-prob under softmax(z / T) without filtering).
+    Greedy rows report both log-probs under softmax(z) (T = 1).
+    """
+    logits = logits.astype(jnp.float32)
+    rows = jnp.arange(logits.shape[0])
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first maximum = smallest id
+        logp = jax.nn.log_softmax(logits, axis=-1)[rows, tokens]
+        return tokens, logp, logp
+    scaled = tempered_logits(logits, temperature)
+    tempered_logp_all = scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    values, ids = filtered_candidates(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
+    choice = jax.vmap(jax.random.categorical)(keys, values).astype(jnp.int32)
+    chosen_logp = jax.nn.log_softmax(values, axis=-1)[rows, choice]
+    tokens = choice if ids is None else ids[rows, choice]
+    return tokens, chosen_logp, tempered_logp_all[rows, tokens]

@@ -1,0 +1,150 @@
+"""Token filtering / sampling math (delta_jax.sampling_utils) against a NumPy reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from delta_jax import sampling_utils as su
+
+
+def reference_distribution(logits, temperature, top_k, top_p):
+    """Independent NumPy reference of the documented definition, one row [V] -> probs [V] (fp64)."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = np.lexsort((np.arange(z.size), -z))  # by -z, then by token id
+    if top_k != -1:
+        order = order[:top_k]
+    p = np.exp(z[order] - z[order].max())
+    p /= p.sum()
+    kept = []
+    mass = 0.0
+    for token, prob in zip(order, p):
+        kept.append(token)
+        mass += prob
+        if mass >= top_p - 1e-12:
+            break
+    out = np.zeros(z.size)
+    w = np.exp(z[kept] - z[kept].max())
+    out[kept] = w / w.sum()
+    return out
+
+
+def _draw(logits_row, temperature, top_p, top_k, num_draws, seed=0):
+    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (num_draws, len(logits_row)))
+    keys = jax.random.split(jax.random.key(seed), num_draws)
+    params = su.SamplingParams(temperature, top_p, top_k)
+    fn = jax.jit(lambda k, l: su.sample_tokens(
+        k, l, temperature, top_p, top_k=params.effective_top_k(len(logits_row)),
+        use_top_p=params.use_top_p, greedy=params.greedy))
+    return [np.asarray(x) for x in fn(keys, logits)]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, -1, 1.0), (0.7, -1, 0.8), (1.3, 5, 1.0), (1.0, 6, 0.7), (0.5, 3, 0.95), (2.0, -1, 0.3)],
+)
+def test_filtered_log_probs_match_reference(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 11)).astype(np.float32) * 2
+    logits[1, [2, 5, 7]] = logits[1].max()  # ties at the top
+    logits[2, :] = 0.5  # all tied
+    logits[3, [0, 9]] = logits[3, 4]  # ties somewhere in the middle
+    params = su.SamplingParams(temperature, top_p, top_k)
+    got = np.exp(np.asarray(su.filtered_log_probs(
+        jnp.asarray(logits), temperature, top_p, top_k=params.effective_top_k(11),
+        use_top_p=params.use_top_p)))
+    for row in range(4):
+        want = reference_distribution(logits[row], temperature, top_k, top_p)
+        np.testing.assert_allclose(got[row], want, atol=1e-6)
+        assert set(np.nonzero(got[row])[0]) == set(np.nonzero(want)[0])
+
+
+def test_ties_are_broken_by_token_id():
+    logits = jnp.asarray([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    kept = np.isfinite(np.asarray(su.filtered_log_probs(logits, 1.0, 1.0, top_k=2, use_top_p=False)))
+    assert kept.tolist() == [[False, True, True, False, False]]
+    # Full-sort path (top-p only): equal probabilities, the lower ids come first.
+    flat = jnp.zeros((1, 4))
+    kept = np.isfinite(np.asarray(su.filtered_log_probs(flat, 1.0, 0.5, top_k=-1, use_top_p=True)))
+    assert kept.tolist() == [[True, True, False, False]]
+    tokens, _, _ = su.sample_tokens(jax.random.split(jax.random.key(0), 1), logits, 0.0, 1.0,
+                                    top_k=-1, use_top_p=False, greedy=True)
+    assert int(tokens[0]) == 1
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    logits = jnp.log(jnp.asarray([[0.5, 0.25, 0.125, 0.125]]))
+
+    def support(p):
+        logp = su.filtered_log_probs(logits, 1.0, p, top_k=-1, use_top_p=True)
+        return np.nonzero(np.isfinite(np.asarray(logp[0])))[0].tolist()
+
+    assert support(0.3) == [0]
+    assert support(0.5) == [0]          # first token alone already has mass 0.5 >= 0.5
+    assert support(0.6) == [0, 1]
+    assert support(0.8) == [0, 1, 2]
+    assert support(1e-9) == [0]         # always at least one token
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 0.8), (0.8, 4, 1.0), (1.5, 5, 0.9)])
+def test_empirical_frequencies_match_filtered_distribution(temperature, top_k, top_p):
+    logits = np.asarray([2.0, 1.5, 1.2, 1.0, 0.3, 0.0, -0.5, -1.0], np.float32)
+    num_draws = 20000
+    tokens, logp, tempered_logp = _draw(logits, temperature, top_p, top_k, num_draws)
+    want = reference_distribution(logits, temperature, top_k, top_p)
+    support = want > 0
+    assert support.sum() >= 3 and (~support).sum() >= 1  # the filter really removes something
+    counts = np.bincount(tokens, minlength=logits.size)
+    assert counts[~support].sum() == 0  # nothing outside the kept set, ever
+    threshold = stats.chi2.ppf(0.999, df=support.sum() - 1)
+    chi2 = (((counts - num_draws * want) ** 2)[support] / (num_draws * want[support])).sum()
+    assert chi2 < threshold
+    # The same test must reject a wrong expectation: the unfiltered tempered distribution.
+    unfiltered = reference_distribution(logits, temperature, -1, 1.0)
+    chi2_wrong = ((counts - num_draws * unfiltered) ** 2 / (num_draws * unfiltered)).sum()
+    assert chi2_wrong > stats.chi2.ppf(0.999, df=logits.size - 1)
+    # Returned log-probs are those of the drawn tokens under both distributions.
+    np.testing.assert_allclose(np.exp(logp), want[tokens], rtol=1e-5)
+    np.testing.assert_allclose(np.exp(tempered_logp), unfiltered[tokens], rtol=1e-5)
+
+
+def test_unfiltered_sampling_matches_tempered_softmax():
+    logits = np.asarray([1.0, 0.5, 0.0, -0.5, -2.0], np.float32)
+    num_draws = 20000
+    tokens, logp, tempered_logp = _draw(logits, 0.6, 1.0, -1, num_draws, seed=3)
+    want = reference_distribution(logits, 0.6, -1, 1.0)
+    counts = np.bincount(tokens, minlength=logits.size)
+    chi2 = ((counts - num_draws * want) ** 2 / (num_draws * want)).sum()
+    assert chi2 < stats.chi2.ppf(0.999, df=logits.size - 1)
+    np.testing.assert_allclose(logp, tempered_logp, atol=1e-6)
+    # At T = 1 the frequencies would be visibly different: the test has power.
+    wrong = reference_distribution(logits, 1.0, -1, 1.0)
+    assert ((counts - num_draws * wrong) ** 2 / (num_draws * wrong)).sum() > 100
+
+
+def test_greedy_log_probs_use_unit_temperature():
+    logits = jnp.asarray([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
+    tokens, logp, tempered = su.sample_tokens(jax.random.split(jax.random.key(0), 2), logits, 0.0,
+                                              1.0, top_k=-1, use_top_p=False, greedy=True)
+    assert tokens.tolist() == [1, 0]
+    want = jax.nn.log_softmax(logits)[jnp.arange(2), tokens]
+    np.testing.assert_allclose(logp, want, atol=1e-6)
+    np.testing.assert_allclose(tempered, want, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"),
+     ({"top_k": -2}, "top_k"), ({"top_k": 2.0}, "top_k")],
+)
+def test_invalid_parameters_name_the_argument(kwargs, name):
+    args = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        su.SamplingParams(**args)
+
+
+def test_effective_top_k_disables_when_not_filtering():
+    assert su.SamplingParams(1.0, 1.0, 50).effective_top_k(50) == -1
+    assert su.SamplingParams(1.0, 1.0, 49).effective_top_k(50) == 49
+    assert not su.SamplingParams(1.0, 1.0, -1).use_top_p
