@@ -1,0 +1,18 @@
+"""Qwen3 / Llama-family decoder-only transformers in flax.nnx, HF checkpoint I/O, tokenizer.
+
+    cfg = models.get_preset("tiny")                 # or models.ModelConfig(...)
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    model = models.from_pretrained(path, dtype=jnp.bfloat16)
+    out = model(input_ids, attention_mask=mask)     # ModelOutput(logits, hidden, cache)
+    logp, ent = models.token_logprobs(model, out.hidden, labels, temperature=1.0)
+"""
+from delta_jax.models.cache import CACHE_AXES, KVCache, init_cache
+from delta_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
+from delta_jax.models.logprobs import logprobs_from_logits, token_logprobs
+from delta_jax.models.transformer import LAYER_AXES, ModelOutput, Transformer
+
+__all__ = [
+    "CACHE_AXES", "KVCache", "LAYER_AXES", "ModelConfig", "ModelOutput", "PRESETS",
+    "REMAT_POLICIES", "Transformer", "get_preset", "init_cache", "logprobs_from_logits",
+    "token_logprobs",
+]

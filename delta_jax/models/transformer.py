@@ -1,0 +1,273 @@
+"""Decoder-only transformer (Qwen3 dense / Llama family) in flax.nnx.
+
+Layers are stored stacked along a leading "layers" axis and run with lax.scan, so compile
+time does not grow with depth; each layer can be rematerialised (cfg.remat).
+
+Logical axis names of the parameters (metadata key `out_sharding`, read with
+`nnx.get_partition_spec` or `nnx.spmd.get_var_pspec`; a sharding rules table maps them to mesh
+axes). Shapes use L=layers, V=vocab, H=hidden, N=heads, K=kv heads, D=head_dim, I=intermediate:
+
+    embed                     [V, H]        ("vocab", "embed")
+    lm_head (untied only)     [H, V]        ("embed", "vocab")
+    final_norm                [H]           ("norm",)
+    layers.input_norm         [L, H]        ("layers", "norm")
+    layers.post_attn_norm     [L, H]        ("layers", "norm")
+    layers.q_proj             [L, H, N, D]  ("layers", "embed", "q_heads", "head_dim")
+    layers.k_proj, v_proj     [L, H, K, D]  ("layers", "embed", "kv_heads", "head_dim")
+    layers.o_proj             [L, N, D, H]  ("layers", "q_heads", "head_dim", "embed")
+    layers.q_norm, k_norm     [L, D]        ("layers", "head_dim")   (qk_norm models only)
+    layers.gate_proj, up_proj [L, H, I]     ("layers", "embed", "mlp")
+    layers.down_proj          [L, I, H]     ("layers", "mlp", "embed")
+
+Numerics: RMSNorm, RoPE and softmax in float32; matmuls in cfg.dtype with float32 accumulation
+for the scores and logits; logits are returned in float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from delta_jax.models.cache import KVCache
+from delta_jax.models.config import ModelConfig
+
+LAYER_AXES = {
+    "input_norm": ("layers", "norm"),
+    "post_attn_norm": ("layers", "norm"),
+    "q_proj": ("layers", "embed", "q_heads", "head_dim"),
+    "k_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "v_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "o_proj": ("layers", "q_heads", "head_dim", "embed"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "gate_proj": ("layers", "embed", "mlp"),
+    "up_proj": ("layers", "embed", "mlp"),
+    "down_proj": ("layers", "mlp", "embed"),
+}
+NORM_NAMES = ("input_norm", "post_attn_norm", "q_norm", "k_norm")
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Shapes of the stacked per-layer parameters (leading axis = layers)."""
+  L, H, N, K, D, I = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim, cfg.intermediate_size)
+  shapes = {
+      "input_norm": (L, H), "post_attn_norm": (L, H),
+      "q_proj": (L, H, N, D), "k_proj": (L, H, K, D), "v_proj": (L, H, K, D),
+      "o_proj": (L, N, D, H),
+      "gate_proj": (L, H, I), "up_proj": (L, H, I), "down_proj": (L, I, H),
+  }
+  if cfg.qk_norm:
+    shapes["q_norm"] = (L, D)
+    shapes["k_norm"] = (L, D)
+  return shapes
+
+
+@flax.struct.dataclass
+class ModelOutput:
+  logits: Optional[jax.Array]  # float32 [B, T, V], or None when return_logits=False
+  hidden: jax.Array            # [B, T, H], after the final RMSNorm
+  cache: Optional[KVCache]     # updated cache, or None without one
+
+
+def _param(value, axes):
+  # eager_sharding=False: names are only metadata here; placement is the sharding module's job.
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32, returned in x.dtype."""
+  xf = x.astype(jnp.float32)
+  normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+  """float32 cos, sin of shape [B, T, head_dim] (half-split "rotate_half" layout, as in HF)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, T, heads, D]; cos/sin [B, T, D]. Rotation in float32, result in x.dtype."""
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+  return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention.
+
+  q [B, T, N, D]; k, v [B, S, K, D]; mask bool [B, T, S] (True = may attend).
+  Returns [B, T, N, D]. Softmax in float32; a fully masked row gives a finite (uniform) mix.
+  """
+  B, T, N, D = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, N // K, D)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  scores = scores * (D ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(B, T, N, D)
+
+
+def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
+  """Pre-norm, q/k/v projections, optional per-head q/k RMSNorm and RoPE."""
+  h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("bth,hnd->btnd", h, p["q_proj"])
+  k = jnp.einsum("bth,hkd->btkd", h, p["k_proj"])
+  v = jnp.einsum("bth,hkd->btkd", h, p["v_proj"])
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
+  """Output projection + residual, then the SwiGLU MLP block + residual."""
+  x = x + jnp.einsum("btnd,ndh->bth", attn, p["o_proj"])
+  h = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
+  gate = jnp.einsum("bth,hi->bti", h, p["gate_proj"])
+  up = jnp.einsum("bth,hi->bti", h, p["up_proj"])
+  return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, p["down_proj"])
+
+
+def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
+  """Matmul weights to the compute dtype; norm weights stay as stored (used in float32)."""
+  return {name: w if name in NORM_NAMES else w.astype(cfg.dtype) for name, w in p.items()}
+
+
+def _maybe_remat(cfg: ModelConfig, fn):
+  policy = cfg.remat_policy
+  if policy == "none":
+    return fn
+  if policy == "full":
+    return jax.checkpoint(fn, prevent_cse=False)
+  return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=False)
+
+
+class DecoderLayers(nnx.Module):
+  """All decoder layers' parameters, stacked along a leading "layers" axis."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(stddev=0.02)
+    for name, shape in layer_param_shapes(cfg).items():
+      if name in NORM_NAMES:
+        value = jnp.ones(shape, cfg.param_dtype)
+      else:
+        value = init(rngs.params(), shape, cfg.param_dtype)
+      setattr(self, name, _param(value, LAYER_AXES[name]))
+
+  def arrays(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in LAYER_AXES if hasattr(self, name)}
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. See the module docstring for parameter names and axes."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = nnx.initializers.normal(stddev=0.02)
+    self.embed = _param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype),
+                        ("vocab", "embed"))
+    self.layers = DecoderLayers(cfg, rngs=rngs)
+    self.final_norm = _param(jnp.ones((cfg.hidden_size,), cfg.param_dtype), ("norm",))
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size),
+                                 cfg.param_dtype), ("embed", "vocab"))
+
+  def lm_head_weight(self) -> jax.Array:
+    """The output projection [H, V] (the transposed embedding when tied)."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed[...].T
+    return self.lm_head[...]
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """hidden [B, T, H] -> float32 logits [B, T, V]."""
+    w = self.lm_head_weight().astype(hidden.dtype)
+    return jnp.einsum("bth,hv->btv", hidden, w, preferred_element_type=jnp.float32)
+
+  def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
+               attention_mask: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
+               cache_index=None, kv_mask: Optional[jax.Array] = None,
+               return_logits: bool = True) -> ModelOutput:
+    """Forward pass.
+
+    input_ids: int32 [B, T].
+    positions: int32 [B, T]. Default: cumsum(attention_mask) - 1 clipped at 0 when an
+      attention_mask is given; otherwise cache_index + arange(T) (arange(T) without a cache).
+    attention_mask: [B, T], 1 = real token. Without a cache, keys are masked by it (padding may
+      be anywhere). With a cache it only sets the default positions; use kv_mask instead.
+    cache / cache_index: a KVCache and the int32 scalar slot of input_ids[:, 0]; the new keys and
+      values are written at slots cache_index .. cache_index + T - 1.
+    kv_mask: bool [B, S], the valid cache slots after this write (default: all). The query at
+      slot cache_index + t attends to slots s <= cache_index + t with kv_mask[b, s].
+    Returns ModelOutput(logits float32 [B, T, V] or None, hidden [B, T, H], cache or None).
+    """
+    cfg = self.cfg
+    B, T = input_ids.shape
+    if cache is not None and cache_index is None:
+      raise ValueError("Transformer: cache_index is required when a cache is given")
+    if positions is None:
+      if attention_mask is not None:
+        positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+      else:
+        start = 0 if cache is None else cache_index
+        positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    x = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.dtype)
+    layer_params = self.layers.arrays()
+
+    if cache is None:
+      key_valid = (jnp.ones((B, T), bool) if attention_mask is None
+                   else attention_mask.astype(bool))
+      causal = jnp.tril(jnp.ones((T, T), bool))
+      mask = causal[None] & key_valid[:, None, :]
+
+      def layer(x, p):
+        p = _cast_layer(cfg, p)
+        q, k, v = _project_qkv(cfg, p, x, cos, sin)
+        return _finish_layer(cfg, p, x, attend(q, k, v, mask)), None
+
+      x, _ = jax.lax.scan(_maybe_remat(cfg, layer), x, layer_params)
+      new_cache = None
+    else:
+      S = cache.max_len
+      cache_index = jnp.asarray(cache_index, jnp.int32)
+      query_slot = cache_index + jnp.arange(T, dtype=jnp.int32)
+      mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= query_slot[:, None]  # [T, S]
+      mask = jnp.broadcast_to(mask[None], (B, T, S))
+      if kv_mask is not None:
+        mask = mask & kv_mask.astype(bool)[:, None, :]
+
+      # The whole cache rides in the carry and is updated slice-wise, so a donated cache
+      # buffer can be updated in place.
+      def layer(carry, inputs):
+        x, k_cache, v_cache = carry
+        p, i = inputs
+        p = _cast_layer(cfg, p)
+        q, k, v = _project_qkv(cfg, p, x, cos, sin)
+        start = (i, 0, cache_index, 0, 0)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
+        k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
+        v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
+        x = _finish_layer(cfg, p, x, attend(q, k_all, v_all, mask))
+        return (x, k_cache, v_cache), None
+
+      layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+      (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, cache.k, cache.v),
+                                              (layer_params, layer_ids))
+      new_cache = KVCache(k=k_cache, v=v_cache)
+
+    hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    logits = self.logits(hidden) if return_logits else None
+    return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
