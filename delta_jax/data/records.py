@@ -1,0 +1,491 @@
+"""Read math problem records from local JSONL / parquet files (or a Hugging Face hub data set).
+
+Every record comes out in the project's layout::
+
+    {"id": str, "problem": str, "answer": str, "solution": str, "level": int}
+
+(`solution` is "" and `level` is -1 when the source has none). Upstream layouts differ, so a field
+mapping picks the keys; the presets cover the data sets we train on:
+
+    deltajax   {"id", "problem", "answer"}   (our own JSONL, ../shared/data, the synthetic task)
+    deepmath   DeepMath-103K: "question" / "final_answer"
+    dapo       DAPO-Math-17k: "prompt" (a chat list; the last user turn, with DAPO's
+               "Answer:" instruction stripped) / "reward_model"."ground_truth"
+    math       MATH: "problem" / the last \\boxed{} of "solution" (or an "answer" field)
+
+`fields="auto"` picks a preset per file from the keys of its first row. A custom mapping is a dict
+{"problem": key, "answer": key, ["id": key], ["solution": key], ["level": key]} where a key may be
+dotted ("reward_model.ground_truth") to reach into nested objects.
+
+Malformed rows (bad JSON, a missing or empty field, no \\boxed{} in a MATH solution) raise a
+`MalformedRecordError` naming the file and the row (1-based line number for JSONL, 1-based row
+number for parquet), or with on_error="skip" are skipped and counted in `LoadStats`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import pathlib
+import re
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+RECORD_KEYS = ("id", "problem", "answer", "solution", "level")
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# DAPO-Math-17k wraps every problem in this instruction; our own templates ask for \boxed{}.
+_DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+class MalformedRecordError(ValueError):
+    """A row that cannot be turned into a record; the message names the file and the row."""
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What happened while reading: rows read, records kept, rows skipped (with reasons)."""
+
+    num_rows: int = 0
+    num_records: int = 0
+    num_skipped: int = 0
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "file:row: reason", first 100
+    layouts: dict[str, str] = dataclasses.field(default_factory=dict)  # file -> preset used
+
+    def add_skip(self, where: str, reason: str) -> None:
+        self.num_skipped += 1
+        if len(self.skipped) < 100:
+            self.skipped.append(f"{where}: {reason}")
+
+    def merge(self, other: "LoadStats") -> None:
+        self.num_rows += other.num_rows
+        self.num_records += other.num_records
+        self.num_skipped += other.num_skipped
+        self.skipped.extend(other.skipped[: max(0, 100 - len(self.skipped))])
+        self.layouts.update(other.layouts)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "LoadStats":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+# --------------------------------------------------------------------------------------------
+# \boxed{} extraction (MATH solutions)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces matched; None if absent.
+
+    The brace-less form "\\boxed 5" gives the token after the space.
+    """
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    if text.startswith(" ", i):  # "\boxed 5": the next whitespace-delimited token
+        token = text[i + 1 :].split()
+        return token[0].rstrip("$.") if token else None
+    if not text.startswith("{", i):
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None  # unbalanced braces
+
+
+# --------------------------------------------------------------------------------------------
+# Field mapping
+
+
+def _get(row: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def _text(value: Any, key: str) -> str:
+    """Answers may be numbers upstream (e.g. 27.0): keep them as the string a grader compares."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"field {key!r} is {value!r}, expected a string")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, (int, float)):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} has type {type(value).__name__}, expected a string")
+    if not value.strip():
+        raise ValueError(f"field {key!r} is empty")
+    return value
+
+
+def _dapo_problem(prompt: Any) -> str:
+    """The last user turn of a DAPO chat prompt, without DAPO's "Answer:" instruction."""
+    if hasattr(prompt, "tolist"):  # parquet list columns come back as numpy arrays
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError("field 'prompt' is not a non-empty chat list")
+    users = [m for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"]
+    if not users:
+        raise ValueError("field 'prompt' has no user message")
+    content = _text(users[-1].get("content"), "prompt[-1].content")
+    if content.startswith(_DAPO_PREFIX):
+        content = content[len(_DAPO_PREFIX) :]
+    if content.endswith(_DAPO_SUFFIX):
+        content = content[: -len(_DAPO_SUFFIX)]
+    return content
+
+
+def _level(value: Any) -> int:
+    if value is None:
+        return -1
+    if isinstance(value, int):
+        return value
+    match = re.search(r"-?\d+", str(value))  # MATH writes "Level 3"
+    return int(match.group()) if match else -1
+
+
+RowMapper = Callable[[Mapping[str, Any]], dict]
+
+
+def _map_deltajax(row):
+    return {
+        "id": row.get("id"),
+        "problem": _text(_get(row, "problem"), "problem"),
+        "answer": _text(_get(row, "answer"), "answer"),
+        "solution": row.get("solution") or "",
+        "level": _level(row.get("level")),
+    }
+
+
+def _map_deepmath(row):
+    return {
+        "id": row.get("id"),
+        "problem": _text(_get(row, "question"), "question"),
+        "answer": _text(_get(row, "final_answer"), "final_answer"),
+        "solution": row.get("r1_solution_1") or "",
+        "level": _level(row.get("difficulty")),
+    }
+
+
+def _map_dapo(row):
+    extra = row.get("extra_info")
+    row_id = extra.get("index") if isinstance(extra, Mapping) else None
+    return {
+        "id": None if row_id is None else str(row_id),
+        "problem": _dapo_problem(_get(row, "prompt")),
+        "answer": _text(_get(row, "reward_model.ground_truth"), "reward_model.ground_truth"),
+        "solution": "",
+        "level": -1,
+    }
+
+
+def _map_math(row):
+    solution = row.get("solution")
+    if row.get("answer") not in (None, ""):
+        answer = _text(row["answer"], "answer")
+    else:
+        solution_text = _text(_get(row, "solution"), "solution")
+        answer = last_boxed(solution_text)
+        if not answer or not answer.strip():
+            raise ValueError("field 'solution' has no non-empty \\boxed{} answer")
+    return {
+        "id": row.get("unique_id") or row.get("id"),
+        "problem": _text(_get(row, "problem"), "problem"),
+        "answer": answer,
+        "solution": solution if isinstance(solution, str) else "",
+        "level": _level(row.get("level")),
+    }
+
+
+PRESETS: dict[str, RowMapper] = {
+    "deltajax": _map_deltajax,
+    "deepmath": _map_deepmath,
+    "dapo": _map_dapo,
+    "math": _map_math,
+}
+
+
+def detect_layout(row: Mapping[str, Any]) -> str:
+    """The preset whose keys the row has; raises ValueError when none fits."""
+    keys = set(row)
+    if "question" in keys and "final_answer" in keys:
+        return "deepmath"
+    if "prompt" in keys and "reward_model" in keys:
+        return "dapo"
+    if "problem" in keys and "answer" in keys:
+        return "deltajax"
+    if "problem" in keys and "solution" in keys:
+        return "math"
+    raise ValueError(
+        f"cannot tell the layout from the keys {sorted(keys)}; pass fields= one of "
+        f"{sorted(PRESETS)} or a dict {{'problem': key, 'answer': key, ...}}"
+    )
+
+
+def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
+    unknown = set(fields) - set(RECORD_KEYS)
+    if unknown or "problem" not in fields or "answer" not in fields:
+        raise ValueError(
+            f"fields= mapping needs 'problem' and 'answer' and only keys from {RECORD_KEYS}; "
+            f"got {dict(fields)}"
+        )
+
+    def mapper(row):
+        def optional(name, default):
+            if name not in fields:
+                return default
+            try:
+                return _get(row, fields[name])
+            except KeyError:
+                return default
+
+        return {
+            "id": optional("id", None),
+            "problem": _text(_get(row, fields["problem"]), fields["problem"]),
+            "answer": _text(_get(row, fields["answer"]), fields["answer"]),
+            "solution": optional("solution", "") or "",
+            "level": _level(optional("level", None)),
+        }
+
+    return mapper
+
+
+def _resolve_mapper(fields: str | Mapping[str, str], first_row: Mapping[str, Any]) -> tuple[str, RowMapper]:
+    if isinstance(fields, Mapping):
+        return "custom", _custom_mapper(fields)
+    if fields == "auto":
+        fields = detect_layout(first_row)
+    if fields not in PRESETS:
+        raise ValueError(f"unknown fields preset {fields!r}; known: 'auto', {sorted(PRESETS)}")
+    return fields, PRESETS[fields]
+
+
+# --------------------------------------------------------------------------------------------
+# Raw rows
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, Mapping[str, Any] | Exception]]:
+    """(where, row or the parse error) per non-blank line; `where` is "file:line N" (1-based)."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:line {line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, ValueError(f"invalid JSON ({e.msg} at column {e.colno})")
+                continue
+            if not isinstance(row, dict):
+                yield where, ValueError(f"expected a JSON object, got {type(row).__name__}")
+                continue
+            yield where, row
+
+
+def _iter_json_array(path: str):
+    with open(path, encoding="utf-8") as f:
+        try:
+            rows = json.load(f)
+        except json.JSONDecodeError as e:
+            raise MalformedRecordError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from e
+    if not isinstance(rows, list):
+        raise MalformedRecordError(f"{path}: a .json file must hold a list of objects")
+    for i, row in enumerate(rows, start=1):
+        where = f"{path}:item {i}"
+        yield where, row if isinstance(row, dict) else ValueError("expected a JSON object")
+
+
+def _iter_parquet(path: str):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    row_no = 0
+    for batch in table.to_batches(max_chunksize=1024):
+        for row in batch.to_pylist():
+            row_no += 1
+            yield f"{path}:row {row_no}", row
+
+
+def iter_rows(path: str):
+    """(where, raw row dict or an Exception) for every row of one local file."""
+    suffix = pathlib.Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        return _iter_jsonl(path)
+    if suffix == ".json":
+        return _iter_json_array(path)
+    if suffix == ".parquet":
+        return _iter_parquet(path)
+    raise ValueError(f"{path}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}")
+
+
+def records_from_rows(
+    rows: Iterable[tuple[str, Mapping[str, Any] | Exception]],
+    *,
+    fields: str | Mapping[str, str] = "auto",
+    on_error: str = "raise",
+    id_prefix: str = "row",
+    stats: LoadStats | None = None,
+    layout_key: str = "",
+) -> list[dict]:
+    """Map raw rows to records (see the module docstring); errors name `where`."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    stats = stats if stats is not None else LoadStats()
+    mapper = None
+    out = []
+    for index, (where, row) in enumerate(rows):
+        stats.num_rows += 1
+        try:
+            if isinstance(row, Exception):
+                raise row
+            if mapper is None:
+                layout, mapper = _resolve_mapper(fields, row)
+                stats.layouts[layout_key or where.rsplit(":", 1)[0]] = layout
+            record = mapper(row)
+        except (KeyError, ValueError, TypeError) as e:
+            reason = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
+            if on_error == "raise":
+                raise MalformedRecordError(
+                    f"{where}: {reason} (pass on_error='skip' to skip malformed rows)"
+                ) from e
+            stats.add_skip(where, reason)
+            continue
+        record["id"] = str(record["id"]) if record["id"] not in (None, "") else f"{id_prefix}-{index}"
+        out.append(record)
+    stats.num_records += len(out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def resolve_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """Local files for a file, a directory (its supported files), a glob, or a list of those.
+
+    Returns [] when nothing local matches a single string (it may be a hub name).
+    """
+    if isinstance(path_or_paths, (str, os.PathLike)):
+        items = [os.fspath(path_or_paths)]
+    else:
+        items = [os.fspath(p) for p in path_or_paths]
+    files: list[str] = []
+    for item in items:
+        if os.path.isdir(item):
+            found = sorted(
+                os.path.join(item, f)
+                for f in os.listdir(item)
+                if f.lower().endswith(SUPPORTED_SUFFIXES)
+            )
+            if not found:
+                raise FileNotFoundError(f"{item}: directory has no {SUPPORTED_SUFFIXES} files")
+            files += found
+        elif os.path.isfile(item):
+            files.append(item)
+        elif glob.has_magic(item):
+            found = sorted(glob.glob(item))
+            if not found:
+                raise FileNotFoundError(f"{item}: the pattern matches no file")
+            files += found
+        elif len(items) > 1:
+            raise FileNotFoundError(f"{item}: no such file")
+    return files
+
+
+def looks_like_hub_name(name: str) -> bool:
+    """"org/name" (optionally "org/name:split") that is not a local path."""
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.\[\]%:-]+)?", name)) and not os.path.exists(name)
+
+
+def load_records(
+    path_or_name: str | os.PathLike | Sequence[str | os.PathLike],
+    fields: str | Mapping[str, str] = "auto",
+    on_error: str = "raise",
+    split: str = "train",
+) -> tuple[list[dict], LoadStats]:
+    """Records {"id","problem","answer","solution","level"} and LoadStats from files or a hub name.
+
+    Args:
+      path_or_name: a .jsonl / .json / .parquet file, a directory, a glob, a list of those, or a
+        Hugging Face hub data set name "org/name" (needs the network; `split` picks the split).
+      fields: "auto" (per file, from the first row's keys), a preset name from PRESETS, or a dict
+        mapping record keys to (dotted) source keys.
+      on_error: "raise" (MalformedRecordError naming file and row) or "skip" (count in stats).
+    """
+    stats = LoadStats()
+    files = resolve_paths(path_or_name)
+    if not files:
+        name = os.fspath(path_or_name)  # type: ignore[arg-type]
+        if isinstance(path_or_name, (str, os.PathLike)) and looks_like_hub_name(name):
+            return load_hub_records(name, fields=fields, on_error=on_error, split=split)
+        raise FileNotFoundError(f"{name}: no such file, directory or glob (and not an org/name hub id)")
+    records: list[dict] = []
+    for path in files:
+        records += records_from_rows(
+            iter_rows(path),
+            fields=fields,
+            on_error=on_error,
+            id_prefix=pathlib.Path(path).stem,
+            stats=stats,
+            layout_key=path,
+        )
+    return records, stats
+
+
+def load_hub_records(
+    name: str, fields: str | Mapping[str, str] = "auto", on_error: str = "raise", split: str = "train"
+) -> tuple[list[dict], LoadStats]:
+    """Records from a Hugging Face hub data set (network needed; never used in tests).
+
+    Uses the `datasets` library when installed, else downloads the repository's parquet / JSONL
+    files with huggingface_hub and reads them like local files.
+    """
+    if ":" in name:
+        name, split = name.split(":", 1)
+    stats = LoadStats()
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        ds = datasets.load_dataset(name, split=split)
+        rows = ((f"{name}[{split}]:row {i + 1}", row) for i, row in enumerate(ds))
+        records = records_from_rows(
+            rows, fields=fields, on_error=on_error, id_prefix=name.split("/")[-1], stats=stats,
+            layout_key=name,
+        )
+        return records, stats
+    try:
+        import huggingface_hub
+    except ImportError as e:
+        raise ImportError(
+            f"loading the hub data set {name!r} needs `datasets` or `huggingface_hub` installed"
+        ) from e
+    local = huggingface_hub.snapshot_download(
+        repo_id=name, repo_type="dataset", allow_patterns=["*.parquet", "*.jsonl"]
+    )
+    files = sorted(
+        p for p in glob.glob(os.path.join(local, "**", "*"), recursive=True)
+        if p.lower().endswith((".parquet", ".jsonl"))
+    )
+    # Files named after the split when the repository has several splits; else all of them.
+    split_files = [p for p in files if split in pathlib.Path(p).relative_to(local).as_posix()]
+    files = split_files or files
+    if not files:
+        raise FileNotFoundError(f"hub data set {name!r} has no parquet/JSONL files for split {split!r}")
+    return load_records(files, fields=fields, on_error=on_error)

@@ -1,0 +1,84 @@
+"""Prompt templates: turn a problem into the text the policy continues.
+
+Kinds:
+  "qwen_math"  The Qwen(2.5)-Math chain-of-thought chat prompt written out literally (system:
+               "Please reason step by step, and put your final answer within \\boxed{}."), the
+               usual RLVR prompt for Qwen3 *base* models, which know the <|im_start|> tokens.
+  "base"       Plain text for any base model: "Question: ...\\n<instruction>\\nAnswer: Let's think
+               step by step."
+  "chat"       The tokenizer's own chat template (tokenizer.apply_chat_template); the problem and
+               the instruction form the user turn. Extra keywords (e.g. enable_thinking=False for
+               Qwen3) go through chat_template_kwargs.
+  "plain"      The problem text alone (plus the instruction when one is given).
+
+Every template is a callable `str -> str`; the pipeline adds its output as record["prompt"].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+KINDS = ("qwen_math", "base", "chat", "plain")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """A prompt format; call it with a problem string to get the prompt string."""
+
+    kind: str = "qwen_math"
+    instruction: str | None = BOXED_INSTRUCTION
+    system: str | None = None  # "chat" only: an extra system turn
+    tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)  # "chat" only
+    chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown prompt template kind {self.kind!r}; known: {KINDS}")
+        if self.kind == "chat":
+            if self.tokenizer is None or not hasattr(self.tokenizer, "apply_chat_template"):
+                raise ValueError("template kind 'chat' needs a tokenizer with apply_chat_template")
+
+    def __call__(self, problem: str) -> str:
+        if not isinstance(problem, str):
+            raise TypeError(f"problem must be a str, got {type(problem).__name__}")
+        if self.kind == "qwen_math":
+            system = self.instruction or ""
+            return (
+                f"<|im_start|>system\n{system}<|im_end|>\n"
+                f"<|im_start|>user\n{problem}<|im_end|>\n"
+                "<|im_start|>assistant\n"
+            )
+        if self.kind == "base":
+            instruction = f"\n{self.instruction}" if self.instruction else ""
+            return f"Question: {problem}{instruction}\nAnswer: Let's think step by step."
+        if self.kind == "plain":
+            return f"{problem}\n{self.instruction}" if self.instruction else problem
+        # chat
+        user = f"{problem}\n{self.instruction}" if self.instruction else problem
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": user}
+        ]
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **dict(self.chat_template_kwargs)
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+
+
+def make_template(
+    template: str | PromptTemplate | Callable[[str], str] | None = "qwen_math",
+    tokenizer: Any = None,
+    **kwargs,
+) -> Callable[[str], str]:
+    """A template from a kind name (kwargs: instruction, system, chat_template_kwargs), an
+    existing PromptTemplate / callable (returned as is), or None (= "plain" without instruction)."""
+    if template is None:
+        return PromptTemplate(kind="plain", instruction=None)
+    if isinstance(template, str):
+        return PromptTemplate(kind=template, tokenizer=tokenizer, **kwargs)
+    if callable(template):
+        return template
+    raise TypeError(f"template must be a kind name, a PromptTemplate or a callable, got {template!r}")
