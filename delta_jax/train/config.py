@@ -1,0 +1,328 @@
+"""The run configuration: its schema with defaults, the method presets, and validation.
+
+Every experiment file (experiments/*.py) starts from `default_config()` and changes values; it may
+not add fields. `validate_config(cfg)` runs at start-up and raises `ConfigError` naming the field for
+an unknown field, a wrong type, a bad choice or an impossible combination. `resolve_method(cfg)`
+fills the fields left at None ("the method's default") from the method table below.
+
+Methods (one flag, `--config.method=...`; any single field can still be overridden):
+
+  grpo   GRPO advantages (group mean/std, ddof 1) + PPO clip 0.2 / 0.2, no dual clip, token-mean
+         aggregation, no overlong penalty, no dynamic sampling.  (Token-mean rather than GRPO's
+         original seq-mean-token-mean, so that the three methods differ only in what is listed.)
+  dapo   GRPO advantages + clip-higher 0.2 / 0.28, dual clip 10, token-mean, DAPO overlong penalty
+         (buffer/factor from rewards.*); dynamic sampling stays off unless rl.dynamic_sampling=True
+         (the DelTA paper's runs use none).
+  delta  dapo + DelTA token weights (DELTA_SPEC.md; settings under delta.*).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ml_collections import config_dict
+
+METHODS = ("grpo", "dapo", "delta")
+MODES = ("train", "sft", "eval")
+
+# Fields the method decides when the user leaves them at None.
+METHOD_DEFAULTS = {
+    "grpo": {"rl.advantage": "grpo", "rl.eps_low": 0.2, "rl.eps_high": 0.2, "rl.dual_clip": 0.0,
+             "rl.agg": "token-mean", "rewards.overlong": False, "rl.dynamic_sampling": False},
+    "dapo": {"rl.advantage": "grpo", "rl.eps_low": 0.2, "rl.eps_high": 0.28, "rl.dual_clip": 10.0,
+             "rl.agg": "token-mean", "rewards.overlong": True, "rl.dynamic_sampling": False},
+}
+METHOD_DEFAULTS["delta"] = dict(METHOD_DEFAULTS["dapo"])
+
+CHOICES = {
+    "method": METHODS,
+    "mode": MODES,
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "dots_saveable"),
+    "rl.advantage": ("grpo", "drgrpo", "rloo"),
+    "rl.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "delta.feature_cache": ("device", "host", "recompute"),
+    "delta.proxy": ("last_layer", "hidden_topk"),
+    "delta.stats_mode": ("global", "per_shard"),
+}
+
+# Placeholders: None means "the method decides" (see METHOD_DEFAULTS).
+_P = config_dict.placeholder
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message starts with the offending field's dotted name."""
+
+
+def default_config() -> config_dict.ConfigDict:
+    """The full schema with defaults (the paper's settings where it has one, DELTA_SPEC.md 3)."""
+    c = config_dict.ConfigDict()
+    c.seed = 0
+    c.method = "delta"
+    c.mode = "train"
+
+    c.model = config_dict.ConfigDict()
+    c.model.path = ""            # Hugging Face directory (config.json + *.safetensors)
+    c.model.random_init = False  # build models.get_preset(preset) with random weights instead
+    c.model.preset = ""          # models.get_preset name for random init ("tiny", "qwen3-0.6b", ...)
+    c.model.dtype = "float32"    # activations
+    c.model.param_dtype = "float32"
+    c.model.remat = "none"
+    # Random-init shape overrides (0 = keep the preset's value; vocab 0 = the tokenizer's size).
+    c.model.vocab_size = 0
+    c.model.hidden_size = 0
+    c.model.intermediate_size = 0
+    c.model.num_layers = 0
+    c.model.num_heads = 0
+    c.model.num_kv_heads = 0
+    c.model.head_dim = 0
+    c.model.logprob_chunk = 256  # sequence chunk of models.token_logprobs
+
+    c.tokenizer = config_dict.ConfigDict()
+    c.tokenizer.path = ""        # "" = model.path; "synthetic" = build the tiny tokenizer in workdir
+
+    c.data = config_dict.ConfigDict()
+    c.data.train = ""            # JSONL/parquet path(s), comma separated, or "synthetic"
+    c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
+    c.data.template = "qwen3_base"
+    c.data.max_prompt_len = 2048
+    c.data.synthetic_train = 4096  # synthetic task sizes (data.train == "synthetic")
+    c.data.synthetic_test = 64
+    c.data.synthetic_levels = "1,2"
+
+    c.rollout = config_dict.ConfigDict()
+    c.rollout.batch_prompts = 128
+    c.rollout.group_size = 16
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = -1
+    c.rollout.max_new_tokens = 20480
+    c.rollout.max_batch_size = 256  # sequences per sampler call
+
+    c.rewards = config_dict.ConfigDict()
+    c.rewards.name = "math"
+    c.rewards.num_workers = 2
+    c.rewards.timeout_s = 10.0
+    c.rewards.overlong = _P(bool)
+    c.rewards.overlong_buffer = 4096
+    c.rewards.overlong_factor = 1.0
+
+    c.rl = config_dict.ConfigDict()
+    c.rl.advantage = _P(str)
+    c.rl.eps_low = _P(float)
+    c.rl.eps_high = _P(float)
+    c.rl.dual_clip = _P(float)   # 0 disables
+    c.rl.agg = _P(str)
+    c.rl.log_ratio_clamp = 20.0
+    c.rl.entropy_coef = 0.0
+    c.rl.mini_batch_prompts = 32  # prompts per optimizer step (x group_size sequences)
+    c.rl.micro_batch_size = 0     # sequences per forward/backward (0 = whole mini-batch)
+    c.rl.epochs = 1
+    c.rl.dynamic_sampling = _P(bool)
+    c.rl.dynamic_sampling_max_rounds = 8
+    c.rl.max_nonfinite = 3        # consecutive skipped (non-finite) updates before the run stops
+
+    c.delta = config_dict.ConfigDict()
+    c.delta.num_refine = 1
+    c.delta.lam_min = 0.8
+    c.delta.lam_max = 1.2
+    c.delta.proxy = "last_layer"
+    c.delta.topk = 64
+    c.delta.stats_mode = "global"
+    c.delta.feature_cache = "device"  # device | host | recompute
+    c.delta.recompute_chunk = 64      # sequences per chunk in recompute mode
+
+    c.optim = config_dict.ConfigDict()
+    c.optim.lr = 1e-6
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.min_lr_ratio = 0.0
+    c.optim.weight_decay = 0.1
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.max_grad_norm = 1.0
+
+    c.train = config_dict.ConfigDict()
+    c.train.steps = 220
+    c.train.log_every = 1
+    c.train.save_every = 4
+    c.train.keep = 3
+    c.train.eval_every = 4        # 0 = no periodic eval
+    c.train.eval_before = True
+    c.train.eval_after = True
+    c.train.export_final = True   # write the final policy as a HF directory in workdir/final
+    c.train.progress_bar = True
+
+    c.sft = config_dict.ConfigDict()
+    c.sft.steps = 0               # > 0 in train mode: a supervised warm start before RL
+    c.sft.batch_size = 32
+    c.sft.lr = 1e-3
+    c.sft.warmup_steps = 10
+    c.sft.weight_decay = 0.0
+    c.sft.max_len = 128
+
+    c.eval = config_dict.ConfigDict()
+    c.eval.k = 16
+    c.eval.pass_k = "1"
+    c.eval.temperature = 1.0
+    c.eval.top_p = 0.7
+    c.eval.max_new_tokens = 30000
+    c.eval.limit = 0              # questions per benchmark (0 = all)
+
+    c.debug = config_dict.ConfigDict()
+    c.debug.kill_after_step = 0   # tests: SIGKILL the process after this step's checkpoint
+    return c
+
+
+def _flatten(cfg, prefix=""):
+    out = {}
+    for key in cfg.keys():
+        value = cfg[key]
+        name = f"{prefix}{key}"
+        if isinstance(value, config_dict.ConfigDict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def _set(cfg, dotted, value):
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        cfg = cfg[part]
+    with cfg.unlocked():
+        cfg[parts[-1]] = value
+
+
+def _schema_types():
+    """Field -> expected Python type, from the defaults (placeholders carry their type)."""
+    schema = default_config()
+    types = {}
+    for name in _flatten(schema):
+        parent = _get(schema, name.rsplit(".", 1)[0]) if "." in name else schema
+        ref = parent.get_ref(name.rsplit(".", 1)[-1])
+        types[name] = ref.get_type()
+    return types
+
+
+def resolve_method(cfg: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """Returns a copy with every None field filled from METHOD_DEFAULTS[cfg.method]."""
+    if cfg.method not in METHODS:
+        raise ConfigError(f"method: {cfg.method!r} is not one of {METHODS}")
+    out = config_dict.ConfigDict(cfg.to_dict(preserve_field_references=False))
+    for name, value in METHOD_DEFAULTS[cfg.method].items():
+        if _get(out, name) is None:
+            _set(out, name, value)
+    return out
+
+
+def validate_config(cfg: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """Checks `cfg` against the schema and the combination rules; returns the resolved config.
+
+    Raises ConfigError("<field>: ...") for unknown fields, wrong types, bad choices and impossible
+    combinations.
+    """
+    types = _schema_types()
+    given = _flatten(cfg)
+    for name in given:
+        if name not in types:
+            raise ConfigError(f"{name}: unknown config field (not in delta_jax.train.config"
+                              ".default_config())")
+    for name in types:
+        if name not in given:
+            raise ConfigError(f"{name}: missing config field")
+    cfg = resolve_method(cfg)
+    flat = _flatten(cfg)
+    for name, value in flat.items():
+        expected = types[name]
+        if value is None:
+            raise ConfigError(f"{name}: must be set (got None)")
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            _set(cfg, name, float(value))
+            continue
+        if expected is not None and not (isinstance(value, expected)
+                                         and not (expected is int and isinstance(value, bool))):
+            raise ConfigError(f"{name}: expected {expected.__name__}, got "
+                              f"{type(value).__name__} {value!r}")
+    for name, choices in CHOICES.items():
+        if _get(cfg, name) not in choices:
+            raise ConfigError(f"{name}: {_get(cfg, name)!r} is not one of {choices}")
+    _check_combinations(cfg)
+    return cfg
+
+
+def _require(ok, name, message):
+    if not ok:
+        raise ConfigError(f"{name}: {message}")
+
+
+def _check_combinations(c):
+    _require(c.model.random_init or c.model.path, "model.path",
+             "a Hugging Face model directory is required (or set model.random_init=True with "
+             "model.preset)")
+    _require(not c.model.random_init or c.model.preset, "model.preset",
+             "random init needs a preset name (e.g. 'tiny')")
+    _require(c.model.random_init or c.tokenizer.path or c.model.path, "tokenizer.path",
+             "no tokenizer: set tokenizer.path or model.path")
+    if c.mode in ("train", "sft"):
+        _require(c.data.train, "data.train", "training data is required (file path(s) or "
+                 "'synthetic')")
+    if c.mode == "eval":
+        _require(c.data.eval, "data.eval", "eval mode needs benchmark files")
+    for name in ("rollout.batch_prompts", "rollout.group_size", "rollout.max_new_tokens",
+                 "rollout.max_batch_size", "rl.mini_batch_prompts", "rl.epochs",
+                 "data.max_prompt_len", "train.keep", "eval.k", "eval.max_new_tokens",
+                 "sft.batch_size", "sft.max_len", "model.logprob_chunk", "delta.recompute_chunk"):
+        _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
+    for name in ("train.steps", "sft.steps", "train.save_every", "train.eval_every",
+                 "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",
+                 "delta.num_refine", "eval.limit", "sft.warmup_steps"):
+        _require(_get(c, name) >= 0, name, f"must be >= 0, got {_get(c, name)}")
+    _require(c.rollout.batch_prompts % c.rl.mini_batch_prompts == 0, "rl.mini_batch_prompts",
+             f"{c.rl.mini_batch_prompts} does not divide rollout.batch_prompts="
+             f"{c.rollout.batch_prompts}")
+    mini_seqs = c.rl.mini_batch_prompts * c.rollout.group_size
+    _require(c.rl.micro_batch_size == 0 or mini_seqs % c.rl.micro_batch_size == 0,
+             "rl.micro_batch_size", f"{c.rl.micro_batch_size} does not divide the mini-batch of "
+             f"{mini_seqs} sequences (rl.mini_batch_prompts x rollout.group_size)")
+    _require(c.rl.advantage == "drgrpo" or c.rl.advantage == "rloo" or c.rollout.group_size >= 2,
+             "rollout.group_size", "GRPO advantages need at least 2 responses per prompt")
+    _require(c.rl.eps_low >= 0 and c.rl.eps_high >= 0, "rl.eps_low", "clip ranges must be >= 0")
+    _require(c.rl.dual_clip == 0 or c.rl.dual_clip > 1, "rl.dual_clip",
+             "must be 0 (off) or > 1")
+    _require(c.rollout.temperature > 0, "rollout.temperature",
+             "RL needs sampling (temperature > 0)")
+    _require(0 < c.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    _require(c.rollout.top_k == -1 or c.rollout.top_k >= 1, "rollout.top_k", "-1 or >= 1")
+    _require(0 < c.delta.lam_min <= c.delta.lam_max, "delta.lam_min",
+             "need 0 < lam_min <= lam_max")
+    _require(c.optim.lr > 0, "optim.lr", "must be > 0")
+    _require(c.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 = off)")
+    _require(c.rewards.overlong_buffer < c.rollout.max_new_tokens or not c.rewards.overlong,
+             "rewards.overlong_buffer", f"must be < rollout.max_new_tokens="
+             f"{c.rollout.max_new_tokens}")
+    for p in str(c.eval.pass_k).split(","):
+        _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
+                 f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSettings:
+    """What the chosen method means for the step (derived from the resolved config)."""
+    use_delta: bool
+    advantage: str
+    dynamic_sampling: bool
+    overlong: bool
+
+
+def method_settings(cfg) -> MethodSettings:
+    return MethodSettings(use_delta=cfg.method == "delta", advantage=cfg.rl.advantage,
+                          dynamic_sampling=cfg.rl.dynamic_sampling, overlong=cfg.rewards.overlong)

@@ -1,0 +1,82 @@
+"""Metrics output: TensorBoard event files (tensorboardX), <workdir>/metrics.jsonl, console line.
+
+`MetricsWriter.write(step, metrics)` takes a flat dict of Python/NumPy/JAX scalars; names use "/"
+to group ("rollout/reward_mean", "time/update_s", "delta/gamma_pos").
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Mapping
+
+import numpy as np
+
+# Shown on the one-line console summary when present, in this order.
+SUMMARY_KEYS = (
+    ("rollout/reward_mean", "reward"), ("rollout/accuracy", "acc"),
+    ("rollout/response_len_mean", "len"), ("policy/entropy", "ent"), ("policy/loss", "loss"),
+    ("policy/grad_norm", "gnorm"), ("policy/approx_kl", "kl"), ("policy/clip_frac", "clip"),
+    ("optim/learning_rate", "lr"), ("time/step_s", "s"), ("perf/tokens_per_s", "tok/s"),
+)
+
+
+def to_scalars(metrics: Mapping) -> dict[str, float]:
+    """Flat dict of finite-or-not Python floats (arrays with one element become scalars)."""
+    out = {}
+    for key, value in metrics.items():
+        arr = np.asarray(value)
+        if arr.size != 1 or not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
+            continue
+        out[key] = float(arr.reshape(()))
+    return out
+
+
+def summary_line(step: int, scalars: Mapping[str, float]) -> str:
+    parts = [f"step {step}"]
+    for key, short in SUMMARY_KEYS:
+        if key in scalars:
+            v = scalars[key]
+            parts.append(f"{short} {v:.3g}" if abs(v) < 1e4 else f"{short} {v:.3e}")
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Appends each step's scalars to metrics.jsonl and TensorBoard events in `workdir`."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True):
+        os.makedirs(workdir, exist_ok=True)
+        self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping, prefix: str = "") -> dict[str, float]:
+        scalars = {prefix + k: v for k, v in to_scalars(metrics).items()}
+        record = {"step": int(step)}
+        # JSON has no NaN/inf: write them as strings so the file stays valid JSON lines.
+        record.update({k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, global_step=int(step))
+            self._tb.flush()
+        return scalars
+
+    def write_text(self, step: int, tag: str, text: str):
+        if self._tb is not None:
+            self._tb.add_text(tag, text, global_step=int(step))
+            self._tb.flush()
+
+    def close(self):
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,79 @@
+"""Train state (parameters + optimizer state + step) and the Optax optimizer built from config."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the pure train step updates. A pytree; donated to the jitted step.
+
+    step:      int32 scalar, optimizer updates applied so far (skipped updates do not count).
+    params:    nnx.State of the model's nnx.Param variables.
+    opt_state: the Optax state for `params`.
+    """
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def learning_rate_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
+                           total_steps: int = 1, min_lr_ratio: float = 0.0) -> optax.Schedule:
+    """Linear warmup to `lr`, then constant | cosine | linear decay to lr * min_lr_ratio."""
+    decay_steps = max(total_steps - warmup_steps, 1)
+    end = lr * min_lr_ratio
+    if schedule == "constant":
+        main = optax.constant_schedule(lr)
+    elif schedule == "cosine":
+        main = optax.cosine_decay_schedule(lr, decay_steps, alpha=min_lr_ratio)
+    elif schedule == "linear":
+        main = optax.linear_schedule(lr, end, decay_steps)
+    else:
+        raise ValueError(f"optim.schedule: unknown schedule {schedule!r}")
+    if warmup_steps <= 0:
+        return main
+    warmup = optax.linear_schedule(0.0, lr, warmup_steps)
+    return optax.join_schedules([warmup, main], [warmup_steps])
+
+
+def make_optimizer(lr_schedule: optax.Schedule, *, weight_decay: float = 0.1, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8,
+                   max_grad_norm: float = 1.0) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay on every parameter, as the reference's torch AdamW) after a
+    global grad-norm clip (0 disables the clip)."""
+    parts = []
+    if max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(max_grad_norm))
+    parts.append(optax.adamw(lr_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts)
+
+
+def optimizer_from_config(optim_cfg, total_steps: int):
+    """(optax optimizer, schedule) from the config's `optim` block."""
+    schedule = learning_rate_schedule(optim_cfg.lr, optim_cfg.schedule, optim_cfg.warmup_steps,
+                                      total_steps, optim_cfg.min_lr_ratio)
+    opt = make_optimizer(schedule, weight_decay=optim_cfg.weight_decay, b1=optim_cfg.b1,
+                         b2=optim_cfg.b2, eps=optim_cfg.eps, max_grad_norm=optim_cfg.max_grad_norm)
+    return opt, schedule
+
+
+def split_model(model: nnx.Module):
+    """(graphdef, params, rest): params are the nnx.Param variables; rest is any other state
+    (kept fixed by training)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, params, rest
+
+
+def merge_model(graphdef, params, rest) -> nnx.Module:
+    return nnx.merge(graphdef, params, rest)
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))

@@ -1,0 +1,99 @@
+"""The pure, jitted policy-update step: (TrainState, mini-batch) -> (TrainState, metrics).
+
+The mini-batch is split into micro-batches scanned with lax.scan; each contributes the gradient of
+its loss SUM, and the sum of gradients is divided by the mini-batch's total denominator, so the
+result is exactly the gradient of the global (sum / denominator) loss. A non-finite loss or
+gradient norm leaves parameters and optimizer state unchanged (jnp.where inside the step) and is
+reported in metrics["skipped"]; the caller counts consecutive skips.
+
+Mini-batch arrays (N rows, T = P + R tokens):
+  input_ids int32 [N, T], attention_mask int32 [N, T], response_mask fp32 [N, R],
+  old_logp fp32 [N, R], advantages fp32 [N], token_weights fp32 [N, R] (ones without DelTA).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from delta_jax.train.features import response_forward
+from delta_jax.train.state import TrainState
+
+# loss_fn(logp, old_logp, advantages, mask, token_weights, entropy)
+#   -> (loss_sum scalar, denominator scalar, metrics: dict of scalar SUMS)
+LossFn = Callable
+
+
+def _split_micro(batch, micro):
+    n = batch["input_ids"].shape[0]
+    if micro <= 0 or micro >= n:
+        micro = n
+    if n % micro:
+        raise ValueError(f"rl.micro_batch_size={micro} does not divide the mini-batch of {n} rows")
+    return jax.tree.map(lambda x: x.reshape((n // micro, micro) + x.shape[1:]), batch)
+
+
+def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+                    temperature: float, chunk_size: int, micro_batch_size: int = 0,
+                    schedule: optax.Schedule | None = None) -> Callable:
+    """Returns jitted train_step(state, batch) -> (state, metrics); the state is donated."""
+
+    def micro_loss(params, mb):
+        model = nnx.merge(graphdef, params, rest)
+        response_len = mb["response_mask"].shape[1]
+        logp, entropy, _ = response_forward(model, mb["input_ids"], mb["attention_mask"],
+                                            response_len, temperature=temperature,
+                                            chunk_size=chunk_size, with_hidden=False)
+        loss_sum, denom, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"],
+                                           mb["response_mask"], mb["token_weights"], entropy)
+        metrics = dict(metrics)
+        mask = mb["response_mask"]
+        metrics["entropy_sum"] = jnp.sum(entropy * mask)
+        metrics["token_count"] = jnp.sum(mask)
+        return loss_sum, (denom, metrics)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def train_step(state: TrainState, batch):
+        micro = _split_micro(batch, micro_batch_size)
+        first = jax.tree.map(lambda x: x[0], micro)
+        # Zero carries shaped like one micro-batch's outputs (traced once, no extra compute).
+        (l_shape, (d_shape, m_shape)), _ = jax.eval_shape(grad_fn, state.params, first)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+
+        def body(carry, mb):
+            grads, loss_sum, denom, msum = carry
+            (l, (d, m)), g = grad_fn(state.params, mb)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, denom + d,
+                    jax.tree.map(jnp.add, msum, m)), None
+
+        init = (jax.tree.map(jnp.zeros_like, state.params), zeros(l_shape), zeros(d_shape),
+                zeros(m_shape))
+        (grads, loss_sum, denom, msum), _ = jax.lax.scan(body, init, micro)
+
+        safe_denom = jnp.maximum(denom, 1e-8)
+        grads = jax.tree.map(lambda g: g / safe_denom, grads)
+        loss = loss_sum / safe_denom
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_state = TrainState(
+            step=state.step + finite.astype(jnp.int32),
+            params=jax.tree.map(keep, new_params, state.params),
+            opt_state=jax.tree.map(keep, new_opt, state.opt_state))
+        metrics = dict(msum)
+        metrics.update(loss=loss, loss_denominator=denom, grad_norm=grad_norm,
+                       skipped=1 - finite.astype(jnp.int32))
+        if schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return new_state, metrics
+
+    return train_step

@@ -1,0 +1,57 @@
+"""Shared settings for the experiment configs: the DelTA paper's RL recipe (DELTA_SPEC.md 3).
+
+Experiment files load this module by path (see `load_base` in each file), so they work with
+`--config=experiments/<name>.py` from any working directory.
+"""
+from delta_jax.train.config import default_config
+
+
+def paper_config(preset: str, steps: int):
+    """Qwen3-Base RL recipe of the paper; needs only model.path and data.train to run."""
+    c = default_config()
+    c.method = "delta"
+    c.model.path = ""                 # required: --config.model.path=/path/to/Qwen3-8B-Base
+    c.model.preset = preset           # documentation only unless model.random_init=True
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.remat = "full"
+    c.model.logprob_chunk = 512
+    c.data.train = ""                 # required: --config.data.train=/path/to/deepmath.jsonl
+    c.data.template = "qwen3_base"
+    c.data.max_prompt_len = 2048
+    c.rollout.batch_prompts = 128
+    c.rollout.group_size = 16
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = -1
+    c.rollout.max_new_tokens = 20480
+    c.rollout.max_batch_size = 256
+    c.rewards.name = "math"
+    c.rewards.num_workers = 8
+    c.rewards.overlong_buffer = 4096
+    c.rewards.overlong_factor = 1.0
+    c.rl.mini_batch_prompts = 32      # 4 optimizer steps per rollout batch, 1 epoch
+    c.rl.epochs = 1
+    c.rl.micro_batch_size = 8
+    c.rl.entropy_coef = 0.0
+    c.delta.num_refine = 1
+    c.delta.lam_min = 0.8
+    c.delta.lam_max = 1.2
+    c.delta.proxy = "last_layer"
+    c.delta.feature_cache = "device"
+    c.optim.lr = 1e-6
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.weight_decay = 0.1
+    c.optim.max_grad_norm = 1.0
+    c.train.steps = steps
+    c.train.save_every = 4
+    c.train.keep = 3
+    c.train.eval_every = 4            # paper: AIME25 avg@8 every 4 steps (set data.eval)
+    c.sft.steps = 0
+    c.eval.k = 16
+    c.eval.pass_k = "1,16"
+    c.eval.temperature = 1.0
+    c.eval.top_p = 0.7
+    c.eval.max_new_tokens = 30000
+    return c
