@@ -1,0 +1,549 @@
+"""DelTA token coefficients (Zhang, Wu, Lin, "DelTA: Discriminative Token Credit Assignment for
+Reinforcement Learning from Verifiable Rewards", arXiv 2605.21467), as stated in DELTA_SPEC.md.
+
+Every response token gets a feature v (a proxy for its policy gradient). Tokens of sequences with a
+positive advantage (side P) and a negative advantage (side N) define two advantage-weighted
+centroids; a token's margin says how much closer it sits to its own side's centroid than to the
+other's. A sigmoid of the temperature-scaled margin maps to lambda in [lam_min, lam_max], the
+centroids are refined K times with those soft assignments, and the lambdas are normalised to mean 1
+over the valid tokens. The weights multiply the per-token policy loss (see rl/losses.py).
+
+Layout of this module
+* Proxies: `last_layer_proxy` (paper default, v = (1 - p) h) and `hidden_topk_proxy` /
+  `hidden_topk_proxy_from_head` (the paper's best ablation, v = W_y - sum_{j in topK} p~_j W_j).
+* Streaming pieces, pure functions on small state pytrees, each one pass over feature chunks:
+  `init_pass` / `accumulate_centroids` / `accumulate_margins` / `finalize_pass`, then
+  `init_final` / `accumulate_final` / `normaliser`, and `diagnostics`. A chunk is any block of
+  tokens (split over sequences, over time, or both): every statistic is a sum over tokens.
+* `delta_coefficients`: the one-shot form, written with the same pieces (one chunk = the whole
+  batch), global statistics by default or per data shard via jax.shard_map.
+* `delta_coefficients_streaming`: the same result from chunks given one at a time.
+
+Side index convention for the [2]/[3]-shaped statistics: 0 = positive (P), 1 = negative (N),
+2 = zero advantage (Z, only in the final-pass statistics).
+
+Numerics: all statistics in fp32 (bf16 features are upcast where they are read), matmuls at
+HIGHEST precision, margins in the affine form of spec 2.3, margin variances merged across chunks
+with Chan et al.'s pairwise formula (count, mean, sum of squared deviations) rather than raw sums of
+squares, which would cancel catastrophically in fp32 when the mean margin is large.
+
+Edge cases (all finite, never NaN):
+* No P (or no N) tokens: that centroid is 0 (sum / max(0, 1e-8)); its gamma is sqrt(1e-8) = 1e-4.
+* All advantages zero: every valid token is in Z, lambda = lam_min everywhere, weights are exactly 1.
+* A side with a single token, or constant margins: variance 0, gamma = 1e-4; the sigmoid saturates
+  to 0 or 1 (or is 0.5 for a zero margin), lambda stays in [lam_min, lam_max].
+* No valid token at all: weights are all 0, c = 0.
+* Padding positions may hold any values (even NaN/inf): they are masked out before any arithmetic.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+Array = jax.Array
+
+_WEIGHT_FLOOR = 1e-8  # spec 2.2 / 2.7: max(sum, 1e-8)
+_VAR_FLOOR = 1e-8  # spec 2.4: gamma = sqrt(max(Var, 1e-8))
+_HIGHEST = jax.lax.Precision.HIGHEST
+SIDE_NAMES = ("pos", "neg", "zero")
+
+
+# ----------------------------------------------------------------------------- proxies
+
+
+def last_layer_proxy(hidden: Array, token_prob: Array) -> Array:
+    """Spec 2.0: v = (1 - p) * h, the gradient of log p(y) w.r.t. the sampled token's LM-head row.
+
+    hidden [B, T, H] (any float dtype; the final hidden state after the final norm),
+    token_prob [B, T] (probability of the sampled token at the rollout temperature) -> v fp32 [B, T, H].
+    `delta_coefficients(hidden, token_prob, ...)` applies this on the fly without materialising v.
+    """
+    return (1.0 - token_prob.astype(jnp.float32))[..., None] * hidden.astype(jnp.float32)
+
+
+def hidden_topk_proxy(head_rows_y: Array, topk_rows: Array, topk_probs: Array) -> Array:
+    """Top-K hidden-gradient proxy (the paper's best ablation): v = W_y - sum_{j in topK} p~_j W_j.
+
+    This is the gradient of log p(y) with respect to the hidden state h, with the softmax
+    expectation restricted to the K most likely vocabulary entries and p~ = p_topk / sum(p_topk).
+    W_j are LM-head rows, i.e. columns of the [H, V] head matrix.
+
+    head_rows_y [B, T, H]: head row of the sampled token; topk_rows [B, T, K, H]: head rows of the
+    top-K tokens; topk_probs [B, T, K]: their probabilities (any scale, renormalised here; an
+    all-zero row gives p~ = 0). Returns v fp32 [B, T, H]; pass it as `features=` to
+    `delta_coefficients`.
+    """
+    if topk_rows.ndim != 4 or topk_rows.shape[:2] != head_rows_y.shape[:2]:
+        raise ValueError(f"hidden_topk_proxy: topk_rows must be [B, T, K, H] matching head_rows_y "
+                         f"{head_rows_y.shape}, got {topk_rows.shape}")
+    if topk_probs.shape != topk_rows.shape[:3]:
+        raise ValueError(f"hidden_topk_proxy: topk_probs must be {topk_rows.shape[:3]}, "
+                         f"got {topk_probs.shape}")
+    probs = topk_probs.astype(jnp.float32)
+    probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    expected_row = jnp.einsum("btk,btkh->bth", probs, topk_rows.astype(jnp.float32),
+                              precision=_HIGHEST)
+    return head_rows_y.astype(jnp.float32) - expected_row
+
+
+def hidden_topk_proxy_from_head(head: Array, labels: Array, topk_ids: Array,
+                                topk_probs: Array) -> Array:
+    """`hidden_topk_proxy` gathering the rows from the LM head itself.
+
+    head [H, V] (`model.lm_head_weight()`), labels int [B, T] (sampled tokens), topk_ids int
+    [B, T, K] and topk_probs [B, T, K] (e.g. `jax.lax.top_k(softmax(logits / T), K)`) -> v fp32
+    [B, T, H]. Gathers [B, T, K, H] rows: call it per chunk for long sequences.
+    """
+    rows = head.T  # [V, H]
+    return hidden_topk_proxy(jnp.take(rows, labels, axis=0), jnp.take(rows, topk_ids, axis=0),
+                             topk_probs)
+
+
+# ----------------------------------------------------------------------------- state pytrees
+
+
+class FeatureChunk(NamedTuple):
+    """A block of tokens: features [b, t, H] (any float dtype), advantages [b] or [b, t],
+    mask [b, t] (1 = valid response token), feature_scale [b, t] or None.
+
+    The proxy is v = feature_scale * features (feature_scale = 1 - p with features = h for the
+    last-layer proxy; None means 1, i.e. features are v already).
+    """
+    features: Array
+    advantages: Array
+    mask: Array
+    feature_scale: Array | None = None
+
+
+class PassStats(NamedTuple):
+    """Accumulators of one pass over the chunks (side 0 = P, 1 = N).
+
+    weighted_sum [2, H]: sum over the side of weight * v (weight = |A| * alpha);
+    weight_total [2]: sum of the weights; margin_count / margin_mean / margin_m2 [2]: token count,
+    mean and sum of squared deviations of the margins Delta (population variance = m2 / count).
+    """
+    weighted_sum: Array
+    weight_total: Array
+    margin_count: Array
+    margin_mean: Array
+    margin_m2: Array
+
+
+class Discriminator(NamedTuple):
+    """Centroids mu [2, H] (row 0 = mu+, row 1 = mu-) and temperatures gamma [2] (gamma+, gamma-)."""
+    mu: Array
+    gamma: Array
+
+
+class FinalStats(NamedTuple):
+    """Accumulators of the final pass (side 0 = P, 1 = N, 2 = Z).
+
+    token_count [3]; lam_sum []: sum of lambda over all valid tokens (for the normaliser);
+    lam_mean / lam_m2 / lam_min / lam_max [3]: lambda statistics per side (for diagnostics;
+    min/max are +inf/-inf for an empty side until reported); correct []: number of P/N tokens with
+    sign(A) * s > 0 (discriminator accuracy, spec 2.9).
+    """
+    token_count: Array
+    lam_sum: Array
+    lam_mean: Array
+    lam_m2: Array
+    lam_min: Array
+    lam_max: Array
+    correct: Array
+
+
+def init_pass(hidden_size: int) -> PassStats:
+    """Empty accumulators for one centroid / margin pass."""
+    z2 = jnp.zeros((2,), jnp.float32)
+    return PassStats(jnp.zeros((2, hidden_size), jnp.float32), z2, z2, z2, z2)
+
+
+def init_final() -> FinalStats:
+    """Empty accumulators for the final pass."""
+    z3 = jnp.zeros((3,), jnp.float32)
+    return FinalStats(z3, jnp.zeros((), jnp.float32), z3, z3, jnp.full((3,), jnp.inf, jnp.float32),
+                      jnp.full((3,), -jnp.inf, jnp.float32), jnp.zeros((), jnp.float32))
+
+
+# ----------------------------------------------------------------------------- per-chunk helpers
+
+
+def _check_chunk(chunk: FeatureChunk) -> None:
+    f, a, m, s = chunk
+    if f.ndim != 3:
+        raise ValueError(f"delta: features/hidden must be [B, T, H], got shape {f.shape}")
+    if m.shape != f.shape[:2]:
+        raise ValueError(f"delta: mask must be [B, T] = {f.shape[:2]}, got shape {m.shape}")
+    if a.shape not in (f.shape[:1], f.shape[:2]):
+        raise ValueError(f"delta: advantages must be [B] = {f.shape[:1]} or [B, T] = {f.shape[:2]},"
+                         f" got shape {a.shape}")
+    if s is not None and s.shape != f.shape[:2]:
+        raise ValueError(f"delta: token_prob/feature_scale must be [B, T] = {f.shape[:2]}, "
+                         f"got shape {s.shape}")
+
+
+class _Tokens(NamedTuple):
+    """Per-token quantities of a chunk, everything masked and fp32."""
+    features: Array  # [b, t, H] fp32, 0 on padding
+    scale: Array  # [b, t] fp32, 0 on padding
+    side: Array  # [3, b, t] float 0/1 masks for P, N, Z (valid tokens only)
+    abs_adv: Array  # [b, t] |A|, 0 on padding
+    sign: Array  # [b, t] +1 on P, -1 on N, 0 elsewhere
+
+
+def _tokens(chunk: FeatureChunk) -> _Tokens:
+    _check_chunk(chunk)
+    f, a, m, s = chunk
+    valid = m > 0
+    adv = a.astype(jnp.float32)
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    adv = jnp.broadcast_to(adv, m.shape)
+    adv = jnp.where(valid, adv, 0.0)
+    pos, neg = valid & (adv > 0), valid & (adv < 0)
+    zero = valid & ~pos & ~neg
+    side = jnp.stack([pos, neg, zero]).astype(jnp.float32)
+    scale = jnp.ones(m.shape, jnp.float32) if s is None else s.astype(jnp.float32)
+    # Padding may hold garbage (even NaN): select, do not multiply, so it never reaches a sum.
+    feats = jnp.where(valid[..., None], f.astype(jnp.float32), 0.0)
+    scale = jnp.where(valid, scale, 0.0)
+    return _Tokens(feats, scale, side, jnp.abs(adv), side[0] - side[1])
+
+
+def _scores(tok: _Tokens, mu: Array) -> Array:
+    """Linear discriminator score s_t = v . (mu+ - mu-) - (|mu+|^2 - |mu-|^2) / 2, [b, t] (spec 2.3)."""
+    direction = mu[0] - mu[1]
+    # |mu+|^2 - |mu-|^2 = (mu+ - mu-) . (mu+ + mu-): no difference of large squares.
+    offset = -0.5 * jnp.dot(direction, mu[0] + mu[1], precision=_HIGHEST)
+    proj = jnp.einsum("bth,h->bt", tok.features, direction, precision=_HIGHEST)
+    return tok.scale * proj + offset
+
+
+def _margins(tok: _Tokens, mu: Array) -> tuple[Array, Array]:
+    """Margins Delta = 2 sign(A) s (0 off P/N) and scores s, both [b, t]."""
+    score = _scores(tok, mu)
+    return 2.0 * tok.sign * score, score
+
+
+def _merge_moments(count, mean, m2, x, side):
+    """Chan et al.'s merge of running (count, mean, m2) per side with the values x [b, t] selected by
+    side [S, b, t]; returns the updated (count, mean, m2) [S]."""
+    n_b = side.sum((1, 2))
+    mean_b = (side * x).sum((1, 2)) / jnp.maximum(n_b, 1.0)
+    m2_b = (side * jnp.square(x - mean_b[:, None, None])).sum((1, 2))
+    n = count + n_b
+    delta = mean_b - mean
+    frac = n_b / jnp.maximum(n, 1.0)
+    return n, mean + delta * frac, m2 + m2_b + jnp.square(delta) * count * frac
+
+
+def _alpha(margin: Array, tok: _Tokens, gamma: Array) -> Array:
+    """alpha_t = sigmoid(Delta_t / gamma_side) (spec 2.5), [b, t]; 0.5 off P/N (unused there)."""
+    off_side = 1.0 - tok.side[0] - tok.side[1]  # Z and padding: divide by 1, never by 0
+    gamma_tok = tok.side[0] * gamma[0] + tok.side[1] * gamma[1] + off_side
+    return jax.nn.sigmoid(margin / gamma_tok)
+
+
+# ----------------------------------------------------------------------------- the passes
+
+
+def accumulate_centroids(stats: PassStats, chunk: FeatureChunk,
+                         disc: Discriminator | None = None) -> PassStats:
+    """One chunk of a centroid pass.
+
+    disc None: initial centroids (spec 2.2), token weight |A|.
+    disc = (mu^k, gamma^k): refinement round k (spec 2.5), token weight |A| * alpha_t with
+    alpha_t = sigmoid(Delta_t(mu^k) / gamma^k_side); the margins Delta(mu^k) are accumulated too,
+    so `finalize_pass` gives mu^{k+1} and the lagged temperature gamma^{k+1} = std Delta(mu^k).
+    """
+    tok = _tokens(chunk)
+    weight = tok.abs_adv
+    count, mean, m2 = stats.margin_count, stats.margin_mean, stats.margin_m2
+    if disc is not None:
+        margin, _ = _margins(tok, disc.mu)
+        weight = weight * _alpha(margin, tok, disc.gamma)
+        count, mean, m2 = _merge_moments(count, mean, m2, margin, tok.side[:2])
+    side_weight = tok.side[:2] * weight  # [2, b, t]
+    weighted_sum = jnp.einsum("sbt,bth->sh", side_weight * tok.scale, tok.features,
+                              precision=_HIGHEST)
+    return PassStats(stats.weighted_sum + weighted_sum,
+                     stats.weight_total + side_weight.sum((1, 2)), count, mean, m2)
+
+
+def accumulate_margins(stats: PassStats, chunk: FeatureChunk, mu: Array) -> PassStats:
+    """One chunk of the temperature pass: margin moments of Delta(mu) per side (spec 2.4)."""
+    tok = _tokens(chunk)
+    margin, _ = _margins(tok, mu)
+    count, mean, m2 = _merge_moments(stats.margin_count, stats.margin_mean, stats.margin_m2,
+                                     margin, tok.side[:2])
+    return stats._replace(margin_count=count, margin_mean=mean, margin_m2=m2)
+
+
+def finalize_pass(stats: PassStats) -> Discriminator:
+    """Centroids mu = weighted_sum / max(weight_total, 1e-8) and temperatures
+    gamma = sqrt(max(m2 / max(count, 1), 1e-8)) (population std, spec 2.2 / 2.4)."""
+    mu = stats.weighted_sum / jnp.maximum(stats.weight_total, _WEIGHT_FLOOR)[:, None]
+    var = stats.margin_m2 / jnp.maximum(stats.margin_count, 1.0)
+    return Discriminator(mu, jnp.sqrt(jnp.maximum(var, _VAR_FLOOR)))
+
+
+def token_lambdas(chunk: FeatureChunk, disc: Discriminator, lam_min: float = 0.8,
+                  lam_max: float = 1.2) -> Array:
+    """Spec 2.6: lambda [b, t] = lam_min + (lam_max - lam_min) * sigmoid(Delta(mu^K) / gamma^K) on
+    P and N, lam_min on Z, 0 on padding."""
+    return _lambdas(_tokens(chunk), disc, lam_min, lam_max)[0]
+
+
+def _lambdas(tok: _Tokens, disc: Discriminator, lam_min: float, lam_max: float):
+    margin, score = _margins(tok, disc.mu)
+    alpha = _alpha(margin, tok, disc.gamma)
+    on_side = tok.side[0] + tok.side[1]
+    lam = on_side * (lam_min + (lam_max - lam_min) * alpha) + tok.side[2] * lam_min
+    return lam, score
+
+
+def accumulate_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator,
+                     lam_min: float = 0.8, lam_max: float = 1.2) -> tuple[FinalStats, Array]:
+    """One chunk of the final pass: returns the updated statistics and lambda [b, t] of this chunk.
+    The chunk's weights are `normaliser(final_stats) * lambda` once every chunk has been seen."""
+    tok = _tokens(chunk)
+    lam, score = _lambdas(tok, disc, lam_min, lam_max)
+    count, mean, m2 = _merge_moments(stats.token_count, stats.lam_mean, stats.lam_m2, lam, tok.side)
+    on_side = tok.side > 0
+    lam_min_s = jnp.min(jnp.where(on_side, lam, jnp.inf), axis=(1, 2))
+    lam_max_s = jnp.max(jnp.where(on_side, lam, -jnp.inf), axis=(1, 2))
+    correct = ((tok.side[0] + tok.side[1]) * (tok.sign * score > 0)).sum()
+    new = FinalStats(count, stats.lam_sum + lam.sum(), mean, m2,
+                     jnp.minimum(stats.lam_min, lam_min_s), jnp.maximum(stats.lam_max, lam_max_s),
+                     stats.correct + correct)
+    return new, lam
+
+
+def normaliser(stats: FinalStats) -> Array:
+    """Spec 2.7: c = N_tok / max(sum lambda, 1e-8) over all valid tokens (Z included)."""
+    return stats.token_count.sum() / jnp.maximum(stats.lam_sum, _WEIGHT_FLOOR)
+
+
+def diagnostics(disc: Discriminator, final: FinalStats) -> dict[str, Array]:
+    """Scalar diagnostics (spec 2.9 and 5.5), all fp32:
+
+    disc_accuracy (fraction of P/N tokens with sign(A) s > 0, s from the final centroids),
+    gamma_pos / gamma_neg (the temperatures used for the final weights), centroid_norm_pos /
+    centroid_norm_neg / centroid_cosine, weight_{mean,std,min,max}_{pos,neg,zero} (0 for an empty
+    side), tokens_{pos,neg,zero}, normaliser (c).
+    """
+    c = normaliser(final)
+    count = final.token_count
+    norms = jnp.linalg.norm(disc.mu, axis=-1)
+    out = {
+        "disc_accuracy": final.correct / jnp.maximum(count[0] + count[1], 1.0),
+        "gamma_pos": disc.gamma[0],
+        "gamma_neg": disc.gamma[1],
+        "centroid_norm_pos": norms[0],
+        "centroid_norm_neg": norms[1],
+        "centroid_cosine": jnp.dot(disc.mu[0], disc.mu[1], precision=_HIGHEST)
+        / jnp.maximum(norms[0] * norms[1], 1e-30),
+        "normaliser": c,
+    }
+    present = count > 0
+    std = jnp.sqrt(final.lam_m2 / jnp.maximum(count, 1.0))
+    for i, name in enumerate(SIDE_NAMES):
+        out[f"tokens_{name}"] = count[i]
+        out[f"weight_mean_{name}"] = c * final.lam_mean[i]
+        out[f"weight_std_{name}"] = c * std[i]
+        out[f"weight_min_{name}"] = jnp.where(present[i], c * final.lam_min[i], 0.0)
+        out[f"weight_max_{name}"] = jnp.where(present[i], c * final.lam_max[i], 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------- drivers
+
+
+# fold(update, init, *extra) -> the state after update(state, chunk, *extra) over every chunk.
+Fold = Callable[..., Any]
+
+
+def fit_discriminator(fold: Fold, hidden_size: int, num_refine: int) -> Discriminator:
+    """Spec 2.2-2.5 given a way to run one pass over the chunks; returns (mu^K, gamma^K).
+
+    Passes: initial centroids mu^0; margins Delta(mu^0) -> gamma^0; then K refinement rounds, each
+    one pass producing mu^{k+1} and gamma^{k+1} = std Delta(mu^k) (lagged: gamma^1 = gamma^0).
+    """
+    if num_refine < 0:
+        raise ValueError(f"delta: num_refine must be >= 0, got {num_refine}")
+    mu = finalize_pass(fold(accumulate_centroids, init_pass(hidden_size), None)).mu
+    gamma = finalize_pass(fold(accumulate_margins, init_pass(hidden_size), mu)).gamma
+    disc = Discriminator(mu, gamma)
+    for _ in range(num_refine):
+        disc = finalize_pass(fold(accumulate_centroids, init_pass(hidden_size), disc))
+    return disc
+
+
+def _check_lambda_range(lam_min: float, lam_max: float) -> None:
+    if not 0.0 < lam_min <= lam_max:
+        raise ValueError(f"delta: need 0 < lam_min <= lam_max, got lam_min={lam_min}, "
+                         f"lam_max={lam_max}")
+
+
+def _one_shot(chunk: FeatureChunk, num_refine: int, lam_min: float, lam_max: float):
+    """The whole batch as a single chunk: weights [B, T] and the diagnostics dict."""
+    _check_chunk(chunk)
+    fold = lambda update, state, *extra: update(state, chunk, *extra)  # noqa: E731
+    disc = fit_discriminator(fold, chunk.features.shape[-1], num_refine)
+    final, lam = accumulate_final(init_final(), chunk, disc, lam_min, lam_max)
+    return normaliser(final) * lam, diagnostics(disc, final)
+
+
+def _reduce_shard_diagnostics(diag: dict[str, Array]) -> dict[str, Array]:
+    """Per-shard diagnostics [S] -> scalars: counts summed, min/max over shards, others averaged."""
+    out = {}
+    for key, value in diag.items():
+        if key.startswith("tokens_"):
+            out[key] = value.sum()
+        elif key.startswith("weight_min_"):
+            count = diag["tokens_" + key.rsplit("_", 1)[1]]
+            out[key] = jnp.min(jnp.where(count > 0, value, jnp.inf))
+            out[key] = jnp.where(jnp.isfinite(out[key]), out[key], 0.0)
+        elif key.startswith("weight_max_"):
+            out[key] = value.max()
+        else:
+            out[key] = value.mean()
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("num_refine", "lam_min", "lam_max", "stats_mode",
+                                             "mesh", "data_axes"))
+def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantages: Array,
+                       mask: Array, num_refine: int = 1, lam_min: float = 0.8,
+                       lam_max: float = 1.2, *, features: Array | None = None,
+                       stats_mode: str = "global", mesh: Mesh | None = None,
+                       data_axes: str | tuple[str, ...] = "data"):
+    """DelTA token weights (DELTA_SPEC sections 2.0-2.7), jitted.
+
+    Args:
+      hidden: [B, T, H] final hidden states (after the final norm) at the positions that produced
+        each response token; any float dtype (bf16 is upcast to fp32 where it is read).
+      token_prob: [B, T] probability of the sampled token at the rollout temperature. With `hidden`
+        gives the paper's last-layer proxy v = (1 - p) h (spec 2.0).
+      advantages: [B] per sequence (e.g. GRPO) or [B, T] per token; sides are taken per token from
+        its sign (P: A > 0, N: A < 0, Z: A = 0).
+      mask: [B, T], 1 for valid response tokens, 0 for prompt/padding.
+      num_refine: K, refinement rounds (paper default 1).
+      lam_min, lam_max: range of lambda before normalisation (paper [0.8, 1.2]).
+      features: precomputed proxy v [B, T, H] instead of hidden/token_prob (e.g. from
+        `hidden_topk_proxy`); then pass hidden=None, token_prob=None.
+      stats_mode: "global" (default): every sum runs over the whole batch, so the result does not
+        depend on how the inputs are sharded. "per_shard": centroids, temperatures and the
+        normaliser are computed separately on each data shard of `mesh` (the reference
+        implementation's behaviour), via jax.shard_map.
+      mesh, data_axes: for "per_shard": the mesh and the axis name(s) over which the batch
+        dimension is split (B must be divisible by their total size).
+
+    Returns:
+      weights fp32 [B, T]: c * lambda, mean 1 over the valid tokens (of each shard in per_shard
+        mode), 0 on padding, in [c lam_min, c lam_max].
+      diagnostics: dict of fp32 scalars, see `diagnostics`. In per_shard mode each value is the
+        mean over shards of the shard's value, except token counts (summed) and weight min/max
+        (min/max over shards).
+    """
+    _check_lambda_range(lam_min, lam_max)
+    if features is not None:
+        if hidden is not None or token_prob is not None:
+            raise ValueError("delta_coefficients: pass either features= or hidden and token_prob, "
+                             "not both")
+        chunk = FeatureChunk(features, advantages, mask, None)
+    else:
+        if hidden is None or token_prob is None:
+            raise ValueError("delta_coefficients: hidden and token_prob are required when "
+                             "features= is not given")
+        chunk = FeatureChunk(hidden, advantages, mask, 1.0 - token_prob.astype(jnp.float32))
+    _check_chunk(chunk)
+
+    if stats_mode == "global":
+        return _one_shot(chunk, num_refine, lam_min, lam_max)
+    if stats_mode != "per_shard":
+        raise ValueError(f"delta_coefficients: stats_mode must be 'global' or 'per_shard', "
+                         f"got {stats_mode!r}")
+    if mesh is None:
+        raise ValueError("delta_coefficients: stats_mode='per_shard' needs mesh=")
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"delta_coefficients: data_axes {missing} not in mesh axes "
+                         f"{mesh.axis_names}")
+    num_shards = 1
+    for a in axes:
+        num_shards *= mesh.shape[a]
+    if mask.shape[0] % num_shards:
+        raise ValueError(f"delta_coefficients: batch size {mask.shape[0]} is not divisible by "
+                         f"the {num_shards} data shards of axes {axes}")
+    if chunk.feature_scale is None:
+        chunk = chunk._replace(feature_scale=jnp.ones(mask.shape, jnp.float32))
+    spec = PartitionSpec(axes)
+
+    def per_shard(c: FeatureChunk):
+        weights, diag = _one_shot(c, num_refine, lam_min, lam_max)
+        return weights, {k: v[None] for k, v in diag.items()}
+
+    weights, diag = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,),
+                                  out_specs=(spec, spec))(chunk)
+    return weights, _reduce_shard_diagnostics(diag)
+
+
+# Per-chunk passes, compiled once per chunk shape for the streaming driver.
+_accumulate_centroids_jit = jax.jit(accumulate_centroids)
+_accumulate_margins_jit = jax.jit(accumulate_margins)
+_accumulate_final_jit = jax.jit(accumulate_final, static_argnames=("lam_min", "lam_max"))
+
+
+def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], Iterable],
+                                 num_refine: int = 1, lam_min: float = 0.8, lam_max: float = 1.2
+                                 ) -> tuple[list[Array], dict[str, Array]]:
+    """DelTA weights from feature chunks given one at a time (the same pieces as the one-shot form).
+
+    chunks: a re-iterable sequence of `FeatureChunk`s, or a zero-argument callable returning a fresh
+      iterable of them (e.g. one that recomputes hidden states chunk by chunk). It is iterated
+      K + 3 times: initial centroids, temperatures, K refinement rounds, final lambdas.
+      For the last-layer proxy give FeatureChunk(hidden, adv, mask, feature_scale=1 - token_prob).
+      Chunks may split the batch over sequences and/or time; all statistics are token sums, so the
+      result equals the one-shot result on the concatenated batch (up to fp32 summation order).
+    Returns the list of weight chunks [b, t] (in chunk order) and the diagnostics dict.
+    Only the [b, t] lambdas of the final pass are kept between chunks, never the features.
+    """
+    _check_lambda_range(lam_min, lam_max)
+    get_chunks = chunks if callable(chunks) else (lambda: chunks)
+    hidden_size = None
+    for chunk in get_chunks():
+        hidden_size = chunk.features.shape[-1]
+        break
+    if hidden_size is None:
+        raise ValueError("delta_coefficients_streaming: no chunks")
+    jitted = {accumulate_centroids: _accumulate_centroids_jit,
+              accumulate_margins: _accumulate_margins_jit}
+
+    def fold(update, state, *extra):
+        for chunk in get_chunks():
+            state = jitted[update](state, FeatureChunk(*chunk), *extra)
+        return state
+
+    disc = fit_discriminator(fold, hidden_size, num_refine)
+    final, lams = init_final(), []
+    for chunk in get_chunks():
+        final, lam = _accumulate_final_jit(final, FeatureChunk(*chunk), disc, lam_min=lam_min,
+                                           lam_max=lam_max)
+        lams.append(lam)
+    c = normaliser(final)
+    return [c * lam for lam in lams], diagnostics(disc, final)
+
+
+__all__: Sequence[str] = (
+    "Discriminator", "FeatureChunk", "FinalStats", "PassStats", "accumulate_centroids",
+    "accumulate_final", "accumulate_margins", "delta_coefficients", "delta_coefficients_streaming",
+    "diagnostics", "finalize_pass", "fit_discriminator", "hidden_topk_proxy",
+    "hidden_topk_proxy_from_head", "init_final", "init_pass", "last_layer_proxy", "normaliser",
+    "token_lambdas",
+)
