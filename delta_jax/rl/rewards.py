@@ -1,0 +1,430 @@
+"""Verifiable math rewards: the last \\boxed{} of a response checked against the gold answer.
+
+    math_reward(response, gold) -> 1.0 | 0.0        simple, synchronous, any thread
+    extract_last_boxed(text) -> str | None          content of the last \\boxed{} / \\fbox{}
+    RewardScorer(name="math", ...).score(responses, golds, response_lengths, truncated)
+        -> (rewards float32 [N], info)              batch scoring in a process pool
+
+Correctness is decided by math-verify (`verify(parse(gold), parse(pred))`, gold first: the check
+is not symmetric). math-verify's own timeouts use SIGALRM, which only works on a main thread and
+cannot interrupt sympy stuck in C code, so every check runs in a `VerifyPool` worker process: a
+soft SIGALRM timeout inside the worker (keeps the worker) and a hard wall-clock kill by the parent
+(replaces the worker). A timeout or a crash scores 0 and is counted; it never hangs the run.
+
+Reward functions are pluggable by name (`REWARD_FNS`, config `reward.name`), and DAPO's soft
+overlong penalty can be added on top of any of them.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import re
+import signal
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from delta_jax.rl import verify_pool as vp
+
+# ---------------------------------------------------------------------------------------------
+# Answer extraction
+# ---------------------------------------------------------------------------------------------
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+
+def _is_escaped(text: str, i: int) -> bool:
+    """True if text[i] is preceded by an odd number of backslashes (e.g. the brace in \\{)."""
+    n = 0
+    while i - 1 - n >= 0 and text[i - 1 - n] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+def _box_content(text: str, start: int) -> str | None:
+    """Content of the box whose command ends at `start` (just after "\\boxed"), or None."""
+    i = start
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    if i >= len(text):
+        return None
+    if text[i] != "{":
+        # Brace-less form "\boxed 5": only valid with a space after the command; the answer is
+        # the next token (up to whitespace or the closing $ of the math span).
+        if i == start:
+            return None
+        m = re.match(r"[^\s$]+", text[i:])
+        return m.group(0) if m else None
+    depth = 0
+    for j in range(i, len(text)):
+        c = text[j]
+        if c in "{}" and _is_escaped(text, j):
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None  # unbalanced: a truncated or malformed box has no answer
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the LAST \\boxed{...} / \\fbox{...} (or brace-less "\\boxed 5") in `text`.
+
+    Braces are matched (nested and escaped braces handled). Returns None if there is no box or
+    the last box is not closed (a truncated answer is no answer; earlier boxes are not used).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"extract_last_boxed expects str, got {type(text).__name__}")
+    last = None
+    for m in _BOX_RE.finditer(text):
+        last = m
+    if last is None:
+        return None
+    return _box_content(text, last.end())
+
+
+def count_boxes(text: str) -> int:
+    """Number of \\boxed / \\fbox commands in `text` (nested boxes count separately)."""
+    return len(_BOX_RE.findall(text))
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation and grading (run inside the pool workers)
+# ---------------------------------------------------------------------------------------------
+
+# Trailing sentence punctuation and LaTeX spacing: "\boxed{6.}" means 6.
+_TRAILING_JUNK_RE = re.compile(r"(?:\s|\\[,;:! ]|\\quad|\\qquad|~|[.,;:])+$")
+_REPLACEMENTS = (
+    ("\\varnothing", "\\emptyset"),   # math-verify parses \varnothing as a symbol
+    ("°", "^\\circ"),                  # unicode degree sign: math-verify leaves "90°" a string
+    ("\\displaystyle", ""),
+)
+
+
+def normalize_answer(answer: str) -> str:
+    """Light, safe clean-up of an extracted answer before math-verify sees it."""
+    s = answer.strip()
+    if len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+        s = s.strip("$").strip()
+    for old, new in _REPLACEMENTS:
+        s = s.replace(old, new)
+    s = _TRAILING_JUNK_RE.sub("", s)
+    return s
+
+
+class _SoftTimeout(BaseException):
+    """Raised by SIGALRM inside a worker. A BaseException, so that math-verify's broad
+    `except Exception` handlers cannot swallow it."""
+
+
+_alarm_armed = False
+
+
+def _on_alarm(signum, frame):
+    if _alarm_armed:
+        raise _SoftTimeout()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(latex_answer: str):
+    from math_verify import parse
+    # Wrapped in \boxed{} so math-verify's LaTeX extraction takes the whole string as the answer.
+    return parse("\\boxed{" + latex_answer + "}", parsing_timeout=None)
+
+
+def verify_answer(gold: str, pred: str) -> bool:
+    """math-verify equivalence of two answer strings (no timeout; gold first).
+
+    Both are normalised, wrapped in \\boxed{} and parsed; `verify(gold, pred)`.
+    """
+    from math_verify import verify
+    gold_n, pred_n = normalize_answer(gold), normalize_answer(pred)
+    if not gold_n or not pred_n:
+        return False
+    if gold_n == pred_n:
+        return True
+    return bool(verify(_parse_cached(gold_n), _parse_cached(pred_n), timeout_seconds=None))
+
+
+def _quiet_math_verify_logs() -> None:
+    # Workers run with math-verify's own timeouts off; its "timeout disabled" warning is noise.
+    for name in ("math_verify", "latex2sympy2_extended"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def grade_in_worker(gold: str, pred: str, soft_timeout_s: float) -> bool:
+    """Pool entry point: verify_answer under a SIGALRM soft timeout (main thread of a worker).
+
+    Raises TimeoutError on timeout (the pool reports it as a timeout).
+    """
+    global _alarm_armed
+    if threading.current_thread() is not threading.main_thread():
+        # No signals off the main thread; the parent's hard kill still applies.
+        return verify_answer(gold, pred)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        try:
+            _alarm_armed = True
+            signal.setitimer(signal.ITIMER_REAL, soft_timeout_s)
+            return verify_answer(gold, pred)
+        finally:
+            _alarm_armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _SoftTimeout:
+        raise TimeoutError(f"math-verify took over {soft_timeout_s} s") from None
+
+
+def init_worker() -> None:
+    """Pool initializer: import math-verify and warm its regex caches before taking work."""
+    _quiet_math_verify_logs()
+    verify_answer("\\frac{1}{2}", "0.5")
+
+
+_GRADE_FN = f"{__name__}:grade_in_worker"
+_INIT_FN = f"{__name__}:init_worker"
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions (registry) and the DAPO overlong penalty
+# ---------------------------------------------------------------------------------------------
+
+RewardFn = Callable[..., np.ndarray]
+REWARD_FNS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str):
+    """Decorator: REWARD_FNS[name] = fn(accuracy [N] f32, num_boxes [N] i32, **kw) -> [N] f32."""
+    def deco(fn):
+        if name in REWARD_FNS:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARD_FNS[name] = fn
+        return fn
+    return deco
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    if name not in REWARD_FNS:
+        raise ValueError(f"unknown reward.name {name!r}; known: {sorted(REWARD_FNS)}")
+    return REWARD_FNS[name]
+
+
+@register_reward("math")
+def math_accuracy_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
+    """Binary: 1 if the last \\boxed{} answer is correct, else 0."""
+    del num_boxes
+    return accuracy.astype(np.float32)
+
+
+@register_reward("math_format")
+def math_format_reward(accuracy: np.ndarray, num_boxes: np.ndarray, one_box_bonus: float = 0.0,
+                       no_box_penalty: float = 1.0) -> np.ndarray:
+    """Correctness plus format shaping: + one_box_bonus for exactly one \\boxed{}, - no_box_penalty
+    for none. Defaults give 1 (correct), 0 (answered, wrong), -1 (no boxed answer)."""
+    acc = accuracy.astype(np.float32)
+    return (acc + np.float32(one_box_bonus) * (num_boxes == 1)
+            - np.float32(no_box_penalty) * (num_boxes == 0)).astype(np.float32)
+
+
+@register_reward("math_pm1")
+def math_pm1_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
+    """DAPO's rule-based reward: +1 if correct, -1 otherwise."""
+    del num_boxes
+    return (2.0 * accuracy - 1.0).astype(np.float32)
+
+
+def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:
+    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13; verl's overlong_buffer), fp32 [N].
+
+    With L = max_len and Lb = buffer_len: 0 if len <= L - Lb; ((L - Lb) - len) / Lb * factor
+    if L - Lb < len <= L; -factor beyond L.
+    """
+    if buffer_len <= 0 or buffer_len > max_len:
+        raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}], got {buffer_len}")
+    lengths = np.asarray(lengths, dtype=np.float32)
+    expected = np.float32(max_len - buffer_len)
+    pen = (expected - lengths) / np.float32(buffer_len) * np.float32(factor)
+    return np.clip(pen, -np.float32(factor), 0.0).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch scorer
+# ---------------------------------------------------------------------------------------------
+
+
+class RewardScorer:
+    """Scores batches of responses against gold answers in a persistent verification pool.
+
+    Args:
+      name: reward function in REWARD_FNS ("math" | "math_format" | "math_pm1").
+      num_workers, timeout_s, start_method: the VerifyPool (timeout_s = hard wall-clock limit per
+        item; the in-worker soft limit is 0.8 of it).
+      max_response_len, overlong_buffer_len, overlong_penalty_factor: DAPO overlong penalty in
+        tokens, on when overlong_buffer_len > 0 (needs response_lengths in score()).
+      reward_kwargs: extra keyword arguments for the reward function.
+      cache_size: LRU cache of (gold, answer) -> verdict, shared across calls.
+    """
+
+    def __init__(self, name: str = "math", num_workers: int = 2, timeout_s: float = 10.0,
+                 max_response_len: int | None = None, overlong_buffer_len: int = 0,
+                 overlong_penalty_factor: float = 1.0, reward_kwargs: dict | None = None,
+                 cache_size: int = 200_000, start_method: str = "spawn",
+                 chunk_size: int | None = None):
+        self.name = name
+        self.reward_fn = get_reward_fn(name)
+        self.reward_kwargs = dict(reward_kwargs or {})
+        if overlong_buffer_len > 0 and not max_response_len:
+            raise ValueError("reward.overlong_buffer_len > 0 needs reward.max_response_len")
+        if overlong_buffer_len > 0 and overlong_buffer_len > max_response_len:
+            raise ValueError(f"reward.overlong_buffer_len={overlong_buffer_len} exceeds "
+                             f"max_response_len={max_response_len}")
+        self.max_response_len = max_response_len
+        self.overlong_buffer_len = int(overlong_buffer_len)
+        self.overlong_penalty_factor = float(overlong_penalty_factor)
+        self.timeout_s = float(timeout_s)
+        self._soft_timeout_s = 0.8 * self.timeout_s
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._pool = vp.VerifyPool(_GRADE_FN, num_workers=num_workers, timeout_s=timeout_s,
+                                   initializer=_INIT_FN, start_method=start_method,
+                                   chunk_size=chunk_size)
+
+    @classmethod
+    def from_config(cls, reward_cfg, max_response_len: int | None = None) -> "RewardScorer":
+        """Builds from a config block with fields name, num_workers, timeout_s,
+        overlong_buffer_len, overlong_penalty_factor (all optional)."""
+        get = lambda k, d: reward_cfg.get(k, d) if hasattr(reward_cfg, "get") else getattr(
+            reward_cfg, k, d)
+        return cls(name=get("name", "math"), num_workers=get("num_workers", 2),
+                   timeout_s=get("timeout_s", 10.0), max_response_len=max_response_len,
+                   overlong_buffer_len=get("overlong_buffer_len", 0),
+                   overlong_penalty_factor=get("overlong_penalty_factor", 1.0))
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def correctness(self, answers: Sequence[str | None], golds: Sequence[str]):
+        """Verdicts for extracted answers. Returns (accuracy f32 [N], timed_out bool [N],
+        errored bool [N], cache_hits int)."""
+        n = len(answers)
+        accuracy = np.zeros(n, np.float32)
+        timed_out = np.zeros(n, bool)
+        errored = np.zeros(n, bool)
+        todo: dict[tuple[str, str], list[int]] = {}
+        hits = 0
+        for i, (ans, gold) in enumerate(zip(answers, golds)):
+            if ans is None:
+                continue
+            key = (normalize_answer(str(gold)), normalize_answer(ans))
+            if not key[0] or not key[1]:
+                continue
+            if key[0] == key[1]:  # identical strings need no sympy
+                accuracy[i] = 1.0
+                continue
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                status, ok = self._cache[key]
+                hits += 1
+                accuracy[i], timed_out[i], errored[i] = (
+                    float(ok), status == vp.TIMEOUT, status == vp.ERROR)
+                continue
+            todo.setdefault(key, []).append(i)
+        keys = list(todo)
+        outcomes = self._pool.map([(g, a, self._soft_timeout_s) for g, a in keys])
+        for key, out in zip(keys, outcomes):
+            ok = out.status == vp.OK and bool(out.value)
+            self._cache[key] = (out.status, ok)
+            for i in todo[key]:
+                accuracy[i], timed_out[i], errored[i] = (
+                    float(ok), out.status == vp.TIMEOUT, out.status == vp.ERROR)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return accuracy, timed_out, errored, hits
+
+    def score(self, responses: Sequence[str], golds: Sequence[str], response_lengths=None,
+              truncated=None):
+        """Rewards for N responses.
+
+        Args:
+          responses: N response texts. golds: N gold answers (str; other types are str()-ed).
+          response_lengths: int [N] response lengths in tokens (needed for the overlong penalty).
+          truncated: bool [N] hit max length without EOS (counted in info only).
+        Returns:
+          rewards: float32 [N].
+          info: accuracy f32 [N], num_boxes i32 [N], overlong_penalty f32 [N], timed_out /
+            errored bool [N]; scalars num_timeouts, num_errors, num_no_box, num_truncated,
+            cache_hits, num_verified (pool items), seconds.
+        """
+        t0 = time.perf_counter()
+        n = len(responses)
+        if len(golds) != n:
+            raise ValueError(f"score: {n} responses but {len(golds)} golds")
+        answers = [extract_last_boxed(r) for r in responses]
+        num_boxes = np.array([count_boxes(r) for r in responses], np.int32)
+        accuracy, timed_out, errored, hits = self.correctness(answers, golds)
+        rewards = np.asarray(self.reward_fn(accuracy, num_boxes, **self.reward_kwargs),
+                             np.float32)
+        penalty = np.zeros(n, np.float32)
+        if self.overlong_buffer_len > 0:
+            if response_lengths is None:
+                raise ValueError("score: the overlong penalty is on, pass response_lengths")
+            lengths = np.asarray(response_lengths)
+            if lengths.shape != (n,):
+                raise ValueError(f"score: response_lengths has shape {lengths.shape}, want ({n},)")
+            penalty = overlong_penalty(lengths, self.max_response_len, self.overlong_buffer_len,
+                                       self.overlong_penalty_factor)
+            rewards = rewards + penalty
+        info = {
+            "accuracy": accuracy,
+            "num_boxes": num_boxes,
+            "overlong_penalty": penalty,
+            "timed_out": timed_out,
+            "errored": errored,
+            "num_timeouts": int(timed_out.sum()),
+            "num_errors": int(errored.sum()),
+            "num_no_box": int(sum(a is None or not a.strip() for a in answers)),
+            "num_truncated": int(np.asarray(truncated).sum()) if truncated is not None else 0,
+            "cache_hits": hits,
+            "seconds": time.perf_counter() - t0,
+        }
+        return rewards.astype(np.float32), info
+
+
+# ---------------------------------------------------------------------------------------------
+# Simple synchronous API
+# ---------------------------------------------------------------------------------------------
+
+_default_scorer: RewardScorer | None = None
+_default_lock = threading.Lock()
+
+
+def _get_default_scorer() -> RewardScorer:
+    global _default_scorer
+    with _default_lock:
+        if _default_scorer is None or _default_scorer._pool._closed:
+            # One worker started on first use; closed at exit by the pool's atexit hook.
+            _default_scorer = RewardScorer("math", num_workers=1)
+        return _default_scorer
+
+
+def math_reward(response_text: str, gold_answer: str) -> float:
+    """1.0 if the last \\boxed{} of `response_text` is equivalent to `gold_answer`, else 0.0.
+
+    Safe from any thread: verification runs in a shared one-worker pool (started on first use)
+    with a timeout; a timeout or error scores 0.0.
+    """
+    answer = extract_last_boxed(response_text)
+    if answer is None:
+        return 0.0
+    accuracy, _, _, _ = _get_default_scorer().correctness([answer], [gold_answer])
+    return float(accuracy[0])
