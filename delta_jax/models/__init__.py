@@ -5,14 +5,22 @@
     model = models.from_pretrained(path, dtype=jnp.bfloat16)
     out = model(input_ids, attention_mask=mask)     # ModelOutput(logits, hidden, cache)
     logp, ent = models.token_logprobs(model, out.hidden, labels, temperature=1.0)
+    models.save_pretrained(model, path)
+    tok = models.load_tokenizer(path)
 """
 from delta_jax.models.cache import CACHE_AXES, KVCache, init_cache
 from delta_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
+from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, config_from_hf,
+                                    from_pretrained, hf_config_dict, read_config_json,
+                                    save_pretrained)
 from delta_jax.models.logprobs import logprobs_from_logits, token_logprobs
+from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
 from delta_jax.models.transformer import LAYER_AXES, ModelOutput, Transformer
 
 __all__ = [
-    "CACHE_AXES", "KVCache", "LAYER_AXES", "ModelConfig", "ModelOutput", "PRESETS",
-    "REMAT_POLICIES", "Transformer", "get_preset", "init_cache", "logprobs_from_logits",
+    "CACHE_AXES", "CheckpointError", "KVCache", "LAYER_AXES", "ModelConfig", "ModelOutput",
+    "PRESETS", "REMAT_POLICIES", "Tokenizer", "Transformer", "UnsupportedModelError",
+    "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict", "init_cache",
+    "load_tokenizer", "logprobs_from_logits", "read_config_json", "save_pretrained",
     "token_logprobs",
 ]

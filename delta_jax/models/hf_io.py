@@ -1,0 +1,429 @@
+"""Hugging Face checkpoint I/O: config.json + safetensors <-> Transformer parameters.
+
+Reads and writes only safetensors (never pickle) and never runs remote code. Supported
+architectures: Qwen3ForCausalLM (model_type "qwen3") and LlamaForCausalLM ("llama"), dense,
+full attention, default RoPE. Anything else (MoE, sliding window, RoPE scaling, biases, other
+activations) is refused with an error naming the file and field.
+
+HF linear weights are stored [out_features, in_features]; ours are [in..., out...], so
+    ours = hf.T.reshape(our_shape)      and      hf = ours.reshape(prod(in), prod(out)).T
+where "in" is the leading `_IN_AXES[name]` axes of our (per-layer) shape.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from delta_jax.models.config import ModelConfig
+from delta_jax.models.transformer import LAYER_AXES, Transformer, layer_param_shapes
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+# Per-layer parameter -> HF tensor name suffix under "model.layers.{i}.".
+_LAYER_HF_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+# Number of leading "input" axes of each linear weight (per-layer shape); None = not a linear.
+_IN_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1,
+            "down_proj": 1, "lm_head": 1}
+
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be loaded (names the file and field/tensor)."""
+
+
+class UnsupportedModelError(CheckpointError):
+  """A valid checkpoint of an architecture or feature this package does not implement."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def read_config_json(path) -> dict:
+  """Parsed config.json of an HF directory, with clear errors for missing/malformed files."""
+  file = pathlib.Path(path) / CONFIG_NAME
+  if not file.is_file():
+    raise FileNotFoundError(f"{file}: no config.json in checkpoint directory {path}")
+  try:
+    data = json.loads(file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file}: malformed JSON ({e})") from e
+  if not isinstance(data, dict):
+    raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+  return data
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+  """rope_theta from either the transformers>=5 `rope_parameters` or the older fields."""
+  params = hf.get("rope_parameters")
+  scaling = hf.get("rope_scaling")
+  if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+    params = params["full_attention"]
+  for name, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+    if spec is None:
+      continue
+    if not isinstance(spec, dict):
+      raise CheckpointError(f"{where}: field {name} must be an object, got {spec!r}")
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type not in (None, "default"):
+      raise UnsupportedModelError(
+          f"{where}: {name}.rope_type={rope_type!r} is not supported (only default RoPE)")
+  theta = hf.get("rope_theta")
+  if theta is None and isinstance(params, dict):
+    theta = params.get("rope_theta")
+  if theta is None:
+    theta = 1e4 if hf.get("model_type") == "llama" else 1e6
+  if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+    raise CheckpointError(f"{where}: field rope_theta must be a positive number, got {theta!r}")
+  return float(theta)
+
+
+def config_from_hf(hf: dict, *, where: str = CONFIG_NAME, dtype=jnp.float32, param_dtype=None,
+                   remat=False) -> ModelConfig:
+  """ModelConfig from a parsed HF config.json dict; `where` names the file in errors."""
+  model_type = hf.get("model_type")
+  archs = hf.get("architectures") or []
+  if model_type not in _ARCHITECTURES:
+    raise UnsupportedModelError(
+        f"{where}: model_type={model_type!r} (architectures={archs}) is not supported; "
+        f"supported: {sorted(_ARCHITECTURES)} (dense Qwen3, Llama)")
+  for arch in archs:
+    if arch != _ARCHITECTURES[model_type]:
+      raise UnsupportedModelError(
+          f"{where}: architecture {arch!r} is not supported for model_type={model_type!r}; "
+          f"expected {_ARCHITECTURES[model_type]!r}")
+  for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    if hf.get(key):
+      raise UnsupportedModelError(f"{where}: mixture-of-experts ({key}={hf[key]}) is not "
+                                  "supported")
+  if hf.get("use_sliding_window"):
+    raise UnsupportedModelError(f"{where}: use_sliding_window=true is not supported")
+  layer_types = hf.get("layer_types")
+  if layer_types and any(t != "full_attention" for t in layer_types):
+    raise UnsupportedModelError(f"{where}: layer_types {sorted(set(layer_types))} are not "
+                                "supported (only full_attention)")
+  if model_type == "llama" and hf.get("sliding_window"):
+    raise UnsupportedModelError(f"{where}: sliding_window is not supported")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key):
+      raise UnsupportedModelError(f"{where}: {key}=true is not supported")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise UnsupportedModelError(f"{where}: hidden_act={act!r} is not supported (only silu)")
+
+  def required_int(key):
+    if key not in hf:
+      raise CheckpointError(f"{where}: missing required field {key!r}")
+    value = hf[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise CheckpointError(f"{where}: field {key!r} must be a positive int, got {value!r}")
+    return value
+
+  hidden = required_int("hidden_size")
+  heads = required_int("num_attention_heads")
+  head_dim = hf.get("head_dim") or hidden // heads
+  try:
+    return ModelConfig(
+        vocab_size=required_int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=required_int("intermediate_size"),
+        num_layers=required_int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rope_theta=_rope_theta(hf, where),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=(model_type == "qwen3"),
+        max_position_embeddings=hf.get("max_position_embeddings") or 40960,
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+        remat=remat,
+    )
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{where}: invalid configuration: {e}") from e
+
+
+def hf_config_dict(cfg: ModelConfig, dtype=None) -> dict:
+  """An HF config.json dict (Qwen3ForCausalLM or LlamaForCausalLM) describing cfg."""
+  model_type = "qwen3" if cfg.qk_norm else "llama"
+  dtype_name = jnp.dtype(cfg.param_dtype if dtype is None else dtype).name
+  out = {
+      "architectures": [_ARCHITECTURES[model_type]],
+      "model_type": model_type,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None,
+      "tie_word_embeddings": cfg.tie_word_embeddings,
+      "attention_bias": False,
+      "attention_dropout": 0.0,
+      "dtype": dtype_name,
+  }
+  if model_type == "qwen3":
+    out["use_sliding_window"] = False
+  else:
+    out["mlp_bias"] = False
+  return out
+
+
+# ----------------------------------------------------------------------------- tensor index
+
+
+def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+  """tensor name -> safetensors file, from the index file or the *.safetensors present."""
+  index = path / INDEX_NAME
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index}: malformed safetensors index ({e!r})") from e
+    missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    if missing:
+      raise FileNotFoundError(f"{index}: lists shard files that do not exist: {missing}")
+    return {name: path / f for name, f in weight_map.items()}
+  files = sorted(path.glob("*.safetensors"))
+  if not files:
+    pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+    hint = f" (found {pickles}: pickle checkpoints are refused)" if pickles else ""
+    raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
+  mapping = {}
+  for f in files:
+    with safe_open(str(f), framework="numpy") as handle:
+      for name in handle.keys():
+        mapping[name] = f
+  return mapping
+
+
+class _TensorReader:
+  """Opens safetensors files lazily and reads single tensors with shape checks."""
+
+  def __init__(self, files: dict[str, pathlib.Path]):
+    self.files = files
+    self._handles: dict[pathlib.Path, Any] = {}
+    self.used: set[str] = set()
+
+  def _handle(self, file):
+    if file not in self._handles:
+      self._handles[file] = safe_open(str(file), framework="numpy")
+    return self._handles[file]
+
+  def read(self, name: str, shape: tuple[int, ...], where: pathlib.Path) -> np.ndarray:
+    if name not in self.files:
+      raise CheckpointError(f"{where}: missing tensor {name!r}")
+    file = self.files[name]
+    handle = self._handle(file)
+    if name not in handle.keys():
+      raise CheckpointError(f"{file}: missing tensor {name!r} (listed in {INDEX_NAME})")
+    got = tuple(handle.get_slice(name).get_shape())
+    if got != tuple(shape):
+      raise CheckpointError(f"{file}: tensor {name!r} has shape {got}, expected {tuple(shape)}")
+    self.used.add(name)
+    return handle.get_tensor(name)
+
+
+def _to_ours(name: str, hf: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:
+  if name in _IN_AXES:
+    return hf.T.reshape(our_shape)
+  return hf.reshape(our_shape)
+
+
+def _hf_shape(name: str, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+  if name in _IN_AXES:
+    k = _IN_AXES[name]
+    return (math.prod(our_shape[k:]), math.prod(our_shape[:k]))
+  return tuple(our_shape)
+
+
+def _to_hf(name: str, ours: np.ndarray) -> np.ndarray:
+  if name in _IN_AXES:
+    k = _IN_AXES[name]
+    return np.ascontiguousarray(
+        ours.reshape(math.prod(ours.shape[:k]), math.prod(ours.shape[k:])).T)
+  return np.ascontiguousarray(ours)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _lookup_sharding(shardings, path: tuple[str, ...], axes, shape):
+  """A Sharding (or None) for one parameter from a callable or a nested pytree/State."""
+  if shardings is None:
+    return None
+  if callable(shardings) and not hasattr(shardings, "__getitem__"):
+    return shardings(path, axes, shape)
+  node = shardings
+  for key in path:
+    try:
+      node = node[key]
+    except (KeyError, TypeError, IndexError) as e:
+      raise KeyError(f"shardings has no entry for parameter {'/'.join(path)}") from e
+  if isinstance(node, nnx.Variable):
+    node = node.get_value()
+  return node
+
+
+def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None,
+                    remat=False) -> Transformer:
+  """Load a Hugging Face Qwen3/Llama directory (config.json + *.safetensors [+ index]).
+
+  dtype: compute dtype (cfg.dtype); param_dtype: storage dtype (default: dtype).
+  shardings: optional placement, either a callable (path tuple, logical axes, shape) ->
+    jax.sharding.Sharding | None, or a pytree shaped like nnx.state(model) (e.g. from
+    nnx.get_named_sharding) whose leaves are Shardings. Each parameter is assembled on the host
+    and placed with jax.device_put as it is read.
+  """
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+  hf = read_config_json(path)
+  cfg = config_from_hf(hf, where=str(path / CONFIG_NAME), dtype=dtype, param_dtype=param_dtype,
+                       remat=remat)
+  reader = _TensorReader(_weight_files(path))
+  np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+  def place(param_path, variable, host_array):
+    axes = variable.get_metadata().get("out_sharding")
+    sharding = _lookup_sharding(shardings, param_path, axes, host_array.shape)
+    array = (jax.device_put(host_array, sharding) if sharding is not None
+             else jnp.asarray(host_array))
+    variable.set_value(array)
+
+  V, H = cfg.vocab_size, cfg.hidden_size
+  place(("embed",), model.embed,
+        reader.read("model.embed_tokens.weight", (V, H), path).astype(np_dtype))
+  place(("final_norm",), model.final_norm,
+        reader.read("model.norm.weight", (H,), path).astype(np_dtype))
+  if not cfg.tie_word_embeddings:
+    place(("lm_head",), model.lm_head,
+          _to_ours("lm_head", reader.read("lm_head.weight", (V, H), path), (H, V))
+          .astype(np_dtype))
+  for name, shape in layer_param_shapes(cfg).items():
+    stacked = np.empty(shape, np_dtype)
+    for i in range(cfg.num_layers):
+      hf_name = f"model.layers.{i}.{_LAYER_HF_NAMES[name]}"
+      stacked[i] = _to_ours(name, reader.read(hf_name, _hf_shape(name, shape[1:]), path),
+                            shape[1:])
+    place(("layers", name), getattr(model.layers, name), stacked)
+
+  ignorable = re.compile(r"(.*rotary_emb\.inv_freq$)|(^lm_head\.weight$)")
+  unused = sorted(n for n in reader.files if n not in reader.used and not ignorable.match(n))
+  if unused:
+    raise UnsupportedModelError(
+        f"{path}: checkpoint has tensors this architecture does not use, e.g. {unused[:5]} "
+        f"({len(unused)} in all)")
+  return model
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _parse_size(size) -> int:
+  if isinstance(size, int):
+    return size
+  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", str(size).upper())
+  if not match:
+    raise ValueError(f"max_shard_size: cannot parse {size!r} (use bytes or e.g. '5GB')")
+  scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[match.group(2)]
+  return int(float(match.group(1)) * scale)
+
+
+def _hf_tensors(model: Transformer) -> list[tuple[str, tuple[int, ...], Callable[[], Any]]]:
+  """(HF name, HF shape, getter of the host array) for every tensor, without reading them."""
+  cfg = model.cfg
+  out = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size),
+          lambda: np.asarray(jax.device_get(model.embed[...])))]
+  for i in range(cfg.num_layers):
+    for name, shape in layer_param_shapes(cfg).items():
+      getter = (lambda name=name, i=i:
+                _to_hf(name, np.asarray(jax.device_get(getattr(model.layers, name)[i]))))
+      out.append((f"model.layers.{i}.{_LAYER_HF_NAMES[name]}", _hf_shape(name, shape[1:]),
+                  getter))
+  out.append(("model.norm.weight", (cfg.hidden_size,),
+              lambda: np.asarray(jax.device_get(model.final_norm[...]))))
+  if not cfg.tie_word_embeddings:
+    out.append(("lm_head.weight", (cfg.vocab_size, cfg.hidden_size),
+                lambda: _to_hf("lm_head", np.asarray(jax.device_get(model.lm_head[...])))))
+  return out
+
+
+def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_size="5GB",
+                    extra_config: Optional[dict] = None) -> pathlib.Path:
+  """Write an HF directory (config.json + safetensors) that transformers can load.
+
+  dtype: storage dtype of the tensors (default: the parameters' dtype).
+  max_shard_size: bytes or a string like "5GB"; above it the weights are split into
+    model-0000k-of-0000n.safetensors files plus model.safetensors.index.json.
+  extra_config: fields merged into config.json (e.g. eos_token_id, bos_token_id).
+  Tensors are fetched from the devices one shard file at a time.
+  """
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  cfg = model.cfg
+  np_dtype = np.dtype(jnp.dtype(cfg.param_dtype if dtype is None else dtype))
+  limit = _parse_size(max_shard_size)
+
+  shards: list[list] = [[]]
+  shard_bytes = 0
+  total = 0
+  for entry in _hf_tensors(model):
+    nbytes = math.prod(entry[1]) * np_dtype.itemsize
+    if shards[-1] and shard_bytes + nbytes > limit:
+      shards.append([])
+      shard_bytes = 0
+    shards[-1].append(entry)
+    shard_bytes += nbytes
+    total += nbytes
+
+  for stale in list(path.glob("*.safetensors")) + [path / INDEX_NAME]:
+    if stale.is_file():
+      stale.unlink()  # a previous save with another sharding must not shadow this one
+  weight_map = {}
+  for k, shard in enumerate(shards):
+    fname = SINGLE_NAME if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+    tensors = {name: get().astype(np_dtype) for name, _, get in shard}
+    save_file(tensors, str(path / fname), metadata={"format": "pt"})
+    weight_map.update({name: fname for name in tensors})
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+  config = hf_config_dict(cfg, dtype=np_dtype)
+  config.update(extra_config or {})
+  (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+  return path

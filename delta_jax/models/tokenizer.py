@@ -1,0 +1,89 @@
+"""Tokenizer wrapper over a Hugging Face tokenizer directory (tokenizer.json + config).
+
+Loaded through transformers.AutoTokenizer with trust_remote_code=False, so only the fast
+(Rust `tokenizers`) implementation and the Jinja chat template stored in the directory run.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Optional, Sequence
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class Tokenizer:
+  """encode/decode/apply_chat_template with ids as plain Python ints.
+
+  eos_token_id: the end-of-turn/sequence token from the tokenizer config (Qwen3: <|im_end|>).
+  pad_token_id: the configured pad token, or eos_token_id when none is configured.
+  """
+
+  def __init__(self, hf_tokenizer):
+    self.hf = hf_tokenizer
+    if hf_tokenizer.eos_token_id is None:
+      raise ValueError("tokenizer has no eos_token configured (tokenizer_config.json)")
+    self.eos_token_id: int = int(hf_tokenizer.eos_token_id)
+    pad = hf_tokenizer.pad_token_id
+    self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_id
+    bos = hf_tokenizer.bos_token_id
+    self.bos_token_id: Optional[int] = int(bos) if bos is not None else None
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of token ids in use (base vocabulary + added tokens)."""
+    return len(self.hf)
+
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+  def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+    enc = self.hf(list(texts), add_special_tokens=add_special_tokens)
+    return [list(ids) for ids in enc["input_ids"]]
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = False):
+    return [self.decode(ids, skip_special_tokens) for ids in batch]
+
+  def token_to_id(self, token: str) -> Optional[int]:
+    tid = self.hf.convert_tokens_to_ids(token)
+    return None if tid is None or tid == self.hf.unk_token_id else int(tid)
+
+  def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                          tokenize: bool = False, enable_thinking: Optional[bool] = None,
+                          **template_kwargs):
+    """Render messages [{"role", "content"}, ...] with the directory's chat template.
+
+    Returns the prompt string, or its token ids when tokenize=True. enable_thinking is passed
+    to templates that read it (Qwen3) when given.
+    """
+    if getattr(self.hf, "chat_template", None) is None:
+      raise ValueError("tokenizer has no chat_template (tokenizer_config.json / "
+                       "chat_template.jinja)")
+    if enable_thinking is not None:
+      template_kwargs["enable_thinking"] = enable_thinking
+    text = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
+    return self.encode(text) if tokenize else text
+
+  def __len__(self) -> int:
+    return self.vocab_size
+
+
+def load_tokenizer(path) -> Tokenizer:
+  """Tokenizer from a local HF directory (or a hub id, resolved by transformers)."""
+  from transformers import AutoTokenizer  # heavy import, only when needed
+
+  local = pathlib.Path(path)
+  if local.exists():
+    if not local.is_dir():
+      raise NotADirectoryError(f"{local}: expected a tokenizer directory")
+    if not (local / "tokenizer.json").is_file():
+      raise FileNotFoundError(f"{local}: no tokenizer.json (a fast tokenizer is required)")
+    hf = AutoTokenizer.from_pretrained(str(local), trust_remote_code=False,
+                                       local_files_only=True)
+  else:
+    hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+  return Tokenizer(hf)
