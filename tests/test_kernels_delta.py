@@ -1,0 +1,213 @@
+"""Fused DelTA pass: the jnp reference against a literal float64 reading of DELTA_SPEC 2.0-2.7,
+and the Pallas kernel (interpret mode on CPU) against the reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from delta_jax.kernels import backend
+from delta_jax.kernels.delta_pass import (
+    DeltaPassSums,
+    add_sums,
+    centroids_from_sums,
+    delta_pass,
+    delta_pass_auto,
+    delta_pass_reference,
+    margin_std_from_sums,
+)
+
+LAM_RANGE = (0.8, 1.2)
+
+
+def make_inputs(seed, lead=(150,), hidden=72, dtype=jnp.float32, poison_padding=True):
+    """Random features with all three sides and ~20% padding (NaN-poisoned features)."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(lead))
+    h = rng.normal(size=(n, hidden)).astype(np.float32)
+    p = rng.uniform(size=n).astype(np.float32)
+    a = rng.choice(np.array([1.3, 0.4, -0.7, -1.1, 0.0], np.float32), size=n)
+    mask = (rng.uniform(size=n) > 0.2).astype(np.float32)
+    if poison_padding:
+        h[mask == 0] = np.nan
+        p[mask == 0] = np.nan
+    mu_pos = (0.3 * rng.normal(size=hidden) + 0.1).astype(np.float32)
+    mu_neg = (0.3 * rng.normal(size=hidden) - 0.1).astype(np.float32)
+    gammas = (np.float32(rng.uniform(0.5, 2.0)), np.float32(rng.uniform(0.5, 2.0)))
+    reshape = lambda x: jnp.asarray(x.reshape(*lead, *x.shape[1:]))
+    return (reshape(h).astype(dtype), reshape(p), reshape(a), reshape(mask),
+            jnp.asarray(mu_pos), jnp.asarray(mu_neg), *gammas)
+
+
+def spec_float64(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha, lam_range):
+    """DELTA_SPEC 2.0-2.7 read literally, in float64 numpy: squared distances, no affine form."""
+    h = np.asarray(jnp.asarray(h, jnp.float32), np.float64).reshape(-1, np.shape(h)[-1])
+    p, a, mask = (np.asarray(x, np.float64).reshape(-1) for x in (p, a, mask))
+    mu_pos, mu_neg = np.asarray(mu_pos, np.float64), np.asarray(mu_neg, np.float64)
+    valid = mask > 0
+    pos, neg = valid & (a > 0), valid & (a < 0)
+    v = (1.0 - np.where(valid, p, 0.0))[:, None] * np.where(valid[:, None], h, 0.0)
+    d_pos = np.sum((v - mu_pos) ** 2, axis=1)
+    d_neg = np.sum((v - mu_neg) ** 2, axis=1)
+    margin = np.where(pos, d_neg - d_pos, np.where(neg, d_pos - d_neg, 0.0))
+    gamma = np.where(pos, gamma_pos, gamma_neg)
+    alpha = 1.0 / (1.0 + np.exp(-margin / gamma)) if use_alpha else np.ones_like(margin)
+    score = v @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
+    out = {}
+    for name, fn in (
+        ("centroid_sum", lambda s: np.sum((np.abs(a) * alpha)[s][:, None] * v[s], axis=0)),
+        ("weight_sum", lambda s: np.sum((np.abs(a) * alpha)[s])),
+        ("count", lambda s: float(np.sum(s))),
+        ("margin_sum", lambda s: np.sum(margin[s])),
+        ("margin_sq_sum", lambda s: np.sum(margin[s] ** 2)),
+    ):
+        out[name] = np.stack([fn(pos), fn(neg)])
+    out["correct"] = np.array([np.sum(pos & (score > 0)), np.sum(neg & (score < 0))], np.float64)
+    out["num_valid"] = float(np.sum(valid))
+    lam_min, lam_max = lam_range
+    lam = np.where(pos | neg, lam_min + (lam_max - lam_min) * alpha, np.where(valid, lam_min, 0.0))
+    out["lam"] = lam
+    out["lam_sum"] = np.sum(lam)
+    return out
+
+
+def assert_close(actual, expected, rtol, scale=None, name=""):
+    """||actual - expected|| <= rtol * ||scale|| (scale defaults to expected); NaN fails."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
+    ref = np.linalg.norm(np.asarray(expected if scale is None else scale, np.float64))
+    err = np.linalg.norm(actual - expected)
+    assert err <= rtol * max(ref, 1e-30), f"{name}: |err| {err:.3g} > {rtol} * {ref:.3g}"
+
+
+def assert_sums_close(actual: DeltaPassSums, expected, rtol, abs_margins=None):
+    for field in DeltaPassSums._fields:
+        exp = getattr(expected, field) if isinstance(expected, DeltaPassSums) else expected[field]
+        act = getattr(actual, field)
+        if exp is None:
+            assert act is None, field
+            continue
+        # Sums of signed margins can cancel: measure them against the sum of |margin|.
+        scale = abs_margins if field == "margin_sum" and abs_margins is not None else None
+        assert_close(act, exp, rtol, scale=scale, name=field)
+
+
+@pytest.mark.parametrize("use_alpha", [True, False])
+def test_reference_matches_literal_spec(use_alpha):
+    inputs = make_inputs(0, lead=(4, 24), hidden=40)
+    got = delta_pass_reference(*inputs, use_alpha=use_alpha, lam_range=LAM_RANGE)
+    want = spec_float64(*inputs, use_alpha=use_alpha, lam_range=LAM_RANGE)
+    assert got.lam.shape == (4, 24)
+    assert_close(got.lam.reshape(-1), want["lam"], 1e-6, name="lam")
+    want_sums = {k: v for k, v in want.items() if k != "lam"}
+    got = got._replace(lam=None)
+    want_sums["lam"] = None
+    assert_sums_close(got, want_sums, 1e-5)
+
+
+def test_initial_centroids_are_the_advantage_weighted_means():
+    """Spec 2.2: mu+ = sum_P A v / sum_P A with use_alpha=False."""
+    h, p, a, mask, mu_pos, mu_neg, gp, gn = make_inputs(1, hidden=16, poison_padding=False)
+    sums = delta_pass_reference(h, p, a, mask, mu_pos, mu_neg, gp, gn, use_alpha=False)
+    mu_p, mu_n = centroids_from_sums(sums)
+    v = np.asarray((1 - p)[:, None] * h, np.float64)
+    a, valid = np.asarray(a, np.float64), np.asarray(mask) > 0
+    for mu, side in ((mu_p, valid & (a > 0)), (mu_n, valid & (a < 0))):
+        w = np.abs(a) * side
+        assert_close(mu, (w[:, None] * v).sum(0) / w.sum(), 1e-5)
+
+
+def test_margin_std_from_sums_is_population_std():
+    inputs = make_inputs(2, hidden=24, poison_padding=False)
+    sums = delta_pass_reference(*inputs)
+    h, p, a, mask, mu_pos, mu_neg = (np.asarray(x, np.float64) for x in inputs[:6])
+    v = (1 - p)[:, None] * h
+    s = v @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
+    gammas = margin_std_from_sums(sums)
+    for gamma, side, sign in ((gammas[0], (mask > 0) & (a > 0), 1), (gammas[1], (mask > 0) & (a < 0), -1)):
+        assert_close(gamma, np.std(2 * sign * s[side]), 1e-5)
+
+
+def test_sums_of_chunks_add_up():
+    inputs = make_inputs(3, lead=(96,), hidden=24)
+    whole = delta_pass_reference(*inputs)
+    h, p, a, mask = inputs[:4]
+    rest = inputs[4:]
+    first = delta_pass_reference(h[:40], p[:40], a[:40], mask[:40], *rest)
+    second = delta_pass_reference(h[40:], p[40:], a[40:], mask[40:], *rest)
+    assert_sums_close(add_sums(first, second), whole._replace(lam=None), 1e-6,
+                      abs_margins=np.abs(np.asarray(whole.margin_sum)) + 1.0)
+
+
+def _kernel(*inputs, **kw):
+    return jax.jit(lambda *x: delta_pass(*x, interpret=True, **kw))(*inputs)
+
+
+def test_pallas_matches_reference_fp32_ragged():
+    """N=150, H=72: neither a multiple of the 16 x 32 tile; 3 programs for 10 tiles (empty tiles)."""
+    inputs = make_inputs(4, lead=(150,), hidden=72)
+    got = _kernel(*inputs, lam_range=LAM_RANGE, block_tokens=16, block_hidden=32, num_programs=3)
+    want = delta_pass_reference(*inputs, lam_range=LAM_RANGE)
+    assert_sums_close(got, want, 1e-5)
+
+
+def test_pallas_bf16_features():
+    """bf16 h: kernel and reference upcast the same bf16 values, so they still agree to 1e-5; against
+    fp32 features the bf16 rounding of h costs up to ~1e-2 relative (stated tolerance 2e-2)."""
+    inputs32 = make_inputs(5, lead=(2, 64), hidden=64)
+    inputs16 = (inputs32[0].astype(jnp.bfloat16),) + inputs32[1:]
+    got = _kernel(*inputs16, lam_range=LAM_RANGE, block_tokens=32, block_hidden=32, num_programs=2)
+    assert got.lam.shape == (2, 64)
+    assert_sums_close(got, delta_pass_reference(*inputs16, lam_range=LAM_RANGE), 1e-5)
+    fp32 = delta_pass_reference(*inputs32, lam_range=LAM_RANGE)
+    assert_close(got.centroid_sum, fp32.centroid_sum, 2e-2, name="centroid_sum vs fp32")
+    assert_close(got.lam, fp32.lam, 2e-2, name="lam vs fp32")
+
+
+def test_pallas_initial_pass_without_centroids():
+    """use_alpha=False (initial centroids) and with_centroids=False (margins-only pass)."""
+    inputs = make_inputs(6, lead=(70,), hidden=40)
+    got = _kernel(*inputs, use_alpha=False, block_tokens=16, block_hidden=16, num_programs=2)
+    assert_sums_close(got, delta_pass_reference(*inputs, use_alpha=False), 1e-5)
+    margins_only = _kernel(*inputs, with_centroids=False, block_tokens=16, block_hidden=16)
+    want = delta_pass_reference(*inputs, with_centroids=False)
+    assert float(jnp.max(jnp.abs(margins_only.centroid_sum))) == 0.0
+    assert_sums_close(margins_only, want, 1e-5)
+
+
+def test_auto_selection(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    assert backend.resolve_impl() == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert backend.resolve_impl() == "reference"
+    assert backend.resolve_impl("interpret") == "interpret"
+    monkeypatch.setenv(backend.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="DELTA_JAX_KERNELS"):
+        backend.resolve_impl()
+    monkeypatch.setenv(backend.ENV_VAR, "interpret")
+    inputs = make_inputs(7, lead=(40,), hidden=16)
+    got = delta_pass_auto(*inputs, lam_range=LAM_RANGE, block_tokens=16, block_hidden=16)
+    assert_sums_close(got, delta_pass_reference(*inputs, lam_range=LAM_RANGE), 1e-5)
+
+
+def test_bad_shapes_name_the_tensor():
+    h, p, a, mask, mu_pos, mu_neg, gp, gn = make_inputs(8, lead=(20,), hidden=8)
+    with pytest.raises(ValueError, match="mask"):
+        delta_pass_reference(h, p, a, mask[:10], mu_pos, mu_neg, gp, gn)
+    with pytest.raises(ValueError, match="mu_neg"):
+        delta_pass(h, p, a, mask, mu_pos, mu_neg[:4], gp, gn)
+    with pytest.raises(ValueError, match="powers of two"):
+        delta_pass(h, p, a, mask, mu_pos, mu_neg, gp, gn, block_tokens=24)
+
+
+def test_kernel_lowers_for_the_triton_gpu_backend():
+    """Cross-lowering for CUDA runs the Pallas -> Triton lowering without a GPU."""
+    inputs = make_inputs(9, lead=(100,), hidden=96)
+    inputs = (inputs[0].astype(jnp.bfloat16),) + inputs[1:]
+    fn = jax.jit(lambda *x: delta_pass(*x, lam_range=LAM_RANGE, interpret=False, num_programs=4))
+    try:
+        text = fn.trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    except (NotImplementedError, ImportError) as err:  # a jaxlib built without GPU lowering
+        pytest.skip(f"CUDA lowering unavailable: {err}")
+    assert "triton" in text
