@@ -267,13 +267,15 @@ class RewardScorer:
         tokens, on when overlong_buffer_len > 0 (needs response_lengths in score()).
       reward_kwargs: extra keyword arguments for the reward function.
       cache_size: LRU cache of (gold, answer) -> verdict, shared across calls.
+      pool: an existing VerifyPool running grade_in_worker to share (not closed by this scorer);
+        by default the scorer starts and owns its own.
     """
 
     def __init__(self, name: str = "math", num_workers: int = 2, timeout_s: float = 10.0,
                  max_response_len: int | None = None, overlong_buffer_len: int = 0,
                  overlong_penalty_factor: float = 1.0, reward_kwargs: dict | None = None,
                  cache_size: int = 200_000, start_method: str = "spawn",
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, pool: vp.VerifyPool | None = None):
         self.name = name
         self.reward_fn = get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
@@ -285,13 +287,16 @@ class RewardScorer:
         self.max_response_len = max_response_len
         self.overlong_buffer_len = int(overlong_buffer_len)
         self.overlong_penalty_factor = float(overlong_penalty_factor)
-        self.timeout_s = float(timeout_s)
-        self._soft_timeout_s = 0.8 * self.timeout_s
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
-        self._pool = vp.VerifyPool(_GRADE_FN, num_workers=num_workers, timeout_s=timeout_s,
-                                   initializer=_INIT_FN, start_method=start_method,
-                                   chunk_size=chunk_size)
+        if pool is not None and pool.fn != _GRADE_FN:
+            raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {_GRADE_FN!r}")
+        self._owns_pool = pool is None
+        self.pool = pool or vp.VerifyPool(_GRADE_FN, num_workers=num_workers,
+                                          timeout_s=timeout_s, initializer=_INIT_FN,
+                                          start_method=start_method, chunk_size=chunk_size)
+        # Soft in-worker limit below the hard kill, so a slow sympy call usually keeps its worker.
+        self._soft_timeout_s = 0.8 * self.pool.timeout_s
 
     @classmethod
     def from_config(cls, reward_cfg, max_response_len: int | None = None) -> "RewardScorer":
@@ -305,7 +310,8 @@ class RewardScorer:
                    overlong_penalty_factor=get("overlong_penalty_factor", 1.0))
 
     def close(self) -> None:
-        self._pool.close()
+        if self._owns_pool:
+            self.pool.close()
 
     def __enter__(self) -> "RewardScorer":
         return self
@@ -340,7 +346,7 @@ class RewardScorer:
                 continue
             todo.setdefault(key, []).append(i)
         keys = list(todo)
-        outcomes = self._pool.map([(g, a, self._soft_timeout_s) for g, a in keys])
+        outcomes = self.pool.map([(g, a, self._soft_timeout_s) for g, a in keys])
         for key, out in zip(keys, outcomes):
             ok = out.status == vp.OK and bool(out.value)
             self._cache[key] = (out.status, ok)
@@ -411,7 +417,7 @@ _default_lock = threading.Lock()
 def _get_default_scorer() -> RewardScorer:
     global _default_scorer
     with _default_lock:
-        if _default_scorer is None or _default_scorer._pool._closed:
+        if _default_scorer is None or _default_scorer.pool._closed:
             # One worker started on first use; closed at exit by the pool's atexit hook.
             _default_scorer = RewardScorer("math", num_workers=1)
         return _default_scorer

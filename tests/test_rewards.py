@@ -1,0 +1,315 @@
+"""Tests for delta_jax.rl.rewards and delta_jax.rl.verify_pool.
+
+One scorer (2 worker processes) is shared by the module to keep start-up cost low.
+"""
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from delta_jax.rl import rewards as R
+from delta_jax.rl import verify_pool as vp
+
+# (response, gold, expected reward, why). Labels are what a careful human grader would give.
+CASES = [
+    # fractions and decimals
+    (r"so $\boxed{\frac{1}{2}}$", "0.5", 1, "fraction vs decimal"),
+    (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}", 1, "dfrac"),
+    (r"\boxed{\frac{6}{8}}", r"\frac34", 1, "unreduced fraction, brace-less gold frac"),
+    (r"\boxed{\frac{1}{3}}", r"\frac{1}{2}", 0, "different fraction"),
+    (r"\boxed{3.0}", "3", 1, "trailing .0"),
+    (r"\boxed{0.333}", r"\frac{1}{3}", 0, "3-digit rounding is not 1/3"),
+    (r"\boxed{2.0001}", "2", 0, "close but different"),
+    (r"\boxed{-\frac{1}{2}}", r"\frac{-1}{2}", 1, "sign placement"),
+    # LaTeX spacing and formatting
+    (r"\boxed{ \frac { 1 } { 2 } }", r"\frac{1}{2}", 1, "spaces inside frac"),
+    (r"\boxed{1{,}000}", "1000", 1, "LaTeX thousands separator"),
+    (r"\boxed{1,000,000}", "1000000", 1, "comma thousands separators"),
+    (r"\boxed{10^6}", "1000000", 1, "power of ten"),
+    (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"(3,\frac{\pi}{2})", 1, r"\left( \right)"),
+    (r"\boxed{6.}", "6", 1, "trailing sentence period inside the box"),
+    # units, money, percent, degrees
+    (r"\boxed{12 \text{ inches}}", "12", 1, "unit text"),
+    (r"\boxed{5\text{ cm}^2}", "5", 1, "unit with superscript"),
+    (r"\boxed{\$1.50}", "1.5", 1, "dollar sign"),
+    (r"\boxed{25\%}", "25", 1, "percent sign vs bare number"),
+    (r"\boxed{50\%}", r"\frac{1}{2}", 1, "percent vs fraction"),
+    (r"\boxed{90^\circ}", "90", 1, "degrees"),
+    ("\\boxed{90°}", "90", 1, "unicode degree sign"),
+    # negative numbers
+    (r"\boxed{-5}", "-5", 1, "negative"),
+    (r"\boxed{5}", "-5", 0, "sign error"),
+    ("\\boxed{\u22123}", "-3", 1, "unicode minus"),
+    # roots, pi, expressions
+    (r"\boxed{\sqrt{8}}", r"2\sqrt{2}", 1, "simplified root"),
+    (r"\boxed{\sqrt{50}}", r"5\sqrt{2}", 1, "simplified root 2"),
+    (r"\boxed{\sqrt{3}}", r"\sqrt{2}", 0, "different root"),
+    (r"\boxed{\pi \cdot 2}", r"2\pi", 1, "pi product order"),
+    (r"\boxed{3.14159}", r"\pi", 0, "decimal approximation of an exact answer"),
+    (r"\boxed{\frac{1+\sqrt{5}}{2}}", r"\frac{1}{2}+\frac{\sqrt5}{2}", 1, "split fraction"),
+    (r"\boxed{(x+1)^2}", "x^2+2x+1", 1, "factored polynomial"),
+    (r"\boxed{2^{25}\times 26!}", r"2^{25} \cdot 26!", 1, "factorial, times vs cdot"),
+    (r"\boxed{17}", "71", 0, "digits swapped"),
+    # equations
+    (r"\boxed{x=3}", "3", 1, "x=3 vs 3"),
+    (r"\boxed{3}", "x=3", 1, "3 vs x=3"),
+    (r"\boxed{y = 2x+1}", "2x+1", 1, "line equation"),
+    (r"\boxed{x=4}", "x=3", 0, "wrong equation"),
+    (r"\boxed{3x}", "3", 0, "extra variable"),
+    # intervals, tuples, sets
+    (r"\boxed{(-\infty, 3]}", r"(-\infty,3]", 1, "interval spacing"),
+    (r"\boxed{(1,2)}", "[1,2)", 0, "open vs half-open interval"),
+    (r"\boxed{(1,\infty)\cup(-\infty,0)}", r"(-\infty,0)\cup(1,\infty)", 1, "union order"),
+    (r"\boxed{x \in [1,2]}", "[1,2]", 1, r"x \in interval"),
+    (r"\boxed{[2,\infty)}", r"k \ge 2", 1, "inequality vs interval"),
+    (r"\boxed{(3, -1)}", "(3,-1)", 1, "tuple spacing"),
+    (r"\boxed{(-1,3)}", "(3,-1)", 0, "ordered pair swapped"),
+    (r"\boxed{(1,3,2)}", "(1,2,3)", 0, "triple permuted"),
+    (r"\boxed{\{2,1\}}", r"\{1,2\}", 1, "set order, escaped braces"),
+    (r"\boxed{\{1,2,3\}}", r"\{1,2\}", 0, "superset"),
+    (r"\boxed{5, 3}", "3, 5", 1, "list of solutions in any order"),
+    (r"\boxed{3}", "3, 5", 0, "only one of two solutions"),
+    (r"\boxed{\pm 1}", r"\{-1, 1\}", 1, "plus-minus"),
+    (r"\boxed{\varnothing}", r"\emptyset", 1, "empty set spellings"),
+    (r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", 1,
+     "column vector"),
+    # text answers and multiple choice
+    (r"\boxed{\text{Monday}}", r"\text{Monday}", 1, "text answer"),
+    (r"\boxed{Monday}", r"\text{Monday}", 1, r"text answer without \text"),
+    (r"\boxed{\text{Tuesday}}", r"\text{Monday}", 0, "wrong text answer"),
+    (r"\boxed{C}", r"\text{(C)}", 1, "choice letter"),
+    (r"\boxed{\text{(B)}}", r"\text{(C)}", 0, "wrong choice"),
+    (r"\boxed{\text{10}}", "10", 1, r"number in \text"),
+    (r"\boxed{\textbf{5}}", "5", 1, r"number in \textbf"),
+    # extraction: last box wins, \fbox, brace-less, no box, malformed
+    (r"First \boxed{2}. Wait, I made an error: \boxed{3}", "3", 1, "last box wins"),
+    (r"\boxed{3} is wrong, the answer is \boxed{2}", "3", 0, "last box wins (wrong)"),
+    (r"<think>maybe \boxed{4}</think> The answer is $\boxed{5}$.", "5", 1, "box after think"),
+    (r"\fbox{42}", "42", 1, "fbox"),
+    (r"so $\boxed 7$.", "7", 1, "brace-less boxed"),
+    (r"hence \boxed 5.", "5", 1, "brace-less boxed with period"),
+    (r"$$\boxed{12}$$", "12", 1, "display math"),
+    ("The answer is 3.", "3", 0, "no box"),
+    (r"\boxed{}", "0", 0, "empty box"),
+    (r"\boxed{\frac{1}{2}", r"\frac{1}{2}", 0, "unclosed box (truncated)"),
+    (r"\boxed{7} then \boxed{\frac{1}{2", "7", 0, "last box unclosed: no answer"),
+    (r"\boxed{\frac{1}{2}}}}", r"\frac{1}{2}", 1, "extra closing braces after the box"),
+    (r"\boxed{\frac{1}{}}", r"\frac{1}{2}", 0, "malformed LaTeX"),
+    (r"\boxed{\sqrt{}", "2", 0, "malformed and unclosed"),
+]
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with R.RewardScorer("math", num_workers=2, timeout_s=3.0) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def table_results(scorer):
+    responses = [c[0] for c in CASES]
+    golds = [c[1] for c in CASES]
+    rewards, info = scorer.score(responses, golds)
+    return rewards, info
+
+
+def test_table_has_enough_cases():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)), ids=[c[3] for c in CASES])
+def test_reward_table(table_results, idx):
+    rewards, info = table_results
+    response, gold, expected, why = CASES[idx]
+    assert rewards[idx] == expected, (why, response, gold, rewards[idx])
+    assert not info["timed_out"][idx] and not info["errored"][idx]
+
+
+# --- extraction --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    (r"\boxed{1}", "1"),
+    (r"a \boxed{1} b \boxed{\frac{2}{3}} c", r"\frac{2}{3}"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+    (r"\boxed{a_{b_{c}}}", "a_{b_{c}}"),
+    (r"\fbox{x}", "x"),
+    (r"\boxed{1} and \fbox{2}", "2"),
+    (r"$\boxed 5$", "5"),
+    (r"\boxed  {7}", "7"),
+    (r"\boxed{}", ""),
+    ("no box here", None),
+    (r"\boxed{1} then \boxed{2", None),
+    (r"\boxedx{3}", None),
+    (r"\boxed", None),
+    (r"\boxed{\text{a \} b}}", r"\text{a \} b}"),
+])
+def test_extract_last_boxed(text, expected):
+    assert R.extract_last_boxed(text) == expected
+
+
+def test_count_boxes():
+    assert R.count_boxes("none") == 0
+    assert R.count_boxes(r"\boxed{1} \fbox{2} \boxed 3") == 3
+    assert R.count_boxes(r"\boxedx{1}") == 0
+
+
+# --- reward functions, overlong penalty -----------------------------------------------------
+
+
+def _overlong_reference(length, max_len, buffer_len, factor):
+    if length <= max_len - buffer_len:
+        return 0.0
+    if length <= max_len:
+        return ((max_len - buffer_len) - length) / buffer_len * factor
+    return -factor
+
+
+def test_overlong_penalty_matches_piecewise_definition():
+    lengths = np.arange(0, 140)
+    got = R.overlong_penalty(lengths, max_len=100, buffer_len=20, factor=0.5)
+    want = [_overlong_reference(int(n), 100, 20, 0.5) for n in lengths]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert got[80] == 0.0 and got[90] == pytest.approx(-0.25) and got[100] == pytest.approx(-0.5)
+    with pytest.raises(ValueError):
+        R.overlong_penalty(lengths, max_len=10, buffer_len=20)
+
+
+def test_reward_registry():
+    acc = np.array([1, 0, 0, 1], np.float32)
+    boxes = np.array([1, 1, 0, 2], np.int32)
+    np.testing.assert_array_equal(R.get_reward_fn("math")(acc, boxes), [1, 0, 0, 1])
+    np.testing.assert_array_equal(R.get_reward_fn("math_pm1")(acc, boxes), [1, -1, -1, 1])
+    np.testing.assert_array_equal(R.get_reward_fn("math_format")(acc, boxes), [1, 0, -1, 1])
+    np.testing.assert_allclose(
+        R.get_reward_fn("math_format")(acc, boxes, one_box_bonus=0.1, no_box_penalty=0.5),
+        [1.1, 0.1, -0.5, 1.0], rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown reward.name"):
+        R.get_reward_fn("nope")
+
+
+def test_score_with_overlong_penalty_and_info(scorer):
+    responses = [r"\boxed{4}", r"\boxed{5}", "no answer", r"\boxed{4}"]
+    golds = ["4", "4", "4", 4]  # a non-string gold is str()-ed
+    lengths = [10, 95, 100, 120]
+    scorer_ol = R.RewardScorer("math", max_response_len=100, overlong_buffer_len=20,
+                               overlong_penalty_factor=1.0, pool=scorer.pool)
+    rewards, info = scorer_ol.score(responses, golds, response_lengths=lengths,
+                                    truncated=[False, False, True, True])
+    acc = np.array([1, 0, 0, 1], np.float32)
+    pen = np.array([_overlong_reference(n, 100, 20, 1.0) for n in lengths], np.float32)
+    np.testing.assert_allclose(rewards, acc + pen, atol=1e-6)
+    np.testing.assert_array_equal(info["accuracy"], acc)
+    np.testing.assert_array_equal(info["num_boxes"], [1, 1, 0, 1])
+    assert info["num_no_box"] == 1 and info["num_truncated"] == 2
+    assert info["num_timeouts"] == 0 and info["num_errors"] == 0
+    with pytest.raises(ValueError, match="response_lengths"):
+        scorer_ol.score(responses, golds)
+    with pytest.raises(ValueError, match="golds"):
+        scorer.score(responses, golds[:2])
+    scorer_ol.close()  # does not own the shared pool
+    assert scorer.score([r"\boxed{1}"], ["1.0"])[0].tolist() == [1.0]
+
+
+def test_scorer_config_errors():
+    with pytest.raises(ValueError, match="max_response_len"):
+        R.RewardScorer("math", overlong_buffer_len=10)
+    with pytest.raises(ValueError, match="unknown reward.name"):
+        R.RewardScorer("no_such_reward")
+
+
+# --- robustness: timeouts, crashes, threads, throughput -------------------------------------
+
+
+def test_pathological_answer_times_out_and_pool_recovers(scorer):
+    responses = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{\frac{2}{4}}", r"\boxed{7}", r"\boxed{8}"]
+    golds = ["1", "0.5", "7", "7"]
+    rewards, info = scorer.score(responses, golds)
+    np.testing.assert_array_equal(rewards, [0, 1, 1, 0])
+    assert info["timed_out"].tolist() == [True, False, False, False]
+    assert info["num_timeouts"] == 1
+    # The same pathological pair again is answered from the cache, still counted as a timeout.
+    rewards, info = scorer.score(responses[:1] + [r"\boxed{0.5}"], golds[:1] + [r"\frac12"])
+    np.testing.assert_array_equal(rewards, [0, 1])
+    assert info["num_timeouts"] == 1 and info["cache_hits"] == 1
+
+
+def test_pool_kills_hung_worker_and_recovers():
+    # time.sleep blocks in C, where no in-process signal handler could stop it quickly.
+    with vp.VerifyPool("time:sleep", num_workers=1, timeout_s=1.0) as pool:
+        out = pool.map([(0,), (60,), (0,), (0,)])
+        assert [o.status for o in out] == ["ok", "timeout", "ok", "ok"]
+        assert pool.stats["restarts"] == 1
+        assert [o.status for o in pool.map([(0,)] * 3)] == ["ok"] * 3
+
+
+def test_pool_survives_worker_crash():
+    with vp.VerifyPool("signal:raise_signal", num_workers=2, timeout_s=10.0) as pool:
+        items = [(signal.SIGCHLD,), (signal.SIGKILL,), (signal.SIGCHLD,), (signal.SIGCHLD,)]
+        out = pool.map(items)
+        assert [o.status for o in out] == ["ok", "error", "ok", "ok"]
+        assert "crashed" in out[1].value
+
+
+def test_pool_rejects_fork_and_reports_bad_fn():
+    with pytest.raises(ValueError, match="fork"):
+        vp.VerifyPool("time:sleep", start_method="fork")
+    pool = vp.VerifyPool("no_such_module_xyz:f", num_workers=1)
+    try:
+        with pytest.raises(RuntimeError, match="no_such_module_xyz"):
+            pool.map([(1,)])
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.map([(1,)])
+
+
+def test_scoring_from_a_non_main_thread(scorer):
+    results = {}
+
+    def work():
+        results["simple"] = R.math_reward(r"the answer is \boxed{\dfrac{2}{4}}", r"\frac12")
+        results["wrong"] = R.math_reward(r"\boxed{3}", "4")
+        results["batch"] = scorer.score([r"\boxed{x = 2}", r"\boxed{3}"], ["2", "2"])[0]
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive()
+    assert results["simple"] == 1.0 and results["wrong"] == 0.0
+    np.testing.assert_array_equal(results["batch"], [1, 0])
+
+
+def test_math_reward_main_thread():
+    assert R.math_reward(r"\boxed{10\%}", "10") == 1.0
+    assert R.math_reward("no box 10", "10") == 0.0
+
+
+def test_2048_responses_finish_with_expected_labels(scorer):
+    # 128 prompts x 16 samples: exact, equivalent, wrong and missing answers with known labels.
+    rng = np.random.default_rng(0)
+    responses, golds, labels = [], [], []
+    for p in range(128):
+        gold = str(int(rng.integers(-500, 500))) if p % 2 else rf"\frac{{{p + 1}}}{{{p + 2}}}"
+        value = int(gold) if p % 2 else (p + 1) / (p + 2)
+        for s in range(16):
+            kind = s % 5
+            if kind == 0:
+                ans, ok = gold, 1
+            elif kind == 1:
+                ans, ok = (f"x = {gold}" if p % 2 else rf"\dfrac{{{2 * (p + 1)}}}{{{2 * (p + 2)}}}"), 1
+            elif kind == 2:
+                ans, ok = (f"{value}.0" if p % 2 else f"{value + 1:.6f}"), int(p % 2 == 1)
+            elif kind == 3:
+                ans, ok = str(int(rng.integers(1000, 2000)) + s), 0
+            else:
+                ans, ok = None, 0
+            text = "Some reasoning. " * 50 + ("" if ans is None else rf"So $\boxed{{{ans}}}$.")
+            responses.append(text)
+            golds.append(gold)
+            labels.append(ok)
+    rewards, info = scorer.score(responses, golds)
+    assert rewards.shape == (2048,) and rewards.dtype == np.float32
+    np.testing.assert_array_equal(rewards, np.array(labels, np.float32))
+    assert info["num_timeouts"] == 0 and info["num_errors"] == 0
