@@ -1,0 +1,192 @@
+"""Record readers (field mapping, malformed rows) and the tfds ArrayRecord builder without TF."""
+import importlib.util
+import json
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from delta_jax.data import builders, records
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------ field mapping
+
+
+def test_own_layout_keeps_fields_and_order(tmp_path):
+    rows = [{"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1), "level": 2} for i in range(5)]
+    recs, stats = records.load_records(write_jsonl(tmp_path / "own.jsonl", rows))
+    assert [r["id"] for r in recs] == [f"q{i}" for i in range(5)]
+    assert recs[3] == {"id": "q3", "problem": "What is 3 + 1?", "answer": "4", "solution": "", "level": 2}
+    assert stats.num_rows == 5 and stats.num_records == 5 and stats.num_skipped == 0
+    assert list(stats.layouts.values()) == ["deltajax"]
+
+
+def test_deepmath_layout(tmp_path):
+    rows = [
+        {"question": "Evaluate $\\int_0^1 x\\,dx$.", "final_answer": "\\frac{1}{2}", "difficulty": 4.5,
+         "topic": "Calculus", "r1_solution_1": "... \\boxed{\\frac{1}{2}}"},
+        {"question": "Is 7 prime?", "final_answer": "Yes", "difficulty": 1.0},
+    ]
+    recs, stats = records.load_records(write_jsonl(tmp_path / "deepmath.jsonl", rows))
+    assert stats.layouts[str(tmp_path / "deepmath.jsonl")] == "deepmath"
+    assert recs[0]["problem"] == rows[0]["question"] and recs[0]["answer"] == "\\frac{1}{2}"
+    assert recs[0]["level"] == 4 and recs[1]["answer"] == "Yes"
+    assert recs[1]["id"] == "deepmath-1"  # no id upstream: file stem + row index
+
+
+def test_dapo_layout_parquet_strips_instruction(tmp_path):
+    wrap = (
+        "Solve the following math problem step by step. The last line of your response should be "
+        "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+        "\n\n{}\n\nRemember to put your answer on its own line after \"Answer:\"."
+    )
+    problems = ["Find $x$ if $2x = 10$.", "How many primes are below 10?"]
+    table = pa.table({
+        "data_source": ["math_dapo"] * 2,
+        "prompt": [[{"role": "user", "content": wrap.format(p)}] for p in problems],
+        "reward_model": [{"ground_truth": "5", "style": "rule-lighteval/MATH_v2"},
+                         {"ground_truth": "4", "style": "rule-lighteval/MATH_v2"}],
+        "extra_info": [{"index": "a1b2"}, {"index": "c3d4"}],
+    })
+    path = tmp_path / "dapo.parquet"
+    pq.write_table(table, path)
+    recs, stats = records.load_records(path)
+    assert stats.layouts[str(path)] == "dapo"
+    assert [r["problem"] for r in recs] == problems
+    assert [r["answer"] for r in recs] == ["5", "4"]
+    assert [r["id"] for r in recs] == ["a1b2", "c3d4"]
+
+
+def test_math_layout_answer_is_last_boxed_or_answer_field(tmp_path):
+    rows = [
+        {"problem": "p1", "solution": "First \\boxed{1}, finally $\\boxed{\\frac{a}{b^{2}}}$.", "level": "Level 3"},
+        {"problem": "p2", "solution": "So the answer is \\boxed 9.", "level": "Level ?"},
+        {"problem": "p3", "solution": "text \\boxed{wrong}", "answer": "right"},
+    ]
+    recs, _ = records.load_records(write_jsonl(tmp_path / "math.jsonl", rows), fields="math")
+    assert [r["answer"] for r in recs] == ["\\frac{a}{b^{2}}", "9", "right"]
+    assert [r["level"] for r in recs] == [3, -1, -1]
+    assert recs[0]["solution"] == rows[0]["solution"]
+
+
+def test_custom_dotted_mapping(tmp_path):
+    rows = [{"uid": 7, "q": {"text": "2+2?"}, "meta": {"gold": 4}}]
+    recs, _ = records.load_records(
+        write_jsonl(tmp_path / "c.jsonl", rows), fields={"id": "uid", "problem": "q.text", "answer": "meta.gold"}
+    )
+    assert recs == [{"id": "7", "problem": "2+2?", "answer": "4", "solution": "", "level": -1}]
+
+
+def test_last_boxed_edge_cases():
+    assert records.last_boxed("no box") is None
+    assert records.last_boxed("\\boxed{a{b}c} and \\boxed{d}") == "d"
+    assert records.last_boxed("\\boxed{unbalanced") is None
+    assert records.last_boxed("\\fbox{3}") == "3"
+
+
+def test_unknown_layout_is_a_clear_error(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"foo": 1}])
+    with pytest.raises(records.MalformedRecordError, match=r"x\.jsonl:line 1: cannot tell the layout"):
+        records.load_records(path)
+
+
+def test_math500_from_shared(shared_dir):
+    path = shared_dir / "data" / "math500.jsonl"
+    if not path.is_file():
+        pytest.skip("math500.jsonl not present")
+    recs, stats = records.load_records(path)
+    assert len(recs) == 500 and stats.num_skipped == 0
+    assert recs[0]["id"] == "test/precalculus/807.json"
+    assert recs[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert all(r["problem"] and r["answer"] for r in recs)
+    assert {r["level"] for r in recs} == {1, 2, 3, 4, 5}
+
+
+# ------------------------------------------------------------------ malformed rows
+
+
+MALFORMED = [
+    {"id": "a", "problem": "p", "answer": "1"},
+    {"id": "b", "problem": "p", "answer": "2"},
+    "",  # blank lines are not rows but still count for line numbers
+    "{not json",
+    {"id": "d", "problem": "p"},  # line 5: no answer
+    {"id": "e", "problem": "  ", "answer": "3"},  # line 6: empty problem
+    {"id": "f", "problem": "p", "answer": "4"},
+]
+
+
+def test_malformed_row_raises_with_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", MALFORMED)
+    with pytest.raises(records.MalformedRecordError, match=r"bad\.jsonl:line 4: invalid JSON"):
+        records.load_records(path)
+    path2 = write_jsonl(tmp_path / "bad2.jsonl", MALFORMED[:3] + MALFORMED[4:])
+    with pytest.raises(records.MalformedRecordError, match=r"bad2\.jsonl:line 4: missing field 'answer'"):
+        records.load_records(path2)
+
+
+def test_malformed_rows_skipped_and_counted(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", MALFORMED)
+    recs, stats = records.load_records(path, on_error="skip")
+    assert [r["id"] for r in recs] == ["a", "b", "f"]
+    assert (stats.num_rows, stats.num_records, stats.num_skipped) == (6, 3, 3)
+    assert [s.split(": ")[0].rsplit(":", 1)[1] for s in stats.skipped] == ["line 4", "line 5", "line 6"]
+
+
+def test_malformed_parquet_row_names_row(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "problem": ["p", None, "p"], "answer": ["1", "2", "3"]}), path)
+    with pytest.raises(records.MalformedRecordError, match=r"bad\.parquet:row 2: field 'problem' is None"):
+        records.load_records(path)
+    recs, stats = records.load_records(path, on_error="skip")
+    assert [r["id"] for r in recs] == ["a", "c"] and stats.num_skipped == 1
+
+
+# ------------------------------------------------------------------ tfds builder
+
+
+def test_tfds_builder_works_without_tensorflow(tmp_path):
+    assert importlib.util.find_spec("tensorflow") is None or "tensorflow" not in sys.modules
+    rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(20)]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    src = builders.build_tfds_source(jsonl, name="a", data_dir=tmp_path / "tfds")
+    assert "tensorflow" not in sys.modules  # tfds ran in its numpy-only mode
+    assert len(src) == 20
+    assert [src[i]["id"] for i in range(20)] == [f"r{i}" for i in range(20)]  # file order kept
+    assert src[5] == {"id": "r5", "problem": "p5", "answer": "5", "solution": "", "level": -1, "index": 5}
+    assert src[-1]["id"] == "r19"
+    with pytest.raises(IndexError):
+        src[20]
+    files = list((tmp_path / "tfds").rglob("*.array_record*"))
+    assert files, "expected ArrayRecord shards in data_dir"
+
+
+def test_tfds_cache_is_per_content(tmp_path):
+    rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(4)]
+    path = write_jsonl(tmp_path / "a.jsonl", rows + ["oops"])
+    first = builders.build_tfds_source(path, name="a", data_dir=tmp_path / "tfds", on_error="skip")
+    again = builders.build_tfds_source(path, name="a", data_dir=tmp_path / "tfds", on_error="skip")
+    assert again.name == first.name
+    assert again.stats.num_skipped == 1 and again.stats.num_records == 4  # stats survive the cache
+    write_jsonl(path, rows[:2])
+    changed = builders.build_tfds_source(path, name="a", data_dir=tmp_path / "tfds", on_error="skip")
+    assert changed.name != first.name and len(changed) == 2
+    with pytest.raises(records.MalformedRecordError, match=r"a\.jsonl:line 5"):
+        builders.build_tfds_source(write_jsonl(path, rows + ["oops"]), name="a", data_dir=tmp_path / "tfds")
+
+
+def test_tfds_source_over_jsonl_and_parquet(tmp_path):
+    jsonl = write_jsonl(tmp_path / "part1.jsonl", [{"id": f"j{i}", "problem": "p", "answer": "1"} for i in range(3)])
+    parquet = tmp_path / "part2.parquet"
+    pq.write_table(pa.table({"question": ["q0", "q1"], "final_answer": ["x", "y"]}), parquet)
+    src = builders.build_tfds_source([jsonl, parquet], name="mixed", data_dir=tmp_path / "tfds")
+    assert [src[i]["id"] for i in range(len(src))] == ["j0", "j1", "j2", "part2-0", "part2-1"]
+    assert src[4]["problem"] == "q1" and src[4]["answer"] == "y"
