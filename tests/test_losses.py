@@ -1,0 +1,188 @@
+"""Policy loss: hand-computed DAPO example, finite-difference gradients, exact accumulation."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from delta_jax.rl.losses import (AGG_MODES, PolicyLossConfig, aggregate, finalize_metrics,
+                                 kl_penalty, policy_loss)
+
+
+def _dapo_example():
+    # Ratios chosen to hit every branch; a 4th, padded column holds garbage.
+    ratios = np.array([[1.0, 1.5, 0.5, 7.0], [0.7, 1.2, 20.0, 3.0]])
+    old = np.array([[-1.0, -2.0, -0.5, -3.0], [-1.5, -0.2, -4.0, -1.0]])
+    logp = old + np.log(ratios)
+    logp[0, 3] = np.inf
+    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], np.float32)
+    adv = np.array([1.0, -2.0])
+    return (jnp.asarray(logp, jnp.float32), jnp.asarray(old, jnp.float32),
+            jnp.asarray(adv, jnp.float32), jnp.asarray(mask))
+
+
+def test_dapo_hand_example():
+    logp, old, adv, mask = _dapo_example()
+    cfg = PolicyLossConfig()  # eps 0.2 / 0.28, dual clip 10, token-mean
+    # Per token (A = +1): r=1 -> -1; r=1.5 -> max(-1.5, -1.28) = -1.28 (clip high); r=0.5 -> -0.5.
+    # (A = -2): r=0.7 -> max(1.4, 1.6) = 1.6 (clip low); r=1.2 -> 2.4; r=20 -> max(40, 2.56) = 40,
+    # dual clip -> min(40, 2 * 10) = 20.
+    per_token = np.array([[-1.0, -1.28, -0.5], [1.6, 2.4, 20.0]])
+    loss_sum, denom, m = policy_loss(logp, old, adv, mask, cfg=cfg)
+    np.testing.assert_allclose(loss_sum, per_token.sum(), rtol=1e-5)  # 21.22
+    assert float(denom) == 6.0
+    fm = finalize_metrics(m)
+    np.testing.assert_allclose(fm["pg_loss"], 21.22 / 6, rtol=1e-5)
+    np.testing.assert_allclose([fm["clip_frac_low"], fm["clip_frac_high"], fm["clip_frac_dual"]],
+                               [1 / 6, 1 / 6, 1 / 6], rtol=1e-6)
+    r = np.array([1.0, 1.5, 0.5, 0.7, 1.2, 20.0])
+    np.testing.assert_allclose(fm["ratio_mean"], r.mean(), rtol=1e-5)
+    np.testing.assert_allclose(fm["ratio_std"], r.std(), rtol=1e-4)
+    np.testing.assert_allclose(fm["approx_kl_k1"], np.mean(-np.log(r)), rtol=1e-4)
+    np.testing.assert_allclose(fm["approx_kl"], np.mean(r - 1 - np.log(r)), rtol=1e-4)
+
+    # Token weights multiply the per-token loss: -2 - 1.28 - 0.5 + 1.6 + 1.2 + 20 = 19.02.
+    weights = jnp.array([[2.0, 1.0, 1.0, 5.0], [1.0, 0.5, 1.0, 5.0]])
+    loss_sum, _, _ = policy_loss(logp, old, adv, mask, token_weights=weights, cfg=cfg)
+    np.testing.assert_allclose(loss_sum, 19.02, rtol=1e-5)
+
+    # Sequence means: (-2.78 / 3 + 24 / 3) over 2 sequences.
+    s, d, _ = policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(agg="seq-mean-token-mean"))
+    np.testing.assert_allclose(float(s) / float(d), (-2.78 / 3 + 24 / 3) / 2, rtol=1e-5)
+    s, d, _ = policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(agg="seq-mean-token-sum"))
+    np.testing.assert_allclose(float(s) / float(d), 21.22 / 2, rtol=1e-5)
+    s, d, _ = policy_loss(logp, old, adv, mask,
+                          cfg=PolicyLossConfig(agg="seq-mean-token-sum-norm", drgrpo_norm=8.0))
+    np.testing.assert_allclose(float(s) / float(d), 21.22 / 8 / 2, rtol=1e-5)
+    # Without dual clip the r=20 token costs 40; with a symmetric PPO clip r=1.5 costs -1.2.
+    s, _, _ = policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(dual_clip=None))
+    np.testing.assert_allclose(s, 21.22 + 20.0, rtol=1e-5)
+    s, _, _ = policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(eps_high=0.2))
+    np.testing.assert_allclose(s, 21.22 + 0.08, rtol=1e-5)
+
+
+def test_weights_equal_scaled_advantages():
+    """Spec 2.8: for w > 0, weighting the per-token loss == replacing A by A * w."""
+    rng = np.random.default_rng(1)
+    B, T = 4, 6
+    old = jnp.asarray(rng.normal(size=(B, T)) - 2)
+    logp = old + jnp.asarray(rng.normal(scale=0.4, size=(B, T)))
+    adv = jnp.asarray(rng.normal(size=(B,)))
+    w = jnp.asarray(rng.uniform(0.8, 1.2, size=(B, T)))
+    mask = jnp.ones((B, T))
+    cfg = PolicyLossConfig(dual_clip=3.0)
+    f1 = lambda lp: policy_loss(lp, old, adv, mask, token_weights=w, cfg=cfg)[0]  # noqa: E731
+    f2 = lambda lp: policy_loss(lp, old, adv[:, None] * w, mask, cfg=cfg)[0]  # noqa: E731
+    np.testing.assert_allclose(f1(logp), f2(logp), rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(f1)(logp), jax.grad(f2)(logp), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_gradient_matches_finite_differences(agg):
+    rng = np.random.default_rng(2)
+    B, T = 3, 5
+    with jax.enable_x64(True):  # float64 context (jax 0.10: jax.enable_x64)
+        old = jnp.asarray(rng.normal(size=(B, T)) - 1.5)
+        # Ratios spread over the clipped, unclipped and dual-clipped regions, away from the kinks.
+        log_r = rng.choice([-0.6, -0.1, 0.05, 0.15, 0.5, 2.6], size=(B, T)) + rng.uniform(
+            -0.02, 0.02, size=(B, T))
+        logp = old + jnp.asarray(log_r)
+        ref = old + jnp.asarray(rng.normal(scale=0.3, size=(B, T)))
+        ent0 = jnp.asarray(rng.uniform(0.5, 2.0, size=(B, T)))
+        adv = jnp.asarray(rng.normal(size=(B, T)))
+        w = jnp.asarray(rng.uniform(0.8, 1.2, size=(B, T)))
+        mask = jnp.asarray((np.arange(T)[None] < np.array([5, 3, 4])[:, None]).astype(np.float64))
+        cfg = PolicyLossConfig(dual_clip=10.0, agg=agg, drgrpo_norm=7.0, kl_type="k3",
+                               kl_coef=0.1, entropy_coef=0.01)
+
+        def loss(lp, ent):
+            s, d, _ = policy_loss(lp, old, adv, mask, token_weights=w, cfg=cfg, ref_logp=ref,
+                                  entropy=ent)
+            return s / d
+
+        loss = jax.jit(loss)
+        g_lp, g_ent = jax.grad(loss, argnums=(0, 1))(logp, ent0)
+        assert g_lp.dtype == jnp.float64
+        eps = 1e-6
+        fd_lp = np.zeros((B, T))
+        fd_ent = np.zeros((B, T))
+        for b in range(B):
+            for t in range(T):
+                e = jnp.zeros((B, T)).at[b, t].set(eps)
+                fd_lp[b, t] = (loss(logp + e, ent0) - loss(logp - e, ent0)) / (2 * eps)
+                fd_ent[b, t] = (loss(logp, ent0 + e) - loss(logp, ent0 - e)) / (2 * eps)
+        np.testing.assert_allclose(g_lp, fd_lp, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(g_ent, fd_ent, rtol=1e-6, atol=1e-9)
+        assert np.all(np.asarray(g_lp)[np.asarray(mask) == 0] == 0)
+        assert np.abs(g_lp).max() > 1e-3
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_micro_batch_accumulation_is_exact(agg):
+    rng = np.random.default_rng(3)
+    B, T = 6, 7
+    old = rng.normal(size=(B, T)) - 2
+    logp = old + rng.normal(scale=0.5, size=(B, T))
+    adv = rng.normal(size=(B,))
+    w = rng.uniform(0.5, 1.5, size=(B, T))
+    lengths = np.array([7, 2, 5, 0, 3, 6])  # one fully padded row
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    ent = rng.uniform(0, 2, size=(B, T))
+    ref = old + rng.normal(scale=0.2, size=(B, T))
+    cfg = PolicyLossConfig(agg=agg, drgrpo_norm=16.0, kl_type="k2", kl_coef=0.05,
+                           entropy_coef=0.01)
+    as_j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def run(rows, t_max=T):
+        s = (rows, slice(0, t_max))
+        return policy_loss(as_j(logp[s]), as_j(old[s]), as_j(adv[rows]), as_j(mask[s]),
+                           token_weights=as_j(w[s]), cfg=cfg, ref_logp=as_j(ref[s]),
+                           entropy=as_j(ent[s]))
+
+    full_sum, full_den, full_m = run(slice(0, B))
+    # Micro-batches of 2 sequences, each trimmed to its own padded length.
+    parts = [run(slice(0, 2)), run(slice(2, 4), 5), run(slice(4, 6))]
+    acc_sum = sum(float(p[0]) for p in parts)
+    acc_den = sum(float(p[1]) for p in parts)
+    np.testing.assert_allclose(acc_sum / acc_den, float(full_sum) / float(full_den), rtol=1e-5)
+    acc_m = jax.tree.map(lambda *xs: sum(xs), *[p[2] for p in parts])
+    for key, value in finalize_metrics(acc_m).items():
+        np.testing.assert_allclose(value, finalize_metrics(full_m)[key], rtol=1e-5, atol=1e-7,
+                                   err_msg=key)
+    expected_den = {"token-mean": mask.sum()}.get(agg, 5.0)  # 5 non-empty sequences
+    assert float(full_den) == expected_den
+
+
+def test_kl_estimators():
+    lp = jnp.array([-1.0, -2.0, -0.3])
+    ref = jnp.array([-1.5, -1.0, -0.3])
+    d = np.array([0.5, -1.0, 0.0])
+    np.testing.assert_allclose(kl_penalty(lp, ref, "k1"), d, rtol=1e-6)
+    np.testing.assert_allclose(kl_penalty(lp, ref, "k2"), 0.5 * d ** 2, rtol=1e-6)
+    np.testing.assert_allclose(kl_penalty(lp, ref, "k3"), np.exp(-d) + d - 1, rtol=1e-6, atol=1e-7)
+    # k3 is unbiased for KL(p || q): E_p[k3] = KL on a small discrete example.
+    p = np.array([0.5, 0.3, 0.2])
+    q = np.array([0.2, 0.5, 0.3])
+    k3 = np.asarray(kl_penalty(jnp.log(p), jnp.log(q), "k3"))
+    np.testing.assert_allclose((p * k3).sum(), (p * np.log(p / q)).sum(), rtol=1e-5)
+
+
+def test_aggregate_and_config_errors():
+    x = jnp.ones((2, 3))
+    m = jnp.array([[1, 1, 0], [0, 0, 0]])
+    assert [float(v) for v in aggregate(x, m, "seq-mean-token-mean")] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="agg"):
+        PolicyLossConfig(agg="mean")
+    with pytest.raises(ValueError, match="drgrpo_norm"):
+        PolicyLossConfig(agg="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="dual_clip"):
+        PolicyLossConfig(dual_clip=1.1)
+    with pytest.raises(ValueError, match="kl_type"):
+        PolicyLossConfig(kl_type="k4")
+    logp, old, adv, mask = _dapo_example()
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(kl_type="k3", kl_coef=0.1))
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_loss(logp, old[:, :2], adv, mask)
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, old, adv[:1], mask)
