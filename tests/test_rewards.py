@@ -298,7 +298,8 @@ def test_2048_responses_finish_with_expected_labels(scorer):
             if kind == 0:
                 ans, ok = gold, 1
             elif kind == 1:
-                ans, ok = (f"x = {gold}" if p % 2 else rf"\dfrac{{{2 * (p + 1)}}}{{{2 * (p + 2)}}}"), 1
+                ok = 1
+                ans = f"x = {gold}" if p % 2 else rf"\dfrac{{{2 * (p + 1)}}}{{{2 * (p + 2)}}}"
             elif kind == 2:
                 ans, ok = (f"{value}.0" if p % 2 else f"{value + 1:.6f}"), int(p % 2 == 1)
             elif kind == 3:

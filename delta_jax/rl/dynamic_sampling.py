@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling: keep only prompt groups whose rewards differ, refill until the batch is full.
+"""DAPO dynamic sampling: keep prompt groups whose rewards differ, refill until the batch is full.
 
 A group whose G samples all got the same reward (all solved or all failed) has zero advantage
 under GRPO-style baselines and contributes no gradient; DAPO (Yu et al. 2025, sec. 3.2) drops such

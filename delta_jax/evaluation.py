@@ -1,0 +1,337 @@
+"""Evaluation: avg@k and unbiased pass@k over math benchmarks.
+
+The policy is anything with `generate_fn(prompts: list[str], n: int) -> list[list[str]]` (n
+response texts per prompt): `sampler_generate_fn` wraps a delta_jax Sampler with the paper's eval
+settings (T = 1.0, top-p = 0.7, k = 16 samples); tests use fake policies.
+
+    rows = load_benchmark("data/aime24.jsonl")            # [{"id", "problem", "answer"}, ...]
+    result = evaluate(generate_fn, {"aime24": path, "amc23": rows}, k=16)
+    print(result.to_markdown()); result.save(workdir)     # eval.json + eval.md
+
+Per benchmark: avg@k (mean accuracy over all k samples of all questions) and pass@k' for each k'
+in pass_ks (Chen et al. 2021's unbiased estimator from the k samples). The summary row is the
+question-count-weighted average over benchmarks, as the paper reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+# The paper's evaluation sampling (k samples per question at these settings).
+EVAL_TEMPERATURE = 1.0
+EVAL_TOP_P = 0.7
+EVAL_K = 16
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+GenerateFn = Callable[[list, int], list]
+
+
+def default_format_prompt(problem: str) -> str:
+    """The problem followed by the usual "...put your final answer within \\boxed{}." line."""
+    return f"{problem}\n{BOXED_INSTRUCTION}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def pass_at_k(n, c, k: int):
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), per question.
+
+    Computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i), which never forms the huge binomials.
+    Args:
+      n: samples per question (int or int array [Q]); c: correct samples (same shape); k <= n.
+    Returns:
+      float64 (scalar or [Q]).
+    """
+    n_arr = np.asarray(n, np.int64)
+    c_arr = np.asarray(c, np.int64)
+    n_arr, c_arr = np.broadcast_arrays(n_arr, c_arr)
+    if k < 1 or np.any(k > n_arr):
+        raise ValueError(f"pass@k needs 1 <= k <= n; got k={k}, n={np.unique(n_arr).tolist()}")
+    if np.any(c_arr < 0) or np.any(c_arr > n_arr):
+        raise ValueError("pass@k needs 0 <= c <= n")
+    out = np.ones(n_arr.shape, np.float64)
+    flat_n, flat_c, flat_out = n_arr.reshape(-1), c_arr.reshape(-1), out.reshape(-1)
+    for q in range(flat_n.size):
+        nq, cq = int(flat_n[q]), int(flat_c[q])
+        if nq - cq >= k:  # else every k-subset holds a correct sample: pass@k = 1
+            i = np.arange(nq - cq + 1, nq + 1, dtype=np.float64)
+            flat_out[q] = 1.0 - np.prod(1.0 - k / i)
+    return out if out.ndim else float(out)
+
+
+def avg_at_k(correct) -> float:
+    """Mean accuracy over all samples: correct is bool/float [Q, k]."""
+    correct = np.asarray(correct, np.float64)
+    if correct.ndim != 2:
+        raise ValueError(f"avg_at_k: correct must be [Q, k], got shape {correct.shape}")
+    return float(correct.mean()) if correct.size else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks
+# ---------------------------------------------------------------------------------------------
+
+
+def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+    """Rows {"id", "problem", "answer"} (answer as str) from a JSONL file; the first `limit`."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark file not found: {path}")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
+            rows.append(_check_row(row, f"{path}:{line_no}", len(rows)))
+    if not rows:
+        raise ValueError(f"benchmark file {path} has no rows")
+    return rows
+
+
+def _check_row(row: Any, where: str, index: int) -> dict:
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: row must be an object, got {type(row).__name__}")
+    for field in ("problem", "answer"):
+        if field not in row:
+            raise ValueError(f"{where}: row has no {field!r} field (keys: {sorted(row)})")
+    if not isinstance(row["problem"], str) or not row["problem"].strip():
+        raise ValueError(f"{where}: 'problem' must be a non-empty string")
+    answer = row["answer"]
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
+    return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": answer}
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BenchmarkResult:
+    """One benchmark: num_correct[q] of k samples for each question q."""
+    name: str
+    ids: list
+    num_correct: np.ndarray  # int [Q]
+    k: int
+    pass_ks: tuple
+    num_no_box: int = 0
+    num_timeouts: int = 0
+    num_errors: int = 0
+
+    @property
+    def num_questions(self) -> int:
+        return len(self.ids)
+
+    @property
+    def avg_at_k(self) -> float:
+        return float(np.mean(self.num_correct / self.k))
+
+    @property
+    def pass_at(self) -> dict:
+        return {kk: float(np.mean(pass_at_k(self.k, self.num_correct, kk))) for kk in self.pass_ks}
+
+    def to_dict(self) -> dict:
+        return {
+            "num_questions": self.num_questions,
+            "k": self.k,
+            f"avg@{self.k}": self.avg_at_k,
+            **{f"pass@{kk}": v for kk, v in self.pass_at.items()},
+            "num_no_box": self.num_no_box,
+            "num_timeouts": self.num_timeouts,
+            "num_errors": self.num_errors,
+            "per_question": [{"id": i, "num_correct": int(c)}
+                             for i, c in zip(self.ids, self.num_correct)],
+        }
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Per-benchmark results plus the question-weighted average; to_json / to_markdown / save."""
+    benchmarks: dict  # name -> BenchmarkResult, in the order evaluated
+    k: int
+    pass_ks: tuple
+    settings: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    def metric_names(self) -> list[str]:
+        return [f"avg@{self.k}"] + [f"pass@{kk}" for kk in self.pass_ks]
+
+    def _row(self, b: BenchmarkResult) -> dict:
+        return {f"avg@{self.k}": b.avg_at_k, **{f"pass@{kk}": v for kk, v in b.pass_at.items()}}
+
+    def average(self) -> dict:
+        """Each metric averaged over benchmarks weighted by their question counts."""
+        total = sum(b.num_questions for b in self.benchmarks.values())
+        return {m: sum(self._row(b)[m] * b.num_questions for b in self.benchmarks.values()) / total
+                for m in self.metric_names()}
+
+    def to_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "pass_ks": list(self.pass_ks),
+            "settings": self.settings,
+            "seconds": self.seconds,
+            "benchmarks": {name: b.to_dict() for name, b in self.benchmarks.items()},
+            "average": {"num_questions": sum(b.num_questions for b in self.benchmarks.values()),
+                        **self.average()},
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_markdown(self) -> str:
+        """A table in percent: one row per benchmark and a question-weighted average row."""
+        metrics = self.metric_names()
+        lines = ["| benchmark | questions | " + " | ".join(metrics) + " |",
+                 "|---|---:|" + "---:|" * len(metrics)]
+        for name, b in self.benchmarks.items():
+            row = self._row(b)
+            lines.append(f"| {name} | {b.num_questions} | "
+                         + " | ".join(f"{100 * row[m]:.1f}" for m in metrics) + " |")
+        avg = self.average()
+        total = sum(b.num_questions for b in self.benchmarks.values())
+        lines.append(f"| average (question-weighted) | {total} | "
+                     + " | ".join(f"{100 * avg[m]:.1f}" for m in metrics) + " |")
+        return "\n".join(lines) + "\n"
+
+    def save(self, directory: str | os.PathLike, stem: str = "eval") -> tuple[str, str]:
+        """Writes <stem>.json and <stem>.md into `directory`; returns their paths."""
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
+        json_path.write_text(self.to_json())
+        md_path.write_text(self.to_markdown())
+        return str(json_path), str(md_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running an evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name: str) -> list:
+    out = generate_fn(prompts, n)
+    if len(out) != len(prompts):
+        raise ValueError(f"{name}: generate_fn returned {len(out)} groups for {len(prompts)} "
+                         f"prompts")
+    for i, group in enumerate(out):
+        if len(group) != n:
+            raise ValueError(f"{name}: generate_fn returned {len(group)} responses for prompt "
+                             f"{i}, want n={n}")
+        for text in group:
+            if not isinstance(text, str):
+                raise ValueError(f"{name}: generate_fn must return response texts (str), got "
+                                 f"{type(text).__name__}")
+    return out
+
+
+def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EVAL_K,
+             pass_ks: Sequence[int] | None = None,
+             format_prompt: Callable[[str], str] = default_format_prompt,
+             scorer=None, limit: int | None = None, prompts_per_call: int | None = None,
+             settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
+             ) -> EvalResult:
+    """Samples k responses per question and scores them with the math reward.
+
+    Args:
+      generate_fn: prompts (list[str]) , n -> n response texts per prompt.
+      benchmarks: name -> JSONL path or a list of {"id", "problem", "answer"} rows.
+      k: samples per question (avg@k is over these).
+      pass_ks: k' values for pass@k' (each <= k); default 1, 2, 4, ... up to k, and k.
+      format_prompt: problem -> prompt text.
+      scorer: a delta_jax.rl.rewards.RewardScorer to use (its accuracy, not its shaped reward);
+        default: a 2-worker "math" scorer created here and closed at the end.
+      limit: first `limit` questions of each benchmark (quick runs).
+      prompts_per_call: prompts per generate_fn call (default: a whole benchmark at once).
+      settings: recorded in the result (e.g. temperature, top_p, checkpoint step).
+      log: optional callable for progress lines (e.g. logging.info).
+    Returns:
+      EvalResult.
+    """
+    from delta_jax.rl.rewards import RewardScorer  # the pool is only needed when evaluating
+
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if pass_ks is None:
+        pass_ks = sorted({2 ** i for i in range(int(math.log2(k)) + 1)} | {k})
+    pass_ks = tuple(int(x) for x in pass_ks)
+    bad = [x for x in pass_ks if not 1 <= x <= k]
+    if bad:
+        raise ValueError(f"pass_ks must lie in [1, k={k}], got {bad}")
+    if not benchmarks:
+        raise ValueError("evaluate: no benchmarks given")
+
+    own_scorer = scorer is None
+    scorer = scorer or RewardScorer("math", num_workers=2)
+    t0 = time.perf_counter()
+    results = {}
+    try:
+        for name, source in benchmarks.items():
+            if isinstance(source, (str, os.PathLike)):
+                rows = load_benchmark(source, limit=limit)
+            else:
+                rows = [_check_row(r, f"benchmark {name!r} row {i}", i)
+                        for i, r in enumerate(source)][:limit]
+            prompts = [format_prompt(r["problem"]) for r in rows]
+            step = prompts_per_call or len(prompts)
+            responses = []
+            for start in range(0, len(prompts), step):
+                responses += _generate_checked(generate_fn, prompts[start:start + step], k, name)
+            flat = [text for group in responses for text in group]
+            golds = [r["answer"] for r in rows for _ in range(k)]
+            _, info = scorer.score(flat, golds)
+            num_correct = info["accuracy"].reshape(len(rows), k).sum(axis=1).round().astype(int)
+            results[name] = BenchmarkResult(
+                name=name, ids=[r["id"] for r in rows], num_correct=num_correct, k=k,
+                pass_ks=pass_ks, num_no_box=info["num_no_box"],
+                num_timeouts=info["num_timeouts"], num_errors=info["num_errors"])
+            if log is not None:
+                log(f"eval {name}: {len(rows)} questions, avg@{k} = "
+                    f"{100 * results[name].avg_at_k:.1f}")
+    finally:
+        if own_scorer:
+            scorer.close()
+    return EvalResult(results, k=k, pass_ks=pass_ks, settings=dict(settings or {}),
+                      seconds=time.perf_counter() - t0)
+
+
+def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: float = EVAL_TOP_P,
+                        top_k: int = -1, max_new_tokens: int = 4096, seed: int = 0
+                        ) -> GenerateFn:
+    """Adapts a delta_jax.sampling.Sampler (built with a tokenizer) to the generate_fn protocol.
+
+    Each call uses a new seed (seed, seed + 1, ...) so repeated calls draw fresh samples.
+    """
+    calls = [0]
+
+    def generate_fn(prompts: list[str], n: int) -> list[list[str]]:
+        out = sampler.generate(list(prompts), n=n, temperature=temperature, top_p=top_p,
+                               top_k=top_k, max_new_tokens=max_new_tokens,
+                               seed=seed + calls[0])
+        calls[0] += 1
+        if out.texts is None:
+            raise ValueError("sampler_generate_fn needs a Sampler built with a tokenizer "
+                             "(it returns response texts)")
+        return out.texts
+
+    return generate_fn

@@ -1,0 +1,204 @@
+"""Tests for delta_jax.evaluation: estimators, benchmark loading, evaluate() with fake policies."""
+import itertools
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from delta_jax import evaluation as ev
+from delta_jax.rl.rewards import RewardScorer
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer("math", num_workers=2, timeout_s=5.0) as s:
+        yield s
+
+
+# --- estimators ----------------------------------------------------------------------------
+
+
+def _pass_at_k_brute_force(n, c, k):
+    """Fraction of k-subsets of n samples (c of them correct) holding a correct one."""
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_brute_force():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert ev.pass_at_k(n, c, k) == pytest.approx(_pass_at_k_brute_force(n, c, k),
+                                                             abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_vectorised_and_large_n():
+    c = np.array([0, 1, 3, 200])
+    got = ev.pass_at_k(200, c, 100)
+    want = [1 - math.comb(200 - int(ci), 100) / math.comb(200, 100) for ci in c]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+    assert got.shape == (4,)
+    assert ev.pass_at_k(16, 5, 1) == pytest.approx(5 / 16)  # pass@1 = fraction correct
+    with pytest.raises(ValueError, match="k <= n"):
+        ev.pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="c <= n"):
+        ev.pass_at_k(4, 5, 1)
+
+
+def test_avg_at_k():
+    assert ev.avg_at_k([[1, 0, 0, 1], [1, 1, 1, 1]]) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match=r"\[Q, k\]"):
+        ev.avg_at_k([1, 0])
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def test_load_benchmark(tmp_path):
+    path = tmp_path / "b.jsonl"
+    path.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n\n'
+                    '{"id": "b", "problem": "2+2?", "answer": 4}\n'
+                    '{"problem": "3+3?", "answer": "6"}\n')
+    rows = ev.load_benchmark(path)
+    assert [r["answer"] for r in rows] == ["2", "4", "6"] and rows[2]["id"] == "2"
+    assert len(ev.load_benchmark(path, limit=2)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "problem": "x", "answer": "1"}\n{"id": "b", "question": "y"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: row has no 'problem'"):
+        ev.load_benchmark(bad)
+    with pytest.raises(FileNotFoundError):
+        ev.load_benchmark(tmp_path / "missing.jsonl")
+
+
+# --- evaluate ------------------------------------------------------------------------------
+
+
+def _fake_policy(rows_by_prompt, num_correct_of):
+    """Answers question q correctly in its first num_correct_of(q) samples, wrongly after."""
+    def generate_fn(prompts, n):
+        out = []
+        for p in prompts:
+            q, row = rows_by_prompt[p]
+            c = num_correct_of(q)
+            out.append([f"Reasoning... so the answer is $\\boxed{{{row['answer']}}}$." if j < c
+                        else "Reasoning... so the answer is $\\boxed{-987654}$." for j in range(n)])
+        return out
+    return generate_fn
+
+
+def _expected_metrics(counts, k, pass_ks):
+    counts = np.asarray(counts)
+    exp = {f"avg@{k}": float(np.mean(counts / k))}
+    for kk in pass_ks:
+        exp[f"pass@{kk}"] = float(np.mean([1 - math.comb(k - c, kk) / math.comb(k, kk)
+                                           for c in counts]))
+    return exp
+
+
+def test_evaluate_on_shared_benchmarks(shared_dir, scorer, tmp_path):
+    paths = {"aime24": shared_dir / "data/aime24.jsonl", "amc23": shared_dir / "data/amc23.jsonl"}
+    for p in paths.values():
+        if not p.is_file():
+            pytest.skip(f"{p} is absent")
+    k, pass_ks = 4, (1, 2, 4)
+    rows_by_prompt, counts = {}, {}
+    for name, path in paths.items():
+        rows = ev.load_benchmark(path)
+        for q, row in enumerate(rows):
+            rows_by_prompt[ev.default_format_prompt(row["problem"])] = (q, row)
+        counts[name] = [q % (k + 1) for q in range(len(rows))]
+    gen = _fake_policy(rows_by_prompt, lambda q: q % (k + 1))
+    result = ev.evaluate(gen, {n: str(p) for n, p in paths.items()}, k=k, pass_ks=pass_ks,
+                         scorer=scorer, settings={"temperature": 1.0, "top_p": 0.7})
+
+    assert list(result.benchmarks) == ["aime24", "amc23"]
+    for name in paths:
+        b = result.benchmarks[name]
+        np.testing.assert_array_equal(b.num_correct, counts[name])
+        exp = _expected_metrics(counts[name], k, pass_ks)
+        got = result._row(b)
+        for m in exp:
+            assert got[m] == pytest.approx(exp[m], abs=1e-12), (name, m)
+        assert b.num_no_box == 0 and b.num_timeouts == 0
+    # Question-count-weighted average (30 and 40 questions).
+    exp_avg = {m: (30 * _expected_metrics(counts["aime24"], k, pass_ks)[m]
+                   + 40 * _expected_metrics(counts["amc23"], k, pass_ks)[m]) / 70
+               for m in _expected_metrics(counts["aime24"], k, pass_ks)}
+    for m, v in result.average().items():
+        assert v == pytest.approx(exp_avg[m], abs=1e-12)
+
+    md = result.to_markdown().splitlines()
+    assert md[0] == "| benchmark | questions | avg@4 | pass@1 | pass@2 | pass@4 |"
+    e = _expected_metrics(counts["aime24"], k, pass_ks)
+    assert md[2] == ("| aime24 | 30 | " + " | ".join(f"{100 * e[m]:.1f}" for m in e) + " |")
+    assert md[4].startswith("| average (question-weighted) | 70 | ")
+
+    data = json.loads(result.to_json())
+    assert data["benchmarks"]["amc23"]["num_questions"] == 40
+    assert data["average"]["pass@4"] == pytest.approx(exp_avg["pass@4"])
+    assert data["settings"] == {"temperature": 1.0, "top_p": 0.7}
+    assert data["benchmarks"]["aime24"]["per_question"][3] == {"id": "aime-2024-I-4",
+                                                                "num_correct": 3}
+    json_path, md_path = result.save(tmp_path)
+    assert json.load(open(json_path))["k"] == 4 and open(md_path).read() == result.to_markdown()
+
+
+def test_evaluate_rows_custom_prompt_and_batching(scorer):
+    rows = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}
+            for i in range(5)]
+    calls = []
+
+    def gen(prompts, n):
+        calls.append(len(prompts))
+        out = []
+        for p in prompts:
+            assert p.startswith("Q: ") and p.endswith(" A:")
+            i = int(p.split()[3])
+            # Equivalent but differently written answers for even i, wrong for odd i.
+            ans = f"{2 * i}.0" if i % 2 == 0 else f"{2 * i + 1}"
+            out.append([f"\\boxed{{{ans}}}"] * n)
+        return out
+
+    result = ev.evaluate(gen, {"toy": rows}, k=2, format_prompt=lambda s: f"Q: {s} A:",
+                         scorer=scorer, prompts_per_call=2, limit=4)
+    assert calls == [2, 2]
+    b = result.benchmarks["toy"]
+    assert b.ids == ["q0", "q1", "q2", "q3"] and b.num_correct.tolist() == [2, 0, 2, 0]
+    assert result.pass_ks == (1, 2) and b.pass_at == {1: 0.5, 2: 0.5}
+
+
+def test_evaluate_rejects_bad_generate_output(scorer):
+    rows = [{"problem": "p", "answer": "1"}]
+    with pytest.raises(ValueError, match="responses for prompt 0, want n=3"):
+        ev.evaluate(lambda prompts, n: [["x"]], {"b": rows}, k=3, scorer=scorer)
+    with pytest.raises(ValueError, match="groups for 1 prompts"):
+        ev.evaluate(lambda prompts, n: [], {"b": rows}, k=3, scorer=scorer)
+    with pytest.raises(ValueError, match="pass_ks"):
+        ev.evaluate(lambda prompts, n: [], {"b": rows}, k=3, pass_ks=(4,), scorer=scorer)
+
+
+def test_evaluate_creates_and_closes_its_own_scorer():
+    rows = [{"problem": "p", "answer": "\\frac{1}{2}"}]
+    result = ev.evaluate(lambda prompts, n: [["\\boxed{0.5}", "\\boxed{2}"]], {"b": rows}, k=2)
+    assert result.benchmarks["b"].num_correct.tolist() == [1]
+
+
+def test_sampler_generate_fn_uses_eval_settings():
+    seen = []
+
+    class FakeSampler:
+        def generate(self, prompts, n, **kw):
+            seen.append(kw)
+            return SimpleNamespace(texts=[[f"{p}-{j}" for j in range(n)] for p in prompts])
+
+    gen = ev.sampler_generate_fn(FakeSampler(), max_new_tokens=8)
+    assert gen(["a", "b"], 2) == [["a-0", "a-1"], ["b-0", "b-1"]]
+    gen(["a"], 1)
+    assert seen[0]["temperature"] == 1.0 and seen[0]["top_p"] == 0.7
+    assert [s["seed"] for s in seen] == [0, 1]
+    no_tok = SimpleNamespace(generate=lambda prompts, n, **kw: SimpleNamespace(texts=None))
+    with pytest.raises(ValueError, match="tokenizer"):
+        ev.sampler_generate_fn(no_tok)(["a"], 1)
