@@ -160,12 +160,16 @@ class GenerationOutput:
 
 
 def _batch_constraint(x, batch_spec, axis):
-    """Shard dim `axis` of x over the batch mesh axes, leave the others to the compiler."""
+    """Shard dim `axis` of x over the batch mesh axes, leave the others to the compiler.
+
+    batch_spec: None (no mesh: nothing to do) or (mesh, batch axis names).
+    """
     if batch_spec is None:
         return x
+    mesh, axes = batch_spec
     spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
-    spec[axis] = batch_spec
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+    spec[axis] = axes
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_copies", "response_slots",
@@ -312,7 +316,8 @@ class Sampler:
         self.pad_id = int(pad_id)
         self.mesh = mesh
         axes = tuple(a for a in batch_axes if mesh is not None and a in mesh.axis_names)
-        self._batch_spec = axes if axes else None
+        self._batch_axes = axes
+        self._batch_spec = (mesh, axes) if axes else None  # static argument of the jitted code
         self._batch_shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
 
     # ---------------------------------------------------------------------------------------
@@ -331,7 +336,7 @@ class Sampler:
         """Place a host array on the device(s): batch-sharded (leading axis) with a mesh."""
         if self.mesh is None:
             return jnp.asarray(x)
-        spec = PartitionSpec(self._batch_spec) if spec_axes else PartitionSpec()
+        spec = PartitionSpec(self._batch_axes) if spec_axes else PartitionSpec()
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     def _prepare_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
