@@ -1,0 +1,92 @@
+"""DelTA pass bandwidth: fused Pallas kernel vs the plain XLA (jnp) version vs a device copy.
+
+Effective bandwidth = the fewest bytes the pass must move (h read once, p/a/mask read, lambda
+written when asked) / median time. The device copy (y = -h: read + write) measured in the same run
+is the practical ceiling. Default shape: 1M tokens x hidden 4096, bf16 (GPU). On CPU use small
+shapes; the Pallas kernel then runs in interpret mode (correctness only, not speed):
+
+    python benchmarks/delta_pass_bandwidth.py --tokens 4096 --hidden 256 --iters 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from delta_jax.kernels import backend, timing
+from delta_jax.kernels.delta_pass import delta_pass, delta_pass_reference
+
+
+def make_inputs(tokens, hidden, dtype, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    h = jax.random.normal(k[0], (tokens, hidden), dtype)
+    p = jax.random.uniform(k[1], (tokens,))
+    a = jax.random.choice(k[2], jnp.array([1.0, -1.0, 0.5, -0.5, 0.0]), (tokens,))
+    mask = (jax.random.uniform(k[3], (tokens,)) > 0.1).astype(jnp.float32)
+    mu = 0.05 * jax.random.normal(k[4], (2, hidden))
+    return h, p, a, mask, mu[0], mu[1]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1 << 20)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--block-tokens", type=int, default=32)
+    parser.add_argument("--block-hidden", type=int, default=256)
+    parser.add_argument("--num-programs", type=int, default=None)
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/delta_pass_bandwidth.json")
+    args = parser.parse_args(argv)
+
+    dtype = jnp.dtype(args.dtype)
+    h, p, a, mask, mu_pos, mu_neg = make_inputs(args.tokens, args.hidden, dtype)
+    gammas = (jnp.float32(1.0), jnp.float32(1.0))
+    interpret = not backend.on_gpu()
+    kernel_opts = dict(block_tokens=args.block_tokens, block_hidden=args.block_hidden,
+                       num_programs=args.num_programs, num_warps=args.num_warps,
+                       num_stages=args.num_stages, interpret=interpret)
+    feature_bytes = args.tokens * args.hidden * dtype.itemsize
+    token_bytes = 3 * 4 * args.tokens  # p, a, mask in fp32
+
+    cases = {
+        # name: (function, bytes it must move)
+        "device copy (y = -h)": (jax.jit(lambda h: -h), 2 * feature_bytes),
+    }
+    for label, extra in (("refine", {}), ("final lambda", dict(lam_range=(0.8, 1.2), with_centroids=False))):
+        lam_bytes = 4 * args.tokens if "lam_range" in extra else 0
+        cases[f"xla {label}"] = (
+            jax.jit(lambda *x, e=extra: delta_pass_reference(*x, **e)),
+            feature_bytes + token_bytes + lam_bytes)
+        cases[f"pallas {label}" + (" (interpret)" if interpret else "")] = (
+            jax.jit(lambda *x, e=extra: delta_pass(*x, **e, **kernel_opts)),
+            feature_bytes + token_bytes + lam_bytes)
+
+    results = []
+    for name, (fn, nbytes) in cases.items():
+        call_args = (h,) if name.startswith("device copy") else (h, p, a, mask, mu_pos, mu_neg, *gammas)
+        seconds, runs = timing.median_seconds(fn, *call_args, warmup=args.warmup, iters=args.iters)
+        results.append({"case": name, "median_s": seconds, "runs_s": runs, "bytes": nbytes,
+                        "effective_GBps": nbytes / seconds / 1e9})
+
+    print(f"\nDelTA pass bandwidth on {timing.device_description()}: tokens={args.tokens} "
+          f"hidden={args.hidden} dtype={args.dtype}")
+    print(f"{'case':34s} {'median ms':>10s} {'GB moved':>9s} {'GB/s':>9s}")
+    for r in results:
+        print(f"{r['case']:34s} {1e3 * r['median_s']:10.3f} {r['bytes'] / 1e9:9.3f} "
+              f"{r['effective_GBps']:9.1f}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": timing.device_description(), "args": vars(args),
+                               "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
