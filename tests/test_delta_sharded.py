@@ -1,0 +1,101 @@
+"""DelTA coefficients on 8 simulated CPU devices (tests/conftest.py sets the device count).
+
+Global mode: the weights do not depend on how the inputs are laid out over the mesh.
+Per-shard mode: each data shard's weights equal the NumPy reference applied to that shard alone.
+"""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from delta_jax.rl import delta as D
+from test_delta import _proxy64, make_batch, reference_delta
+
+
+def _mesh(shape, names):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+
+
+def _batch():
+    hidden, prob, _, mask = make_batch(20, B=16, T=6, H=8, group=2, zero_group=False)
+    # Pairs (+1, -1) so that every 2-sequence shard has both sides; one shard all zero, one shard
+    # one-sided.
+    adv = np.tile(np.array([1.0, -1.0], np.float32), 8)
+    adv[6:8] = 0.0
+    adv[10:12] = [0.7, 1.3]
+    return hidden, prob, adv, mask
+
+
+def _put(mesh, x, spec):
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("layout", ["data8", "data2x4_batch", "data2x4_hidden"])
+def test_global_mode_is_layout_independent(layout):
+    hidden, prob, adv, mask = _batch()
+    want, _ = reference_delta(_proxy64(hidden, prob), adv, mask, 1)
+    single, single_diag = D.delta_coefficients(hidden, prob, adv, mask)
+    np.testing.assert_allclose(single, want, rtol=1e-5, atol=1e-7)
+
+    if layout == "data8":
+        mesh = _mesh((8,), ("data",))
+        row, h_spec = P("data"), P("data")
+    elif layout == "data2x4_batch":
+        mesh = _mesh((2, 4), ("data", "fsdp"))
+        row, h_spec = P(("data", "fsdp")), P(("data", "fsdp"))
+    else:  # batch over "data", hidden features split over "fsdp"
+        mesh = _mesh((2, 4), ("data", "fsdp"))
+        row, h_spec = P("data"), P("data", None, "fsdp")
+    args = (_put(mesh, hidden, h_spec), _put(mesh, prob, row), _put(mesh, adv, row),
+            _put(mesh, mask, row))
+    weights, diag = D.delta_coefficients(*args)
+    assert len(weights.sharding.device_set) > 1  # really ran sharded
+    np.testing.assert_allclose(weights, single, rtol=1e-5, atol=1e-7)
+    for key in single_diag:
+        np.testing.assert_allclose(diag[key], single_diag[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("shape,names,data_axes,num_shards", [
+    ((8,), ("data",), "data", 8),
+    ((2, 4), ("data", "fsdp"), "data", 2),  # replicated over fsdp
+])
+def test_per_shard_mode_matches_per_shard_reference(shape, names, data_axes, num_shards):
+    hidden, prob, adv, mask = _batch()
+    mesh = _mesh(shape, names)
+    row = P(data_axes)
+    args = (_put(mesh, hidden, row), _put(mesh, prob, row), _put(mesh, adv, row),
+            _put(mesh, mask, row))
+    weights, diag = D.delta_coefficients(*args, stats_mode="per_shard", mesh=mesh,
+                                         data_axes=data_axes)
+    weights = np.asarray(weights)
+    rows = 16 // num_shards
+    v = _proxy64(hidden, prob)
+    for s in range(num_shards):
+        sl = slice(s * rows, (s + 1) * rows)
+        want, _ = reference_delta(v[sl], adv[sl], mask[sl], 1)
+        np.testing.assert_allclose(weights[sl], want, rtol=1e-5, atol=1e-7, err_msg=f"shard {s}")
+        np.testing.assert_allclose(weights[sl][mask[sl] > 0].mean(), 1.0, rtol=1e-6)
+    # The layout now matters: per-shard statistics differ from the global ones.
+    global_w, _ = D.delta_coefficients(hidden, prob, adv, mask)
+    assert np.abs(weights - np.asarray(global_w)).max() > 1e-3
+    np.testing.assert_allclose(diag["tokens_pos"] + diag["tokens_neg"] + diag["tokens_zero"],
+                               mask.sum())
+    for value in diag.values():
+        assert np.isfinite(float(value))
+
+
+def test_per_shard_errors():
+    hidden, prob, adv, mask = _batch()
+    with pytest.raises(ValueError, match="mesh"):
+        D.delta_coefficients(hidden, prob, adv, mask, stats_mode="per_shard")
+    mesh = _mesh((8,), ("data",))
+    with pytest.raises(ValueError, match="data_axes"):
+        D.delta_coefficients(hidden, prob, adv, mask, stats_mode="per_shard", mesh=mesh,
+                             data_axes="batch")
+    with pytest.raises(ValueError, match="divisible"):
+        D.delta_coefficients(hidden[:12], prob[:12], adv[:12], mask[:12], stats_mode="per_shard",
+                             mesh=mesh)
