@@ -17,7 +17,7 @@ def paper_config(preset: str, steps: int):
     c.model.remat = "full"
     c.model.logprob_chunk = 512
     c.data.train = ""                 # required: --config.data.train=/path/to/deepmath.jsonl
-    c.data.template = "qwen3_base"
+    c.data.template = "qwen_math"
     c.data.max_prompt_len = 2048
     c.rollout.batch_prompts = 128
     c.rollout.group_size = 16

@@ -45,6 +45,7 @@ CHOICES = {
     "delta.feature_cache": ("device", "host", "recompute"),
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
+    "data.template": ("qwen_math", "base", "chat", "plain"),  # delta_jax.data.templates.KINDS
 }
 
 # Placeholders: None means "the method decides" (see METHOD_DEFAULTS).
@@ -85,7 +86,7 @@ def default_config() -> config_dict.ConfigDict:
     c.data = config_dict.ConfigDict()
     c.data.train = ""            # JSONL/parquet path(s), comma separated, or "synthetic"
     c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
-    c.data.template = "qwen3_base"
+    c.data.template = "qwen_math"   # delta_jax.data.templates.KINDS
     c.data.max_prompt_len = 2048
     c.data.synthetic_train = 4096  # synthetic task sizes (data.train == "synthetic")
     c.data.synthetic_test = 64
@@ -296,8 +297,8 @@ def _check_combinations(c):
     _require(c.rl.advantage == "drgrpo" or c.rl.advantage == "rloo" or c.rollout.group_size >= 2,
              "rollout.group_size", "GRPO advantages need at least 2 responses per prompt")
     _require(c.rl.eps_low >= 0 and c.rl.eps_high >= 0, "rl.eps_low", "clip ranges must be >= 0")
-    _require(c.rl.dual_clip == 0 or c.rl.dual_clip > 1, "rl.dual_clip",
-             "must be 0 (off) or > 1")
+    _require(c.rl.dual_clip == 0 or c.rl.dual_clip > 1 + c.rl.eps_high, "rl.dual_clip",
+             f"must be 0 (off) or > 1 + rl.eps_high, got {c.rl.dual_clip}")
     _require(c.rollout.temperature > 0, "rollout.temperature",
              "RL needs sampling (temperature > 0)")
     _require(0 < c.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

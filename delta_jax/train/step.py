@@ -50,11 +50,7 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
                                             chunk_size=chunk_size, with_hidden=False)
         loss_sum, denom, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"],
                                            mb["response_mask"], mb["token_weights"], entropy)
-        metrics = dict(metrics)
-        mask = mb["response_mask"]
-        metrics["entropy_sum"] = jnp.sum(entropy * mask)
-        metrics["token_count"] = jnp.sum(mask)
-        return loss_sum, (denom, metrics)
+        return loss_sum, (denom, dict(metrics))
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 

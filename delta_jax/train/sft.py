@@ -1,0 +1,102 @@
+"""Supervised warm start on (problem, solution) pairs: token-mean NLL of the solution + EOS.
+
+    examples = tokenize_examples(records, tokenizer, template, max_len)   # SFTExamples (numpy)
+    step_fn = make_sft_step(graphdef, rest, optimizer)
+    state, metrics = step_fn(state, sft_batch(examples, batch_size, seed, step))
+
+Rows are right-padded to a fixed max_len (one compiled program); the loss covers only the
+solution tokens and the EOS after them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from delta_jax import models
+from delta_jax.train.rollout import step_seed
+from delta_jax.train.state import TrainState
+
+_SFT_SALT = 7
+
+
+@dataclasses.dataclass
+class SFTExamples:
+    """input_ids int32 [E, L], attention_mask int32 [E, L], loss_mask fp32 [E, L] (1 on the
+    target tokens: solution + EOS)."""
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    loss_mask: np.ndarray
+    num_truncated: int
+
+
+def tokenize_examples(records, tokenizer, template, max_len: int) -> SFTExamples:
+    """Tokenizes template(problem) + solution + EOS; rows longer than max_len are cut (counted)."""
+    rows = [r for r in records if r.get("solution")]
+    if not rows:
+        raise ValueError("SFT needs records with a 'solution' field (none found in data.train)")
+    ids = np.full((len(rows), max_len), tokenizer.pad_token_id, np.int32)
+    attn = np.zeros((len(rows), max_len), np.int32)
+    loss = np.zeros((len(rows), max_len), np.float32)
+    truncated = 0
+    for i, r in enumerate(rows):
+        prompt = tokenizer.encode(template(r["problem"]))
+        target = tokenizer.encode(r["solution"]) + [tokenizer.eos_token_id]
+        seq = (prompt + target)[:max_len]
+        truncated += len(prompt) + len(target) > max_len
+        ids[i, :len(seq)] = seq
+        attn[i, :len(seq)] = 1
+        loss[i, len(prompt):len(seq)] = 1.0
+    return SFTExamples(ids, attn, loss, int(truncated))
+
+
+def sft_batch(examples: SFTExamples, batch_size: int, seed: int, step: int) -> dict:
+    """A batch drawn with a generator seeded by (seed, step): resumable and order-independent."""
+    rng = np.random.default_rng(step_seed(seed, step, _SFT_SALT))
+    idx = rng.choice(examples.input_ids.shape[0], size=batch_size,
+                     replace=examples.input_ids.shape[0] < batch_size)
+    return {"input_ids": examples.input_ids[idx], "attention_mask": examples.attention_mask[idx],
+            "loss_mask": examples.loss_mask[idx]}
+
+
+def sft_loss(model, batch, chunk_size: int = 256):
+    """(token-mean NLL over loss_mask[:, 1:], number of target tokens)."""
+    ids = batch["input_ids"]
+    out = model(ids, attention_mask=batch["attention_mask"], return_logits=False)
+    logp, _ = models.token_logprobs(model, out.hidden[:, :-1], ids[:, 1:], temperature=1.0,
+                                    chunk_size=chunk_size)
+    mask = batch["loss_mask"][:, 1:]
+    count = jnp.sum(mask)
+    return -jnp.sum(logp * mask) / jnp.maximum(count, 1.0), count
+
+
+def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
+                  schedule: optax.Schedule | None = None, chunk_size: int = 256):
+    """Jitted sft_step(state, batch) -> (state, metrics), state donated; non-finite skipped."""
+
+    def loss_fn(params, batch):
+        return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def sft_step(state: TrainState, batch):
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        state = TrainState(step=state.step + finite.astype(jnp.int32),
+                           params=jax.tree.map(keep, new_params, state.params),
+                           opt_state=jax.tree.map(keep, new_opt, state.opt_state))
+        metrics = {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": count,
+                   "sft/skipped": 1 - finite.astype(jnp.int32)}
+        if schedule is not None:
+            metrics["sft/learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return state, metrics
+
+    return sft_step
