@@ -190,3 +190,25 @@ def test_tfds_source_over_jsonl_and_parquet(tmp_path):
     src = builders.build_tfds_source([jsonl, parquet], name="mixed", data_dir=tmp_path / "tfds")
     assert [src[i]["id"] for i in range(len(src))] == ["j0", "j1", "j2", "part2-0", "part2-1"]
     assert src[4]["problem"] == "q1" and src[4]["answer"] == "y"
+
+
+def test_hub_name_goes_through_datasets_when_installed(monkeypatch, tmp_path):
+    """The network path, with a stand-in `datasets` module (tests never use the network)."""
+    import types
+
+    calls = []
+
+    def load_dataset(name, split):
+        calls.append((name, split))
+        return [{"question": "q0", "final_answer": "1"}, {"question": "q1", "final_answer": "2"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.chdir(tmp_path)  # so "org/name" is not a local path
+    recs, stats = records.load_records("some-org/DeepMath-mini:test")
+    assert calls == [("some-org/DeepMath-mini", "test")]
+    assert [r["answer"] for r in recs] == ["1", "2"] and stats.layouts["some-org/DeepMath-mini"] == "deepmath"
+    src = builders.build_tfds_source("some-org/DeepMath-mini", data_dir=tmp_path / "tfds")
+    assert [src[i]["problem"] for i in range(len(src))] == ["q0", "q1"]
+    assert calls[-1] == ("some-org/DeepMath-mini", "train")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        records.load_records(tmp_path / "missing.jsonl")

@@ -185,6 +185,12 @@ def build_tfds_source(
     tfds.display_progress_bar(False)
     try:
         builder.download_and_prepare()  # no-op when this content was prepared before
+    except OSError:
+        # Another process (e.g. another host on a shared data_dir) may have finished preparing
+        # the same content first, so renaming our copy into place failed: use theirs.
+        builder = DeltaJaxMathRecords(config=config, data_dir=data_dir, file_format="array_record")
+        if not builder.is_prepared():
+            raise
     finally:
         tfds.display_progress_bar(progress_was_on)
     stats = records_lib.LoadStats.from_json(builder.info.metadata.get("load_stats", {}))

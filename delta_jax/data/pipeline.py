@@ -12,7 +12,7 @@ identical remaining order.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import grain
 
