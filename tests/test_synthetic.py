@@ -3,6 +3,7 @@ import ast
 import importlib.util
 import json
 import operator
+import os
 import re
 
 import pytest
@@ -141,3 +142,15 @@ def test_project_reward_accepts_the_solutions(splits):
     sample = splits["test"][:12]
     assert all(math_reward(r["solution"], r["answer"]) == 1.0 for r in sample)
     assert math_reward(sample[0]["solution"], str(int(sample[0]["answer"]) + 1)) == 0.0
+
+
+def test_prepare_tiny_task_is_idempotent(tmp_path):
+    from delta_jax.data import tiny_task
+
+    paths = tiny_task.prepare_tiny_task(str(tmp_path), num_train=50, num_test=10, seed=2)
+    assert os.path.isfile(os.path.join(paths["tokenizer"], "tokenizer.json"))
+    mtime = os.path.getmtime(paths["train"])
+    assert tiny_task.prepare_tiny_task(str(tmp_path), num_train=50, num_test=10, seed=2) == paths
+    assert os.path.getmtime(paths["train"]) == mtime  # reused, not rewritten
+    tiny_task.prepare_tiny_task(str(tmp_path), num_train=30, num_test=10, seed=2)
+    assert len(records.load_records(paths["train"])[0]) == 30

@@ -6,6 +6,7 @@
     templates.py      PromptTemplate / make_template: "qwen_math" | "base" | "chat" | "plain"
     synthetic.py      the built-in arithmetic task (JSONL train/test splits)
     tiny_tokenizer.py a <512-token byte-level BPE tokenizer for the synthetic task
+    tiny_task.py      prepare_tiny_task(out_dir): both of the above for the tiny default run
 
 The names below are re-exported lazily, so `import delta_jax.data.synthetic` does not load
 tensorflow-datasets or grain.
@@ -24,6 +25,7 @@ _EXPORTS = {
     "PromptTemplate": "templates",
     "make_template": "templates",
     "BOXED_INSTRUCTION": "templates",
+    "prepare_tiny_task": "tiny_task",
 }
 
 __all__ = sorted(_EXPORTS)
