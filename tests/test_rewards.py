@@ -29,6 +29,7 @@ CASES = [
     (r"\boxed{10^6}", "1000000", 1, "power of ten"),
     (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"(3,\frac{\pi}{2})", 1, r"\left( \right)"),
     (r"\boxed{6.}", "6", 1, "trailing sentence period inside the box"),
+    (r"\boxed{{(2,4)}}", "(2,4)", 1, "redundant grouping braces"),
     # units, money, percent, degrees
     (r"\boxed{12 \text{ inches}}", "12", 1, "unit text"),
     (r"\boxed{5\text{ cm}^2}", "5", 1, "unit with superscript"),
@@ -210,6 +211,13 @@ def test_score_with_overlong_penalty_and_info(scorer):
         scorer.score(responses, golds[:2])
     scorer_ol.close()  # does not own the shared pool
     assert scorer.score([r"\boxed{1}"], ["1.0"])[0].tolist() == [1.0]
+
+
+def test_huge_answer_scores_zero_without_verification(scorer):
+    huge = "+".join(["1"] * 2000)
+    rewards, info = scorer.score([rf"\boxed{{{huge}}}", r"\boxed{2}"], ["2000", "2"])
+    np.testing.assert_array_equal(rewards, [0, 1])
+    assert info["num_answer_too_long"] == 1 and info["num_timeouts"] == 0
 
 
 def test_scorer_config_errors():

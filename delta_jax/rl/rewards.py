@@ -115,6 +115,9 @@ def normalize_answer(answer: str) -> str:
     for old, new in _REPLACEMENTS:
         s = s.replace(old, new)
     s = _TRAILING_JUNK_RE.sub("", s)
+    # Redundant outer grouping braces ("{(2,4)}" renders as "(2,4)"; math-verify reads a set).
+    while len(s) >= 2 and s[0] == "{" and _box_content(s, 0) == s[1:-1]:
+        s = s[1:-1].strip()
     return s
 
 
@@ -269,13 +272,18 @@ class RewardScorer:
       cache_size: LRU cache of (gold, answer) -> verdict, shared across calls.
       pool: an existing VerifyPool running grade_in_worker to share (not closed by this scorer);
         by default the scorer starts and owns its own.
+      max_answer_chars: longer boxed answers score 0 unverified (no gold answer is that long,
+        and sympy on a huge string can eat memory before any timeout).
+
+    Thread-safe: concurrent score() calls are serialised.
     """
 
     def __init__(self, name: str = "math", num_workers: int = 2, timeout_s: float = 10.0,
                  max_response_len: int | None = None, overlong_buffer_len: int = 0,
                  overlong_penalty_factor: float = 1.0, reward_kwargs: dict | None = None,
                  cache_size: int = 200_000, start_method: str = "spawn",
-                 chunk_size: int | None = None, pool: vp.VerifyPool | None = None):
+                 chunk_size: int | None = None, pool: vp.VerifyPool | None = None,
+                 max_answer_chars: int = 1000):
         self.name = name
         self.reward_fn = get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
@@ -287,6 +295,8 @@ class RewardScorer:
         self.max_response_len = max_response_len
         self.overlong_buffer_len = int(overlong_buffer_len)
         self.overlong_penalty_factor = float(overlong_penalty_factor)
+        self.max_answer_chars = max_answer_chars
+        self._lock = threading.Lock()
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         if pool is not None and pool.fn != _GRADE_FN:
@@ -320,8 +330,12 @@ class RewardScorer:
         self.close()
 
     def correctness(self, answers: Sequence[str | None], golds: Sequence[str]):
-        """Verdicts for extracted answers. Returns (accuracy f32 [N], timed_out bool [N],
-        errored bool [N], cache_hits int)."""
+        """Verdicts for extracted answers (None = no answer). Returns (accuracy f32 [N],
+        timed_out bool [N], errored bool [N], cache_hits int)."""
+        with self._lock:
+            return self._correctness_locked(answers, golds)
+
+    def _correctness_locked(self, answers, golds):
         n = len(answers)
         accuracy = np.zeros(n, np.float32)
         timed_out = np.zeros(n, bool)
@@ -329,7 +343,7 @@ class RewardScorer:
         todo: dict[tuple[str, str], list[int]] = {}
         hits = 0
         for i, (ans, gold) in enumerate(zip(answers, golds)):
-            if ans is None:
+            if ans is None or len(ans) > self.max_answer_chars:
                 continue
             key = (normalize_answer(str(gold)), normalize_answer(ans))
             if not key[0] or not key[1]:
@@ -368,8 +382,8 @@ class RewardScorer:
         Returns:
           rewards: float32 [N].
           info: accuracy f32 [N], num_boxes i32 [N], overlong_penalty f32 [N], timed_out /
-            errored bool [N]; scalars num_timeouts, num_errors, num_no_box, num_truncated,
-            cache_hits, num_verified (pool items), seconds.
+            errored bool [N]; scalars num_timeouts, num_errors, num_no_box,
+            num_answer_too_long, num_truncated, cache_hits, seconds.
         """
         t0 = time.perf_counter()
         n = len(responses)
@@ -399,6 +413,8 @@ class RewardScorer:
             "num_timeouts": int(timed_out.sum()),
             "num_errors": int(errored.sum()),
             "num_no_box": int(sum(a is None or not a.strip() for a in answers)),
+            "num_answer_too_long": int(sum(a is not None and len(a) > self.max_answer_chars
+                                           for a in answers)),
             "num_truncated": int(np.asarray(truncated).sum()) if truncated is not None else 0,
             "cache_hits": hits,
             "seconds": time.perf_counter() - t0,

@@ -206,7 +206,16 @@ class VerifyPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("VerifyPool is closed")
-            return self._map_locked(list(items))
+            try:
+                return self._map_locked(list(items))
+            except BaseException:
+                # Interrupted mid-batch (start-up failure, KeyboardInterrupt): workers still
+                # holding items of this batch would answer into the next one; replace them.
+                for idx, w in enumerate(self._workers):
+                    if w.busy:
+                        w.current.clear()
+                        self._replace(idx, graceful=False)
+                raise
 
     def _map_locked(self, items: list[tuple]) -> list[ItemResult]:
         n = len(items)
