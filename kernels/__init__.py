@@ -13,6 +13,7 @@ from delta_jax.kernels.delta_pass import (
     delta_pass_auto,
     delta_pass_reference,
     margin_std_from_sums,
+    merge_moments,
 )
 from delta_jax.kernels.lm_head_logprob import (
     lm_head_logprob,
@@ -32,5 +33,6 @@ __all__ = [
     "lm_head_logprob_auto",
     "lm_head_logprob_reference",
     "margin_std_from_sums",
+    "merge_moments",
     "resolve_impl",
 ]

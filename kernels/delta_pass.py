@@ -12,16 +12,18 @@ and the pass returns, per side (row 0 = P: a > 0, row 1 = N: a < 0; only tokens 
     centroid_sum  [2, H]  sum |a| alpha v        -> next centroids (divide by weight_sum)
     weight_sum    [2]     sum |a| alpha
     count         [2]     number of tokens
-    margin_sum    [2]     sum Delta              -> margin mean / population std (gamma)
-    margin_sq_sum [2]     sum Delta^2
+    margin_mean   [2]     mean of Delta over the side's tokens (unweighted)
+    margin_m2     [2]     sum of squared deviations of Delta from that mean (Var = m2 / count)
     correct       [2]     tokens with sign(a) s > 0 (discriminator accuracy, a diagnostic)
     lam_sum       []      sum of lambda over all valid tokens (Z included; 0 unless lam_range)
     num_valid     []      number of valid tokens (Z included)
     lam           [...]   optional per-token lambda = lam_min + (lam_max - lam_min) alpha on P/N,
                           lam_min on Z (a == 0), 0 on padding; shape of h without the last axis.
 
-All sums are plain sums, so results of several chunks / devices combine by addition
-(`add_sums`, or a psum of every field but `lam`). The initial centroids (2.2) are this pass with
+Results of several chunks / devices combine with `add_sums` (plain sums, and Chan et al.'s
+pairwise merge of the margin moments, which avoids the fp32 cancellation of raw sums of squares).
+The fields map one-to-one onto delta_jax.rl.delta.PassStats: (weighted_sum, weight_total,
+margin_count, margin_mean, margin_m2) = (centroid_sum, weight_sum, count, margin_mean, margin_m2). The initial centroids (2.2) are this pass with
 use_alpha=False (weights |a|; mu_pos/mu_neg then only feed the unused margins).
 
 `delta_pass_reference` is plain jnp; `delta_pass` is a Pallas (Triton backend) kernel with a
@@ -54,8 +56,8 @@ class DeltaPassSums(NamedTuple):
     centroid_sum: jax.Array
     weight_sum: jax.Array
     count: jax.Array
-    margin_sum: jax.Array
-    margin_sq_sum: jax.Array
+    margin_mean: jax.Array
+    margin_m2: jax.Array
     correct: jax.Array
     lam_sum: jax.Array
     num_valid: jax.Array
@@ -96,9 +98,22 @@ def _check_and_flatten(h, p, a, mask, mu_pos, mu_neg):
     )
 
 
+def merge_moments(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
+    """Chan et al.'s pairwise merge of (count, mean, m2) moments (any matching shapes)."""
+    count = count_a + count_b
+    delta = mean_b - mean_a
+    frac = count_b / jnp.maximum(count, 1.0)
+    return count, mean_a + delta * frac, m2_a + m2_b + delta * delta * count_a * frac
+
+
 def add_sums(x: DeltaPassSums, y: DeltaPassSums) -> DeltaPassSums:
-    """Sums of two chunks of tokens (the per-token `lam` is dropped: it does not add)."""
-    return DeltaPassSums(*(u + v for u, v in zip(x[:-1], y[:-1])), lam=None)
+    """Statistics of two chunks of tokens together (the per-token `lam` is dropped)."""
+    count, mean, m2 = merge_moments(x.count, x.margin_mean, x.margin_m2,
+                                    y.count, y.margin_mean, y.margin_m2)
+    return DeltaPassSums(
+        centroid_sum=x.centroid_sum + y.centroid_sum, weight_sum=x.weight_sum + y.weight_sum,
+        count=count, margin_mean=mean, margin_m2=m2, correct=x.correct + y.correct,
+        lam_sum=x.lam_sum + y.lam_sum, num_valid=x.num_valid + y.num_valid, lam=None)
 
 
 def centroids_from_sums(sums: DeltaPassSums, eps: float = 1e-8) -> tuple[jax.Array, jax.Array]:
@@ -108,13 +123,8 @@ def centroids_from_sums(sums: DeltaPassSums, eps: float = 1e-8) -> tuple[jax.Arr
 
 
 def margin_std_from_sums(sums: DeltaPassSums, var_floor: float = 1e-8) -> tuple[jax.Array, jax.Array]:
-    """(gamma_pos, gamma_neg): population std of the margins per side, count clamped >= 1 (2.4).
-
-    Computed from (count, sum, sum of squares); fine in fp32 while |mean| / std stays moderate.
-    """
-    n = jnp.maximum(sums.count, 1.0)
-    mean = sums.margin_sum / n
-    var = jnp.maximum(sums.margin_sq_sum / n - mean * mean, var_floor)
+    """(gamma_pos, gamma_neg): population std of the margins per side, count clamped >= 1 (2.4)."""
+    var = jnp.maximum(sums.margin_m2 / jnp.maximum(sums.count, 1.0), var_floor)
     gamma = jnp.sqrt(var)
     return gamma[0], gamma[1]
 
@@ -163,12 +173,15 @@ def delta_pass_reference(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, us
         lam = jnp.where(side, lam_min + (lam_max - lam_min) * alpha, jnp.where(valid, lam_min, 0.0))
         lam_sum = jnp.sum(lam)
         lam = lam.reshape(lead)
+    count = jnp.sum(side_masks, axis=1)
+    margin_mean = (side_masks @ margin) / jnp.maximum(count, 1.0)
+    deviation = margin[None, :] - margin_mean[:, None]
     return DeltaPassSums(
         centroid_sum=centroid_sum,
         weight_sum=side_masks @ weight,
-        count=jnp.sum(side_masks, axis=1),
-        margin_sum=side_masks @ margin,
-        margin_sq_sum=side_masks @ (margin * margin),
+        count=count,
+        margin_mean=margin_mean,
+        margin_m2=jnp.sum(side_masks * deviation * deviation, axis=1),
         correct=jnp.sum(correct, axis=1),
         lam_sum=lam_sum,
         num_valid=jnp.sum(valid.astype(jnp.float32)),
@@ -260,16 +273,24 @@ def _delta_kernel(h_ref, p_ref, a_ref, m_ref, w_ref, prm_ref, *out_refs, n_token
         if with_lambda:
             pltriton.store(lam_ref.at[pl.ds(start, bn)], lam, mask=in_range)
 
-        posf, negf = pos.astype(f32), neg.astype(f32)
-        tile_stats = (
-            jnp.sum(posf * weight), jnp.sum(negf * weight),
-            jnp.sum(posf), jnp.sum(negf),
-            jnp.sum(posf * margin), jnp.sum(negf * margin),
-            jnp.sum(posf * margin * margin), jnp.sum(negf * margin * margin),
-            jnp.sum(jnp.where(pos & (s > 0), 1.0, 0.0)), jnp.sum(jnp.where(neg & (s < 0), 1.0, 0.0)),
-            jnp.sum(lam), jnp.sum(valid.astype(f32)),
+        (w_p, w_n, n_p, n_n, mean_p, mean_n, m2_p, m2_n, c_p, c_n, lam_total, n_valid) = carry
+        # Margin moments: exact (count, mean, m2) of this tile, Chan-merged into the running ones.
+        moments = []
+        for side_f, n_run, mean_run, m2_run in ((pos.astype(f32), n_p, mean_p, m2_p),
+                                                (neg.astype(f32), n_n, mean_n, m2_n)):
+            n_t = jnp.sum(side_f)
+            mean_t = jnp.sum(side_f * margin) / jnp.maximum(n_t, 1.0)
+            dev = margin - mean_t
+            m2_t = jnp.sum(side_f * dev * dev)
+            moments.append(merge_moments(n_run, mean_run, m2_run, n_t, mean_t, m2_t))
+        (n_p, mean_p, m2_p), (n_n, mean_n, m2_n) = moments
+        return (
+            w_p + jnp.sum(jnp.where(pos, weight, 0.0)), w_n + jnp.sum(jnp.where(neg, weight, 0.0)),
+            n_p, n_n, mean_p, mean_n, m2_p, m2_n,
+            c_p + jnp.sum(jnp.where(pos & (s > 0), 1.0, 0.0)),
+            c_n + jnp.sum(jnp.where(neg & (s < 0), 1.0, 0.0)),
+            lam_total + jnp.sum(lam), n_valid + jnp.sum(valid.astype(f32)),
         )
-        return tuple(c + t for c, t in zip(carry, tile_stats))
 
     zero = jnp.zeros((), f32)
     totals = lax.fori_loop(0, tiles_per_program, tile_body, (zero,) * 12)
@@ -327,7 +348,13 @@ def delta_pass(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=Tr
         name="delta_pass",
     )(h2, p, a, mask, w, params)
     outs = list(outs)
-    stats = jnp.sum(outs.pop(0), axis=0)
+    per_program = outs.pop(0)  # [G, 16]
+    stats = jnp.sum(per_program, axis=0)  # valid for the additive slots
+    # Margin moments: exact parallel combination of the programs' (count, mean, m2).
+    counts, means, m2s = per_program[:, 2:4], per_program[:, 4:6], per_program[:, 6:8]
+    count = jnp.sum(counts, axis=0)
+    margin_mean = jnp.sum(counts * means, axis=0) / jnp.maximum(count, 1.0)
+    margin_m2 = jnp.sum(m2s, axis=0) + jnp.sum(counts * jnp.square(means - margin_mean), axis=0)
     if with_centroids:
         centroid_sum = jnp.sum(outs.pop(0).reshape(num_programs, 2, hidden), axis=0)
     else:
@@ -336,9 +363,9 @@ def delta_pass(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=Tr
     return DeltaPassSums(
         centroid_sum=centroid_sum,
         weight_sum=stats[0:2],
-        count=stats[2:4],
-        margin_sum=stats[4:6],
-        margin_sq_sum=stats[6:8],
+        count=count,
+        margin_mean=margin_mean,
+        margin_m2=margin_m2,
         correct=stats[8:10],
         lam_sum=stats[10],
         num_valid=stats[11],
