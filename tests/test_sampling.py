@@ -42,7 +42,7 @@ def log_softmax(x):
 def _hf_model(kind, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
                   initializer_range=0.2, tie_word_embeddings=False)
