@@ -146,7 +146,7 @@ def test_matches_numpy_reference(num_refine):
         for i, name in enumerate(("pos", "neg", "zero")):
             side_w = np.array([want[k] for k in info["sides"][i]])
             np.testing.assert_allclose(diag[f"weight_mean_{name}"], side_w.mean(), rtol=1e-5)
-            np.testing.assert_allclose(diag[f"weight_std_{name}"], side_w.std(), rtol=1e-3,
+            np.testing.assert_allclose(diag[f"weight_std_{name}"], side_w.std(), rtol=1e-4,
                                        atol=1e-6)
             np.testing.assert_allclose(diag[f"weight_min_{name}"], side_w.min(), rtol=1e-5)
             np.testing.assert_allclose(diag[f"weight_max_{name}"], side_w.max(), rtol=1e-5)
@@ -199,10 +199,14 @@ def test_hidden_topk_proxy_matches_numpy_and_feeds_coefficients():
     _assert_weights(weights, ref, mask)
 
 
-def test_last_layer_proxy():
-    hidden, prob, _, _ = make_batch(5)
+def test_last_layer_proxy_and_stop_gradient():
+    hidden, prob, adv, mask = make_batch(5)
     np.testing.assert_allclose(D.last_layer_proxy(jnp.asarray(hidden), jnp.asarray(prob)),
                                _proxy64(hidden, prob), rtol=1e-6)
+    # The coefficients are constants of the policy update (spec 2).
+    grad = jax.grad(lambda h: jnp.sum(D.delta_coefficients(h, prob, adv, mask)[0] ** 2))(
+        jnp.asarray(hidden))
+    assert np.all(np.asarray(grad) == 0)
 
 
 # ----------------------------------------------------------------------------- properties
@@ -246,7 +250,9 @@ def test_streaming_equals_one_shot(num_refine):
     blocks = [(slice(0, 3), slice(None)), (slice(3, 8), slice(0, 4)), (slice(3, 8), slice(4, None))]
     chunks = [D.FeatureChunk(jnp.asarray(hidden[r, t]), jnp.asarray(adv[r]), jnp.asarray(mask[r, t]),
                              jnp.asarray(1.0 - prob[r, t])) for r, t in blocks]
-    got, sdiag = D.delta_coefficients_streaming(lambda: iter(chunks), num_refine=num_refine)
+    # A re-iterable list, or a callable giving a fresh iterator each pass.
+    source = chunks if num_refine == 0 else (lambda: iter(chunks))
+    got, sdiag = D.delta_coefficients_streaming(source, num_refine=num_refine)
     stitched = np.zeros_like(mask)
     for (r, t), w in zip(blocks, got):
         stitched[r, t] = np.asarray(w)

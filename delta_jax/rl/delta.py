@@ -443,7 +443,7 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
       mesh, data_axes: for "per_shard": the mesh and the axis name(s) over which the batch
         dimension is split (B must be divisible by their total size).
 
-    Returns:
+    Returns (no gradient flows through either):
       weights fp32 [B, T]: c * lambda, mean 1 over the valid tokens (of each shard in per_shard
         mode), 0 on padding, in [c lam_min, c lam_max].
       diagnostics: dict of fp32 scalars, see `diagnostics`. In per_shard mode each value is the
@@ -451,6 +451,9 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         (min/max over shards).
     """
     _check_lambda_range(lam_min, lam_max)
+    # Spec 2: the coefficients are constants for the policy update.
+    hidden, token_prob, advantages, mask, features = jax.lax.stop_gradient(
+        (hidden, token_prob, advantages, mask, features))
     if features is not None:
         if hidden is not None or token_prob is not None:
             raise ValueError("delta_coefficients: pass either features= or hidden and token_prob, "
