@@ -196,6 +196,13 @@ class EvalResult:
                         **self.average()},
         }
 
+    def flat_metrics(self, prefix: str = "eval") -> dict:
+        """{"eval/<benchmark>/<metric>": value, ..., "eval/average/<metric>": value} (fractions)."""
+        out = {f"{prefix}/{name}/{m}": v for name, b in self.benchmarks.items()
+               for m, v in self._row(b).items()}
+        out.update({f"{prefix}/average/{m}": v for m, v in self.average().items()})
+        return out
+
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 

@@ -142,6 +142,11 @@ def test_evaluate_on_shared_benchmarks(shared_dir, scorer, tmp_path):
     assert data["settings"] == {"temperature": 1.0, "top_p": 0.7}
     assert data["benchmarks"]["aime24"]["per_question"][3] == {"id": "aime-2024-I-4",
                                                                 "num_correct": 3}
+    flat = result.flat_metrics()
+    assert flat["eval/amc23/pass@2"] == pytest.approx(
+        _expected_metrics(counts["amc23"], k, pass_ks)["pass@2"])
+    assert flat["eval/average/avg@4"] == pytest.approx(exp_avg["avg@4"])
+    assert len(flat) == 3 * 4
     json_path, md_path = result.save(tmp_path)
     assert json.load(open(json_path))["k"] == 4 and open(md_path).read() == result.to_markdown()
 
