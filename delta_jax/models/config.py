@@ -77,7 +77,11 @@ class ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def num_params(self, include_embeddings: bool = True) -> int:
-    """Exact parameter count of the model this config builds."""
+    """Exact parameter count of the model this config builds.
+
+    include_embeddings=False leaves out the embedding table and the LM head (the
+    "non-embedding" count of model cards).
+    """
     h, d = self.hidden_size, self.head_dim
     attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
     if self.qk_norm:
@@ -85,10 +89,8 @@ class ModelConfig:
     mlp = 3 * h * self.intermediate_size
     per_layer = attn + mlp + 2 * h
     total = self.num_layers * per_layer + h  # + final norm
-    if include_embeddings:
+    if include_embeddings:  # embedding table, plus the LM head when untied
       total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-    elif not self.tie_word_embeddings:
-      total += self.vocab_size * h  # the separate LM head is a real matmul weight
     return total
 
 

@@ -148,6 +148,7 @@ def config_from_hf(hf: dict, *, where: str = CONFIG_NAME, dtype=jnp.float32, par
   hidden = required_int("hidden_size")
   heads = required_int("num_attention_heads")
   head_dim = hf.get("head_dim") or hidden // heads
+  rope_theta = _rope_theta(hf, where)
   try:
     return ModelConfig(
         vocab_size=required_int("vocab_size"),
@@ -157,7 +158,7 @@ def config_from_hf(hf: dict, *, where: str = CONFIG_NAME, dtype=jnp.float32, par
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        rope_theta=_rope_theta(hf, where),
+        rope_theta=rope_theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=(model_type == "qwen3"),

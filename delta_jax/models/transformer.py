@@ -24,11 +24,14 @@ for the scores and logits; logits are returned in float32.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from delta_jax.models.cache import KVCache
@@ -154,17 +157,42 @@ def _maybe_remat(cfg: ModelConfig, fn):
   return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=False)
 
 
+# Below this many weights, init draws one flat normal vector and slices it: XLA:CPU compiles
+# one RNG op in well under a second but ~15 of them take many seconds (tests, smoke runs).
+_FLAT_INIT_MAX = 2**26
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_arrays(cfg: ModelConfig, key: jax.Array) -> dict:
+  """Initial parameter arrays {"embed", "final_norm", "lm_head"?, "layers.<name>"}:
+  N(0, 0.02) weights and unit norm scales, in cfg.param_dtype."""
+  shapes = {"embed": (cfg.vocab_size, cfg.hidden_size)}
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+  layer_shapes = layer_param_shapes(cfg)
+  shapes.update({f"layers.{n}": s for n, s in layer_shapes.items() if n not in NORM_NAMES})
+  sizes = [math.prod(s) for s in shapes.values()]
+  if sum(sizes) <= _FLAT_INIT_MAX:
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    offsets = np.cumsum([0] + sizes)
+    draws = [flat[a:b].reshape(s) for a, b, s in zip(offsets[:-1], offsets[1:], shapes.values())]
+  else:
+    keys = jax.random.split(key, len(shapes))
+    draws = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes.values())]
+  out = {name: (0.02 * d).astype(cfg.param_dtype) for name, d in zip(shapes, draws)}
+  out["final_norm"] = jnp.ones((cfg.hidden_size,), cfg.param_dtype)
+  for name in NORM_NAMES:
+    if name in layer_shapes:
+      out[f"layers.{name}"] = jnp.ones(layer_shapes[name], cfg.param_dtype)
+  return out
+
+
 class DecoderLayers(nnx.Module):
   """All decoder layers' parameters, stacked along a leading "layers" axis."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    init = nnx.initializers.normal(stddev=0.02)
-    for name, shape in layer_param_shapes(cfg).items():
-      if name in NORM_NAMES:
-        value = jnp.ones(shape, cfg.param_dtype)
-      else:
-        value = init(rngs.params(), shape, cfg.param_dtype)
-      setattr(self, name, _param(value, LAYER_AXES[name]))
+  def __init__(self, cfg: ModelConfig, arrays: dict):
+    for name in layer_param_shapes(cfg):
+      setattr(self, name, _param(arrays[f"layers.{name}"], LAYER_AXES[name]))
 
   def arrays(self) -> dict[str, jax.Array]:
     return {name: getattr(self, name)[...] for name in LAYER_AXES if hasattr(self, name)}
@@ -175,14 +203,12 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    init = nnx.initializers.normal(stddev=0.02)
-    self.embed = _param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype),
-                        ("vocab", "embed"))
-    self.layers = DecoderLayers(cfg, rngs=rngs)
-    self.final_norm = _param(jnp.ones((cfg.hidden_size,), cfg.param_dtype), ("norm",))
+    arrays = init_arrays(cfg, rngs.params())
+    self.embed = _param(arrays["embed"], ("vocab", "embed"))
+    self.layers = DecoderLayers(cfg, arrays)
+    self.final_norm = _param(arrays["final_norm"], ("norm",))
     if not cfg.tie_word_embeddings:
-      self.lm_head = _param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size),
-                                 cfg.param_dtype), ("embed", "vocab"))
+      self.lm_head = _param(arrays["lm_head"], ("embed", "vocab"))
 
   def lm_head_weight(self) -> jax.Array:
     """The output projection [H, V] (the transposed embedding when tied)."""

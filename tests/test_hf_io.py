@@ -1,0 +1,258 @@
+"""HF checkpoint I/O and numerical parity with transformers' Qwen3 / Llama (CPU, fp32)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from delta_jax import models
+
+VOCAB = 160
+
+# (name, class, config kwargs): GQA 4:1, 2:1, 1:1; head_dim != hidden/heads; tied and untied;
+# rope theta 1e6 and 1e4.
+CASES = [
+    ("qwen3_gqa4_tied_hd16_1e6", Qwen3ForCausalLM, Qwen3Config,
+     dict(hidden_size=48, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+          head_dim=16, rope_theta=1e6, tie_word_embeddings=True)),
+    ("qwen3_gqa2_untied_1e4", Qwen3ForCausalLM, Qwen3Config,
+     dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=8, rope_theta=1e4, tie_word_embeddings=False)),
+    ("llama_mha_untied_1e4", LlamaForCausalLM, LlamaConfig,
+     dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+          rope_theta=1e4, tie_word_embeddings=False)),
+    ("llama_gqa2_tied_hd16_1e6", LlamaForCausalLM, LlamaConfig,
+     dict(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=16, rope_theta=1e6, tie_word_embeddings=True)),
+]
+
+
+def _make_hf(model_cls, config_cls, kwargs, seed=0):
+  """A tiny transformers model whose weights (norms included) are all clearly non-trivial."""
+  torch.manual_seed(seed)
+  config = config_cls(vocab_size=VOCAB, num_hidden_layers=2, rms_norm_eps=1e-6,
+                      max_position_embeddings=256, **kwargs)
+  model = model_cls(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      else:
+        p.copy_(0.15 * torch.randn_like(p))
+  return model
+
+
+def _batch(seed=0, batch=3, length=9):
+  """Random ids with left padding, right padding and no padding; HF-style positions."""
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(0, VOCAB, (batch, length))
+  mask = np.ones((batch, length), np.int64)
+  mask[1, :3] = 0   # left padding
+  mask[2, -2:] = 0  # right padding
+  positions = np.maximum(mask.cumsum(1) - 1, 0)
+  return ids, mask, positions
+
+
+def _hf_forward(model, ids, mask, positions):
+  with torch.no_grad():
+    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                position_ids=torch.tensor(positions), output_hidden_states=True)
+  return out.logits.numpy(), out.hidden_states[-1].numpy()
+
+
+@pytest.mark.parametrize("name,model_cls,config_cls,kwargs", CASES, ids=[c[0] for c in CASES])
+def test_parity_with_transformers(tmp_path, name, model_cls, config_cls, kwargs):
+  hf = _make_hf(model_cls, config_cls, kwargs)
+  hf.save_pretrained(tmp_path / "hf")
+  ids, mask, positions = _batch()
+  ref_logits, ref_hidden = _hf_forward(hf, ids, mask, positions)
+  # transformers' last hidden state is after the final norm: check it against lm_head.
+  head = hf.get_output_embeddings().weight.detach().numpy()
+  np.testing.assert_allclose(ref_hidden @ head.T, ref_logits, atol=1e-4)
+
+  model = models.from_pretrained(tmp_path / "hf", dtype=jnp.float32)
+  cfg = model.cfg
+  assert cfg.qk_norm == (model_cls is Qwen3ForCausalLM)
+  assert cfg.tie_word_embeddings == kwargs["tie_word_embeddings"]
+  assert cfg.rope_theta == kwargs["rope_theta"]
+  assert cfg.head_dim == kwargs.get("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+  out = model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask))
+  valid = mask.astype(bool)
+  assert out.logits.dtype == jnp.float32
+  assert np.abs(np.asarray(out.logits)[valid] - ref_logits[valid]).max() <= 1e-4
+  assert np.abs(np.asarray(out.hidden)[valid] - ref_hidden[valid]).max() <= 1e-4
+  assert np.isfinite(np.asarray(out.logits)).all()  # padded rows too
+
+  # Round trip: our save_pretrained loads in transformers with the same logits.
+  models.save_pretrained(model, tmp_path / "ours")
+  hf2 = model_cls.from_pretrained(tmp_path / "ours").eval()
+  logits2, _ = _hf_forward(hf2, ids, mask, positions)
+  assert np.abs(logits2[valid] - ref_logits[valid]).max() <= 1e-5
+
+
+def test_sharded_checkpoints_round_trip(tmp_path):
+  hf = _make_hf(Qwen3ForCausalLM, Qwen3Config, CASES[1][3], seed=1)
+  hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+  assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+  assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+  ids, mask, positions = _batch(seed=1)
+  ref_logits, _ = _hf_forward(hf, ids, mask, positions)
+  valid = mask.astype(bool)
+
+  model = models.from_pretrained(tmp_path / "hf")
+  logits = np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)).logits)
+  assert np.abs(logits[valid] - ref_logits[valid]).max() <= 1e-4
+
+  # Our own sharded writer: several files + index, readable by transformers and by us.
+  models.save_pretrained(model, tmp_path / "ours", max_shard_size=30_000)
+  index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+  files = sorted((tmp_path / "ours").glob("*.safetensors"))
+  assert len(files) > 1 and set(index["weight_map"].values()) == {f.name for f in files}
+  hf2 = Qwen3ForCausalLM.from_pretrained(tmp_path / "ours").eval()
+  logits2, _ = _hf_forward(hf2, ids, mask, positions)
+  assert np.abs(logits2[valid] - ref_logits[valid]).max() <= 1e-5
+  reloaded = models.from_pretrained(tmp_path / "ours")
+  for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(reloaded))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_save_and_load(tmp_path):
+  cfg = models.get_preset("tiny", num_layers=1)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(3))
+  models.save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16)
+  assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+  loaded = models.from_pretrained(tmp_path / "bf16", dtype=jnp.bfloat16)
+  assert loaded.cfg.dtype == jnp.bfloat16 and loaded.embed[...].dtype == jnp.bfloat16
+  want = np.asarray(model.layers.q_proj[...].astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(loaded.layers.q_proj[...]), want)
+  fp32 = models.from_pretrained(tmp_path / "bf16", dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  assert fp32.embed[...].dtype == jnp.float32 and fp32.cfg.dtype == jnp.bfloat16
+
+
+def test_from_pretrained_places_parameters_with_given_shardings(tmp_path):
+  cfg = models.get_preset("tiny", num_layers=1)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+  models.save_pretrained(model, tmp_path / "m")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+  rules = {"embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+           "vocab": "tensor"}
+  seen = []
+
+  def shardings(path, axes, shape):
+    seen.append(path)
+    spec = jax.sharding.PartitionSpec(*(rules.get(a) for a in axes))
+    return jax.sharding.NamedSharding(mesh, spec)
+
+  loaded = models.from_pretrained(tmp_path / "m", shardings=shardings)
+  assert ("layers", "q_proj") in seen and ("embed",) in seen
+  q = loaded.layers.q_proj[...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+  np.testing.assert_array_equal(np.asarray(q), np.asarray(model.layers.q_proj[...]))
+
+  # A pytree of shardings shaped like the state (what nnx.get_named_sharding returns) works too.
+  tree = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                      nnx.state(model))
+  replicated = models.from_pretrained(tmp_path / "m", shardings=tree)
+  assert replicated.embed[...].sharding.is_fully_replicated
+  assert len(replicated.embed[...].sharding.device_set) == 4
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("ckpt") / "tiny"
+  model = models.Transformer(models.get_preset("tiny", num_layers=1), rngs=nnx.Rngs(0))
+  models.save_pretrained(model, path)
+  return path
+
+
+def _copy(src, dst):
+  dst.mkdir()
+  for f in src.iterdir():
+    (dst / f.name).write_bytes(f.read_bytes())
+  return dst
+
+
+def test_missing_config_json(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  (path / "config.json").unlink()
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    models.from_pretrained(path)
+
+
+def test_malformed_config_json(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  (path / "config.json").write_text('{"model_type": "qwen3", ')
+  with pytest.raises(models.CheckpointError, match=r"config\.json: malformed JSON"):
+    models.from_pretrained(path)
+
+
+def test_missing_config_field(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  config = json.loads((path / "config.json").read_text())
+  del config["hidden_size"]
+  (path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(models.CheckpointError, match=r"config\.json: missing required field 'hidden_size'"):
+    models.from_pretrained(path)
+
+
+def test_missing_tensor(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  tensors = load_file(str(path / "model.safetensors"))
+  del tensors["model.layers.0.self_attn.k_norm.weight"]
+  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(models.CheckpointError,
+                     match=r"missing tensor 'model\.layers\.0\.self_attn\.k_norm\.weight'"):
+    models.from_pretrained(path)
+
+
+def test_wrong_tensor_shape(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  tensors = load_file(str(path / "model.safetensors"))
+  tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:5]
+  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(models.CheckpointError,
+                     match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
+                           r"has shape \(5, 64\), expected \(128, 64\)"):
+    models.from_pretrained(path)
+
+
+@pytest.mark.parametrize("change,pattern", [
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "qwen3_moe"),
+    ({"num_experts": 8}, "mixture-of-experts"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "gelu"),
+])
+def test_unsupported_architecture(tmp_path, tiny_checkpoint, change, pattern):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  config = json.loads((path / "config.json").read_text())
+  config.update(change)
+  (path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(models.UnsupportedModelError, match=pattern) as info:
+    models.from_pretrained(path)
+  assert "config.json" in str(info.value)
+
+
+def test_pickle_only_directory_is_refused(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  (path / "model.safetensors").rename(path / "pytorch_model.bin")
+  with pytest.raises(FileNotFoundError, match="pickle"):
+    models.from_pretrained(path)
+
+
+def test_unexpected_tensors_are_refused(tmp_path, tiny_checkpoint):
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  tensors = load_file(str(path / "model.safetensors"))
+  tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros((128,), np.float32)
+  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(models.UnsupportedModelError, match=r"q_proj\.bias"):
+    models.from_pretrained(path)

@@ -1,0 +1,213 @@
+"""Transformer behaviour: presets, axis names, KV-cache decoding, masking, dtype, remat."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from delta_jax import models
+
+CFG = models.get_preset("tiny")  # GQA 2:1, head_dim 32 != 64 / 4, untied, qk-norm
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = models.Transformer(CFG, rngs=nnx.Rngs(0))
+  # Non-trivial norm scales so that every parameter matters.
+  key = jax.random.key(1)
+  for name in ("input_norm", "post_attn_norm", "q_norm", "k_norm"):
+    var = getattr(m.layers, name)
+    key, sub = jax.random.split(key)
+    var.set_value(1.0 + 0.3 * jax.random.normal(sub, var.shape))
+  return m
+
+
+def test_presets_match_published_qwen3_configs():
+  c8 = models.get_preset("qwen3-8b")
+  assert (c8.vocab_size, c8.hidden_size, c8.intermediate_size, c8.num_layers, c8.num_heads,
+          c8.num_kv_heads, c8.head_dim) == (151936, 4096, 12288, 36, 32, 8, 128)
+  assert c8.rope_theta == 1e6 and not c8.tie_word_embeddings and c8.qk_norm
+  assert models.get_preset("qwen3-0.6b").tie_word_embeddings
+  assert models.get_preset("qwen3-4b").tie_word_embeddings
+  assert not models.get_preset("qwen3-14b").tie_word_embeddings
+  # Model-card parameter counts (total, non-embedding), in billions.
+  published = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6),
+               "qwen3-8b": (8.2, 6.95), "qwen3-14b": (14.8, 13.2)}
+  for name, (total, non_embedding) in published.items():
+    cfg = models.get_preset(name)
+    assert cfg.num_params() / 1e9 == pytest.approx(total, abs=0.05)
+    assert cfg.num_params(include_embeddings=False) / 1e9 == pytest.approx(non_embedding, abs=0.05)
+  with pytest.raises(ValueError, match="Unknown model preset"):
+    models.get_preset("qwen3-1000b")
+
+
+def test_num_params_counts_the_built_model(model):
+  assert CFG.num_params() == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  tied = CFG.replace(tie_word_embeddings=True, qk_norm=False, num_layers=1)
+  abstract = nnx.eval_shape(lambda: models.Transformer(tied, rngs=nnx.Rngs(0)))
+  assert tied.num_params() == sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    CFG.replace(num_heads=6, num_kv_heads=4)
+  with pytest.raises(ValueError, match="remat"):
+    CFG.replace(remat="sometimes")
+  with pytest.raises(ValueError, match="hidden_size"):
+    CFG.replace(hidden_size=0)
+
+
+def test_parameters_carry_logical_axis_names(model):
+  specs = nnx.get_partition_spec(nnx.state(model))
+  assert tuple(specs["layers"]["q_proj"].get_value()) == ("layers", "embed", "q_heads", "head_dim")
+  assert tuple(specs["layers"]["o_proj"].get_value()) == ("layers", "q_heads", "head_dim", "embed")
+  assert tuple(specs["layers"]["gate_proj"].get_value()) == ("layers", "embed", "mlp")
+  assert tuple(specs["embed"].get_value()) == ("vocab", "embed")
+  assert tuple(specs["lm_head"].get_value()) == ("embed", "vocab")
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    axes = var.get_metadata()["out_sharding"]
+    assert len(axes) == var.get_value().ndim, path
+
+
+def test_lm_head_weight_tied_is_transposed_embedding():
+  tied = models.Transformer(CFG.replace(tie_word_embeddings=True, num_layers=1), rngs=nnx.Rngs(0))
+  assert not hasattr(tied, "lm_head")
+  np.testing.assert_array_equal(tied.lm_head_weight(), tied.embed[...].T)
+
+
+def _reference_forward(m, ids):
+  """Naive single-sequence forward (no padding): python loop over layers, explicit heads."""
+  cfg = m.cfg
+  eps = cfg.rms_norm_eps
+
+  def norm(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+  T = len(ids)
+  x = np.asarray(m.embed[...])[ids]
+  inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim)
+  ang = np.arange(T)[:, None] * inv
+  cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+  def rope(v):  # [T, heads, D]
+    half = v.shape[-1] // 2
+    rot = np.concatenate([-v[..., half:], v[..., :half]], -1)
+    return v * cos[:, None] + rot * sin[:, None]
+
+  p = {k: np.asarray(v) for k, v in m.layers.arrays().items()}
+  for layer in range(cfg.num_layers):
+    h = norm(x, p["input_norm"][layer])
+    q = np.einsum("th,hnd->tnd", h, p["q_proj"][layer])
+    k = np.einsum("th,hkd->tkd", h, p["k_proj"][layer])
+    v = np.einsum("th,hkd->tkd", h, p["v_proj"][layer])
+    q, k = norm(q, p["q_norm"][layer]), norm(k, p["k_norm"][layer])
+    q, k = rope(q), rope(k)
+    heads = []
+    for n in range(cfg.num_heads):
+      kv = n // cfg.num_groups
+      s = q[:, n] @ k[:, kv].T / np.sqrt(cfg.head_dim)
+      s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+      w = np.exp(s - s.max(-1, keepdims=True))
+      heads.append((w / w.sum(-1, keepdims=True)) @ v[:, kv])
+    x = x + np.einsum("tnd,ndh->th", np.stack(heads, 1), p["o_proj"][layer])
+    h = norm(x, p["post_attn_norm"][layer])
+    g, u = h @ p["gate_proj"][layer], h @ p["up_proj"][layer]
+    x = x + (g / (1 + np.exp(-g)) * u) @ p["down_proj"][layer]
+  hidden = norm(x, np.asarray(m.final_norm[...]))
+  return hidden @ np.asarray(m.lm_head_weight()), hidden
+
+
+def test_forward_matches_naive_reference(model):
+  ids = np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 7))
+  out = model(jnp.asarray(ids, jnp.int32))
+  for b in range(2):
+    logits, hidden = _reference_forward(model, ids[b])
+    np.testing.assert_allclose(out.logits[b], logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out.hidden[b], hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_padding_is_invisible_and_fully_masked_rows_are_finite(model):
+  ids = np.random.RandomState(1).randint(0, CFG.vocab_size, (1, 6))
+  plain = model(jnp.asarray(ids, jnp.int32)).logits[0]
+  filler = np.full((1, 3), 7)
+  left = np.concatenate([filler, ids], 1)
+  right = np.concatenate([ids, filler], 1)
+  batch = np.concatenate([left, right, np.zeros_like(left)], 0)
+  mask = np.array([[0] * 3 + [1] * 6, [1] * 6 + [0] * 3, [0] * 9])
+  out = model(jnp.asarray(batch, jnp.int32), attention_mask=jnp.asarray(mask))
+  np.testing.assert_allclose(out.logits[0, 3:], plain, atol=1e-5)
+  np.testing.assert_allclose(out.logits[1, :6], plain, atol=1e-5)
+  assert np.isfinite(np.asarray(out.logits)).all() and np.isfinite(np.asarray(out.hidden)).all()
+
+
+def test_kv_cache_decoding_matches_full_forward(model):
+  """Left-padded prompts: prefill into the cache, then decode token by token (jitted step)."""
+  rng = np.random.RandomState(2)
+  B, P, G, S = 3, 5, 4, 12  # batch, padded prompt length, generated tokens, cache slots
+  prompt_lens = np.array([5, 3, 1])
+  ids = rng.randint(0, CFG.vocab_size, (B, P + G))
+  mask = np.ones((B, P + G), np.int32)
+  for b, n in enumerate(prompt_lens):
+    mask[b, :P - n] = 0
+  positions = np.maximum(mask.cumsum(1) - 1, 0)
+  full = model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)).logits
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def step(state, cache, tokens, pos, index, kv_mask):
+    m = nnx.merge(graphdef, state)
+    out = m(tokens, positions=pos, cache=cache, cache_index=index, kv_mask=kv_mask)
+    return out.logits, out.cache
+
+  kv_mask = np.zeros((B, S), bool)
+  kv_mask[:, :P] = mask[:, :P].astype(bool)
+  cache = models.init_cache(CFG, B, S)
+  logits, cache = step(state, cache, jnp.asarray(ids[:, :P], jnp.int32),
+                       jnp.asarray(positions[:, :P]), 0, jnp.asarray(kv_mask))
+  valid = mask[:, :P].astype(bool)
+  np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(full[:, :P])[valid], atol=1e-5)
+  for t in range(P, P + G):
+    kv_mask[:, t] = True
+    logits, cache = step(state, cache, jnp.asarray(ids[:, t:t + 1], jnp.int32),
+                         jnp.asarray(positions[:, t:t + 1]), t, jnp.asarray(kv_mask))
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+  assert cache.k.shape == (CFG.num_layers, B, S, CFG.num_kv_heads, CFG.head_dim)
+  assert step._cache_size() == 2  # one prefill + one decode program
+
+
+def test_bfloat16_policy_close_to_float32(model):
+  bf16 = models.Transformer(CFG.replace(dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
+  nnx.update(bf16, nnx.state(model))
+  ids = jnp.asarray(np.random.RandomState(3).randint(0, CFG.vocab_size, (2, 6)), jnp.int32)
+  out = bf16(ids)
+  assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
+  ref = model(ids).logits
+  assert np.abs(np.asarray(out.logits) - np.asarray(ref)).max() < 0.05 * np.abs(ref).max()
+
+
+def test_remat_gives_same_gradients(model):
+  ids = jnp.asarray(np.random.RandomState(4).randint(0, CFG.vocab_size, (2, 5)), jnp.int32)
+  policies = ("none", "full", "dots_saveable")
+  graphdefs = [nnx.graphdef(models.Transformer(CFG.replace(remat=r), rngs=nnx.Rngs(0)))
+               for r in policies]
+  state = nnx.state(model)
+
+  @jax.jit  # one program for all three gradients keeps the test cheap
+  def grads(state):
+    def loss(state, graphdef):
+      return jnp.mean(nnx.merge(graphdef, state)(ids).logits ** 2)
+    return [jax.grad(loss)(state, g) for g in graphdefs]
+
+  g_ref, *g_remat = grads(state)
+  for g in g_remat:
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_return_logits_false_and_cache_index_required(model):
+  ids = jnp.zeros((1, 3), jnp.int32)
+  out = model(ids, return_logits=False)
+  assert out.logits is None and out.hidden.shape == (1, 3, CFG.hidden_size) and out.cache is None
+  with pytest.raises(ValueError, match="cache_index"):
+    model(ids, cache=models.init_cache(CFG, 1, 4))
