@@ -241,18 +241,22 @@ def validate_config(cfg: config_dict.ConfigDict) -> config_dict.ConfigDict:
         if name not in given:
             raise ConfigError(f"{name}: missing config field")
     cfg = resolve_method(cfg)
-    flat = _flatten(cfg)
-    for name, value in flat.items():
+    tree = cfg.to_dict()
+    for name, value in _flatten(cfg).items():
         expected = types[name]
         if value is None:
             raise ConfigError(f"{name}: must be set (got None)")
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            _set(cfg, name, float(value))
+            parent = tree
+            for part in name.split(".")[:-1]:
+                parent = parent[part]
+            parent[name.split(".")[-1]] = float(value)  # an int where a float is expected
             continue
         if expected is not None and not (isinstance(value, expected)
                                          and not (expected is int and isinstance(value, bool))):
             raise ConfigError(f"{name}: expected {expected.__name__}, got "
                               f"{type(value).__name__} {value!r}")
+    cfg = config_dict.ConfigDict(tree)
     for name, choices in CHOICES.items():
         if _get(cfg, name) not in choices:
             raise ConfigError(f"{name}: {_get(cfg, name)!r} is not one of {choices}")

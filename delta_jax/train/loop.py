@@ -457,9 +457,11 @@ def evaluate_policy(run: Run, params, step: int) -> dict:
 
     t0 = time.perf_counter()
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]
-    result = evaluation.evaluate(generate_fn, run.assets["eval"], k=cfg.eval.k,
-                                 pass_k=pass_k, format_prompt=run.template,
-                                 limit=cfg.eval.limit or None, scorer=run.scorer)
+    result = evaluation.evaluate(
+        generate_fn, run.assets["eval"], k=cfg.eval.k, pass_ks=pass_k,
+        format_prompt=run.template, limit=cfg.eval.limit or None, scorer=run.scorer,
+        settings={"step": step, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
+                  "max_new_tokens": cfg.eval.max_new_tokens})
     metrics = _flatten_eval(result)
     metrics["time/eval_s"] = time.perf_counter() - t0
     os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)

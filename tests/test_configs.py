@@ -1,0 +1,125 @@
+"""Experiment configs: every file loads and validates; bad fields and overrides name the field."""
+import importlib.util
+import pathlib
+
+import pytest
+from absl import flags
+from ml_collections import config_dict, config_flags
+
+from delta_jax.train.config import (METHOD_DEFAULTS, ConfigError, default_config,
+                                    validate_config)
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+CONFIG_FILES = sorted(p for p in EXPERIMENTS.glob("*.py") if p.name != "base.py")
+REAL_MODEL_CONFIGS = ("qwen3_8b.py", "qwen3_14b.py", "qwen3_0_6b.py", "qwen3_1_7b.py")
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(f"exp_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def parse(argv):
+    """The same flag definitions as delta_jax.main, on a private FlagValues."""
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True,
+                                    sys_argv=["prog"] + argv)
+    fv(["prog"] + argv)
+    return fv.config
+
+
+def test_expected_files_present():
+    names = {p.name for p in CONFIG_FILES}
+    assert {"tiny.py", *REAL_MODEL_CONFIGS} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_every_config_loads_and_validates(path):
+    cfg = load(path)
+    if path.name in REAL_MODEL_CONFIGS:
+        with pytest.raises(ConfigError, match=r"^model\.path"):
+            validate_config(cfg)
+        cfg.model.path = "/models/qwen3"
+        with pytest.raises(ConfigError, match=r"^data\.train"):
+            validate_config(cfg)
+        cfg.data.train = "/data/train.jsonl"
+    out = validate_config(cfg)
+    assert out.rollout.batch_prompts % out.rl.mini_batch_prompts == 0
+
+
+def test_paper_settings():
+    for name, steps in (("qwen3_8b.py", 220), ("qwen3_14b.py", 300)):
+        cfg = load(EXPERIMENTS / name)
+        cfg.model.path, cfg.data.train = "/m", "/d.jsonl"
+        c = validate_config(cfg)
+        assert c.method == "delta" and c.train.steps == steps
+        assert (c.rollout.batch_prompts, c.rollout.group_size, c.rl.mini_batch_prompts) == (
+            128, 16, 32)
+        assert (c.rl.eps_low, c.rl.eps_high, c.rl.dual_clip, c.rl.agg) == (
+            0.2, 0.28, 10.0, "token-mean")
+        assert (c.optim.lr, c.optim.weight_decay, c.optim.max_grad_norm) == (1e-6, 0.1, 1.0)
+        assert c.optim.schedule == "constant" and c.optim.warmup_steps == 0
+        assert (c.rollout.max_new_tokens, c.data.max_prompt_len) == (20480, 2048)
+        assert (c.rewards.overlong, c.rewards.overlong_buffer, c.rewards.overlong_factor) == (
+            True, 4096, 1.0)
+        assert (c.delta.num_refine, c.delta.lam_min, c.delta.lam_max) == (1, 0.8, 1.2)
+        assert c.rl.dynamic_sampling is False and c.rollout.temperature == 1.0
+        assert (c.eval.k, c.eval.top_p, c.eval.max_new_tokens) == (16, 0.7, 30000)
+
+
+@pytest.mark.parametrize("method", ["grpo", "dapo", "delta"])
+def test_method_switch_is_one_flag(method):
+    cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", f"--config.method={method}"])
+    c = validate_config(cfg)
+    for field, value in METHOD_DEFAULTS[method].items():
+        section, name = field.split(".")
+        assert c[section][name] == value
+    assert (c.rl.eps_high == 0.2) == (method == "grpo")
+    assert (c.rl.dual_clip == 0.0) == (method == "grpo")
+
+
+def test_explicit_override_beats_method_default():
+    cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", "--config.method=grpo",
+                 "--config.rl.eps_high=0.3"])
+    assert validate_config(cfg).rl.eps_high == 0.3
+
+
+def test_bad_overrides_name_the_field():
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    with pytest.raises(Exception, match="eps_hihg"):
+        parse([base, "--config.rl.eps_hihg=0.3"])
+    with pytest.raises(Exception, match="group_size"):
+        parse([base, "--config.rollout.group_size=many"])
+    cfg = parse([base, "--config.rl.mini_batch_prompts=3"])
+    with pytest.raises(ConfigError, match=r"^rl\.mini_batch_prompts"):
+        validate_config(cfg)
+    cfg = parse([base, "--config.method=ppo"])
+    with pytest.raises(ConfigError, match=r"^method"):
+        validate_config(cfg)
+    cfg = parse([base, "--config.delta.feature_cache=disk"])
+    with pytest.raises(ConfigError, match=r"^delta\.feature_cache"):
+        validate_config(cfg)
+    cfg = parse([base, "--config.rl.micro_batch_size=5"])
+    with pytest.raises(ConfigError, match=r"^rl\.micro_batch_size"):
+        validate_config(cfg)
+
+
+def test_unknown_and_mistyped_fields_in_a_config_file():
+    d = default_config().to_dict()
+    d["model"]["path"] = "/m"
+    d["data"]["train"] = "/d.jsonl"
+    d["rl"]["epsilon"] = 0.2
+    with pytest.raises(ConfigError, match=r"^rl\.epsilon: unknown"):
+        validate_config(config_dict.ConfigDict(d))
+    del d["rl"]["epsilon"]
+    d["rollout"]["group_size"] = "16"
+    with pytest.raises(ConfigError, match=r"^rollout\.group_size: expected int"):
+        validate_config(config_dict.ConfigDict(d))
+    d["rollout"]["group_size"] = 16
+    d["optim"]["lr"] = 1  # an int where a float is expected is fine
+    assert validate_config(config_dict.ConfigDict(d)).optim.lr == 1.0
+    d["model"]["random_init"] = True
+    with pytest.raises(ConfigError, match=r"^model\.preset"):
+        validate_config(config_dict.ConfigDict(d))

@@ -1,0 +1,135 @@
+"""The pure train step and the old-policy feature pass, against independent references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from delta_jax import models
+from delta_jax.rl import losses
+from delta_jax.train import features, state as state_lib
+from delta_jax.train.step import make_train_step
+
+N, P, R, T = 4, 5, 7, 1.3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = models.get_preset("tiny").replace(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_layers=2, num_heads=2, num_kv_heads=1,
+                                            head_dim=16)
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = state_lib.split_model(model)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 64, (N, P + R)).astype(np.int32)
+    attn = np.ones((N, P + R), np.int32)
+    attn[0, :2] = 0                      # left padding of a short prompt
+    resp = np.ones((N, R), np.float32)
+    resp[1, 4:] = 0                      # a short response, right padded
+    attn[1, P + 4:] = 0
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(attn),
+             "response_mask": jnp.asarray(resp),
+             "advantages": jnp.asarray([1.0, -0.5, 0.25, -1.0], jnp.float32),
+             "token_weights": jnp.asarray(rng.uniform(0.8, 1.2, (N, R)), jnp.float32)}
+    return graphdef, params, rest, batch
+
+
+def reference_logp(graphdef, params, rest, batch):
+    """log softmax(logits / T)[y] from the full logits, response columns only (independent of
+    the chunked path and of features.py's slicing)."""
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / T, axis=-1)
+    labels = batch["input_ids"][:, 1:]
+    logp = jnp.take_along_axis(logp_all, labels[..., None], axis=-1)[..., 0]
+    return logp[:, P - 1:]
+
+
+def test_old_policy_pass_matches_full_logits(setup):
+    graphdef, params, rest, batch = setup
+    fn = features.make_old_policy_pass(graphdef, rest, temperature=T, chunk_size=3)
+    logp, ent, hidden = features.run_in_chunks(fn, params, batch["input_ids"],
+                                               batch["attention_mask"], R, chunk=2)
+    ref = reference_logp(graphdef, params, rest, batch)
+    mask = np.asarray(batch["response_mask"]) > 0
+    np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(ref)[mask], atol=1e-5)
+    model = nnx.merge(graphdef, params, rest)
+    h = model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden
+    assert hidden.dtype == jnp.bfloat16 and hidden.shape == (N, R, 32)
+    np.testing.assert_allclose(np.asarray(hidden, np.float32)[mask],
+                               np.asarray(h[:, P - 1:-1])[mask], rtol=1e-2, atol=1e-2)
+    assert np.all(np.asarray(ent)[mask] > 0)
+
+
+def _loss_fn(logp, old_logp, adv, mask, w, ent):
+    return losses.policy_loss(logp, old_logp, adv, mask, token_weights=w,
+                              cfg=losses.PolicyLossConfig(), entropy=ent)
+
+
+@pytest.fixture(scope="module")
+def sgd_steps(setup):
+    """SGD(lr=1) with a (zero-)momentum trace, so the optimizer has state that changes. One
+    compiled step per micro-batch setting, shared by the tests."""
+    graphdef, _, rest, _ = setup
+    opt = optax.sgd(1.0, momentum=0.0)
+    return opt, {micro: make_train_step(graphdef, rest, opt, _loss_fn, temperature=T,
+                                        chunk_size=4, micro_batch_size=micro)
+                 for micro in (0, 2)}
+
+
+def test_step_gradient_and_micro_batches(setup, sgd_steps):
+    """With old_logp = current logp (ratio 1, no clipping) the token-mean surrogate's gradient is
+    -sum(A w grad log p) / num_tokens; SGD(lr=1) makes the update equal to minus that."""
+    graphdef, params, rest, batch = setup
+    old = reference_logp(graphdef, params, rest, batch)
+    batch = dict(batch, old_logp=old)
+
+    def ref_loss(p):
+        logp = reference_logp(graphdef, p, rest, batch)
+        m = batch["response_mask"]
+        return -jnp.sum(batch["advantages"][:, None] * batch["token_weights"] * logp * m) / jnp.sum(m)
+
+    ref_grads = jax.grad(ref_loss)(params)
+    opt, steps = sgd_steps
+    results = []
+    for micro in (0, 2):
+        step = steps[micro]
+        st = state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt)
+        new, metrics = step(st, batch)
+        assert int(new.step) == 1 and int(metrics["skipped"]) == 0
+        assert float(metrics["tokens"]) == float(jnp.sum(batch["response_mask"]))
+        delta = jax.tree.map(lambda a, b: a - b, new.params, params)
+        for d, g in zip(jax.tree.leaves(delta), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(np.asarray(d), -np.asarray(g), atol=2e-5, rtol=1e-3)
+        np.testing.assert_allclose(float(metrics["grad_norm"]),
+                                   float(optax.global_norm(ref_grads)), rtol=1e-4)
+        results.append(new.params)
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_non_finite_update_is_skipped(setup, sgd_steps):
+    graphdef, params, rest, batch = setup
+    old = reference_logp(graphdef, params, rest, batch)
+    bad = dict(batch, old_logp=old, advantages=batch["advantages"].at[2].set(jnp.nan))
+    opt, steps = sgd_steps
+    step = steps[2]
+    st = state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt)
+    before = jax.device_get(st)
+    new, metrics = step(st, bad)
+    assert int(metrics["skipped"]) == 1 and int(new.step) == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(new))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The same state then takes a good step.
+    new, metrics = step(new, dict(bad, advantages=batch["advantages"]))
+    assert int(metrics["skipped"]) == 0 and int(new.step) == 1
+
+
+def test_learning_rate_schedules():
+    s = state_lib.learning_rate_schedule(1.0, "cosine", warmup_steps=2, total_steps=6,
+                                         min_lr_ratio=0.1)
+    np.testing.assert_allclose([float(s(i)) for i in (0, 1, 2, 6)], [0.0, 0.5, 1.0, 0.1],
+                               atol=1e-6)
+    c = state_lib.learning_rate_schedule(1e-6, "constant")
+    assert float(c(0)) == float(c(1000)) == pytest.approx(1e-6)
