@@ -57,7 +57,8 @@ def test_against_numpy_blocks_and_ids(method):
     ids[0] = 1000
     ids[1] = 1001
     want = _numpy_reference(rewards[perm].astype(np.float64), ids, method)
-    got = jax.jit(lambda r, i: compute_advantages(r, method=method, group_ids=i))(rewards[perm], ids)
+    by_ids = jax.jit(lambda r, i: compute_advantages(r, method=method, group_ids=i))
+    got = by_ids(rewards[perm], ids)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert got[0] == 0 and got[1] == 0  # singletons carry no baseline
 

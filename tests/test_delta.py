@@ -248,8 +248,9 @@ def test_streaming_equals_one_shot(num_refine):
     one_shot, diag = D.delta_coefficients(hidden, prob, adv, mask, num_refine=num_refine)
     # Chunks split over sequences (rows 0-2, 3-7) and, for the second block, over time too.
     blocks = [(slice(0, 3), slice(None)), (slice(3, 8), slice(0, 4)), (slice(3, 8), slice(4, None))]
-    chunks = [D.FeatureChunk(jnp.asarray(hidden[r, t]), jnp.asarray(adv[r]), jnp.asarray(mask[r, t]),
-                             jnp.asarray(1.0 - prob[r, t])) for r, t in blocks]
+    chunks = [D.FeatureChunk(jnp.asarray(hidden[r, t]), jnp.asarray(adv[r]),
+                             jnp.asarray(mask[r, t]), jnp.asarray(1.0 - prob[r, t]))
+              for r, t in blocks]
     # A re-iterable list, or a callable giving a fresh iterator each pass.
     source = chunks if num_refine == 0 else (lambda: iter(chunks))
     got, sdiag = D.delta_coefficients_streaming(source, num_refine=num_refine)
@@ -271,7 +272,8 @@ def _finite_in_range(w, mask, diag, lam_min=0.8, lam_max=1.2):
         assert np.all(np.isfinite(np.asarray(value)))
     c = float(diag["normaliser"])
     valid = mask > 0
-    assert np.all(w[valid] >= c * lam_min * (1 - 1e-6)) and np.all(w[valid] <= c * lam_max * (1 + 1e-6))
+    assert np.all(w[valid] >= c * lam_min * (1 - 1e-6))
+    assert np.all(w[valid] <= c * lam_max * (1 + 1e-6))
     np.testing.assert_allclose(w[valid].mean(), 1.0, rtol=1e-6)
     assert np.all(w[~valid] == 0)
 

@@ -14,7 +14,8 @@ sampler produces: prompt i's n samples at rows i*n .. i*n+n-1) or by an integer 
           https://arxiv.org/abs/2402.14740 (after Kool et al. 2019).
 
 A group of a single sequence has no baseline: its advantage is 0 for every estimator (documented
-choice; verl instead uses mean 0 / std 1 there). A group with identical rewards gets 0 (grpo: 0 / eps).
+choice; verl instead uses mean 0 / std 1 there). A group with identical rewards gets 0
+(grpo: 0 / eps).
 All outputs are fp32 [N] and every function is jittable (shapes and group_size are static).
 """
 from __future__ import annotations
@@ -102,7 +103,8 @@ ADVANTAGE_FNS: dict[str, AdvantageFn] = {
 def compute_advantages(rewards: Array, *, method: str = "grpo", group_size: int | None = None,
                        group_ids: Array | None = None, eps: float = 1e-6) -> Array:
     """Per-sequence advantages fp32 [N] from rewards [N] with the estimator `method`
-    (a key of ADVANTAGE_FNS: "grpo", "drgrpo", "rloo"). Broadcast to tokens with adv[:, None] * mask.
+    (a key of ADVANTAGE_FNS: "grpo", "drgrpo", "rloo").
+    Broadcast to tokens with adv[:, None] * mask.
     """
     if method not in ADVANTAGE_FNS:
         raise ValueError(f"advantages: unknown method {method!r}; choose one of "

@@ -29,7 +29,7 @@ squares, which would cancel catastrophically in fp32 when the mean margin is lar
 
 Edge cases (all finite, never NaN):
 * No P (or no N) tokens: that centroid is 0 (sum / max(0, 1e-8)); its gamma is sqrt(1e-8) = 1e-4.
-* All advantages zero: every valid token is in Z, lambda = lam_min everywhere, weights are exactly 1.
+* All advantages zero: every valid token is in Z, lambda = lam_min everywhere, all weights are 1.
 * A side with a single token, or constant margins: variance 0, gamma = 1e-4; the sigmoid saturates
   to 0 or 1 (or is 0.5 for a zero margin), lambda stays in [lam_min, lam_max].
 * No valid token at all: weights are all 0, c = 0.
@@ -59,7 +59,8 @@ def last_layer_proxy(hidden: Array, token_prob: Array) -> Array:
     """Spec 2.0: v = (1 - p) * h, the gradient of log p(y) w.r.t. the sampled token's LM-head row.
 
     hidden [B, T, H] (any float dtype; the final hidden state after the final norm),
-    token_prob [B, T] (probability of the sampled token at the rollout temperature) -> v fp32 [B, T, H].
+    token_prob [B, T] (probability of the sampled token at the rollout temperature)
+    -> v fp32 [B, T, H].
     `delta_coefficients(hidden, token_prob, ...)` applies this on the fly without materialising v.
     """
     return (1.0 - token_prob.astype(jnp.float32))[..., None] * hidden.astype(jnp.float32)
@@ -134,7 +135,7 @@ class PassStats(NamedTuple):
 
 
 class Discriminator(NamedTuple):
-    """Centroids mu [2, H] (row 0 = mu+, row 1 = mu-) and temperatures gamma [2] (gamma+, gamma-)."""
+    """Centroids mu [2, H] (row 0 = mu+, row 1 = mu-), temperatures gamma [2] (gamma+, gamma-)."""
     mu: Array
     gamma: Array
 
@@ -215,7 +216,7 @@ def _tokens(chunk: FeatureChunk) -> _Tokens:
 
 
 def _scores(tok: _Tokens, mu: Array) -> Array:
-    """Linear discriminator score s_t = v . (mu+ - mu-) - (|mu+|^2 - |mu-|^2) / 2, [b, t] (spec 2.3)."""
+    """Discriminator score s_t = v . (mu+ - mu-) - (|mu+|^2 - |mu-|^2) / 2, [b, t] (spec 2.3)."""
     direction = mu[0] - mu[1]
     # |mu+|^2 - |mu-|^2 = (mu+ - mu-) . (mu+ + mu-): no difference of large squares.
     offset = -0.5 * jnp.dot(direction, mu[0] + mu[1], precision=_HIGHEST)
@@ -230,8 +231,8 @@ def _margins(tok: _Tokens, mu: Array) -> tuple[Array, Array]:
 
 
 def _merge_moments(count, mean, m2, x, side):
-    """Chan et al.'s merge of running (count, mean, m2) per side with the values x [b, t] selected by
-    side [S, b, t]; returns the updated (count, mean, m2) [S]."""
+    """Chan et al.'s merge of running (count, mean, m2) per side with the values x [b, t]
+    selected by side [S, b, t]; returns the updated (count, mean, m2) [S]."""
     n_b = side.sum((1, 2))
     mean_b = (side * x).sum((1, 2)) / jnp.maximum(n_b, 1.0)
     m2_b = (side * jnp.square(x - mean_b[:, None, None])).sum((1, 2))

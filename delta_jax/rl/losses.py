@@ -77,8 +77,9 @@ class PolicyLossConfig:
         if self.agg not in AGG_MODES:
             raise ValueError(f"PolicyLossConfig: agg must be one of {AGG_MODES}, got {self.agg!r}")
         if self.agg == "seq-mean-token-sum-norm" and not (self.drgrpo_norm or 0) > 0:
-            raise ValueError("PolicyLossConfig: agg='seq-mean-token-sum-norm' needs drgrpo_norm > 0 "
-                             "(Dr. GRPO's constant, e.g. the maximum response length)")
+            raise ValueError("PolicyLossConfig: agg='seq-mean-token-sum-norm' needs "
+                             "drgrpo_norm > 0 (Dr. GRPO's constant, e.g. the maximum response "
+                             "length)")
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"PolicyLossConfig: kl_type must be one of {KL_TYPES}, "
                              f"got {self.kl_type!r}")
@@ -137,7 +138,8 @@ def aggregate(per_token: Array, mask: Array, agg: str, drgrpo_norm: float | None
     """(sum, denominator) of a per-token quantity [B, T] under an aggregation mode (see module doc).
 
     token-mean: (sum m l, sum m). seq-mean-token-mean: (sum_b mean_t l, #seqs).
-    seq-mean-token-sum: (sum_b sum_t l, #seqs). seq-mean-token-sum-norm: (sum_b sum_t l / norm, #seqs).
+    seq-mean-token-sum: (sum_b sum_t l, #seqs).
+    seq-mean-token-sum-norm: (sum_b sum_t l / norm, #seqs).
     """
     mask = mask.astype(per_token.dtype)
     token_sums = (per_token * mask).sum(axis=-1)  # [B]
