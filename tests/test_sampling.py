@@ -131,10 +131,17 @@ def test_results_do_not_depend_on_chunking(tiny_model, sampler):
     assert sampler.generate(PROMPTS, **{**kwargs, "seed": 12}).response_ids != ref.response_ids
 
 
-def test_stop_tokens_and_truncation(sampler):
+def test_stop_tokens_and_truncation(tiny_model, sampler):
     free = sampler.generate(PROMPTS, max_new_tokens=9)
     assert all(len(r[0]) == 9 for r in free.response_ids)
     assert all(t[0] for t in free.truncated)
+    # Greedy: each token is the argmax of the teacher-forced logits; log-probs are under T = 1.
+    batch = free.padded()
+    mask = batch["response_mask"][:, 1:].astype(bool)
+    logits = teacher_forced_logits(tiny_model, batch)
+    assert (logits.argmax(-1) == batch["input_ids"][:, 1:])[mask].all()
+    want = np.take_along_axis(log_softmax(logits), batch["input_ids"][:, 1:, None], -1)[..., 0]
+    assert np.abs(want - batch["logprobs"][:, 1:])[mask].max() <= 1e-4
     stop = free.response_ids[1][0][3]
     out = sampler.generate(PROMPTS, max_new_tokens=9, stop_token_ids=(stop,))
     for i in range(len(PROMPTS)):
