@@ -256,3 +256,24 @@ def test_unexpected_tensors_are_refused(tmp_path, tiny_checkpoint):
   save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(models.UnsupportedModelError, match=r"q_proj\.bias"):
     models.from_pretrained(path)
+
+
+def test_published_qwen3_config_json_gives_the_preset():
+  """The Qwen/Qwen3-8B config.json as published (transformers 4.51 format)."""
+  published = {
+      "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+      "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+      "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+      "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+      "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+      "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+      "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+      "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+      "vocab_size": 151936}
+  assert models.config_from_hf(published) == models.get_preset("qwen3-8b")
+  # The transformers>=5 form (rope_parameters) and our own writer give the same config.
+  v5 = dict(published, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+  del v5["rope_theta"], v5["rope_scaling"]
+  assert models.config_from_hf(v5) == models.get_preset("qwen3-8b")
+  ours = models.hf_config_dict(models.get_preset("qwen3-8b"))
+  assert models.config_from_hf(ours) == models.get_preset("qwen3-8b")

@@ -42,6 +42,7 @@ def test_small_tokenizer_ids_and_chat_template(small_tokenizer_dir):
   assert tok.apply_chat_template([{"role": "user", "content": "what"}], tokenize=True) == \
       [1, 4, 11, 6, 2, 11, 1, 5, 11]
   assert tok.encode_batch(["what", "is"]) == [[6], [7]]
+  assert tok.convert_tokens_to_ids("<|im_start|>") == 1  # delegated to the HF tokenizer
 
 
 def test_missing_tokenizer_json_is_a_clear_error(tmp_path):

@@ -71,6 +71,13 @@ class Tokenizer:
   def __len__(self) -> int:
     return self.vocab_size
 
+  def __getattr__(self, name):
+    # Anything not wrapped here (convert_tokens_to_ids, save_pretrained, ...) is the HF
+    # tokenizer's own attribute.
+    if name == "hf":
+      raise AttributeError(name)
+    return getattr(self.hf, name)
+
 
 def load_tokenizer(path) -> Tokenizer:
   """Tokenizer from a local HF directory (or a hub id, resolved by transformers)."""
