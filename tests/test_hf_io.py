@@ -153,6 +153,8 @@ def test_from_pretrained_places_parameters_with_given_shardings(tmp_path):
   q = loaded.layers.q_proj[...]
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   np.testing.assert_array_equal(np.asarray(q), np.asarray(model.layers.q_proj[...]))
+  ids = jnp.asarray(np.arange(12).reshape(2, 6) % cfg.vocab_size, jnp.int32)
+  np.testing.assert_allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
 
   # A pytree of shardings shaped like the state (what nnx.get_named_sharding returns) works too.
   tree = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),

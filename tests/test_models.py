@@ -211,3 +211,5 @@ def test_return_logits_false_and_cache_index_required(model):
   assert out.logits is None and out.hidden.shape == (1, 3, CFG.hidden_size) and out.cache is None
   with pytest.raises(ValueError, match="cache_index"):
     model(ids, cache=models.init_cache(CFG, 1, 4))
+  with pytest.raises(ValueError, match="overflows"):
+    model(ids, cache=models.init_cache(CFG, 1, 4), cache_index=2)

@@ -267,6 +267,10 @@ class Transformer(nnx.Module):
       new_cache = None
     else:
       S = cache.max_len
+      # dynamic_update_slice clamps out-of-range writes silently; catch what can be seen here.
+      if T > S or (isinstance(cache_index, int) and cache_index + T > S):
+        raise ValueError(f"Transformer: writing {T} tokens at cache_index={cache_index} "
+                         f"overflows the cache of {S} slots")
       cache_index = jnp.asarray(cache_index, jnp.int32)
       query_slot = cache_index + jnp.arange(T, dtype=jnp.int32)
       mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= query_slot[:, None]  # [T, S]
