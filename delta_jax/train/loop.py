@@ -172,6 +172,7 @@ class Run:
     writer: MetricsWriter
     data_iter: Any = None
     scorer: Any = None
+    eval_scorer: Any = None      # accuracy only (no overlong shaping); made on first eval
     counters: dict = dataclasses.field(default_factory=dict)
     debug_record: bool = False   # tests: keep the last step's inputs in `debug`
     debug: dict = dataclasses.field(default_factory=dict)
@@ -184,8 +185,9 @@ class Run:
         return nnx.merge(self.graphdef, params, self.rest)
 
     def close(self):
-        if self.scorer is not None:
-            self.scorer.close()
+        for scorer in (self.scorer, self.eval_scorer):
+            if scorer is not None:
+                scorer.close()
         self.ckpt.close()
         self.writer.close()
 
@@ -226,7 +228,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         run.data_iter = pipeline.make_prompt_pipeline(
             source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
             template=template, encode_fn=tokenizer.encode)
-    if need_scorer and cfg.mode in ("train", "eval"):
+    if need_scorer and cfg.mode == "train":
         from delta_jax.rl.rewards import RewardScorer
         overlong = cfg.rewards.overlong
         run.scorer = RewardScorer(
@@ -442,7 +444,11 @@ def evaluate_policy(run: Run, params, step: int) -> dict:
     if not run.assets["eval"]:
         return {}
     from delta_jax import evaluation
+    from delta_jax.rl.rewards import RewardScorer
 
+    if run.eval_scorer is None:
+        run.eval_scorer = RewardScorer(name="math", num_workers=cfg.rewards.num_workers,
+                                       timeout_s=cfg.rewards.timeout_s)
     run.sampler.update_params(run.model(params))
     calls = [0]
 
@@ -459,7 +465,7 @@ def evaluate_policy(run: Run, params, step: int) -> dict:
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]
     result = evaluation.evaluate(
         generate_fn, run.assets["eval"], k=cfg.eval.k, pass_ks=pass_k,
-        format_prompt=run.template, limit=cfg.eval.limit or None, scorer=run.scorer,
+        format_prompt=run.template, limit=cfg.eval.limit or None, scorer=run.eval_scorer,
         settings={"step": step, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                   "max_new_tokens": cfg.eval.max_new_tokens})
     metrics = _flatten_eval(result)

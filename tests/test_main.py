@@ -1,0 +1,206 @@
+"""End to end on CPU: `python -m delta_jax.main` with a tiny model for grpo / dapo / delta.
+
+One module-scoped set of runs (kept small: a 2-layer width-32 model, 4 prompts x 4 samples,
+16 new tokens) serves every test:
+  * delta, 6 steps in-process (checkpoint every 3, SFT warm start, eval after);
+  * dapo and grpo, 2 steps in-process;
+  * delta again as real processes: killed with SIGKILL right after the step-3 checkpoint, then
+    resumed to step 6; its parameters must equal the uninterrupted in-process run's.
+"""
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from delta_jax.rl.delta import delta_coefficients
+from delta_jax.train import loop
+from delta_jax.train.checkpoint import Checkpointer
+from delta_jax.train.config import validate_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TEST_CONFIG = f'''
+import importlib.util
+
+def get_config():
+    spec = importlib.util.spec_from_file_location("tiny_exp", {str(REPO / "experiments" / "tiny.py")!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.num_kv_heads = 1
+    c.model.head_dim = 16
+    c.model.logprob_chunk = 16
+    c.data.synthetic_train = 200
+    c.data.synthetic_test = 8
+    c.data.synthetic_levels = "1"
+    c.rollout.batch_prompts = 4
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 16
+    c.rewards.num_workers = 1
+    c.rewards.overlong_buffer = 4
+    c.rl.mini_batch_prompts = 2
+    c.optim.lr = 1e-3
+    c.train.steps = 6
+    c.train.save_every = 3
+    c.train.keep = 5
+    c.train.eval_before = False
+    c.train.eval_after = False
+    c.train.export_final = False
+    c.train.progress_bar = False
+    c.sft.steps = 2
+    c.sft.batch_size = 4
+    c.sft.max_len = 64
+    c.eval.k = 2
+    c.eval.pass_k = "1,2"
+    c.eval.max_new_tokens = 16
+    c.eval.limit = 2
+    return c
+'''
+
+
+def load_config(path, **overrides):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("test_main_cfg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    for dotted, value in overrides.items():
+        node, *path = dotted.split("__")
+        if path:
+            cfg[node][path[0]] = value
+        else:
+            cfg[node] = value
+    return cfg
+
+
+def run_in_process(config_path, workdir, steps, **overrides):
+    cfg = validate_config(load_config(config_path, **overrides))
+    run = loop.build_run(cfg, str(workdir))
+    run.debug_record = True
+    state, run = loop.train(cfg, str(workdir), run=run)
+    run.close()
+    return cfg, state, run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e")
+    config_path = base / "test_config.py"
+    config_path.write_text(TEST_CONFIG)
+    out = {"config": config_path, "base": base}
+    out["delta"] = run_in_process(config_path, base / "delta", 6, method="delta",
+                                  train__eval_after=True, train__export_final=True)
+    for method in ("dapo", "grpo"):
+        out[method] = run_in_process(config_path, base / method, 2, method=method,
+                                     train__steps=2, sft__steps=0)
+    return out
+
+
+def test_artifacts(runs):
+    for method, steps in (("delta", 6), ("dapo", 2), ("grpo", 2)):
+        workdir = runs["base"] / method
+        rows = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+        rl_rows = [r for r in rows if "policy/loss" in r]
+        assert [r["step"] for r in rl_rows] == list(range(1, steps + 1)), method
+        for r in rl_rows:
+            for key in ("rollout/reward_mean", "rollout/accuracy", "rollout/response_len_mean",
+                        "rollout/response_len_max", "rollout/truncation_rate", "policy/entropy",
+                        "policy/clip_frac", "policy/approx_kl", "policy/grad_norm",
+                        "optim/learning_rate", "time/rollout_s", "time/reward_s",
+                        "time/old_policy_s", "time/delta_s", "time/update_s",
+                        "perf/tokens_per_s"):
+                assert key in r, (method, key)
+            assert np.isfinite(r["policy/loss"]) and r["policy/skipped_updates"] == 0
+            # The old-policy pass reproduces the sampler's log-probs (same policy, same T).
+            assert r["rollout/sampler_logp_abs_diff_max"] < 1e-3
+            assert ("delta/disc_accuracy" in r) == (method == "delta")
+        assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*")), method
+        steps_saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                             if p.name.isdigit())
+        assert steps_saved == ([0, 3, 6] if method == "delta" else [0, 2]), method
+    # SFT metrics and the eval after training were written too; the final policy was exported.
+    rows = [json.loads(l) for l in open(runs["base"] / "delta" / "metrics.jsonl")]
+    assert any("sft/loss" in r for r in rows)
+    assert any(k.startswith("eval/") for r in rows for k in r)
+    assert (runs["base"] / "delta" / "final" / "config.json").is_file()
+
+
+def test_method_settings_reach_the_loss(runs):
+    assert runs["grpo"][0].rl.eps_high == 0.2 and runs["grpo"][0].rl.dual_clip == 0.0
+    assert runs["dapo"][0].rl.eps_high == 0.28 and runs["dapo"][0].rewards.overlong
+    # Without DelTA every valid token has weight 1; with it they vary around mean 1.
+    for method in ("dapo", "grpo"):
+        b = runs[method][2].debug["batch"]
+        np.testing.assert_array_equal(b["token_weights"], b["response_mask"])
+    b = runs["delta"][2].debug["batch"]
+    mask = b["response_mask"] > 0
+    assert np.std(b["token_weights"][mask]) > 0
+    np.testing.assert_allclose(b["token_weights"][mask].mean(), 1.0, atol=1e-5)
+
+
+def test_delta_weights_equal_coefficients_of_a_separate_forward_pass(runs):
+    cfg, _, run = runs["delta"]
+    rec = run.debug
+    b = rec["batch"]
+    model = nnx.merge(run.graphdef, jax.tree.map(jnp.asarray, rec["params"]), run.rest)
+    out = model(jnp.asarray(b["input_ids"]), attention_mask=jnp.asarray(b["attention_mask"]))
+    R = b["response_mask"].shape[1]
+    logits = out.logits[:, -R - 1:-1] / cfg.rollout.temperature
+    labels = jnp.asarray(b["input_ids"])[:, -R:]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1)[..., 0]
+    hidden = out.hidden[:, -R - 1:-1].astype(jnp.bfloat16)  # the cache keeps h in bf16
+    weights, _ = delta_coefficients(hidden, jnp.exp(logp), jnp.asarray(b["advantages"]),
+                                    jnp.asarray(b["response_mask"]),
+                                    num_refine=cfg.delta.num_refine, lam_min=cfg.delta.lam_min,
+                                    lam_max=cfg.delta.lam_max)
+    np.testing.assert_allclose(np.asarray(weights), b["token_weights"], atol=2e-3)
+    m = b["response_mask"]
+    np.testing.assert_allclose(np.asarray(logp) * m, b["old_logp"] * m, atol=1e-4)
+
+
+def test_delta_adds_no_forward_pass(runs):
+    per_step = {}
+    for method, steps in (("delta", 6), ("dapo", 2), ("grpo", 2)):
+        counters = runs[method][2].counters
+        per_step[method] = {k: v / steps for k, v in counters.items()}
+    assert per_step["delta"] == per_step["dapo"] == per_step["grpo"]
+    assert per_step["delta"]["old_policy_forward"] == 1  # 16 rows fit one chunk
+    assert "trunk_forward" not in per_step["delta"]
+
+
+def test_resume_after_sigkill_is_exact(runs):
+    workdir = runs["base"] / "killed"
+    cmd = [sys.executable, "-m", "delta_jax.main", f"--config={runs['config']}",
+           f"--workdir={workdir}"]
+    env = dict(os.environ)
+    first = subprocess.run(cmd + ["--config.debug.kill_after_step=3"], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == -9, first.stderr[-3000:]
+    ckpt = Checkpointer(str(workdir / "checkpoints"))
+    assert ckpt.latest_step() == 3
+    ckpt.close()
+    second = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rows = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "policy/loss" in r] == [1, 2, 3, 4, 5, 6]
+
+    _, reference, _ = runs["delta"]
+    ckpt = Checkpointer(str(workdir / "checkpoints"))
+    resumed, _, meta = ckpt.restore(6, reference)
+    ckpt.close()
+    assert meta["step"] == 6
+    diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference.params))]
+    assert max(diffs) <= 1e-6, max(diffs)
+    assert int(resumed.step) == int(reference.step)
