@@ -484,6 +484,8 @@ def _flatten_eval(result) -> dict:
     out = {}
 
     def walk(prefix, value):
+        if prefix == "settings":
+            return
         if isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}/{k}" if prefix else str(k), v)
