@@ -22,7 +22,7 @@ import dataclasses
 from ml_collections import config_dict
 
 METHODS = ("grpo", "dapo", "delta")
-MODES = ("train", "sft", "eval")
+MODES = ("train", "sft", "eval", "plan")
 
 # Fields the method decides when the user leaves them at None.
 METHOD_DEFAULTS = {
@@ -38,7 +38,7 @@ CHOICES = {
     "mode": MODES,
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots_saveable"),
+    "model.remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     "rl.advantage": ("grpo", "drgrpo", "rloo"),
     "rl.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "optim.schedule": ("constant", "cosine", "linear"),
@@ -171,6 +171,27 @@ def default_config() -> config_dict.ConfigDict:
     c.eval.top_p = 0.7
     c.eval.max_new_tokens = 30000
     c.eval.limit = 0              # questions per benchmark (0 = all)
+
+    # Device mesh (delta_jax/sharding.py): sizes of the ("data", "fsdp", "tensor") axes; one may
+    # be -1 = the remaining devices. Rules: batch -> (data, fsdp), embed -> fsdp,
+    # heads/mlp/vocab -> tensor.
+    c.mesh = config_dict.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+
+    # Multi-host (jax.distributed): empty = the JAX_* environment, a TPU pod or SLURM job
+    # (detected), or a single process.
+    c.distributed = config_dict.ConfigDict()
+    c.distributed.coordinator_address = ""   # "host:port" of process 0
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+
+    # mode=plan (delta_jax/plan.py): per-device memory of this config on a planned machine.
+    c.plan = config_dict.ConfigDict()
+    c.plan.device_memory_gb = 80.0   # HBM per device (H100 80 GB; v5p 95 GB)
+    c.plan.num_devices = 0           # 0 = the devices present
+    c.plan.host_memory_gb = 0.0      # host RAM per process, for feature_cache=host (0 = unknown)
 
     c.debug = config_dict.ConfigDict()
     c.debug.kill_after_step = 0   # tests: SIGKILL the process after this step's checkpoint
@@ -314,6 +335,14 @@ def _check_combinations(c):
     _require(c.rewards.overlong_buffer < c.rollout.max_new_tokens or not c.rewards.overlong,
              "rewards.overlong_buffer", f"must be < rollout.max_new_tokens="
              f"{c.rollout.max_new_tokens}")
+    for axis in ("data", "fsdp", "tensor"):
+        _require(c.mesh[axis] == -1 or c.mesh[axis] >= 1, f"mesh.{axis}",
+                 f"must be -1 (the remaining devices) or >= 1, got {c.mesh[axis]}")
+    _require([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh.data",
+             "at most one mesh axis may be -1")
+    _require(c.distributed.num_processes >= 0, "distributed.num_processes", "must be >= 0")
+    _require(c.plan.device_memory_gb > 0, "plan.device_memory_gb", "must be > 0")
+    _require(c.plan.num_devices >= 0, "plan.num_devices", "must be >= 0 (0 = present devices)")
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
