@@ -39,8 +39,15 @@ def _split_micro(batch, micro):
 
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                     temperature: float, chunk_size: int, micro_batch_size: int = 0,
-                    schedule: optax.Schedule | None = None) -> Callable:
-    """Returns jitted train_step(state, batch) -> (state, metrics); the state is donated."""
+                    schedule: optax.Schedule | None = None, mesh=None,
+                    state_shardings=None) -> Callable:
+    """Returns jitted train_step(state, batch) -> (state, metrics); the state is donated.
+
+    mesh / state_shardings (delta_jax.sharding): with a mesh, each micro-batch is constrained to
+    rows over the batch axes; the new state keeps `state_shardings` (e.g.
+    sharding.tree_shardings(state, mesh)), so parameters never move between steps.
+    """
+    from delta_jax import sharding as sharding_lib
 
     def micro_loss(params, mb):
         model = nnx.merge(graphdef, params, rest)
@@ -54,9 +61,11 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
+    out_shardings = None if state_shardings is None else (state_shardings, None)
+
+    @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=out_shardings)
     def train_step(state: TrainState, batch):
-        micro = _split_micro(batch, micro_batch_size)
+        micro = sharding_lib.constrain_batch(_split_micro(batch, micro_batch_size), mesh, axis=1)
         first = jax.tree.map(lambda x: x[0], micro)
         # Zero carries shaped like one micro-batch's outputs (traced once, no extra compute).
         (l_shape, (d_shape, m_shape)), _ = jax.eval_shape(grad_fn, state.params, first)
