@@ -44,9 +44,12 @@ def response_hidden(model, input_ids, attention_mask, response_len: int):
 
 
 def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
-                         hidden_dtype=jnp.bfloat16) -> Callable:
-    """Jitted (params, input_ids, attention_mask, response_len) -> (logp, entropy, hidden)."""
+                         hidden_dtype=jnp.bfloat16, mesh=None) -> Callable:
+    """Jitted (params, input_ids, attention_mask, response_len) -> (logp, entropy, hidden).
+    With a mesh (delta_jax.sharding) the outputs stay row-sharded like the inputs."""
     from flax import nnx
+
+    from delta_jax.sharding import constrain_batch
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def old_policy_pass(params, input_ids, attention_mask, response_len):
@@ -55,21 +58,23 @@ def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
             model, input_ids, attention_mask, response_len, temperature=temperature,
             chunk_size=chunk_size)
         logp = jax.lax.stop_gradient(logp)
-        return logp, jax.lax.stop_gradient(entropy), jax.lax.stop_gradient(hidden).astype(
-            hidden_dtype)
+        return constrain_batch((logp, jax.lax.stop_gradient(entropy),
+                                jax.lax.stop_gradient(hidden).astype(hidden_dtype)), mesh)
 
     return old_policy_pass
 
 
-def make_hidden_pass(graphdef, rest, hidden_dtype=jnp.bfloat16) -> Callable:
+def make_hidden_pass(graphdef, rest, hidden_dtype=jnp.bfloat16, mesh=None) -> Callable:
     """Jitted (params, input_ids, attention_mask, response_len) -> hidden (trunk only)."""
     from flax import nnx
+
+    from delta_jax.sharding import constrain_batch
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def hidden_pass(params, input_ids, attention_mask, response_len):
         model = nnx.merge(graphdef, params, rest)
-        return response_hidden(model, input_ids, attention_mask, response_len).astype(
-            hidden_dtype)
+        return constrain_batch(response_hidden(model, input_ids, attention_mask,
+                                               response_len).astype(hidden_dtype), mesh)
 
     return hidden_pass
 
