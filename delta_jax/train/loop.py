@@ -31,13 +31,14 @@ import numpy as np
 from flax import nnx
 
 from delta_jax import models
+from delta_jax import sharding as sharding_lib
 from delta_jax.sampling import Sampler
 from delta_jax.train import features as features_lib
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import method_settings
-from delta_jax.train.metrics import MetricsWriter, summary_line
+from delta_jax.train.metrics import MetricsWriter, summary_line, to_scalars
 from delta_jax.train.state import (TrainState, init_train_state, optimizer_from_config,
                                    split_model)
 from delta_jax.train.step import make_train_step
@@ -91,8 +92,10 @@ def prepare_assets(cfg, workdir: str) -> dict:
     return out
 
 
-def build_model(cfg, vocab_size: int):
-    """Random init from a preset (+ shape overrides) or a Hugging Face directory."""
+def build_model(cfg, vocab_size: int, mesh=None):
+    """Random init from a preset (+ shape overrides) or a Hugging Face directory; with a mesh,
+    the parameters are placed by the sharding rules (checkpoint tensors go straight to their
+    shards)."""
     dtype = jnp.dtype(cfg.model.dtype)
     param_dtype = jnp.dtype(cfg.model.param_dtype)
     remat = cfg.model.remat
@@ -101,9 +104,11 @@ def build_model(cfg, vocab_size: int):
         vocab = cfg.model.vocab_size or -(-vocab_size // 64) * 64
         mcfg = models.get_preset(cfg.model.preset, vocab_size=vocab, dtype=dtype,
                                  param_dtype=param_dtype, remat=remat, **overrides)
-        return models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+        model = models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+        return model if mesh is None else sharding_lib.shard_model(model, mesh)
+    shardings = None if mesh is None else sharding_lib.param_sharding_fn(mesh)
     return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat)
+                                  remat=remat, shardings=shardings)
 
 
 def make_loss_fn(cfg) -> Callable:
@@ -177,6 +182,8 @@ class Run:
     debug_record: bool = False   # tests: keep the last step's inputs in `debug`
     debug: dict = dataclasses.field(default_factory=dict)
     initial_params: Any = None
+    mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
+    state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
 
     def count(self, name: str, k: int = 1):
         self.counters[name] = self.counters.get(name, 0) + k
@@ -192,35 +199,42 @@ class Run:
         self.writer.close()
 
 
-def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True) -> Run:
+def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True,
+              mesh=None) -> Run:
+    """Everything a run needs. mesh: a delta_jax.sharding mesh (default: from config.mesh)."""
     from delta_jax.data import templates
 
     os.makedirs(workdir, exist_ok=True)
     assets = prepare_assets(cfg, workdir)
     tokenizer = models.load_tokenizer(assets["tokenizer"])
-    model = build_model(cfg, tokenizer.vocab_size)
+    mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
+    model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
     graphdef, params, rest = split_model(model)
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
+    state_shardings = sharding_lib.tree_shardings(
+        jax.eval_shape(lambda p: init_train_state(p, optimizer), params), mesh)
     template = templates.make_template(cfg.data.template, tokenizer=tokenizer)
     sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
                       max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
-                      pad_id=tokenizer.pad_token_id)
+                      pad_id=tokenizer.pad_token_id, mesh=mesh,
+                      batch_axes=sharding_lib.batch_axes(mesh))
     run = Run(
         cfg=cfg, workdir=workdir, assets=assets, tokenizer=tokenizer, graphdef=graphdef,
         rest=rest, template=template, sampler=sampler, optimizer=optimizer, schedule=schedule,
         train_step=None, old_pass=None, hidden_pass=None,
         ckpt=Checkpointer(os.path.join(workdir, "checkpoints"), save_every=cfg.train.save_every,
                           keep=cfg.train.keep),
-        writer=MetricsWriter(workdir), initial_params=params)
+        writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
+        initial_params=params, mesh=mesh, state_shardings=state_shardings)
     if cfg.mode == "train":
         run.train_step = make_train_step(
             graphdef, rest, optimizer, make_loss_fn(cfg), temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.logprob_chunk, micro_batch_size=cfg.rl.micro_batch_size,
-            schedule=schedule)
+            schedule=schedule, mesh=mesh, state_shardings=state_shardings)
         run.old_pass = features_lib.make_old_policy_pass(
             graphdef, rest, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk)
-        run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest)
+            chunk_size=cfg.model.logprob_chunk, mesh=mesh)
+        run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest, mesh=mesh)
     if need_data and cfg.mode == "train":
         from delta_jax.data import builders, pipeline
         source = builders.build_tfds_source(assets["train"],
@@ -237,6 +251,26 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
             overlong_buffer_len=cfg.rewards.overlong_buffer if overlong else 0,
             overlong_penalty_factor=cfg.rewards.overlong_factor)
     return run
+
+
+class _NullWriter:
+    """Metrics sink of processes other than 0 (metrics are logged once)."""
+
+    def write(self, step, metrics, prefix=""):
+        return {prefix + k: v for k, v in to_scalars(metrics).items()}
+
+    def write_text(self, step, tag, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def place_state(run: Run, state: TrainState) -> TrainState:
+    """The train state on the run's mesh, by its logical-axis shardings."""
+    if run.state_shardings is None:
+        return state
+    return sharding_lib.shard_tree(state, run.state_shardings)
 
 
 def _updates_per_step(cfg) -> int:
@@ -358,10 +392,10 @@ def rl_step(run: Run, state: TrainState, step: int):
                                         group_size=G))
     rb = rollout_lib.pack_rollout(samples, adv, rewards, run.tokenizer.pad_token_id)
     metrics.update(rollout_lib.rollout_metrics(rb, accuracy, cfg.rollout.max_new_tokens))
-    batch = {"input_ids": jnp.asarray(rb.input_ids),
-             "attention_mask": jnp.asarray(rb.attention_mask),
-             "response_mask": jnp.asarray(rb.response_mask),
-             "advantages": jnp.asarray(rb.advantages)}
+    batch = sharding_lib.put_batch({"input_ids": rb.input_ids,
+                                    "attention_mask": rb.attention_mask,
+                                    "response_mask": rb.response_mask,
+                                    "advantages": rb.advantages}, run.mesh)
 
     # The one old-policy pass: log p + entropy + hidden states of the response tokens.
     t0 = time.perf_counter()
@@ -544,7 +578,7 @@ def _bar_update(bar, step, text):
 def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run]:
     """RL training (mode train); returns the final state and the run (caller closes it)."""
     run = run or build_run(cfg, workdir)
-    init_state = init_train_state(run.initial_params, run.optimizer)
+    init_state = place_state(run, init_train_state(run.initial_params, run.optimizer))
     latest = run.ckpt.latest_step()
     nonfinite_streak = 0
     if latest is not None:
@@ -556,7 +590,8 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
     else:
         state = init_state
         if cfg.sft.steps > 0:
-            state = init_train_state(run_sft(run, state.params), run.optimizer)
+            state = place_state(run, init_train_state(run_sft(run, state.params),
+                                                      run.optimizer))
         run.ckpt.save(0, state, run.data_iter.get_state(), _meta(cfg, 0), force=True)
         if cfg.train.eval_before:
             _write_eval(run, state.params, 0)
@@ -630,7 +665,8 @@ def eval_only(cfg, workdir: str) -> dict:
         latest = run.ckpt.latest_step()
         if latest is not None:
             optimizer = run.optimizer
-            state, _, _ = run.ckpt.restore(latest, init_train_state(params, optimizer))
+            state, _, _ = run.ckpt.restore(latest, place_state(
+                run, init_train_state(params, optimizer)))
             params = state.params
         metrics = evaluate_policy(run, params, latest or 0)
         run.writer.write(latest or 0, metrics)
