@@ -1,0 +1,318 @@
+"""Memory planning (`--config.mode=plan`): per-device bytes of a config on a planned mesh,
+computed from shapes (jax.eval_shape) and the sharding rules, without the devices.
+
+    plan = plan_from_config(cfg)            # cfg: a validated run config
+    print(plan.to_text())
+
+Exact figures (from the parameter / optimizer-state shapes and the rules table, identical to what
+the placed arrays hold on device 0): parameters, gradients, optimizer state, rollout KV cache,
+DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
+the update (remat none / full), the rollout prefill's attention scores, the old-policy pass.
+
+The model computes attention with materialised scores ([rows, heads, T, T] float32 per layer, no
+flash attention), so the quadratic term dominates activations at long contexts; it is listed
+separately so that its cost is visible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from delta_jax import models
+from delta_jax import sharding as sharding_lib
+
+GB = 1e9
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """The sampler's power-of-two length buckets (sampling.bucket_size)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
+
+
+def abstract_mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
+    """A device-less mesh of these sizes (for planning layouts one does not have)."""
+    return AbstractMesh((data, fsdp, tensor), sharding_lib.MESH_AXES)
+
+
+def shard_shape(shape, spec, mesh) -> tuple[int, ...]:
+    """The per-device block shape of an array of `shape` under PartitionSpec `spec`."""
+    out = list(shape)
+    for i, entry in enumerate(spec):
+        for axis in sharding_lib._as_tuple(entry):
+            out[i] //= mesh.shape[axis]
+    return tuple(out)
+
+
+def tree_device_bytes(tree, mesh, rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES) -> int:
+    """Bytes one device holds of `tree` (abstract or real) when placed by
+    sharding.tree_shardings: Variables by their logical names, other arrays replicated."""
+    from flax import nnx
+    total = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        if isinstance(leaf, nnx.Variable):
+            value = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
+            axes = leaf.get_metadata().get("out_sharding")
+            spec = (sharding_lib.logical_to_spec(axes, value.shape, mesh, rules) if axes
+                    else ())
+        elif hasattr(leaf, "shape"):
+            value, spec = leaf, ()
+        else:
+            continue
+        total += math.prod(shard_shape(value.shape, spec, mesh)) * jnp.dtype(value.dtype).itemsize
+    return total
+
+
+def abstract_params(model_cfg: models.ModelConfig):
+    """The nnx.Param state of the model as ShapeDtypeStructs (nothing allocated)."""
+    from flax import nnx
+    model = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    return nnx.state(model, nnx.Param)
+
+
+def _div(n: int, parts: int) -> int:
+    return n // parts if parts > 1 and n % parts == 0 else n
+
+
+def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int) -> dict:
+    """Estimated bytes of one decoder layer's intermediates for `rows` x `seq` tokens on one
+    device (heads and MLP columns split over `tensor` when it divides them):
+      linear: 4 H (residual in/out, two norms) + 3 (N D + 2 K D) (q, k, v; after q/k-norm;
+              after RoPE) + N D (attention output) + 4 I (gate, up, silu(gate) * up, its input
+              to down_proj), in the activation dtype;
+      scores: N T float32 scores + their masked copy, + the probabilities in the activation
+              dtype, per token: the quadratic term.
+    """
+    a = jnp.dtype(mc.dtype).itemsize
+    H, N, K, D, I = (mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                     mc.intermediate_size)
+    n_loc, k_loc, i_loc = _div(N, tensor), _div(K, tensor), _div(I, tensor)
+    tokens = rows * seq
+    linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
+    scores = tokens * n_loc * seq * (2 * 4 + a)
+    return {"linear": linear, "scores": scores, "input": tokens * H * a}
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Per-device bytes (ints) of each item, with the settings they were computed for."""
+    settings: dict
+    params: int
+    gradients: int
+    optimizer: int
+    activations_remat_none: int
+    activations_remat_full: int
+    activations_configured: int
+    logprob_chunk: int
+    kv_cache: int
+    prefill_scores: int
+    old_pass_activations: int
+    features_device: int
+    features_host_chunk: int
+    features_host_ram: int
+    features_recompute: int
+    phases: dict = dataclasses.field(default_factory=dict)
+    feature_cache_fits: dict = dataclasses.field(default_factory=dict)
+    recommended_feature_cache: str = ""
+    # The same without the quadratic attention-score terms, i.e. what a memory-efficient
+    # (flash / splash) attention would need: the headroom such a kernel would buy.
+    phases_flash: dict = dataclasses.field(default_factory=dict)
+    feature_cache_fits_flash: dict = dataclasses.field(default_factory=dict)
+    recommended_feature_cache_flash: str = ""
+
+    def to_text(self) -> str:
+        s = self.settings
+        g = lambda b: f"{b / GB:9.2f} GB"  # noqa: E731
+        lines = [
+            f"memory plan: {s['model']} ({s['num_params'] / 1e9:.2f} B params, "
+            f"{s['param_dtype']} params, {s['dtype']} activations)",
+            f"  mesh data={s['mesh'][0]} fsdp={s['mesh'][1]} tensor={s['mesh'][2]} "
+            f"({s['num_devices']} devices of {s['device_memory_gb']:g} GB)",
+            f"  rollout {s['rollout_rows']} rows x (prompt {s['prompt_len']} + response "
+            f"{s['response_len']}), sampler batch {s['sampler_rows']}; update micro-batch "
+            f"{s['micro_rows']} rows; remat={s['remat']}",
+            "per device:",
+            f"  parameters                     {g(self.params)}",
+            f"  gradients                      {g(self.gradients)}",
+            f"  optimizer state                {g(self.optimizer)}",
+            f"  activations, remat none        {g(self.activations_remat_none)}  (estimate)",
+            f"  activations, remat full        {g(self.activations_remat_full)}  (estimate)",
+            f"  LM-head log-prob chunk         {g(self.logprob_chunk)}",
+            f"  rollout KV cache               {g(self.kv_cache)}",
+            f"  rollout prefill scores         {g(self.prefill_scores)}  (estimate)",
+            f"  old-policy pass activations    {g(self.old_pass_activations)}  (estimate)",
+            f"  DelTA features, device         {g(self.features_device)}",
+            f"  DelTA features, host (on dev.) {g(self.features_host_chunk)}  "
+            f"(+ {self.features_host_ram / GB:.2f} GB host RAM per device)",
+            f"  DelTA features, recompute      {g(self.features_recompute)}  "
+            f"(+ {s['num_refine'] + 3} trunk passes per step)",
+            "phase peaks per device:",
+        ]
+        mem = s["device_memory_gb"] * GB
+        for name, value in self.phases.items():
+            flash = self.phases_flash[name]
+            lines.append(f"  {name:30s} {g(value)}  {'fits' if value <= mem else 'DOES NOT FIT'}"
+                         f"   | without score matrices {g(flash)}  "
+                         f"{'fits' if flash <= mem else 'DOES NOT FIT'}")
+        for label, fits, rec in (("", self.feature_cache_fits, self.recommended_feature_cache),
+                                 (" (without score matrices)", self.feature_cache_fits_flash,
+                                  self.recommended_feature_cache_flash)):
+            text = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in fits.items())
+            lines.append(f"delta.feature_cache fits{label} -> {text}; recommended: {rec}")
+        return "\n".join(lines)
+
+
+def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, int],
+                device_memory_gb: float, rollout_rows: int, prompt_len: int, response_len: int,
+                sampler_rows: int, group_size: int, mini_batch_rows: int, micro_batch_rows: int,
+                logprob_chunk: int, recompute_chunk: int, num_refine: int = 1,
+                optimizer=None, host_memory_gb: float = 0.0, devices_per_host: int = 8,
+                rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
+                name: str = "") -> MemoryPlan:
+    """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
+
+    rollout_rows: sequences per RL step (prompts x group size); prompt_len / response_len: the
+    padded lengths; sampler_rows: sequences per sampler call; mini/micro_batch_rows: rows per
+    optimizer step / per forward-backward (0 = the mini-batch). optimizer: an optax
+    GradientTransformation (default AdamW as in train/state.py). Nothing is allocated.
+    """
+    import optax
+    data, fsdp, tensor = mesh_shape
+    mesh = abstract_mesh(data, fsdp, tensor)
+    num_devices = data * fsdp * tensor
+    params = abstract_params(model_cfg)
+    if optimizer is None:
+        optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
+    opt_state = jax.eval_shape(optimizer.init, params)
+    param_bytes = tree_device_bytes(params, mesh, rules)
+    opt_bytes = tree_device_bytes(opt_state, mesh, rules)
+
+    def rows_per_device(rows):
+        spec = sharding_lib.logical_to_spec(("batch",), (rows,), mesh, rules)
+        return shard_shape((rows,), spec, mesh)[0]
+
+    micro = micro_batch_rows if 0 < micro_batch_rows < mini_batch_rows else mini_batch_rows
+    # The step accumulates micro-batch gradients into a buffer: two gradient trees with
+    # micro-batching, one without.
+    grad_bytes = param_bytes * (2 if micro < mini_batch_rows else 1)
+
+    L, H, V = model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size
+    a = jnp.dtype(model_cfg.dtype).itemsize
+    seq = prompt_len + response_len
+    m_rows = rows_per_device(micro)
+    layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor)
+    one_layer = layer["linear"] + layer["scores"]
+    act_none = L * one_layer
+    # Full remat keeps each layer's input; the backward pass recomputes one layer at a time and
+    # holds its intermediates plus their cotangents (x2).
+    act_full = L * layer["input"] + 2 * one_layer
+    # LM head: float32 logits of one sequence chunk, their softmax and cotangent.
+    lp_chunk = m_rows * min(logprob_chunk, response_len) * _div(V, tensor) * 4 * 3
+    policy = model_cfg.remat_policy
+    act_cfg = act_full if policy == "full" else act_none  # dots_*: bounded by "none"
+
+    # Rollout: the KV cache of one sampler call, and the prefill's attention scores.
+    s_rows = rows_per_device(sampler_rows)
+    slots = _bucket(prompt_len) + _bucket(response_len)
+    K_loc = _div(model_cfg.num_kv_heads, tensor)
+    kv = 2 * L * s_rows * slots * K_loc * model_cfg.head_dim * a
+    prefill_prompts = max(1, sampler_rows // group_size)
+    p_rows = rows_per_device(prefill_prompts)
+    P = _bucket(prompt_len)
+    prefill = p_rows * _div(model_cfg.num_heads, tensor) * P * P * (2 * 4 + a)
+
+    # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
+    o_rows = rows_per_device(min(rollout_rows, sampler_rows))
+    o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor)
+    old_pass = o_layer["linear"] + o_layer["scores"] + o_rows * min(
+        logprob_chunk, response_len) * _div(V, tensor) * 4 * 2
+
+    feat_row = response_len * H * 2  # bfloat16 hidden states
+    f_device = rows_per_device(rollout_rows) * feat_row
+    chunk_rows = rows_per_device(min(recompute_chunk, rollout_rows))
+    f_host_chunk = chunk_rows * feat_row
+    f_host_ram = f_device
+    f_recompute = chunk_rows * feat_row + (o_layer["linear"] * chunk_rows // max(o_rows, 1))
+
+    resident = param_bytes + opt_bytes
+    mem = device_memory_gb * GB
+    host_ok = host_memory_gb <= 0 or f_host_ram * devices_per_host <= host_memory_gb * GB
+
+    def peaks(prefill, old_pass, act):
+        phases = {
+            "rollout": resident + kv + max(prefill, s_rows * V * 4),
+            "old-policy pass + DelTA": resident + old_pass + f_device,
+            "update": resident + grad_bytes + act + lp_chunk,
+        }
+        base = resident + old_pass
+        fits = {"device": base + f_device <= mem,
+                "host": base + f_host_chunk <= mem and host_ok,
+                "recompute": base + f_recompute <= mem}
+        return phases, fits, next((m for m in ("device", "host", "recompute") if fits[m]),
+                                  "none")
+
+    phases, fits, recommended = peaks(prefill, old_pass, act_cfg)
+    act_cfg_flash = (act_full if policy == "full" else act_none) - (
+        2 * layer["scores"] if policy == "full" else L * layer["scores"])
+    phases_flash, fits_flash, rec_flash = peaks(0, old_pass - o_layer["scores"], act_cfg_flash)
+    settings = {
+        "model": name or f"L={L} H={H}", "num_params": model_cfg.num_params(),
+        "param_dtype": jnp.dtype(model_cfg.param_dtype).name,
+        "dtype": jnp.dtype(model_cfg.dtype).name, "mesh": mesh_shape,
+        "num_devices": num_devices, "device_memory_gb": device_memory_gb,
+        "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
+        "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
+        "num_refine": num_refine, "host_memory_gb": host_memory_gb,
+    }
+    return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
+                      optimizer=opt_bytes, activations_remat_none=act_none,
+                      activations_remat_full=act_full, activations_configured=act_cfg,
+                      logprob_chunk=lp_chunk, kv_cache=kv, prefill_scores=prefill,
+                      old_pass_activations=old_pass, features_device=f_device,
+                      features_host_chunk=f_host_chunk, features_host_ram=f_host_ram,
+                      features_recompute=f_recompute, phases=phases,
+                      feature_cache_fits=fits, recommended_feature_cache=recommended,
+                      phases_flash=phases_flash, feature_cache_fits_flash=fits_flash,
+                      recommended_feature_cache_flash=rec_flash)
+
+
+def model_config_from_run_config(cfg) -> models.ModelConfig:
+    """The ModelConfig a run would build, from config.json (model.path) or the preset, without
+    reading weights or a tokenizer (a preset's own vocabulary unless model.vocab_size is set)."""
+    dtype, param_dtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
+    if cfg.model.random_init or not cfg.model.path:
+        overrides = {f: cfg.model[f] for f in ("hidden_size", "intermediate_size", "num_layers",
+                                               "num_heads", "num_kv_heads", "head_dim",
+                                               "vocab_size") if cfg.model[f]}
+        return models.get_preset(cfg.model.preset, dtype=dtype, param_dtype=param_dtype,
+                                 remat=cfg.model.remat, **overrides)
+    import os
+    path = os.path.join(cfg.model.path, "config.json")
+    return models.config_from_hf(models.read_config_json(cfg.model.path), where=path,
+                                 dtype=dtype, param_dtype=param_dtype, remat=cfg.model.remat)
+
+
+def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
+    """plan_memory for a validated run config: the mesh from config.mesh over
+    config.plan.num_devices devices (0 = the devices present)."""
+    from delta_jax.train.state import optimizer_from_config
+    n = num_devices or cfg.plan.num_devices or len(jax.devices())
+    mesh_shape = sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
+                                                 num_devices=n)
+    mc = model_config_from_run_config(cfg)
+    G = cfg.rollout.group_size
+    optimizer, _ = optimizer_from_config(cfg.optim, max(cfg.train.steps, 1))
+    return plan_memory(
+        mc, mesh_shape=mesh_shape, device_memory_gb=cfg.plan.device_memory_gb,
+        rollout_rows=cfg.rollout.batch_prompts * G, prompt_len=cfg.data.max_prompt_len,
+        response_len=cfg.rollout.max_new_tokens, sampler_rows=cfg.rollout.max_batch_size,
+        group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
+        micro_batch_rows=cfg.rl.micro_batch_size, logprob_chunk=cfg.model.logprob_chunk,
+        recompute_chunk=cfg.delta.recompute_chunk, num_refine=cfg.delta.num_refine,
+        optimizer=optimizer, host_memory_gb=cfg.plan.host_memory_gb,
+        devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path)
