@@ -1,0 +1,129 @@
+"""delta_jax.sharding: mesh sizes, the rules table with its divisibility fallback, tree and batch
+shardings, the KV cache, multi-host settings. (The full RL step on meshes is in
+test_sharded_rl_step.py; two processes in test_multihost.py.)"""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from delta_jax import models, sharding
+
+
+def _need8():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+
+
+def test_resolve_mesh_shape():
+    assert sharding.resolve_mesh_shape(-1, 1, 1, num_devices=8) == (8, 1, 1)
+    assert sharding.resolve_mesh_shape(2, -1, 2, num_devices=8) == (2, 2, 2)
+    assert sharding.resolve_mesh_shape(1, 4, 2, num_devices=8) == (1, 4, 2)
+    with pytest.raises(ValueError, match="mesh.fsdp: only one"):
+        sharding.resolve_mesh_shape(-1, -1, 1, num_devices=8)
+    with pytest.raises(ValueError, match="mesh.data: -1 cannot fill"):
+        sharding.resolve_mesh_shape(-1, 3, 1, num_devices=8)
+    with pytest.raises(ValueError, match="4 but there are 8"):
+        sharding.resolve_mesh_shape(2, 2, 1, num_devices=8)
+    with pytest.raises(ValueError, match="mesh.tensor"):
+        sharding.resolve_mesh_shape(-1, 1, 0, num_devices=8)
+
+
+def test_make_mesh_axes_and_types():
+    _need8()
+    mesh = sharding.make_mesh(2, -1, 2)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    assert sharding.batch_axes(mesh) == ("data", "fsdp")
+
+
+def test_rules_and_divisibility_fallback(caplog):
+    _need8()
+    mesh = sharding.make_mesh(2, 2, 2)
+    spec = sharding.logical_to_spec
+    assert spec(("embed", "mlp"), (64, 128), mesh) == P("fsdp", "tensor")
+    assert spec(("layers", "embed", "q_heads", "head_dim"), (2, 64, 4, 8), mesh) == \
+        P(None, "fsdp", "tensor")
+    assert spec(("batch", "sequence"), (8, 5), mesh) == P(("data", "fsdp"))
+    # 6 rows: data (2) divides, data x fsdp (4) does not -> rows over data only, with a note.
+    with caplog.at_level(logging.INFO, logger="delta_jax.sharding"):
+        assert spec(("batch",), (6,), mesh) == P("data")
+        assert spec(("vocab", "embed"), (99, 64), mesh) == P(None, "fsdp")
+    assert "not divisible" in caplog.text
+    # A mesh axis is used once per array: the second "tensor" dimension is replicated.
+    assert spec(("mlp", "vocab"), (8, 8), mesh) == P("tensor")
+    # Size-1 mesh axes are left out.
+    assert spec(("embed", "mlp"), (64, 128), sharding.make_mesh(-1, 1, 1)) == P()
+    with pytest.raises(KeyError, match="no entry for the logical axis 'nope'"):
+        spec(("nope",), (4,), mesh)
+    with pytest.raises(ValueError, match="do not match the shape"):
+        spec(("embed",), (4, 4), mesh)
+
+
+def test_tree_shardings_place_params_and_replicate_the_rest():
+    _need8()
+    cfg = models.get_preset("tiny")
+    mesh = sharding.make_mesh(1, 4, 2)
+    model = sharding.shard_model(models.Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    state = nnx.state(model, nnx.Param)
+    q = state["layers"]["q_proj"][...]
+    assert q.sharding.shard_shape(q.shape) == (2, 64 // 4, 4 // 2, 32)
+    emb = state["embed"][...]
+    assert emb.sharding.shard_shape(emb.shape) == (256 // 2, 64 // 4)
+    tree = {"params": state, "step": jnp.zeros((), jnp.int32)}
+    sh = sharding.tree_shardings(tree, mesh)
+    assert sh["step"].spec == P()
+    assert sh["params"]["lm_head"].get_value().spec == P("fsdp", "tensor")
+    # The model still computes the same function once sharded.
+    ids = jnp.asarray(np.arange(16).reshape(2, 8) % 256, jnp.int32)
+    ref = models.Transformer(cfg, rngs=nnx.Rngs(0))(ids).logits
+    np.testing.assert_allclose(model(ids).logits, ref, atol=1e-5)
+
+
+def test_put_batch_and_constraint():
+    _need8()
+    mesh = sharding.make_mesh(2, 4, 1)
+    batch = {"input_ids": np.arange(8 * 3).reshape(8, 3).astype(np.int32),
+             "advantages": np.arange(8, dtype=np.float32)}
+    placed = sharding.put_batch(batch, mesh)
+    assert placed["input_ids"].sharding.shard_shape((8, 3)) == (1, 3)
+    assert placed["advantages"].sharding.shard_shape((8,)) == (1,)
+    np.testing.assert_array_equal(placed["input_ids"], batch["input_ids"])
+
+    @jax.jit
+    def f(x):
+        return sharding.constrain_batch(x * 2, mesh, axis=1)
+
+    out = f(jnp.ones((3, 8, 2)))
+    assert out.sharding.shard_shape((3, 8, 2)) == (3, 1, 2)
+    unplaced = sharding.put_batch(batch, None)
+    assert len(unplaced["input_ids"].sharding.device_set) == 1
+
+
+def test_cache_shardings_follow_cache_axes():
+    _need8()
+    cfg = models.get_preset("tiny")
+    mesh = sharding.make_mesh(2, 2, 2)
+    cache = jax.eval_shape(lambda: models.init_cache(cfg, 8, 16))
+    sh = sharding.cache_shardings(cache, mesh)
+    # [layers, batch, slots, kv_heads, head_dim]: batch over (data, fsdp), kv heads over tensor.
+    assert sh.k.spec == P(None, ("data", "fsdp"), None, "tensor")
+    assert sh.k.shard_shape(cache.k.shape) == (2, 2, 16, 1, 32)
+
+
+def test_distributed_settings():
+    assert sharding.distributed_settings(env={}) == {}
+    got = sharding.distributed_settings(env={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+                                             "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"})
+    assert got == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
+    got = sharding.distributed_settings("h:1", 2, 0, env={"JAX_COORDINATOR_ADDRESS": "x:2"})
+    assert got["coordinator_address"] == "h:1"
+    with pytest.raises(ValueError, match="distributed.num_processes"):
+        sharding.distributed_settings("h:1", env={})
+    with pytest.raises(ValueError, match="distributed.process_id"):
+        sharding.distributed_settings("h:1", 2, 5, env={})
+    # No coordinator and no cluster: a single-process run, nothing is initialised.
+    assert sharding.initialize_distributed(env={}) == (0, 1)
