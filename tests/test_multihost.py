@@ -1,0 +1,161 @@
+"""Two processes on CPU (jax.distributed with a local coordinator, gloo collectives), each with
+2 local CPU devices, run an old-policy pass, DelTA coefficients and a train step on one
+(data=1, fsdp=2, tensor=2) mesh spanning both processes; the updated parameters and DelTA weights
+equal the single-process result.
+
+The workers are this file run as a script, in a fresh environment without the test session's
+8-device XLA_FLAGS; they are killed if they do not finish in time.
+"""
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ROWS, PROMPT, RESP = 8, 4, 6
+TIMEOUT_S = 240
+
+
+def model_config():
+    from delta_jax import models
+    return models.get_preset("tiny").replace(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_layers=2, num_heads=4, num_kv_heads=2,
+                                             head_dim=16)
+
+
+def host_batch():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 64, (ROWS, PROMPT + RESP)).astype(np.int32)
+    attn = np.ones((ROWS, PROMPT + RESP), np.int32)
+    attn[0, :2] = 0
+    resp = np.ones((ROWS, RESP), np.float32)
+    resp[1, 3:] = 0
+    attn[1, PROMPT + 3:] = 0
+    adv = np.asarray([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25], np.float32)
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp, "advantages": adv}
+
+
+def one_step(mesh):
+    """Old-policy pass -> DelTA weights -> one AdamW train step. mesh=None: one device."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from delta_jax import models, sharding
+    from delta_jax.rl import losses
+    from delta_jax.rl.delta import delta_coefficients
+    from delta_jax.train import features
+    from delta_jax.train.state import init_train_state, split_model
+    from delta_jax.train.step import make_train_step
+
+    model = models.Transformer(model_config(), rngs=nnx.Rngs(0))
+    if mesh is not None:
+        sharding.shard_model(model, mesh)
+    graphdef, params, rest = split_model(model)
+    optimizer = optax.adamw(1e-3, weight_decay=0.0)
+    state = init_train_state(params, optimizer)
+    state_sh = None
+    if mesh is not None:
+        state_sh = sharding.tree_shardings(state, mesh)
+        state = sharding.shard_tree(state, state_sh)
+    batch = sharding.put_batch(host_batch(), mesh)
+    old_pass = features.make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=4,
+                                             mesh=mesh)
+    logp, _, hidden = old_pass(state.params, batch["input_ids"], batch["attention_mask"], RESP)
+    weights, _ = delta_coefficients(hidden, jax.numpy.exp(logp), batch["advantages"],
+                                    batch["response_mask"])
+    batch.update(old_logp=logp, token_weights=weights)
+
+    def loss_fn(logp, old_logp, adv, mask, w, ent):
+        return losses.policy_loss(logp, old_logp, adv, mask, token_weights=w,
+                                  cfg=losses.PolicyLossConfig(), entropy=ent)
+
+    step = make_train_step(graphdef, rest, optimizer, loss_fn, temperature=1.0, chunk_size=4,
+                           micro_batch_size=4, mesh=mesh, state_shardings=state_sh)
+    new_state, metrics = step(state, batch)
+    return new_state, weights, metrics
+
+
+def flat_params(params):
+    import jax
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def worker(process_id: int, port: int, out_path: str):
+    from delta_jax import sharding
+    index, count = sharding.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    import jax
+    from jax.experimental import multihost_utils
+    assert count == 2 and index == process_id
+    assert len(jax.local_devices()) == 2 and len(jax.devices()) == 4
+    mesh = sharding.make_mesh(1, 2, 2)
+    new_state, weights, metrics = one_step(mesh)
+    q = new_state.params["layers"]["q_proj"][...]
+    assert not q.is_fully_addressable  # the parameters really span both processes
+    gathered = multihost_utils.process_allgather(
+        {"params": new_state.params, "weights": weights}, tiled=True)
+    if index == 0:
+        out = {"w/weights": np.asarray(gathered["weights"]),
+               "m/loss": np.asarray(jax.device_get(metrics["loss"]))}
+        out.update({"p/" + k: v for k, v in flat_params(gathered["params"]).items()})
+        np.savez(out_path, **out)
+    multihost_utils.sync_global_devices("done")
+    jax.distributed.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+    import jax
+
+    out_path = tmp_path / "result.npz"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
+                                                           "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO / "tests") + os.pathsep + env.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, __file__, str(pid), str(port), str(out_path)],
+                              env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.communicate()
+        pytest.fail(f"the two processes did not finish within {TIMEOUT_S} s")
+    for pid, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {pid} failed:\n{log[-3000:]}"
+
+    got = dict(np.load(out_path))
+    with jax.default_device(jax.devices()[0]):
+        ref_state, ref_weights, ref_metrics = one_step(None)
+    np.testing.assert_allclose(got["w/weights"], np.asarray(ref_weights), atol=1e-4)
+    np.testing.assert_allclose(got["m/loss"], float(ref_metrics["loss"]), rtol=1e-4, atol=1e-6)
+    ref = flat_params(ref_state.params)
+    assert {k[2:] for k in got if k.startswith("p/")} == set(ref)
+    from flax import nnx
+
+    from delta_jax import models
+    before = flat_params(nnx.state(models.Transformer(model_config(), rngs=nnx.Rngs(0)),
+                                   nnx.Param))
+    assert max(np.abs(ref[k] - before[k]).max() for k in ref) > 5e-4  # the step did move
+    for name, value in ref.items():
+        # One AdamW step of lr 1e-3 moves each weight by ~1e-3; allow 2% of that.
+        np.testing.assert_allclose(got["p/" + name], value, atol=2e-5, err_msg=name)
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
