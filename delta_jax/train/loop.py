@@ -422,6 +422,9 @@ def rl_step(run: Run, state: TrainState, step: int):
         weights = jax.block_until_ready(weights)
         metrics.update({f"delta/{k}": float(v) for k, v in diag.items()
                         if np.asarray(v).size == 1})
+        from delta_jax.train import plots  # per-side weight histograms for the run's plots
+        plots.append_weight_histogram(run.workdir, step, weights, batch["advantages"], mask,
+                                      cfg.delta.lam_min, cfg.delta.lam_max)
     else:
         weights = mask
     metrics["time/delta_s"] = time.perf_counter() - t0

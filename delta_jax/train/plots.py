@@ -1,0 +1,271 @@
+"""Run plots and the end-of-run report, drawn from a run's own files (matplotlib, Agg, no pyplot).
+
+    append_weight_histogram(workdir, step, weights, advantages, mask, lam_min, lam_max)  # loop
+    paths = write_plots(workdir)        # <workdir>/plots/training.png (+ delta_weights.png)
+    print(write_report(workdir))        # the plots + held-out accuracy before and after RL
+
+Inputs:
+  <workdir>/metrics.jsonl        every scalar the run wrote (SFT, RL steps, evals); see metrics.py
+  <workdir>/delta_weights.jsonl  per RL step, histograms of the DelTA token weights per side
+                                 (written by `append_weight_histogram` when the method is delta)
+
+The SFT, RL and eval rows share the step counter (SFT step 300 and RL step 300 are different rows),
+so series are picked by the keys a row holds, never by its step alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from delta_jax.train.metrics import read_jsonl
+
+SIDES = ("pos", "neg", "zero")  # the sides of rl.delta: A > 0, A < 0, A = 0
+HISTOGRAM_FILE = "delta_weights.jsonl"
+HISTOGRAM_BINS = 48
+_SIDE_COLORS = {"pos": "tab:green", "neg": "tab:red", "zero": "tab:gray"}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """Rows of <workdir>/metrics.jsonl ([] if there is none)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    return read_jsonl(path) if os.path.isfile(path) else []
+
+
+def series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps int [S], values float [S]) of the rows holding `key`, sorted by step; a step written
+    twice (a resumed run repeats the steps after its last checkpoint) keeps its last value."""
+    last = {}
+    for row in rows:
+        if key in row:
+            try:
+                last[int(row["step"])] = float(row[key])
+            except (TypeError, ValueError):
+                continue  # "nan"/"inf" strings of the JSON writer are skipped
+    steps = np.asarray(sorted(last), np.int64)
+    return steps, np.asarray([last[s] for s in steps], np.float64)
+
+
+def eval_metric_name(rows: Sequence[dict]) -> str | None:
+    """The headline eval metric: "eval/average/avg@k" (k of the run), or None without evals."""
+    for row in rows:
+        for key in row:
+            if key.startswith("eval/average/avg@"):
+                return key
+    return None
+
+
+def eval_before_after(rows: Sequence[dict], rl_steps: int | None = None) -> dict | None:
+    """Held-out accuracy of the first and the last evaluation of the run.
+
+    Returns {"metric", "before_step", "before", "after_step", "after"} (accuracies as fractions)
+    or None when the run wrote fewer than two evaluations. rl_steps: when given, "after" must be
+    the evaluation at that step (else None), so a half-finished run reports nothing.
+    """
+    key = eval_metric_name(rows)
+    if key is None:
+        return None
+    steps, values = series(rows, key)
+    if len(steps) < 2 or (rl_steps is not None and steps[-1] != rl_steps):
+        return None
+    return {"metric": key, "before_step": int(steps[0]), "before": float(values[0]),
+            "after_step": int(steps[-1]), "after": float(values[-1])}
+
+
+# ----------------------------------------------------------------------------- histograms
+
+
+def histogram_edges(lam_min: float, lam_max: float, bins: int = HISTOGRAM_BINS) -> np.ndarray:
+    """Bin edges [bins + 1] covering every weight DelTA can give: w = c * lambda with lambda in
+    [lam_min, lam_max] and c = 1 / mean(lambda) in [1 / lam_max, 1 / lam_min]."""
+    lo, hi = lam_min / lam_max, lam_max / lam_min
+    if hi - lo < 1e-6:  # lam_min == lam_max: every weight is 1
+        lo, hi = 0.5, 1.5
+    return np.linspace(lo, hi, bins + 1)
+
+
+@jax.jit
+def side_histograms(weights: jax.Array, advantages: jax.Array, mask: jax.Array,
+                    edges: jax.Array) -> jax.Array:
+    """Token-weight histograms per side, computed where the arrays live (no host copy).
+
+    weights fp32 [N, R]; advantages [N] or [N, R]; mask [N, R] (1 = valid response token);
+    edges [E + 1] increasing. Returns fp32 [3, E]: token counts of sides pos (A > 0), neg (A < 0),
+    zero (A = 0) per bin; the last bin includes its right edge, weights outside are dropped.
+    """
+    adv = advantages if advantages.ndim == 2 else advantages[:, None]
+    adv = jnp.broadcast_to(adv, weights.shape)
+    valid = mask > 0
+    sides = jnp.stack([valid & (adv > 0), valid & (adv < 0), valid & (adv == 0)])
+    w = weights.reshape(-1).astype(jnp.float32)
+    return jnp.stack([jnp.histogram(w, bins=edges, weights=s.reshape(-1).astype(jnp.float32))[0]
+                      for s in sides])
+
+
+def append_weight_histogram(workdir: str, step: int, weights, advantages, mask,
+                            lam_min: float, lam_max: float) -> dict:
+    """Appends {"step", "edges", "counts": {side: [E]}} to <workdir>/delta_weights.jsonl."""
+    edges = histogram_edges(lam_min, lam_max)
+    counts = np.asarray(jax.device_get(side_histograms(weights, advantages, mask,
+                                                       jnp.asarray(edges, jnp.float32))))
+    record = {"step": int(step), "edges": [round(float(e), 6) for e in edges],
+              "counts": {s: [int(round(c)) for c in counts[i]] for i, s in enumerate(SIDES)}}
+    with open(os.path.join(workdir, HISTOGRAM_FILE), "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def read_weight_histograms(workdir: str) -> list[dict]:
+    """Records of <workdir>/delta_weights.jsonl by step (last record of a repeated step)."""
+    path = os.path.join(workdir, HISTOGRAM_FILE)
+    if not os.path.isfile(path):
+        return []
+    by_step = {r["step"]: r for r in read_jsonl(path)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _figure(rows: int, cols: int, size):
+    from matplotlib.figure import Figure  # the Agg canvas; pyplot (and its global state) unused
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.subplots(rows, cols, squeeze=False).reshape(-1)
+
+
+def plot_training(rows: Sequence[dict], path: str) -> str:
+    """SFT loss, RL reward / accuracy with the held-out evals, response length; a PNG."""
+    fig, (ax_sft, ax_rl, ax_len) = _figure(1, 3, (15, 4.2))
+    steps, loss = series(rows, "sft/loss")
+    if len(steps):
+        ax_sft.plot(steps, loss, color="tab:purple")
+        ax_sft.set_yscale("log")
+    ax_sft.set(title="SFT warm start", xlabel="SFT step", ylabel="token NLL")
+
+    for key, label, color in (("rollout/reward_mean", "rollout reward (shaped)", "tab:blue"),
+                              ("rollout/accuracy", "rollout accuracy", "tab:orange")):
+        s, v = series(rows, key)
+        if len(s):
+            ax_rl.plot(s, v, label=label, color=color, alpha=0.85)
+    key = eval_metric_name(rows)
+    if key is not None:
+        s, v = series(rows, key)
+        ax_rl.plot(s, v, "o-", color="black", label=f"held-out {key.rsplit('/', 1)[-1]}")
+        for x, y in zip(s, v):
+            ax_rl.annotate(f"{100 * y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 6),
+                           ha="center", fontsize=8)
+    ax_rl.set(title="RL: reward and accuracy", xlabel="RL step", ylabel="fraction")
+    ax_rl.grid(alpha=0.3)
+    if ax_rl.get_legend_handles_labels()[0]:
+        ax_rl.legend(fontsize=8, loc="lower right")
+
+    s, v = series(rows, "rollout/response_len_mean")
+    if len(s):
+        ax_len.plot(s, v, color="tab:green", label="mean")
+        s2, v2 = series(rows, "rollout/response_len_max")
+        ax_len.plot(s2, v2, color="tab:green", alpha=0.4, ls="--", label="max")
+        ax_len.legend(fontsize=8)
+    ax_len.set(title="RL: response length", xlabel="RL step", ylabel="tokens")
+    return _save(fig, path)
+
+
+def plot_delta_weights(rows: Sequence[dict], histograms: Sequence[dict], path: str) -> str:
+    """DelTA token weights per side: the distribution over all RL steps (and over the first and
+    last quarter of them), and mean +- std / min / max per step; a PNG."""
+    fig, (ax_all, ax_early_late, ax_steps) = _figure(1, 3, (15, 4.2))
+    if histograms:
+        edges = np.asarray(histograms[-1]["edges"])
+        centers, width = 0.5 * (edges[1:] + edges[:-1]), np.diff(edges)
+        q = max(1, len(histograms) // 4)
+        for side in SIDES:
+            per_step = np.asarray([h["counts"][side] for h in histograms
+                                   if len(h["edges"]) == len(edges)], np.float64)
+            if per_step.sum() == 0:
+                continue
+            total = per_step.sum(0)
+            ax_all.step(centers, total / (total.sum() * width), where="mid",
+                        color=_SIDE_COLORS[side], label=f"{side} ({int(total.sum())} tokens)")
+            for part, ls, name in ((per_step[:q], ":", "first"), (per_step[-q:], "-", "last")):
+                c = part.sum(0)
+                if c.sum() > 0:
+                    ax_early_late.step(centers, c / (c.sum() * width), where="mid", ls=ls,
+                                       color=_SIDE_COLORS[side], label=f"{side}, {name} {q} steps")
+        ax_all.axvline(1.0, color="black", lw=0.6)
+        ax_early_late.axvline(1.0, color="black", lw=0.6)
+    for ax, title in ((ax_all, "token weights, all RL steps"),
+                      (ax_early_late, "early vs late RL steps")):
+        ax.set(title=title, xlabel="DelTA weight w = c * lambda", ylabel="density")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    for side in SIDES:
+        s, mean = series(rows, f"delta/weight_mean_{side}")
+        if not len(s):
+            continue
+        _, std = series(rows, f"delta/weight_std_{side}")
+        _, lo = series(rows, f"delta/weight_min_{side}")
+        _, hi = series(rows, f"delta/weight_max_{side}")
+        color = _SIDE_COLORS[side]
+        ax_steps.plot(s, mean, color=color, label=f"{side} mean +- std")
+        if len(std) == len(s):
+            ax_steps.fill_between(s, mean - std, mean + std, color=color, alpha=0.2)
+        if len(lo) == len(s) and len(hi) == len(s):
+            ax_steps.plot(s, lo, color=color, ls=":", lw=0.8)
+            ax_steps.plot(s, hi, color=color, ls=":", lw=0.8)
+    ax_steps.set(title="per step (dotted: min / max)", xlabel="RL step", ylabel="weight")
+    ax_steps.grid(alpha=0.3)
+    if ax_steps.get_legend_handles_labels()[0]:
+        ax_steps.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_plots(workdir: str) -> list[str]:
+    """<workdir>/plots/training.png, and delta_weights.png when the run has DelTA weights."""
+    rows = read_metrics(workdir)
+    out_dir = os.path.join(workdir, "plots")
+    paths = [plot_training(rows, os.path.join(out_dir, "training.png"))]
+    histograms = read_weight_histograms(workdir)
+    if histograms or any("delta/weight_mean_pos" in r for r in rows):
+        paths.append(plot_delta_weights(rows, histograms, os.path.join(out_dir,
+                                                                       "delta_weights.png")))
+    return paths
+
+
+def write_report(workdir: str, rl_steps: int | None = None) -> str:
+    """Writes the plots; returns the end-of-run summary (held-out accuracy before / after RL)."""
+    rows = read_metrics(workdir)
+    paths = write_plots(workdir)
+    lines = []
+    result = eval_before_after(rows, rl_steps)
+    if result is not None:
+        metric = result["metric"].rsplit("/", 1)[-1]
+        n = _eval_questions(workdir, result["after_step"])
+        on = f" on {n} held-out problems" if n else " (held out)"
+        lines.append(f"eval accuracy ({metric}{on}): before RL {100 * result['before']:.1f}% "
+                     f"(step {result['before_step']}) -> after RL {100 * result['after']:.1f}% "
+                     f"(step {result['after_step']}), "
+                     f"{100 * (result['after'] - result['before']):+.1f} points")
+    lines.append("plots: " + ", ".join(paths))
+    lines.append("metrics: " + os.path.join(workdir, "metrics.jsonl"))
+    return "\n".join(lines)
+
+
+def _eval_questions(workdir: str, step: int) -> int | None:
+    path = os.path.join(workdir, "eval", f"step_{step}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return int(json.load(f)["average"]["num_questions"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
