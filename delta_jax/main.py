@@ -54,6 +54,9 @@ def run(cfg, workdir: str):
         return loop.eval_only(cfg, workdir)
     state, run_ = loop.train(cfg, workdir)
     run_.close()
+    if jax.process_index() == 0:  # plots + held-out accuracy before / after RL
+        from delta_jax.train import plots
+        print(plots.write_report(workdir, cfg.train.steps), flush=True)
     return state
 
 
