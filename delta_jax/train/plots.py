@@ -41,14 +41,17 @@ def read_metrics(workdir: str) -> list[dict]:
 
 def series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps int [S], values float [S]) of the rows holding `key`, sorted by step; a step written
-    twice (a resumed run repeats the steps after its last checkpoint) keeps its last value."""
+    twice (a resumed run repeats the steps after its last checkpoint) keeps its last value;
+    non-finite values are left out."""
     last = {}
     for row in rows:
         if key in row:
             try:
-                last[int(row["step"])] = float(row[key])
+                value = float(row[key])
             except (TypeError, ValueError):
-                continue  # "nan"/"inf" strings of the JSON writer are skipped
+                continue
+            if np.isfinite(value):  # the JSON writer stores nan / inf as strings: skipped
+                last[int(row["step"])] = value
     steps = np.asarray(sorted(last), np.int64)
     return steps, np.asarray([last[s] for s in steps], np.float64)
 
@@ -77,6 +80,15 @@ def eval_before_after(rows: Sequence[dict], rl_steps: int | None = None) -> dict
         return None
     return {"metric": key, "before_step": int(steps[0]), "before": float(values[0]),
             "after_step": int(steps[-1]), "after": float(values[-1])}
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to `window` values (shorter at the start); same length."""
+    values = np.asarray(values, np.float64)
+    csum = np.concatenate([[0.0], np.cumsum(values)])
+    idx = np.arange(1, len(values) + 1)
+    start = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[start]) / (idx - start)
 
 
 # ----------------------------------------------------------------------------- histograms
@@ -117,6 +129,8 @@ def append_weight_histogram(workdir: str, step: int, weights, advantages, mask,
                                                        jnp.asarray(edges, jnp.float32))))
     record = {"step": int(step), "edges": [round(float(e), 6) for e in edges],
               "counts": {s: [int(round(c)) for c in counts[i]] for i, s in enumerate(SIDES)}}
+    if jax.process_index() != 0:  # every process computed the (global) counts; one writes
+        return record
     with open(os.path.join(workdir, HISTOGRAM_FILE), "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     return record
@@ -153,7 +167,8 @@ def plot_training(rows: Sequence[dict], path: str) -> str:
                               ("rollout/accuracy", "rollout accuracy", "tab:orange")):
         s, v = series(rows, key)
         if len(s):
-            ax_rl.plot(s, v, label=label, color=color, alpha=0.85)
+            ax_rl.plot(s, v, color=color, alpha=0.3, lw=0.8)
+            ax_rl.plot(s, moving_average(v, 5), label=f"{label}, 5-step mean", color=color)
     key = eval_metric_name(rows)
     if key is not None:
         s, v = series(rows, key)
@@ -178,7 +193,7 @@ def plot_training(rows: Sequence[dict], path: str) -> str:
 
 def plot_delta_weights(rows: Sequence[dict], histograms: Sequence[dict], path: str) -> str:
     """DelTA token weights per side: the distribution over all RL steps (and over the first and
-    last quarter of them), and mean +- std / min / max per step; a PNG."""
+    last quarter of them), and mean +- std per step; a PNG."""
     fig, (ax_all, ax_early_late, ax_steps) = _figure(1, 3, (15, 4.2))
     if histograms:
         edges = np.asarray(histograms[-1]["edges"])
@@ -209,16 +224,11 @@ def plot_delta_weights(rows: Sequence[dict], histograms: Sequence[dict], path: s
         if not len(s):
             continue
         _, std = series(rows, f"delta/weight_std_{side}")
-        _, lo = series(rows, f"delta/weight_min_{side}")
-        _, hi = series(rows, f"delta/weight_max_{side}")
         color = _SIDE_COLORS[side]
         ax_steps.plot(s, mean, color=color, label=f"{side} mean +- std")
         if len(std) == len(s):
             ax_steps.fill_between(s, mean - std, mean + std, color=color, alpha=0.2)
-        if len(lo) == len(s) and len(hi) == len(s):
-            ax_steps.plot(s, lo, color=color, ls=":", lw=0.8)
-            ax_steps.plot(s, hi, color=color, ls=":", lw=0.8)
-    ax_steps.set(title="per step (dotted: min / max)", xlabel="RL step", ylabel="weight")
+    ax_steps.set(title="weight per side, per RL step", xlabel="RL step", ylabel="weight")
     ax_steps.grid(alpha=0.3)
     if ax_steps.get_legend_handles_labels()[0]:
         ax_steps.legend(fontsize=8)
