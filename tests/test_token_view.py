@@ -1,0 +1,141 @@
+"""delta_jax.token_view: the ranking against a dictionary reference, and on a real tiny run the
+coefficients equal (a) the weights the trainer used at the next RL step and (b) an independent
+recomputation from a plain forward pass + rl.delta.delta_coefficients."""
+import collections
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from delta_jax import models, token_view
+from delta_jax.rl.delta import delta_coefficients
+from delta_jax.train import loop
+from delta_jax.train.config import validate_config
+from delta_jax.train.state import split_model
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_rank_tokens_matches_a_dictionary_reference():
+    rng = np.random.default_rng(0)
+    n, r = 10, 12
+    ids = rng.integers(0, 7, (n, r))
+    w = rng.uniform(0.7, 1.3, (n, r))
+    adv = rng.choice([-1.0, 0.0, 1.0], n)
+    mask = (np.arange(r)[None] < rng.integers(3, r + 1, n)[:, None]).astype(np.float32)
+    got = token_view.rank_tokens(ids, w, adv, mask, min_count=4, top=3)
+    for side, sign in (("pos", 1), ("neg", -1)):
+        acc = collections.defaultdict(list)
+        for i in range(n):
+            for t in range(r):
+                if mask[i, t] and np.sign(adv[i]) == sign:
+                    acc[int(ids[i, t])].append(w[i, t])
+        ref = sorted((np.mean(v), k, len(v)) for k, v in acc.items() if len(v) >= 4)
+        want_down = [(k, m, c) for m, k, c in ref[:3]]
+        want_up = [(k, m, c) for m, k, c in sorted(ref, key=lambda x: (-x[0], -x[1]))[:3]]
+        for kind, want in (("down", want_down), ("up", want_up)):
+            assert [e[0] for e in got[side][kind]] == [e[0] for e in want]
+            np.testing.assert_allclose([e[1] for e in got[side][kind]], [e[1] for e in want])
+            assert [e[2] for e in got[side][kind]] == [e[2] for e in want]
+
+
+def _tiny_cfg():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tiny_exp", REPO / "experiments" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=16, logprob_chunk=16))
+    c.data.update(dict(synthetic_train=200, synthetic_test=8, synthetic_levels="1"))
+    c.rollout.update(dict(batch_prompts=4, group_size=4, max_new_tokens=16))
+    c.rewards.update(dict(num_workers=1, overlong_buffer=4))
+    c.rl.mini_batch_prompts = 2
+    c.optim.lr = 1e-3
+    c.train.update(dict(steps=2, save_every=1, keep=5, eval_before=False, eval_after=False,
+                        export_final=False, progress_bar=False))
+    c.sft.update(dict(steps=20, batch_size=8, max_len=64))  # enough for some correct answers
+    c.sft.lr = 3e-3
+    return validate_config(c)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 2-step delta run in-process; keeps step 2's batch (trained with checkpoint 1's policy)."""
+    workdir = tmp_path_factory.mktemp("token_view") / "run"
+    cfg = _tiny_cfg()
+    run = loop.build_run(cfg, str(workdir))
+    with open(workdir / "config.json", "w") as f:  # what delta_jax.main writes
+        json.dump(cfg.to_dict(), f)
+    run.debug_record = True  # keeps the last step's inputs (step 2) in run.debug
+    _, run = loop.train(cfg, str(workdir), run=run)
+    run.close()
+    return workdir, run.debug
+
+
+@pytest.fixture(scope="module")
+def view(tiny_run):
+    workdir, _ = tiny_run
+    return token_view.compute_token_view(str(workdir), step=1)
+
+
+def test_view_is_what_the_trainer_trained_on(tiny_run, view):
+    _, debug = tiny_run
+    batch = debug["batch"]
+    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    np.testing.assert_array_equal(view.token_ids, batch["input_ids"][:, P:])
+    np.testing.assert_array_equal(view.mask, batch["response_mask"])
+    np.testing.assert_array_equal(view.advantages, batch["advantages"])
+    np.testing.assert_allclose(view.weights, batch["token_weights"], atol=1e-6)
+    assert view.step == 1 and view.method == "delta"
+    valid = view.mask > 0
+    assert np.any(view.advantages != 0), "the test batch needs a group with reward variance"
+    np.testing.assert_allclose(view.weights[valid].mean(), 1.0, atol=1e-5)
+    assert np.all(view.weights[~valid] == 0)
+
+
+def test_view_matches_an_independent_recomputation(tiny_run, view):
+    _, debug = tiny_run
+    cfg = _tiny_cfg()
+    batch = debug["batch"]
+    tok = models.load_tokenizer(str(tiny_run[0] / "tokenizer"))
+    model = loop.build_model(cfg, tok.vocab_size)
+    graphdef, _, rest = split_model(model)
+    model = nnx.merge(graphdef, debug["params"], rest)  # checkpoint 1's parameters
+    ids, attn = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    R = batch["response_mask"].shape[1]
+    P = ids.shape[1] - R
+    out = model(ids, attention_mask=attn)
+    hidden = out.hidden[:, P - 1:-1]
+    logp = jax.nn.log_softmax(out.logits[:, P - 1:-1] / cfg.rollout.temperature, axis=-1)
+    p = jnp.exp(jnp.take_along_axis(logp, ids[:, P:, None], axis=-1)[..., 0])
+    # The trainer caches h in bf16 (features.py); do the same here.
+    want, _ = delta_coefficients(hidden.astype(jnp.bfloat16), p, jnp.asarray(view.advantages),
+                                 jnp.asarray(view.mask), num_refine=cfg.delta.num_refine,
+                                 lam_min=cfg.delta.lam_min, lam_max=cfg.delta.lam_max)
+    np.testing.assert_allclose(view.weights, np.asarray(want), atol=2e-3)
+    np.testing.assert_allclose(view.token_prob, np.asarray(p) * view.mask, atol=1e-4)
+
+
+def test_cli_writes_html_and_png_and_prints_the_ranking(tiny_run, tmp_path, capsys):
+    workdir, _ = tiny_run
+    html_path, png_path = tmp_path / "view.html", tmp_path / "view.png"
+    assert token_view.main([f"--workdir={workdir}", f"--out={html_path}", f"--png={png_path}",
+                            "--min_count=1", "--top=5"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step 2:" in out  # the latest checkpoint by default
+    assert "most down-weighted tokens, side A > 0" in out and f"html: {html_path}" in out
+    page = html_path.read_text()
+    assert page.startswith("<!doctype html>") and page.count("class='tok'") > 10
+    assert "&lt;|im_end|&gt;" in page  # token texts are escaped
+    assert png_path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bad_step_is_a_clear_error(tiny_run):
+    with pytest.raises(ValueError, match="--step 7: no such checkpoint"):
+        token_view.compute_token_view(str(tiny_run[0]), step=7)
