@@ -12,10 +12,12 @@ the final hidden states) and rl.delta.delta_coefficients with the run's delta.* 
 checkpoint at step N of a delta run the weights are the ones RL step N + 1 trained with. (For a
 grpo / dapo run the view shows what DelTA would have done on that batch.)
 
-The paper's point shows up in the ranking: formatting tokens that every response shares, whatever
-its reward (the "=" and "." of each worked step, "\\boxed", the end-of-turn token), sit near both
-centroids and get a lambda near the middle; tokens that tell correct and wrong responses apart get
-lambda near lam_max on their side, so the update stops being diluted by the shared ones.
+What to look for (the paper's point): tokens every response shares whatever its reward (the "="
+and "." of each worked step, "\\boxed{", the end-of-turn token) carry no information about the
+outcome, and plain token-mean GRPO/DAPO gives them the same weight as the tokens that decide it.
+DelTA's weights move mass between them: on the default tiny run, in wrong (A < 0) responses the
+shared formatting tokens are the most down-weighted and the digits the model got wrong the most
+up-weighted, so the penalty lands on the error rather than on the format.
 """
 from __future__ import annotations
 
@@ -314,6 +316,7 @@ def render_png(view: TokenView, path: str, max_rows: int = 12, width_chars: int 
             line.append((text, _color(float(view.weights[r, t]), scale, True)))
             used += len(text)
         lines.append(line)
+    width_chars = min(width_chars, max(60, max(sum(len(t) for t, _ in ln) for ln in lines) + 2))
     height = max(1.0, 0.22 * len(lines) + 0.6)
     fig = Figure(figsize=(0.085 * width_chars + 0.4, height))
     ax = fig.add_axes((0, 0, 1, 1))
