@@ -9,6 +9,14 @@ The old-policy pass computes, in ONE forward pass per chunk of rows and with no 
   entropy fp32 [N, R]  entropy of softmax(z / T)
   hidden  bf16 [N, R, H] (or None)  the final hidden state (after the final norm) feeding the head
 DelTA reads logp (as p = exp(logp)) and hidden from here: it adds no forward pass.
+
+With the top-K hidden-gradient proxy (delta.proxy = "hidden_topk", `topk=K`) the same pass also
+returns, per response token, the K most likely token ids and their probabilities at T:
+  topk_ids int32 [N, R, K], topk_probs fp32 [N, R, K]
+taken from the logits chunk that already exists for log p (one LM-head matmul per chunk, the full
+[N, R, V] logits never exist). The proxy v = W_y - sum_j p~_j W_j depends on the LM head and these
+alone, not on h, so `make_topk_proxy_pass` builds v [N, R, H] (the size of the h cache) from them
+without another trunk pass.
 """
 from __future__ import annotations
 
@@ -35,6 +43,86 @@ def response_forward(model, input_ids, attention_mask, response_len: int, *, tem
     return logp, entropy, (hidden if with_hidden else None)
 
 
+def logprobs_and_topk(head, hidden, labels, *, temperature: float, chunk_size: int,
+                      topk: int):
+    """log p, entropy and the top-K of softmax(logits / T), chunked over the sequence.
+
+    head [H, V] (model.lm_head_weight()), hidden [B, T, H], labels int [B, T] ->
+    (logp fp32 [B, T], entropy fp32 [B, T], topk_ids int32 [B, T, K], topk_probs fp32 [B, T, K]).
+    Each chunk's logits [B, C, V] are computed once (the same matmul as models.token_logprobs:
+    hidden dtype in, fp32 accumulation), reduced and dropped. No gradient is meant to flow.
+    """
+    B, T, H = hidden.shape
+    V = head.shape[1]
+    if not 1 <= topk <= V:
+        raise ValueError(f"delta.topk={topk} must be in [1, vocab_size={V}]")
+    w = head.astype(hidden.dtype)
+    chunk = max(1, min(int(chunk_size), T))
+    num_chunks = -(-T // chunk)
+    pad = num_chunks * chunk - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        labels = jnp.pad(labels, ((0, 0), (0, pad)))
+    h_chunks = hidden.reshape(B, num_chunks, chunk, H).swapaxes(0, 1)
+    y_chunks = labels.reshape(B, num_chunks, chunk).swapaxes(0, 1)
+    inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
+
+    def one_chunk(args):
+        h, y = args
+        logits = jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32)
+        logp_all = jax.nn.log_softmax(logits * inv_t, axis=-1)
+        logp = jnp.take_along_axis(logp_all, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        top_logp, top_ids = jax.lax.top_k(logp_all, topk)
+        return logp, entropy, top_ids.astype(jnp.int32), jnp.exp(top_logp)
+
+    outs = jax.lax.map(one_chunk, (h_chunks, y_chunks))
+
+    def unchunk(x):  # [num_chunks, B, C, ...] -> [B, T, ...]
+        x = x.swapaxes(0, 1)
+        return x.reshape((B, num_chunks * chunk) + x.shape[3:])[:, :T]
+
+    return tuple(unchunk(x) for x in outs)
+
+
+def topk_proxy_features(head, labels, topk_ids, topk_probs, *, chunk_size: int,
+                        dtype=jnp.float32):
+    """The top-K hidden-gradient proxy v = W_y - sum_{j in topK} p~_j W_j (DELTA_SPEC 4 / 5.4),
+    via rl.delta.hidden_topk_proxy_from_head, chunked over the sequence.
+
+    head [H, V], labels int [B, T], topk_ids int [B, T, K], topk_probs [B, T, K] -> v [B, T, H]
+    in `dtype` (computed in fp32). At most [B, chunk_size, K, H] gathered head rows exist at once.
+    """
+    from delta_jax.rl import delta as delta_lib
+
+    B, T = labels.shape
+    K = topk_ids.shape[-1]
+    chunk = max(1, min(int(chunk_size), T))
+    num_chunks = -(-T // chunk)
+    pad = num_chunks * chunk - T
+    if pad:
+        labels = jnp.pad(labels, ((0, 0), (0, pad)))
+        topk_ids = jnp.pad(topk_ids, ((0, 0), (0, pad), (0, 0)))
+        topk_probs = jnp.pad(topk_probs, ((0, 0), (0, pad), (0, 0)))
+
+    def split(x):
+        return x.reshape((B, num_chunks, chunk) + x.shape[2:]).swapaxes(0, 1)
+
+    def one_chunk(args):
+        y, ids, probs = args
+        return delta_lib.hidden_topk_proxy_from_head(head, y, ids, probs).astype(dtype)
+
+    v = jax.lax.map(one_chunk, (split(labels), split(topk_ids), split(topk_probs)))
+    H = v.shape[-1]
+    return v.swapaxes(0, 1).reshape(B, num_chunks * chunk, H)[:, :T]
+
+
+def proxy_token_chunk(logprob_chunk: int, vocab_size: int, topk: int, hidden_size: int) -> int:
+    """Sequence chunk for `topk_proxy_features` whose gathered rows [b, c, K, H] take no more
+    memory than the old-policy pass's logits chunk [b, logprob_chunk, V]."""
+    return max(1, (logprob_chunk * vocab_size) // max(topk * hidden_size, 1))
+
+
 def response_hidden(model, input_ids, attention_mask, response_len: int):
     """The trunk only (no LM head): hidden [B, R, H] of the response positions."""
     out = model(input_ids, attention_mask=attention_mask, return_logits=False)
@@ -44,9 +132,13 @@ def response_hidden(model, input_ids, attention_mask, response_len: int):
 
 
 def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
-                         hidden_dtype=jnp.bfloat16, mesh=None) -> Callable:
-    """Jitted (params, input_ids, attention_mask, response_len) -> (logp, entropy, hidden).
-    With a mesh (delta_jax.sharding) the outputs stay row-sharded like the inputs."""
+                         hidden_dtype=jnp.bfloat16, mesh=None, topk: int = 0,
+                         with_hidden: bool = True) -> Callable:
+    """Jitted (params, input_ids, attention_mask, response_len) -> (logp, entropy, hidden), or
+    with topk = K > 0 -> (logp, entropy, hidden, topk_ids [N, R, K], topk_probs [N, R, K]).
+    with_hidden=False returns None for hidden (e.g. the reference-policy pass, or the top-K proxy,
+    which does not read h). With a mesh (delta_jax.sharding) the outputs stay row-sharded like
+    the inputs."""
     from flax import nnx
 
     from delta_jax.sharding import constrain_batch
@@ -54,14 +146,43 @@ def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
     @functools.partial(jax.jit, static_argnums=(3,))
     def old_policy_pass(params, input_ids, attention_mask, response_len):
         model = nnx.merge(graphdef, params, rest)
-        logp, entropy, hidden = response_forward(
-            model, input_ids, attention_mask, response_len, temperature=temperature,
-            chunk_size=chunk_size)
-        logp = jax.lax.stop_gradient(logp)
-        return constrain_batch((logp, jax.lax.stop_gradient(entropy),
-                                jax.lax.stop_gradient(hidden).astype(hidden_dtype)), mesh)
+        out = model(input_ids, attention_mask=attention_mask, return_logits=False)
+        total = input_ids.shape[1]
+        start = total - response_len
+        hidden = out.hidden[:, start - 1:total - 1]
+        labels = input_ids[:, start:]
+        if topk > 0:
+            logp, entropy, top_ids, top_probs = logprobs_and_topk(
+                model.lm_head_weight(), hidden, labels, temperature=temperature,
+                chunk_size=chunk_size, topk=topk)
+            extra = (top_ids, top_probs)
+        else:
+            logp, entropy = models.token_logprobs(model, hidden, labels,
+                                                  temperature=temperature,
+                                                  chunk_size=chunk_size)
+            extra = ()
+        kept = hidden.astype(hidden_dtype) if with_hidden else None
+        return constrain_batch(jax.lax.stop_gradient((logp, entropy, kept) + extra), mesh)
 
     return old_policy_pass
+
+
+def make_topk_proxy_pass(graphdef, rest, *, chunk_size: int, feature_dtype=jnp.bfloat16,
+                         mesh=None) -> Callable:
+    """Jitted (params, labels [b, R], topk_ids [b, R, K], topk_probs [b, R, K]) -> v [b, R, H]
+    (`topk_proxy_features` with the model's LM head; the trunk is not run)."""
+    from flax import nnx
+
+    from delta_jax.sharding import constrain_batch
+
+    @jax.jit
+    def topk_proxy_pass(params, labels, topk_ids, topk_probs):
+        model = nnx.merge(graphdef, params, rest)
+        v = topk_proxy_features(model.lm_head_weight(), labels, topk_ids, topk_probs,
+                                chunk_size=chunk_size, dtype=feature_dtype)
+        return constrain_batch(jax.lax.stop_gradient(v), mesh)
+
+    return topk_proxy_pass
 
 
 def make_hidden_pass(graphdef, rest, hidden_dtype=jnp.bfloat16, mesh=None) -> Callable:
@@ -84,24 +205,25 @@ def run_in_chunks(fn: Callable, params, input_ids, attention_mask, response_len:
     """Applies the old-policy pass over row chunks of at most `chunk` rows.
 
     keep_hidden: "device" (concatenate on device), "host" (move each chunk to host memory as
-    numpy), "drop" (recompute mode: do not keep it). Returns (logp, entropy, hidden | None).
+    numpy), "drop" (recompute mode: do not keep it). Returns (logp, entropy, hidden | None) plus
+    any further outputs of `fn` (e.g. top-K ids and probabilities), concatenated on device.
     """
     n = input_ids.shape[0]
-    logps, ents, hids = [], [], []
+    outs = []
     for s in range(0, n, chunk):
-        logp, ent, hid = fn(params, input_ids[s:s + chunk], attention_mask[s:s + chunk],
-                            response_len)
-        logps.append(logp)
-        ents.append(ent)
-        if keep_hidden == "device":
-            hids.append(hid)
-        elif keep_hidden == "host":
-            hids.append(np.asarray(jax.device_get(hid)))
-    logp = jnp.concatenate(logps) if len(logps) > 1 else logps[0]
-    ent = jnp.concatenate(ents) if len(ents) > 1 else ents[0]
-    hidden = None
-    if keep_hidden == "device":
-        hidden = jnp.concatenate(hids) if len(hids) > 1 else hids[0]
-    elif keep_hidden == "host":
-        hidden = np.concatenate(hids) if len(hids) > 1 else hids[0]
-    return logp, ent, hidden
+        logp, ent, hid, *extra = fn(params, input_ids[s:s + chunk],
+                                    attention_mask[s:s + chunk], response_len)
+        if keep_hidden == "host" and hid is not None:
+            hid = np.asarray(jax.device_get(hid))
+        elif keep_hidden not in ("device", "host"):
+            hid = None
+        outs.append((logp, ent, hid, *extra))
+
+    def cat(parts):
+        if parts[0] is None:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return (np.concatenate if isinstance(parts[0], np.ndarray) else jnp.concatenate)(parts)
+
+    return tuple(cat([o[i] for o in outs]) for i in range(len(outs[0])))
