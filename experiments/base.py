@@ -34,6 +34,7 @@ def paper_config(preset: str, steps: int):
     c.rl.epochs = 1
     c.rl.micro_batch_size = 8
     c.rl.entropy_coef = 0.0
+    c.rl.kl_coef = 0.0               # paper: no KL term (rl.kl_type applies when > 0)
     c.delta.num_refine = 1
     c.delta.lam_min = 0.8
     c.delta.lam_max = 1.2

@@ -43,6 +43,7 @@ CHOICES = {
     "rl.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "delta.feature_cache": ("device", "host", "recompute"),
+    "rl.kl_type": ("k1", "k2", "k3"),
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
     "data.template": ("qwen_math", "base", "chat", "plain"),  # delta_jax.data.templates.KINDS
@@ -117,6 +118,11 @@ def default_config() -> config_dict.ConfigDict:
     c.rl.agg = _P(str)
     c.rl.log_ratio_clamp = 20.0
     c.rl.entropy_coef = 0.0
+    # KL penalty to a frozen reference policy (the initial policy, after any SFT warm start).
+    # 0 = off (the paper's setting). When on, the run keeps a second copy of the parameters and
+    # runs one extra forward pass per step (reference log-probs, in the old-policy phase).
+    c.rl.kl_coef = 0.0
+    c.rl.kl_type = "k3"           # k1 | k2 | k3 (Schulman's estimators; GRPO uses k3)
     c.rl.mini_batch_prompts = 32  # prompts per optimizer step (x group_size sequences)
     c.rl.micro_batch_size = 0     # sequences per forward/backward (0 = whole mini-batch)
     c.rl.epochs = 1
@@ -330,6 +336,11 @@ def _check_combinations(c):
     _require(c.rollout.top_k == -1 or c.rollout.top_k >= 1, "rollout.top_k", "-1 or >= 1")
     _require(0 < c.delta.lam_min <= c.delta.lam_max, "delta.lam_min",
              "need 0 < lam_min <= lam_max")
+    _require(c.delta.topk >= 1, "delta.topk", f"must be >= 1, got {c.delta.topk}")
+    _require(c.delta.stats_mode == "global" or c.delta.feature_cache == "device",
+             "delta.stats_mode", "per_shard statistics need delta.feature_cache='device' (the "
+             "streaming host/recompute modes compute global statistics only)")
+    _require(c.rl.kl_coef >= 0, "rl.kl_coef", f"must be >= 0 (0 = off), got {c.rl.kl_coef}")
     _require(c.optim.lr > 0, "optim.lr", "must be > 0")
     _require(c.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 = off)")
     _require(c.rewards.overlong_buffer < c.rollout.max_new_tokens or not c.rewards.overlong,
