@@ -8,7 +8,8 @@ reported in metrics["skipped"]; the caller counts consecutive skips.
 
 Mini-batch arrays (N rows, T = P + R tokens):
   input_ids int32 [N, T], attention_mask int32 [N, T], response_mask fp32 [N, R],
-  old_logp fp32 [N, R], advantages fp32 [N], token_weights fp32 [N, R] (ones without DelTA).
+  old_logp fp32 [N, R], advantages fp32 [N], token_weights fp32 [N, R] (ones without DelTA),
+  and, only with a KL term (rl.kl_coef > 0), ref_logp fp32 [N, R] (passed to loss_fn as ref_logp=).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from flax import nnx
 from delta_jax.train.features import response_forward
 from delta_jax.train.state import TrainState
 
-# loss_fn(logp, old_logp, advantages, mask, token_weights, entropy)
+# loss_fn(logp, old_logp, advantages, mask, token_weights, entropy[, ref_logp=...])
 #   -> (loss_sum scalar, denominator scalar, metrics: dict of scalar SUMS)
 LossFn = Callable
 
@@ -55,8 +56,11 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         logp, entropy, _ = response_forward(model, mb["input_ids"], mb["attention_mask"],
                                             response_len, temperature=temperature,
                                             chunk_size=chunk_size, with_hidden=False)
+        # ref_logp (reference-policy log-probs) only when the run has a KL term.
+        extra = {"ref_logp": mb["ref_logp"]} if "ref_logp" in mb else {}
         loss_sum, denom, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"],
-                                           mb["response_mask"], mb["token_weights"], entropy)
+                                           mb["response_mask"], mb["token_weights"], entropy,
+                                           **extra)
         return loss_sum, (denom, dict(metrics))
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
