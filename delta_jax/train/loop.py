@@ -5,9 +5,12 @@ One step (`rl_step`):
           -> rewards (RewardScorer; DAPO overlong penalty per method)
           -> [dynamic sampling: drop zero-variance groups, refill]
           -> advantages (rl.advantages)
-          -> ONE old-policy pass per row chunk: log p, entropy, h (features.py)
+          -> ONE old-policy pass per row chunk: log p, entropy, h (features.py); with
+             delta.proxy = "hidden_topk" the same pass gives the top-K ids/probs instead of h
+          -> [rl.kl_coef > 0: one more forward pass of the frozen reference policy: ref log p]
           -> DelTA coefficients from those cached features (method delta; no extra forward pass
-             unless delta.feature_cache = "recompute")
+             unless delta.feature_cache = "recompute" with the last-layer proxy), global or
+             per-shard statistics (delta.stats_mode)
           -> mini-batch updates with the pure jitted train_step (step.py)
           -> metrics; the caller checkpoints and evaluates.
 
@@ -122,11 +125,12 @@ def make_loss_fn(cfg) -> Callable:
         # Dr.GRPO's constant normaliser: the maximum response length.
         drgrpo_norm=(float(cfg.rollout.max_new_tokens)
                      if cfg.rl.agg == "seq-mean-token-sum-norm" else None),
-        entropy_coef=cfg.rl.entropy_coef)
+        entropy_coef=cfg.rl.entropy_coef,
+        kl_type=cfg.rl.kl_type if cfg.rl.kl_coef > 0 else None, kl_coef=cfg.rl.kl_coef)
 
-    def loss_fn(logp, old_logp, advantages, mask, token_weights, entropy):
+    def loss_fn(logp, old_logp, advantages, mask, token_weights, entropy, ref_logp=None):
         return losses.policy_loss(logp, old_logp, advantages, mask, token_weights=token_weights,
-                                  cfg=loss_cfg, entropy=entropy)
+                                  cfg=loss_cfg, entropy=entropy, ref_logp=ref_logp)
 
     return loss_fn
 
@@ -184,6 +188,9 @@ class Run:
     initial_params: Any = None
     mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
     state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
+    topk_proxy_pass: Any = None  # delta.proxy = "hidden_topk": (params, labels, ids, probs) -> v
+    ref_pass: Any = None         # rl.kl_coef > 0: log-probs of the reference policy
+    ref_params: Any = None       # rl.kl_coef > 0: the frozen reference parameters
 
     def count(self, name: str, k: int = 1):
         self.counters[name] = self.counters.get(name, 0) + k
@@ -231,10 +238,23 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
             graphdef, rest, optimizer, make_loss_fn(cfg), temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.logprob_chunk, micro_batch_size=cfg.rl.micro_batch_size,
             schedule=schedule, mesh=mesh, state_shardings=state_shardings)
+        topk = cfg.delta.topk if _uses_topk_proxy(cfg) else 0
         run.old_pass = features_lib.make_old_policy_pass(
             graphdef, rest, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk, mesh=mesh)
+            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk, with_hidden=not topk)
         run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest, mesh=mesh)
+        if topk:
+            mcfg = model.cfg
+            run.topk_proxy_pass = features_lib.make_topk_proxy_pass(
+                graphdef, rest, mesh=mesh, chunk_size=features_lib.proxy_token_chunk(
+                    cfg.model.logprob_chunk, mcfg.vocab_size, topk, mcfg.hidden_size))
+        if cfg.rl.kl_coef > 0:
+            run.ref_pass = features_lib.make_old_policy_pass(
+                graphdef, rest, temperature=cfg.rollout.temperature,
+                chunk_size=cfg.model.logprob_chunk, mesh=mesh, with_hidden=False)
+            # A copy: the train step donates (and so frees) the buffers of the live parameters.
+            # train() replaces it with the post-SFT parameters when there is a warm start.
+            run.ref_params = _copy_tree(params)
     if need_data and cfg.mode == "train":
         from delta_jax.data import builders, pipeline
         source = builders.build_tfds_source(assets["train"],
@@ -271,6 +291,15 @@ def place_state(run: Run, state: TrainState) -> TrainState:
     if run.state_shardings is None:
         return state
     return sharding_lib.shard_tree(state, run.state_shardings)
+
+
+def _uses_topk_proxy(cfg) -> bool:
+    return cfg.method == "delta" and cfg.delta.proxy == "hidden_topk"
+
+
+def _copy_tree(tree):
+    """Fresh device buffers with the same values and shardings."""
+    return jax.tree.map(lambda x: x.copy(), tree)
 
 
 def _updates_per_step(cfg) -> int:
@@ -345,15 +374,33 @@ def collect_rollout(run: Run, params, step: int):
     return samples, np.concatenate(rew_parts), np.concatenate(acc_parts), metrics
 
 
-def compute_delta_weights(run: Run, params, batch, logp, hidden, adv, mask):
-    """DelTA weights [N, R] from the old-policy features, per delta.feature_cache."""
+def _stats_kwargs(run, d) -> dict:
+    """delta_coefficients' statistics mode: global, or per data shard of the run's mesh (the
+    reference implementation's behaviour), over the mesh axes the batch rows are split over."""
+    if d.get("stats_mode", "global") != "per_shard":
+        return {}
+    mesh = getattr(run, "mesh", None)
+    axes = sharding_lib.batch_axes(mesh) if mesh is not None else ("data",)
+    return {"stats_mode": "per_shard", "mesh": mesh, "data_axes": axes}
+
+
+def compute_delta_weights(run: Run, params, batch, logp, hidden, adv, mask, topk=None):
+    """DelTA weights [N, R] from the old-policy features, per delta.feature_cache.
+
+    Last-layer proxy (default): v = (1 - p) h from logp and hidden. Top-K proxy
+    (delta.proxy = "hidden_topk"): topk = (ids [N, R, K], probs [N, R, K]) from the old-policy
+    pass; v [N, R, H] is built from them and the LM head (run.topk_proxy_pass, no trunk pass):
+    at once on device for feature_cache "device", chunk by chunk for "host" / "recompute".
+    """
     from delta_jax.rl import delta as delta_lib
 
     d = run.cfg.delta
+    if d.get("proxy", "last_layer") == "hidden_topk":
+        return _topk_delta_weights(run, params, batch, topk, adv, mask)
     if d.feature_cache == "device":
         return delta_lib.delta_coefficients(hidden, jnp.exp(logp), adv, mask,
                                             num_refine=d.num_refine, lam_min=d.lam_min,
-                                            lam_max=d.lam_max)
+                                            lam_max=d.lam_max, **_stats_kwargs(run, d))
     chunk = d.recompute_chunk
     n = mask.shape[0]
     starts = range(0, n, chunk)
@@ -374,6 +421,43 @@ def compute_delta_weights(run: Run, params, batch, logp, hidden, adv, mask):
                                     mask.shape[1])
                 yield delta_lib.FeatureChunk(h, adv[s:s + chunk], mask[s:s + chunk],
                                              scale[s:s + chunk])
+    weight_chunks, diag = delta_lib.delta_coefficients_streaming(
+        chunks, num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max)
+    return jnp.concatenate(weight_chunks), diag
+
+
+def _topk_delta_weights(run: Run, params, batch, topk, adv, mask):
+    """DelTA weights with the top-K hidden-gradient proxy (see compute_delta_weights)."""
+    from delta_jax.rl import delta as delta_lib
+
+    if topk is None or run.topk_proxy_pass is None:
+        raise ValueError("delta.proxy='hidden_topk' needs the old-policy pass's top-K ids and "
+                         "probabilities (build the run with that proxy)")
+    d = run.cfg.delta
+    ids, probs = topk
+    n, response_len = mask.shape
+    labels = batch["input_ids"][:, -response_len:]
+
+    def proxy(s, e):
+        run.count("topk_proxy")
+        return run.topk_proxy_pass(params, labels[s:e], ids[s:e], probs[s:e])
+
+    if d.feature_cache == "device":
+        # The old-policy pass's row chunk: the gathered head rows per call are bounded like its
+        # logits chunk (features.proxy_token_chunk).
+        chunk = min(n, run.cfg.rollout.max_batch_size)
+        parts = [proxy(s, s + chunk) for s in range(0, n, chunk)]
+        v = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        return delta_lib.delta_coefficients(None, None, adv, mask, num_refine=d.num_refine,
+                                            lam_min=d.lam_min, lam_max=d.lam_max, features=v,
+                                            **_stats_kwargs(run, d))
+    # host / recompute: v is rebuilt per chunk from the small top-K arrays in every pass.
+    chunk = d.recompute_chunk
+
+    def chunks():
+        for s in range(0, n, chunk):
+            yield delta_lib.FeatureChunk(proxy(s, s + chunk), adv[s:s + chunk],
+                                         mask[s:s + chunk], None)
     weight_chunks, diag = delta_lib.delta_coefficients_streaming(
         chunks, num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max)
     return jnp.concatenate(weight_chunks), diag
@@ -401,14 +485,22 @@ def rl_step(run: Run, state: TrainState, step: int):
     t0 = time.perf_counter()
     keep_hidden = ("device" if cfg.delta.feature_cache == "device" else
                    "host" if cfg.delta.feature_cache == "host" else "drop")
-    if not settings.use_delta:
+    if not settings.use_delta or _uses_topk_proxy(cfg):
         keep_hidden = "drop"
     counted = _counting(run, "old_policy_forward", run.old_pass)
-    logp, entropy, hidden = features_lib.run_in_chunks(
+    row_chunk = min(rb.num_rows, cfg.rollout.max_batch_size)
+    logp, entropy, hidden, *topk = features_lib.run_in_chunks(
         counted, state.params, batch["input_ids"], batch["attention_mask"], rb.response_len,
-        chunk=min(rb.num_rows, cfg.rollout.max_batch_size), keep_hidden=keep_hidden)
+        chunk=row_chunk, keep_hidden=keep_hidden)
     logp = jax.block_until_ready(logp)
     metrics["time/old_policy_s"] = time.perf_counter() - t0
+    if run.ref_pass is not None:  # KL term: the frozen reference policy's log-probs
+        t0 = time.perf_counter()
+        ref_logp, _, _ = features_lib.run_in_chunks(
+            _counting(run, "ref_forward", run.ref_pass), run.ref_params, batch["input_ids"],
+            batch["attention_mask"], rb.response_len, chunk=row_chunk, keep_hidden="drop")
+        batch["ref_logp"] = jax.block_until_ready(ref_logp)
+        metrics["time/ref_policy_s"] = time.perf_counter() - t0
     mask = batch["response_mask"]
     ntok = float(jnp.sum(mask))
     metrics["rollout/old_entropy"] = float(jnp.sum(entropy * mask)) / max(ntok, 1.0)
@@ -418,7 +510,7 @@ def rl_step(run: Run, state: TrainState, step: int):
     t0 = time.perf_counter()
     if settings.use_delta:
         weights, diag = compute_delta_weights(run, state.params, batch, logp, hidden,
-                                              batch["advantages"], mask)
+                                              batch["advantages"], mask, topk=topk or None)
         weights = jax.block_until_ready(weights)
         metrics.update({f"delta/{k}": float(v) for k, v in diag.items()
                         if np.asarray(v).size == 1})
@@ -589,12 +681,17 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
         run.data_iter.set_state(data_state)
         nonfinite_streak = int(meta.get("nonfinite_streak", 0))
         start = latest
+        if run.ref_pass is not None and cfg.sft.steps > 0:
+            run.ref_params = _restore_reference(run, state.params)
         log.info("resumed from %s at step %d", run.ckpt.directory, latest)
     else:
         state = init_state
         if cfg.sft.steps > 0:
             state = place_state(run, init_train_state(run_sft(run, state.params),
                                                       run.optimizer))
+            if run.ref_pass is not None:  # the KL reference is the policy after the warm start
+                run.ref_params = _copy_tree(state.params)
+                _save_reference(run, run.ref_params)
         run.ckpt.save(0, state, run.data_iter.get_state(), _meta(cfg, 0), force=True)
         if cfg.train.eval_before:
             _write_eval(run, state.params, 0)
@@ -634,6 +731,35 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
         models.save_pretrained(run.model(state.params), os.path.join(workdir, "final"))
         run.tokenizer.hf.save_pretrained(os.path.join(workdir, "final"))
     return state, run
+
+
+def _reference_dir(run: Run) -> str:
+    return os.path.join(run.workdir, "reference")
+
+
+def _save_reference(run: Run, params):
+    """Keeps the post-SFT reference policy for resumes (without SFT it is rebuilt from the
+    config: random init from the seed, or model.path)."""
+    ckpt = Checkpointer(_reference_dir(run), keep=1)
+    try:
+        ckpt.save(0, params, None, {"what": "KL reference policy (parameters after SFT)"},
+                  force=True)
+    finally:
+        ckpt.close()
+
+
+def _restore_reference(run: Run, target):
+    ckpt = Checkpointer(_reference_dir(run), keep=1)
+    try:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(
+                f"rl.kl_coef: resuming a run with an SFT warm start needs its KL reference "
+                f"policy in {_reference_dir(run)}, which is missing (was rl.kl_coef 0 when the "
+                "run started?)")
+        params, _, _ = ckpt.restore(0, target)
+        return params
+    finally:
+        ckpt.close()
 
 
 def _write_eval(run: Run, params, step: int):
