@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # delta_jax.models.attention.IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,9 @@ class ModelConfig:
   RoPE and softmax always run in float32.
   remat: False/None/"none" (no rematerialisation), True/"full" (save nothing inside a layer),
   "dots_saveable" or "dots_with_no_batch_dims_saveable" (jax.checkpoint_policies names).
+  attention: "auto" | "xla" | "blockwise" | "cudnn" (see delta_jax.models.attention: "xla"
+  materialises the [B, N, T, S] scores, the others do not); attention_block_q / _kv: the block
+  sizes of the blockwise implementation.
   """
   vocab_size: int
   hidden_size: int
@@ -38,10 +42,14 @@ class ModelConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   remat: Any = False
+  attention: str = "auto"
+  attention_block_q: int = 512
+  attention_block_kv: int = 512
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+                 "num_kv_heads", "head_dim", "max_position_embeddings", "attention_block_q",
+                 "attention_block_kv"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -55,6 +63,9 @@ class ModelConfig:
     if not self.rms_norm_eps > 0:
       raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
     self.remat_policy  # validates
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, "
+                       f"got {self.attention!r}")
 
   @property
   def remat_policy(self) -> str:

@@ -20,7 +20,9 @@ axes). Shapes use L=layers, V=vocab, H=hidden, N=heads, K=kv heads, D=head_dim, 
     layers.down_proj          [L, I, H]     ("layers", "mlp", "embed")
 
 Numerics: RMSNorm, RoPE and softmax in float32; matmuls in cfg.dtype with float32 accumulation
-for the scores and logits; logits are returned in float32.
+for the scores and logits; logits are returned in float32. Attention runs through
+delta_jax.models.attention.attend with cfg.attention ("auto" never materialises the [T, S] scores
+of long sequences).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from delta_jax.models import attention
 from delta_jax.models.cache import KVCache
 from delta_jax.models.config import ModelConfig
 
@@ -105,21 +108,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention.
-
-  q [B, T, N, D]; k, v [B, S, K, D]; mask bool [B, T, S] (True = may attend).
-  Returns [B, T, N, D]. Softmax in float32; a fully masked row gives a finite (uniform) mix.
-  """
-  B, T, N, D = q.shape
-  K = k.shape[2]
-  qg = q.reshape(B, T, K, N // K, D)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  scores = scores * (D ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(B, T, N, D)
+def _attend(cfg: ModelConfig, q, k, v, q_offset, kv_valid) -> jax.Array:
+  """Causal grouped-query attention with the configured implementation (models.attention)."""
+  return attention.attend(q, k, v, q_offset=q_offset, kv_valid=kv_valid, causal=True,
+                          impl=cfg.attention, block_q=cfg.attention_block_q,
+                          block_kv=cfg.attention_block_kv)
 
 
 def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
@@ -253,15 +246,12 @@ class Transformer(nnx.Module):
     layer_params = self.layers.arrays()
 
     if cache is None:
-      key_valid = (jnp.ones((B, T), bool) if attention_mask is None
-                   else attention_mask.astype(bool))
-      causal = jnp.tril(jnp.ones((T, T), bool))
-      mask = causal[None] & key_valid[:, None, :]
+      key_valid = None if attention_mask is None else attention_mask.astype(bool)
 
       def layer(x, p):
         p = _cast_layer(cfg, p)
         q, k, v = _project_qkv(cfg, p, x, cos, sin)
-        return _finish_layer(cfg, p, x, attend(q, k, v, mask)), None
+        return _finish_layer(cfg, p, x, _attend(cfg, q, k, v, 0, key_valid)), None
 
       x, _ = jax.lax.scan(_maybe_remat(cfg, layer), x, layer_params)
       new_cache = None
@@ -272,11 +262,7 @@ class Transformer(nnx.Module):
         raise ValueError(f"Transformer: writing {T} tokens at cache_index={cache_index} "
                          f"overflows the cache of {S} slots")
       cache_index = jnp.asarray(cache_index, jnp.int32)
-      query_slot = cache_index + jnp.arange(T, dtype=jnp.int32)
-      mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= query_slot[:, None]  # [T, S]
-      mask = jnp.broadcast_to(mask[None], (B, T, S))
-      if kv_mask is not None:
-        mask = mask & kv_mask.astype(bool)[:, None, :]
+      kv_valid = None if kv_mask is None else kv_mask.astype(bool)
 
       # The whole cache rides in the carry and is updated slice-wise, so a donated cache
       # buffer can be updated in place.
@@ -290,7 +276,7 @@ class Transformer(nnx.Module):
         v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
         k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
         v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
-        x = _finish_layer(cfg, p, x, attend(q, k_all, v_all, mask))
+        x = _finish_layer(cfg, p, x, _attend(cfg, q, k_all, v_all, cache_index, kv_valid))
         return (x, k_cache, v_cache), None
 
       layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

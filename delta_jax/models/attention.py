@@ -1,0 +1,380 @@
+"""Grouped-query attention with interchangeable implementations behind one signature.
+
+    out = attend(q, k, v, q_offset=0, kv_valid=mask, impl="auto")   # [B, T, N, D]
+
+Shapes: q [B, T, N, D]; k, v [B, S, K, D] with N = K * G (grouped-query attention; k/v are never
+repeated in memory: q is viewed as [B, T, K, G, D]). The mask is described, never passed in:
+
+    query t (at cache slot q_offset + t) may attend key s  <=>
+        kv_valid[b, s]  and  (not causal or s <= q_offset + t)
+
+so the [B, T, S] mask and the [B, N, T, S] scores need not exist. Without a cache q_offset = 0 and
+S = T; with a cache, q_offset is the slot of q[:, 0] (a traced int32 scalar is fine).
+A query with no key to attend to (a "fully masked row") gets output 0 in every implementation.
+
+Implementations (`impl`):
+  "xla"        plain einsum + float32 softmax over the materialised [B, N, T, S] scores: the
+               reference.
+  "blockwise"  flash-style online softmax in plain jnp: lax.map over query blocks, lax.scan over
+               key/value blocks keeping a running max, running sum and float32 accumulator; key
+               blocks that the mask removes entirely are skipped (lax.cond), which changes nothing.
+               A custom VJP recomputes the block scores in the backward pass from the saved
+               log-sum-exp, so forward + backward memory is O(B N block_q block_kv) + O(B (T + S)
+               N D), never O(T S).
+  "cudnn"      jax.nn.dot_product_attention(implementation="cudnn") (NVIDIA GPUs, bf16/fp16,
+               causal self-attention with q_offset == 0 and T == S: training and the old-policy
+               pass). Arbitrary key padding is expressed exactly by moving each row's valid tokens
+               to the front (a stable per-row permutation), running causal attention with
+               key_value_seq_lengths, and moving them back. Outputs at query slots that are
+               themselves invalid (padding) are 0 here, not the reference's mix; callers ignore
+               them. Where cuDNN cannot express the call it falls back to "blockwise".
+  "auto"       "cudnn" where supported, else "blockwise" when T * S > AUTO_BLOCKWISE_MIN_SCORES,
+               else "xla" (short sequences and single-token decoding).
+
+Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
+float32, probabilities cast to v.dtype for the value product (float32 accumulation).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("auto", "xla", "blockwise", "cudnn")
+# "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
+# 2048 x 2048 float32 scores are 16 MiB per head per row.
+AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and checks
+
+
+def _check_inputs(q, k, v, kv_valid):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"attend: q, k, v must be [B, T, N, D] / [B, S, K, D], got shapes "
+                     f"{q.shape}, {k.shape}, {v.shape}")
+  B, T, N, D = q.shape
+  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+    raise ValueError(f"attend: k {k.shape} and v {v.shape} must be [B={B}, S, K, D={D}]")
+  if N % k.shape[2]:
+    raise ValueError(f"attend: query heads ({N}) must be a multiple of key/value heads "
+                     f"({k.shape[2]})")
+  if kv_valid is not None and kv_valid.shape != (B, k.shape[1]):
+    raise ValueError(f"attend: kv_valid must be [B, S] = {(B, k.shape[1])}, got "
+                     f"{kv_valid.shape}")
+
+
+def attention_mask(q_len: int, kv_valid: jax.Array, q_offset=0, causal: bool = True):
+  """bool [B, T, S]: query t may attend key s (see the module docstring)."""
+  S = kv_valid.shape[1]
+  mask = jnp.broadcast_to(kv_valid.astype(bool)[:, None, :], (kv_valid.shape[0], q_len, S))
+  if causal:
+    q_slot = jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_len, dtype=jnp.int32)
+    mask = mask & (jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None])[None]
+  return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# "xla": the reference
+
+
+def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Materialised-scores attention. q [B, T, N, D]; k, v [B, S, K, D]; mask bool [B, T, S].
+
+  Returns [B, T, N, D] in q.dtype; rows with no allowed key give 0.
+  """
+  B, T, N, D = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, N // K, D)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  scores = scores * (D ** -0.5)
+  allowed = mask[:, None, None, :, :]
+  # A finite fill keeps the softmax NaN-free; zeroing afterwards makes empty rows exactly 0 (in a
+  # row with any allowed key the masked probabilities underflow to 0 anyway).
+  scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+  probs = jnp.where(allowed, jax.nn.softmax(scores, axis=-1), 0.0).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(B, T, N, D).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# "blockwise": online softmax over key blocks, custom VJP
+
+
+def _to_blocks(x: jax.Array, num: int, size: int) -> jax.Array:
+  """[B, num * size, ...] -> [num, B, size, ...]."""
+  return jnp.moveaxis(x.reshape(x.shape[:1] + (num, size) + x.shape[2:]), 1, 0)
+
+
+def _from_blocks(x: jax.Array) -> jax.Array:
+  """[num, B, size, ...] -> [B, num * size, ...]."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[:1] + (x.shape[1] * x.shape[2],) + x.shape[3:])
+
+
+def _pad_axis1(x: jax.Array, to: int, value=0) -> jax.Array:
+  pad = to - x.shape[1]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+class _Blocks:
+  """Blocked views of one attend() call's operands (padded to whole blocks)."""
+
+  def __init__(self, q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+    B, T, N, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    self.shape = (B, T, N, D, S, K, N // K)
+    self.bq, self.bkv = min(block_q, T), min(block_kv, S)
+    self.nq, self.nk = -(-T // self.bq), -(-S // self.bkv)
+    self.causal, self.q_offset = causal, q_offset
+    self.scale = D ** -0.5
+    qg = _pad_axis1(q, self.nq * self.bq).reshape(B, self.nq * self.bq, K, N // K, D)
+    self.q = _to_blocks(qg, self.nq, self.bq)                               # [nq, B, bq, K, G, D]
+    self.k = _to_blocks(_pad_axis1(k, self.nk * self.bkv), self.nk, self.bkv)  # [nk, B, bkv, K, D]
+    self.v = _to_blocks(_pad_axis1(v, self.nk * self.bkv), self.nk, self.bkv)
+    valid = _pad_axis1(kv_valid, self.nk * self.bkv, False)
+    self.valid = _to_blocks(valid, self.nk, self.bkv)                       # [nk, B, bkv]
+
+  def q_rows(self, x):
+    """[B, T, N, ...] -> [nq, B, bq, K, G, ...] (padded)."""
+    B, T, N, D, S, K, G = self.shape
+    x = _pad_axis1(x, self.nq * self.bq)
+    return _to_blocks(x.reshape((B, self.nq * self.bq, K, G) + x.shape[3:]), self.nq, self.bq)
+
+  def needed(self, i, j, valid_j):
+    """Whether key block j can matter to query block i (else it is skipped; exact)."""
+    any_valid = jnp.any(valid_j)
+    if not self.causal:
+      return any_valid
+    last_q_slot = self.q_offset + (i + 1) * self.bq - 1
+    return any_valid & (j * self.bkv <= last_q_slot)
+
+  def mask(self, i, j, valid_j):
+    """bool [B, 1, 1, bq, bkv]: allowed (query, key) pairs of blocks (i, j)."""
+    allowed = valid_j[:, None, :]
+    if self.causal:
+      q_slot = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+      kv_slot = j * self.bkv + jnp.arange(self.bkv, dtype=jnp.int32)
+      allowed = allowed & (kv_slot[None, :] <= q_slot[:, None])[None]
+    return allowed[:, None, None, :, :]
+
+  def scores(self, qi, kj, i, j, valid_j):
+    """float32 [B, K, G, bq, bkv] scaled scores, -inf where not allowed."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
+    return jnp.where(self.mask(i, j, valid_j), s * self.scale, -jnp.inf)
+
+
+def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+  """Returns out [B, T, N, D] (q.dtype) and lse [nq, B, K, G, bq] (float32; +inf on empty rows)."""
+  blk = _Blocks(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+  B, T, N, D, S, K, G = blk.shape
+  kv_xs = (blk.k, blk.v, blk.valid, jnp.arange(blk.nk, dtype=jnp.int32))
+
+  def query_block(args):
+    qi, i = args
+
+    def kv_step(carry, xs):
+      kj, vj, valid_j, j = xs
+
+      def update(carry):
+        m, l, acc = carry
+        s = blk.scores(qi, kj, i, j, valid_j)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # no (-inf) - (-inf)
+        p = jnp.exp(s - m_safe[..., None])
+        correction = jnp.exp(m - m_safe)
+        l = l * correction + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vj.dtype), vj,
+                        preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[..., None] + pv
+
+      return jax.lax.cond(blk.needed(i, j, valid_j), update, lambda c: c, carry), None
+
+    init = (jnp.full((B, K, G, blk.bq), -jnp.inf, jnp.float32),
+            jnp.zeros((B, K, G, blk.bq), jnp.float32),
+            jnp.zeros((B, K, G, blk.bq, D), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(kv_step, init, kv_xs)
+    nonempty = l > 0
+    out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), jnp.inf)
+    return out.astype(q.dtype), lse
+
+  out, lse = jax.lax.map(query_block, (blk.q, jnp.arange(blk.nq, dtype=jnp.int32)))
+  # out [nq, B, K, G, bq, D] -> [B, T, N, D]
+  out = jnp.moveaxis(out, 4, 2).reshape(blk.nq, B, blk.bq, N, D)
+  return _from_blocks(out)[:, :T], lse
+
+
+def _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal, block_q, block_kv):
+  """Flash-attention backward: recompute block scores, p = exp(s - lse)."""
+  blk = _Blocks(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+  B, T, N, D, S, K, G = blk.shape
+  # delta = rowsum(dout * out): the softmax backward's per-query term.
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  delta_b = jnp.moveaxis(blk.q_rows(delta), 2, 4)                         # [nq, B, K, G, bq]
+  do_b = blk.q_rows(dout.astype(q.dtype))                                 # [nq, B, bq, K, G, D]
+  kv_xs = (blk.k, blk.v, blk.valid, jnp.arange(blk.nk, dtype=jnp.int32))
+  kv_zeros = jnp.zeros((B, blk.bkv, K, D), jnp.float32)
+
+  def query_block(carry, xs):
+    dk_acc, dv_acc = carry
+    qi, doi, lse_i, delta_i, i = xs
+
+    def kv_step(dq, xs):
+      kj, vj, valid_j, j = xs
+
+      def grads(dq):
+        s = blk.scores(qi, kj, i, j, valid_j)
+        p = jnp.exp(s - lse_i[..., None])  # 0 where masked (s = -inf) or the row is empty
+        dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(doi.dtype), doi,
+                        preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta_i[..., None]) * blk.scale).astype(qi.dtype)
+        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32)
+        return dq, (dk, dv)
+
+      return jax.lax.cond(blk.needed(i, j, valid_j), grads,
+                          lambda dq: (dq, (kv_zeros, kv_zeros)), dq)
+
+    dq, (dk, dv) = jax.lax.scan(kv_step, jnp.zeros((B, blk.bq, K, G, D), jnp.float32), kv_xs)
+    return (dk_acc + dk, dv_acc + dv), dq
+
+  acc0 = jnp.zeros((blk.nk, B, blk.bkv, K, D), jnp.float32)
+  (dk, dv), dq = jax.lax.scan(
+      query_block, (acc0, acc0),
+      (blk.q, do_b, lse, delta_b, jnp.arange(blk.nq, dtype=jnp.int32)))
+  dq = _from_blocks(dq.reshape(blk.nq, B, blk.bq, N, D))[:, :T]
+  dk, dv = _from_blocks(dk)[:, :S], _from_blocks(dv)[:, :S]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _blockwise(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+  return _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)[0]
+
+
+def _blockwise_fwd(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+  out, lse = _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+  return out, (q, k, v, q_offset, kv_valid, out, lse)
+
+
+def _blockwise_bwd(causal, block_q, block_kv, res, dout):
+  q, k, v, q_offset, kv_valid, out, lse = res
+  dq, dk, dv = _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal,
+                                   block_q, block_kv)
+  return dq, dk, dv, None, None  # the offset and the mask have no cotangent
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
+                     kv_valid: Optional[jax.Array] = None, causal: bool = True,
+                     block_q: int = 512, block_kv: int = 512) -> jax.Array:
+  """Memory-efficient attention (see the module docstring); differentiable in q, k, v.
+
+  q [B, T, N, D]; k, v [B, S, K, D]; kv_valid bool [B, S] (None = all valid).
+  Block sizes are clipped to T / S; T and S need not be multiples of them.
+  """
+  _check_inputs(q, k, v, kv_valid)
+  if kv_valid is None:
+    kv_valid = jnp.ones(k.shape[:2], bool)
+  return _blockwise(q, k, v, jnp.asarray(q_offset, jnp.int32), kv_valid.astype(bool),
+                    bool(causal), int(block_q), int(block_kv))
+
+
+# ---------------------------------------------------------------------------------------------
+# "cudnn"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_backend() -> bool:
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return False
+  if device.platform != "gpu":
+    return False
+  return "cuda" in str(getattr(device.client, "platform_version", "")).lower()
+
+
+def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int, causal: bool) -> bool:
+  """Whether the "cudnn" path can express this call exactly on the current backend."""
+  T, D = q_shape[1], q_shape[3]
+  static_zero_offset = isinstance(q_offset, (int, np.integer)) and int(q_offset) == 0
+  return (_cuda_backend() and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
+          and causal and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
+
+
+def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
+                         implementation: str = "cudnn") -> jax.Array:
+  """Causal self-attention (T == S, offset 0) with arbitrary padding through
+  jax.nn.dot_product_attention's key-length masks.
+
+  Each row's valid tokens are moved to the front in order (a stable permutation), so "key s is
+  valid and s <= t" becomes "key index < number valid and index <= query index" (is_causal +
+  key_value_seq_lengths), then moved back. Output at invalid query slots is 0.
+  `implementation` is passed through ("xla" lets CPU tests check the permutation logic).
+  """
+  B, T = kv_valid.shape
+  valid = kv_valid.astype(bool)
+  order = jnp.argsort(jnp.logical_not(valid).astype(jnp.int8), axis=1, stable=True)  # [B, T]
+  inverse = jnp.argsort(order, axis=1)
+  gather = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
+  num_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  out = jax.nn.dot_product_attention(
+      gather(q, order), gather(k, order), gather(v, order), is_causal=True,
+      # >= 1 so that an all-padding row has something finite to attend to (zeroed below).
+      key_value_seq_lengths=jnp.maximum(num_valid, 1), implementation=implementation)
+  out = gather(out, inverse)
+  return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def resolve_impl(impl: str, q_shape, dtype, *, kv_len: int, q_offset=0,
+                 causal: bool = True) -> str:
+  """The implementation attend() will run: "xla", "blockwise" or "cudnn"."""
+  if impl not in IMPLS:
+    raise ValueError(f"attend: impl must be one of {IMPLS}, got {impl!r}")
+  if impl in ("auto", "cudnn") and cudnn_supported(q_shape, dtype, q_offset=q_offset,
+                                                    kv_len=kv_len, causal=causal):
+    return "cudnn"
+  if impl == "auto":
+    return "blockwise" if q_shape[1] * kv_len > AUTO_BLOCKWISE_MIN_SCORES else "xla"
+  if impl == "cudnn":  # not expressible here: the memory-efficient fallback
+    return "blockwise"
+  return impl
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
+           kv_valid: Optional[jax.Array] = None, causal: bool = True, impl: str = "auto",
+           block_q: int = 512, block_kv: int = 512) -> jax.Array:
+  """Grouped-query attention; see the module docstring for the mask and the implementations.
+
+  q [B, T, N, D]; k, v [B, S, K, D]; q_offset: int or int32 scalar, the slot of q[:, 0];
+  kv_valid: bool [B, S] (None = all keys valid); returns [B, T, N, D] in q.dtype.
+  """
+  _check_inputs(q, k, v, kv_valid)
+  B, S = k.shape[:2]
+  chosen = resolve_impl(impl, q.shape, q.dtype, kv_len=S, q_offset=q_offset, causal=causal)
+  if chosen == "cudnn":
+    valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid
+    return attend_packed_causal(q, k, v, valid)
+  if chosen == "blockwise":
+    return attend_blockwise(q, k, v, q_offset=q_offset, kv_valid=kv_valid, causal=causal,
+                            block_q=block_q, block_kv=block_kv)
+  valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid
+  return attend_xla(q, k, v, attention_mask(q.shape[1], valid, q_offset, causal))
