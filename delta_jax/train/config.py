@@ -39,6 +39,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+    "model.attention": ("auto", "xla", "blockwise", "cudnn"),  # models.attention.IMPLS
     "rl.advantage": ("grpo", "drgrpo", "rloo"),
     "rl.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "optim.schedule": ("constant", "cosine", "linear"),
@@ -71,6 +72,9 @@ def default_config() -> config_dict.ConfigDict:
     c.model.dtype = "float32"    # activations
     c.model.param_dtype = "float32"
     c.model.remat = "none"
+    # Attention implementation (delta_jax/models/attention.py): "xla" materialises the [T, S]
+    # scores; "auto" = cuDNN flash on GPU where it applies, else blockwise for long sequences.
+    c.model.attention = "auto"
     # Random-init shape overrides (0 = keep the preset's value; vocab 0 = the tokenizer's size).
     c.model.vocab_size = 0
     c.model.hidden_size = 0
