@@ -104,6 +104,7 @@ def build_model(cfg, vocab_size: int, mesh=None):
     remat = cfg.model.remat
     if cfg.model.random_init:
         overrides = {f: cfg.model[f] for f in _SHAPE_FIELDS if cfg.model[f]}
+        overrides["attention"] = cfg.model.attention  # models.attention implementation
         vocab = cfg.model.vocab_size or -(-vocab_size // 64) * 64
         mcfg = models.get_preset(cfg.model.preset, vocab_size=vocab, dtype=dtype,
                                  param_dtype=param_dtype, remat=remat, **overrides)
