@@ -1,0 +1,190 @@
+"""delta.proxy = "hidden_topk": the top-K hidden-gradient proxy wired through the RL loop.
+
+* Unit: the old-policy pass's chunked log p / top-K ids / top-K probabilities at T, and the
+  chunked proxy v = W_y - sum_{j in topK} p~_j W_j, against NumPy on full logits.
+* Loop: one RL step (tiny model on one device, deterministic stand-in scorer) with the top-K
+  proxy. The token weights it uses equal delta_coefficients on v built independently from a
+  separate full-logits forward pass (NumPy softmax / argsort / gather); they differ from the
+  last-layer proxy's weights; there is still exactly one old-policy forward pass and no trunk
+  pass; the streaming (recompute) feature cache gives the same weights.
+"""
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from ml_collections import config_dict
+
+from delta_jax import sharding
+from delta_jax.rl.delta import delta_coefficients
+from delta_jax.train import features, loop
+from delta_jax.train.config import default_config, validate_config
+from delta_jax.train.state import init_train_state
+
+TOPK = 8
+
+
+def _softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _numpy_topk_proxy(head_t, labels, probs_full, k):
+    """v = W_y - sum_{j in topK} p~_j W_j from full probabilities [.., V]; head_t [V, H]."""
+    top_ids = np.argsort(-probs_full, axis=-1, kind="stable")[..., :k]
+    top_p = np.take_along_axis(probs_full, top_ids, -1)
+    top_p = top_p / top_p.sum(-1, keepdims=True)
+    return head_t[labels] - np.einsum("btk,btkh->bth", top_p, head_t[top_ids])
+
+
+def test_topk_pieces_match_numpy():
+    rng = np.random.default_rng(0)
+    B, T, H, V, K, temp = 3, 7, 8, 40, 5, 1.3
+    h = rng.normal(size=(B, T, H)).astype(np.float32)
+    w = rng.normal(size=(H, V)).astype(np.float32)
+    y = rng.integers(0, V, (B, T)).astype(np.int32)
+    logp, ent, ids, probs = features.logprobs_and_topk(
+        jnp.asarray(w), jnp.asarray(h), jnp.asarray(y), temperature=temp, chunk_size=3, topk=K)
+    p = _softmax(h.astype(np.float64) @ w / temp)
+    np.testing.assert_allclose(np.asarray(logp), np.log(np.take_along_axis(
+        p, y[..., None], -1)[..., 0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent), -(p * np.log(p)).sum(-1), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-p, -1)[..., :K])
+    np.testing.assert_allclose(np.asarray(probs), -np.sort(-p, -1)[..., :K], atol=1e-6)
+    v = features.topk_proxy_features(jnp.asarray(w), jnp.asarray(y), ids, probs, chunk_size=2)
+    np.testing.assert_allclose(np.asarray(v), _numpy_topk_proxy(w.T, y, p, K), atol=1e-5)
+    # K = V: the exact gradient of log p(y) w.r.t. h (at T = 1): W_y - E_p[W].
+    _, _, ids_all, probs_all = features.logprobs_and_topk(
+        jnp.asarray(w), jnp.asarray(h), jnp.asarray(y), temperature=1.0, chunk_size=4, topk=V)
+    v_all = features.topk_proxy_features(jnp.asarray(w), jnp.asarray(y), ids_all, probs_all,
+                                         chunk_size=4)
+
+    def logp_y(hh):
+        return jax.nn.log_softmax(hh @ jnp.asarray(w))[jnp.arange(T), jnp.asarray(y[0])].sum()
+    grad = jax.grad(logp_y)(jnp.asarray(h[0]))
+    np.testing.assert_allclose(np.asarray(v_all[0]), np.asarray(grad), atol=1e-5)
+    with pytest.raises(ValueError, match="delta.topk"):
+        features.logprobs_and_topk(jnp.asarray(w), jnp.asarray(h), jnp.asarray(y),
+                                   temperature=1.0, chunk_size=4, topk=V + 1)
+
+
+class TextLengthScorer:
+    """Stand-in for rl.rewards.RewardScorer: reward 1 for an even-length response text."""
+
+    def score(self, texts, golds, response_lengths=None, truncated=None):
+        rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
+        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
+
+    def close(self):
+        pass
+
+
+def make_config(**delta):
+    c = default_config()
+    c.method = "delta"
+    c.model.random_init = True
+    c.model.preset = "tiny"
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.num_kv_heads = 1
+    c.model.head_dim = 16
+    c.model.logprob_chunk = 8
+    c.tokenizer.path = "synthetic"
+    c.data.train = "synthetic"
+    c.data.template = "plain"
+    c.data.max_prompt_len = 32
+    c.data.synthetic_train = 64
+    c.data.synthetic_test = 4
+    c.data.synthetic_levels = "1"
+    c.rollout.batch_prompts = 4
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 8
+    c.rollout.max_batch_size = 16
+    c.rollout.temperature = 1.5       # a rollout temperature != 1 reaches the top-K probs
+    c.rewards.overlong_buffer = 4
+    c.rl.mini_batch_prompts = 4
+    c.optim.lr = 1e-3
+    c.train.steps = 1
+    c.train.progress_bar = False
+    for key, value in delta.items():
+        c.delta[key] = value
+    return validate_config(c)
+
+
+@pytest.fixture(scope="module")
+def topk_run(tmp_path_factory):
+    cfg = make_config(proxy="hidden_topk", topk=TOPK)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = loop.build_run(cfg, str(tmp_path_factory.mktemp("topk")), need_scorer=False, mesh=mesh)
+    run.scorer = TextLengthScorer()
+    run.debug_record = True
+    state = loop.place_state(run, init_train_state(run.initial_params, run.optimizer))
+    _, metrics = loop.rl_step(run, state, 1)
+    yield cfg, run, metrics
+    run.close()
+
+
+def test_loop_weights_equal_independent_topk_proxy(topk_run):
+    cfg, run, metrics = topk_run
+    rec = run.debug
+    b = rec["batch"]
+    params = jax.tree.map(jnp.asarray, rec["params"])
+    model = nnx.merge(run.graphdef, params, run.rest)
+    out = model(jnp.asarray(b["input_ids"]), attention_mask=jnp.asarray(b["attention_mask"]))
+    R = b["response_mask"].shape[1]
+    logits = np.asarray(out.logits[:, -R - 1:-1], np.float64)
+    probs_full = _softmax(logits / cfg.rollout.temperature)
+    labels = np.asarray(b["input_ids"])[:, -R:]
+    head_t = np.asarray(model.lm_head_weight(), np.float64).T  # [V, H]
+    v = _numpy_topk_proxy(head_t, labels, probs_full, TOPK).astype(np.float32)
+    mask, adv = jnp.asarray(b["response_mask"]), jnp.asarray(b["advantages"])
+    d = cfg.delta
+    kw = dict(num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max)
+    # The loop keeps v in bf16, like the h cache.
+    ref, _ = delta_coefficients(None, None, adv, mask, features=jnp.asarray(
+        v, jnp.bfloat16), **kw)
+    valid = np.asarray(mask) > 0
+    assert np.std(b["token_weights"][valid]) > 1e-3
+    np.testing.assert_allclose(b["token_weights"], np.asarray(ref), atol=2e-3)
+    np.testing.assert_allclose(b["token_weights"][valid].mean(), 1.0, atol=1e-5)
+    # Not the last-layer proxy's weights on the same rollout.
+    p_y = np.take_along_axis(probs_full, labels[..., None], -1)[..., 0]
+    last, _ = delta_coefficients(out.hidden[:, -R - 1:-1], jnp.asarray(p_y, jnp.float32), adv,
+                                 mask, **kw)
+    assert np.max(np.abs(np.asarray(last) - b["token_weights"])[valid]) > 2e-2
+    # old_logp still comes from the same pass (log p of the sampled token at T).
+    np.testing.assert_allclose(b["old_logp"] * valid, np.log(p_y) * valid, atol=1e-4)
+    assert np.isfinite(metrics["delta/disc_accuracy"])
+
+
+def test_topk_adds_no_forward_pass(topk_run):
+    _, run, _ = topk_run
+    assert run.counters["old_policy_forward"] == 1
+    assert run.counters["topk_proxy"] == 1        # v from the head: gathers, not a trunk pass
+    assert "trunk_forward" not in run.counters and "ref_forward" not in run.counters
+
+
+def test_topk_streaming_cache_modes_agree(topk_run):
+    cfg, run, _ = topk_run
+    b = jax.tree.map(jnp.asarray, run.debug["batch"])
+    params = jax.tree.map(jnp.asarray, run.debug["params"])
+    R = b["response_mask"].shape[1]
+    logp, _, hidden, ids, probs = run.old_pass(params, b["input_ids"], b["attention_mask"], R)
+    assert hidden is None and ids.shape == probs.shape == (b["input_ids"].shape[0], R, TOPK)
+    for mode in ("recompute",):  # host takes the same path for this proxy
+        counters = {}
+        ns = types.SimpleNamespace(
+            cfg=config_dict.ConfigDict({"delta": dict(cfg.delta.to_dict(), feature_cache=mode,
+                                                      recompute_chunk=8),
+                                        "rollout": cfg.rollout.to_dict()}),
+            topk_proxy_pass=run.topk_proxy_pass, mesh=run.mesh,
+            count=lambda name, k=1, c=counters: c.__setitem__(name, c.get(name, 0) + k))
+        w, _ = loop.compute_delta_weights(ns, params, b, logp, None, b["advantages"],
+                                          b["response_mask"], topk=(ids, probs))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(b["token_weights"]), atol=1e-5)
+        assert "trunk_forward" not in counters and counters["topk_proxy"] > 0
