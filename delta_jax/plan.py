@@ -9,9 +9,11 @@ the placed arrays hold on device 0): parameters, gradients, optimizer state, rol
 DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
 the update (remat none / full), the rollout prefill's attention scores, the old-policy pass.
 
-The model computes attention with materialised scores ([rows, heads, T, T] float32 per layer, no
-flash attention), so the quadratic term dominates activations at long contexts; it is listed
-separately so that its cost is visible.
+Attention follows model.attention (delta_jax/models/attention.py): "xla" materialises the
+[rows, heads, T, S] float32 scores per layer, a quadratic term that dominates at long contexts;
+"blockwise" / "cudnn" (and "auto" at lengths where it picks them) keep only block-sized scores plus
+per-token softmax statistics. The second column of the phase table is always the blockwise figure,
+so the cost of the materialised scores stays visible.
 """
 from __future__ import annotations
 
@@ -79,14 +81,38 @@ def _div(n: int, parts: int) -> int:
     return n // parts if parts > 1 and n % parts == 0 else n
 
 
-def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int) -> dict:
+def attention_kind(mc: models.ModelConfig, seq: int) -> str:
+    """The attention implementation the model runs for causal self-attention over `seq` tokens:
+    "xla" (materialised scores) or "blockwise" (stands for cudnn too: both keep no [T, S] array).
+    "auto" is resolved as on a machine without cuDNN (by the length threshold); on a GPU it may
+    pick cudnn at short lengths as well, which this plan then over-estimates slightly."""
+    from delta_jax.models import attention
+    impl = mc.attention if mc.attention in ("xla", "blockwise") else "auto"
+    if impl == "auto":
+        impl = "blockwise" if seq * seq > attention.AUTO_BLOCKWISE_MIN_SCORES else "xla"
+    return impl
+
+
+def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int,
+                            attention: Optional[str] = None, backward: bool = True) -> dict:
     """Estimated bytes of one decoder layer's intermediates for `rows` x `seq` tokens on one
     device (heads and MLP columns split over `tensor` when it divides them):
       linear: 4 H (residual in/out, two norms) + 3 (N D + 2 K D) (q, k, v; after q/k-norm;
               after RoPE) + N D (attention output) + 4 I (gate, up, silu(gate) * up, its input
               to down_proj), in the activation dtype;
-      scores: N T float32 scores + their masked copy, + the probabilities in the activation
-              dtype, per token: the quadratic term.
+      scores (kept per layer for the backward pass):
+        xla:       N T float32 scores + their masked copy, + the probabilities in the activation
+                   dtype, per token: the quadratic term;
+        blockwise: the float32 log-sum-exp, N per token;
+      attn_transient (live for one layer at a time; 0 for xla):
+        blockwise: one (block_q x block_kv) block of scores, probabilities and, in the backward
+                   pass, their cotangents (4 float32 + 2 activation-dtype copies, N heads), the
+                   running max / sum / float32 accumulator and dq of one query block, and the
+                   float32 dk / dv accumulators plus one query block's contributions (4 K D per
+                   token); with backward=False (a forward-only pass) only the forward's
+                   block of scores and probabilities (2 float32 + 1 activation-dtype copy) and
+                   one query block's running statistics and accumulator.
+    `attention`: "xla" | "blockwise" (default: attention_kind(mc, seq)).
     """
     a = jnp.dtype(mc.dtype).itemsize
     H, N, K, D, I = (mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
@@ -94,8 +120,21 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
     n_loc, k_loc, i_loc = _div(N, tensor), _div(K, tensor), _div(I, tensor)
     tokens = rows * seq
     linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
-    scores = tokens * n_loc * seq * (2 * 4 + a)
-    return {"linear": linear, "scores": scores, "input": tokens * H * a}
+    kind = attention or attention_kind(mc, seq)
+    if kind == "xla":
+        scores = tokens * n_loc * seq * (2 * 4 + a)
+        transient = 0
+    else:
+        bq, bkv = min(mc.attention_block_q, seq), min(mc.attention_block_kv, seq)
+        scores = tokens * n_loc * 4
+        if backward:
+            transient = (rows * n_loc * bq * bkv * (4 * 4 + 2 * a)
+                         + rows * n_loc * bq * (2 * D + 2) * 4
+                         + tokens * 4 * k_loc * D * 4)
+        else:
+            transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
+    return {"linear": linear, "scores": scores, "attn_transient": transient,
+            "input": tokens * H * a, "attention": kind}
 
 
 @dataclasses.dataclass
@@ -119,8 +158,8 @@ class MemoryPlan:
     phases: dict = dataclasses.field(default_factory=dict)
     feature_cache_fits: dict = dataclasses.field(default_factory=dict)
     recommended_feature_cache: str = ""
-    # The same without the quadratic attention-score terms, i.e. what a memory-efficient
-    # (flash / splash) attention would need: the headroom such a kernel would buy.
+    # The same with model.attention="blockwise" (no quadratic attention-score terms), for
+    # comparison when the configured attention materialises the scores.
     phases_flash: dict = dataclasses.field(default_factory=dict)
     feature_cache_fits_flash: dict = dataclasses.field(default_factory=dict)
     recommended_feature_cache_flash: str = ""
@@ -136,6 +175,8 @@ class MemoryPlan:
             f"  rollout {s['rollout_rows']} rows x (prompt {s['prompt_len']} + response "
             f"{s['response_len']}), sampler batch {s['sampler_rows']}; update micro-batch "
             f"{s['micro_rows']} rows; remat={s['remat']}",
+            f"  attention={s['attention']} (update / old-policy pass: {s['attention_train']}, "
+            f"rollout prefill: {s['attention_prefill']})",
             "per device:",
             f"  parameters                     {g(self.params)}",
             f"  gradients                      {g(self.gradients)}",
@@ -157,10 +198,10 @@ class MemoryPlan:
         for name, value in self.phases.items():
             flash = self.phases_flash[name]
             lines.append(f"  {name:30s} {g(value)}  {'fits' if value <= mem else 'DOES NOT FIT'}"
-                         f"   | without score matrices {g(flash)}  "
+                         f"   | blockwise attention {g(flash)}  "
                          f"{'fits' if flash <= mem else 'DOES NOT FIT'}")
         for label, fits, rec in (("", self.feature_cache_fits, self.recommended_feature_cache),
-                                 (" (without score matrices)", self.feature_cache_fits_flash,
+                                 (" (blockwise attention)", self.feature_cache_fits_flash,
                                   self.recommended_feature_cache_flash)):
             text = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in fits.items())
             lines.append(f"delta.feature_cache fits{label} -> {text}; recommended: {rec}")
@@ -205,16 +246,21 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     a = jnp.dtype(model_cfg.dtype).itemsize
     seq = prompt_len + response_len
     m_rows = rows_per_device(micro)
+    policy = model_cfg.remat_policy
+
+    def activations(layer):
+        """(remat none, remat full, configured) activation bytes of the update."""
+        one_layer = layer["linear"] + layer["scores"]
+        none = L * one_layer + layer["attn_transient"]
+        # Full remat keeps each layer's input; the backward pass recomputes one layer at a time
+        # and holds its intermediates plus their cotangents (x2).
+        full = L * layer["input"] + 2 * one_layer + layer["attn_transient"]
+        return none, full, (full if policy == "full" else none)  # dots_*: bounded by "none"
+
     layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor)
-    one_layer = layer["linear"] + layer["scores"]
-    act_none = L * one_layer
-    # Full remat keeps each layer's input; the backward pass recomputes one layer at a time and
-    # holds its intermediates plus their cotangents (x2).
-    act_full = L * layer["input"] + 2 * one_layer
+    act_none, act_full, act_cfg = activations(layer)
     # LM head: float32 logits of one sequence chunk, their softmax and cotangent.
     lp_chunk = m_rows * min(logprob_chunk, response_len) * _div(V, tensor) * 4 * 3
-    policy = model_cfg.remat_policy
-    act_cfg = act_full if policy == "full" else act_none  # dots_*: bounded by "none"
 
     # Rollout: the KV cache of one sampler call, and the prefill's attention scores.
     s_rows = rows_per_device(sampler_rows)
@@ -224,13 +270,23 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     prefill_prompts = max(1, sampler_rows // group_size)
     p_rows = rows_per_device(prefill_prompts)
     P = _bucket(prompt_len)
-    prefill = p_rows * _div(model_cfg.num_heads, tensor) * P * P * (2 * 4 + a)
+
+    def prefill_bytes(kind):  # the prefill's attention intermediates, one layer at a time
+        pre = _layer_activation_bytes(model_cfg, p_rows, P, tensor, kind, backward=False)
+        return pre["scores"] + pre["attn_transient"]
+
+    prefill_kind = attention_kind(model_cfg, P)
+    prefill = prefill_bytes(prefill_kind)
 
     # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
     o_rows = rows_per_device(min(rollout_rows, sampler_rows))
-    o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor)
-    old_pass = o_layer["linear"] + o_layer["scores"] + o_rows * min(
-        logprob_chunk, response_len) * _div(V, tensor) * 4 * 2
+    lp_old = o_rows * min(logprob_chunk, response_len) * _div(V, tensor) * 4 * 2
+
+    def old_pass_bytes(o_layer):
+        return o_layer["linear"] + o_layer["scores"] + o_layer["attn_transient"] + lp_old
+
+    o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor, backward=False)
+    old_pass = old_pass_bytes(o_layer)
 
     feat_row = response_len * H * 2  # bfloat16 hidden states
     f_device = rows_per_device(rollout_rows) * feat_row
@@ -257,9 +313,13 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                                   "none")
 
     phases, fits, recommended = peaks(prefill, old_pass, act_cfg)
-    act_cfg_flash = (act_full if policy == "full" else act_none) - (
-        2 * layer["scores"] if policy == "full" else L * layer["scores"])
-    phases_flash, fits_flash, rec_flash = peaks(0, old_pass - o_layer["scores"], act_cfg_flash)
+    act_cfg_flash = activations(_layer_activation_bytes(model_cfg, m_rows, seq, tensor,
+                                                        "blockwise"))[2]
+    phases_flash, fits_flash, rec_flash = peaks(
+        prefill_bytes("blockwise"),
+        old_pass_bytes(_layer_activation_bytes(model_cfg, o_rows, seq, tensor, "blockwise",
+                                               backward=False)),
+        act_cfg_flash)
     settings = {
         "model": name or f"L={L} H={H}", "num_params": model_cfg.num_params(),
         "param_dtype": jnp.dtype(model_cfg.param_dtype).name,
@@ -268,6 +328,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
+        "attention": model_cfg.attention, "attention_train": layer["attention"],
+        "attention_prefill": prefill_kind,
     }
     return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
                       optimizer=opt_bytes, activations_remat_none=act_none,
@@ -290,11 +352,13 @@ def model_config_from_run_config(cfg) -> models.ModelConfig:
                                                "num_heads", "num_kv_heads", "head_dim",
                                                "vocab_size") if cfg.model[f]}
         return models.get_preset(cfg.model.preset, dtype=dtype, param_dtype=param_dtype,
-                                 remat=cfg.model.remat, **overrides)
+                                 remat=cfg.model.remat, attention=cfg.model.attention,
+                                 **overrides)
     import os
     path = os.path.join(cfg.model.path, "config.json")
     return models.config_from_hf(models.read_config_json(cfg.model.path), where=path,
-                                 dtype=dtype, param_dtype=param_dtype, remat=cfg.model.remat)
+                                 dtype=dtype, param_dtype=param_dtype, remat=cfg.model.remat
+                                 ).replace(attention=cfg.model.attention)
 
 
 def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:

@@ -90,3 +90,58 @@ def test_plan_mode_on_the_command_line():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout
     assert "recommended:" in out.stdout
+
+
+def _plan_for(mc, prompt_len, response_len):
+    return plan.plan_memory(mc, mesh_shape=(1, 4, 2), device_memory_gb=1.0, rollout_rows=16,
+                            prompt_len=prompt_len, response_len=response_len, sampler_rows=16,
+                            group_size=4, mini_batch_rows=8, micro_batch_rows=0,
+                            logprob_chunk=4, recompute_chunk=4)
+
+
+def test_activation_estimate_follows_the_configured_attention():
+    """"xla" grows quadratically with the sequence, "blockwise" linearly; "auto" is xla for short
+    and blockwise for long sequences; block sizes only matter to blockwise."""
+    mc = SMALL.replace(remat="none", attention_block_q=64, attention_block_kv=64)
+    xla, blockwise, auto = (mc.replace(attention=a) for a in ("xla", "blockwise", "auto"))
+    short, long_ = (64, 64), (1024, 2048)  # seq 128 and 3072 (3072^2 > the auto threshold)
+    p_short = _plan_for(xla, *short)
+    p_long = _plan_for(xla, 2 * 1024, 2 * 2048)
+    x1, x2 = _plan_for(xla, *long_), p_long
+    b1, b2 = _plan_for(blockwise, *long_), _plan_for(blockwise, 2 * 1024, 2 * 2048)
+    # Doubling the sequence: the score matrices make xla's activations grow by > 3x (-> 4x),
+    # blockwise's by ~2x.
+    assert x2.activations_remat_none > 3.5 * x1.activations_remat_none
+    assert 1.9 < b2.activations_remat_none / b1.activations_remat_none < 2.1
+    assert b1.activations_remat_none < x1.activations_remat_none / 10
+    assert b1.old_pass_activations < x1.old_pass_activations
+    # The xla figure keeps the materialised [rows, heads, T, T] float32 scores per layer.
+    rows, n_loc, seq = 8 // 4, SMALL.num_heads // 2, 3072
+    assert (x1.activations_remat_none - b1.activations_remat_none
+            > SMALL.num_layers * rows * n_loc * seq * seq * 4)
+    # "auto" picks by length; the second column is always the blockwise figure.
+    assert _plan_for(auto, *short).activations_remat_none == p_short.activations_remat_none
+    a1 = _plan_for(auto, *long_)
+    assert a1.activations_remat_none == b1.activations_remat_none
+    assert a1.phases_flash == x1.phases_flash
+    for phase in ("update", "old-policy pass + DelTA"):  # 3072 tokens: blockwise
+        assert a1.phases[phase] == a1.phases_flash[phase] < x1.phases[phase]
+    # The rollout prefill covers only the 1024-token prompt: short enough for xla.
+    assert a1.settings["attention_prefill"] == "xla"
+    assert a1.phases["rollout"] == x1.phases["rollout"] > a1.phases_flash["rollout"]
+    assert a1.settings["attention_train"] == "blockwise"
+    assert p_short.settings["attention_train"] == "xla"
+    # Bigger blocks: a bigger blockwise transient, no change to xla.
+    big = dict(attention_block_q=512, attention_block_kv=512)
+    assert (_plan_for(blockwise.replace(**big), *long_).activations_remat_none
+            > b1.activations_remat_none)
+    assert (_plan_for(xla.replace(**big), *long_).activations_remat_none
+            == x1.activations_remat_none)
+    assert "attention=blockwise (update / old-policy pass: blockwise" in b1.to_text()
+
+
+def test_run_config_attention_reaches_the_plan():
+    from delta_jax.train import config as config_lib
+    cfg = config_lib.default_config()
+    cfg.model.random_init, cfg.model.preset, cfg.model.attention = True, "tiny", "blockwise"
+    assert plan.model_config_from_run_config(cfg).attention == "blockwise"

@@ -261,6 +261,9 @@ class Transformer(nnx.Module):
       if T > S or (isinstance(cache_index, int) and cache_index + T > S):
         raise ValueError(f"Transformer: writing {T} tokens at cache_index={cache_index} "
                          f"overflows the cache of {S} slots")
+      # A Python-int start slot stays static for attend() (cuDNN needs a known zero offset).
+      static_start = isinstance(cache_index, int) and not isinstance(cache_index, bool)
+      q_offset = cache_index if static_start else jnp.asarray(cache_index, jnp.int32)
       cache_index = jnp.asarray(cache_index, jnp.int32)
       kv_valid = None if kv_mask is None else kv_mask.astype(bool)
 
@@ -276,7 +279,7 @@ class Transformer(nnx.Module):
         v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
         k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
         v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
-        x = _finish_layer(cfg, p, x, _attend(cfg, q, k_all, v_all, cache_index, kv_valid))
+        x = _finish_layer(cfg, p, x, _attend(cfg, q, k_all, v_all, q_offset, kv_valid))
         return (x, k_cache, v_cache), None
 
       layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
