@@ -21,6 +21,9 @@ How a call runs:
   `generate(..., state=...)` swaps weights without recompiling.
 * Randomness is per sample: sample j of prompt i draws from fold_in(fold_in(key(seed), i), j),
   folded with the step, so results do not depend on chunking, bucketing or the mesh.
+* Multi-host: with a mesh spanning processes, every process calls generate with the same prompts
+  and arguments; the decoded outputs are all-gathered (`fetch_global`), so every process returns
+  the same full GenerationOutput.
 
 See delta_jax/sampling_utils.py for the exact temperature / top-k / top-p / greedy definitions.
 """
@@ -52,6 +55,26 @@ def bucket_size(n: int, minimum: int = 1, multiple_of: int = 1) -> int:
     """The next power of two >= max(n, minimum), rounded up to a multiple of `multiple_of`."""
     size = 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
     return -(-size // multiple_of) * multiple_of
+
+
+def fetch_global(tree):
+    """Host numpy copies of the global values of a pytree of arrays.
+
+    On one process this is jax.device_get. When a mesh spans processes, an output sharded over it
+    is not fully addressable (each process holds only its own devices' shards) and
+    jax.device_get fails; those arrays are all-gathered across processes
+    (multihost_utils.process_allgather), so every process gets the whole value. Every process
+    must call this with the same arrays (it is a collective then).
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(one, tree)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
@@ -337,7 +360,13 @@ class Sampler:
         if self.mesh is None:
             return jnp.asarray(x)
         spec = PartitionSpec(self._batch_axes) if spec_axes else PartitionSpec()
-        return jax.device_put(x, NamedSharding(self.mesh, spec))
+        sharding = NamedSharding(self.mesh, spec)
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        # A mesh spanning processes: every process holds the same host value and contributes
+        # only its own devices' shards.
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def _prepare_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -440,7 +469,8 @@ class Sampler:
                     top_k=params.effective_top_k(self.cfg.vocab_size),
                     use_top_p=params.use_top_p, greedy=params.greedy,
                     response_slots=response_slots, batch_spec=self._batch_spec)
-                toks, lp, tlp, lens, stop, steps, _ = jax.device_get(out)
+                # The final cache (out[-1]) stays on device: only the results come to host.
+                toks, lp, tlp, lens, stop, steps = fetch_global(out[:-1])
                 decode_steps += int(steps)
                 rows = active.nonzero()[0]
                 for r in rows:

@@ -267,3 +267,77 @@ def test_bucket_size():
     assert [bucket_size(n, 16) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
     assert bucket_size(3, 1, multiple_of=8) == 8 and bucket_size(9, 1, multiple_of=8) == 16
     assert isinstance(GenerationOutput([], [], [], [], [], []).stats, dict)
+
+
+# ------------------------------------------------------------------------------------------
+# Two processes (jax.distributed over gloo, 2 CPU devices each): the batch is sharded across
+# processes, so the outputs are not fully addressable anywhere; generate() all-gathers them.
+
+_MULTIHOST_WORKER = r'''
+import json, sys
+import jax
+from flax import nnx
+from delta_jax import models, sharding
+from delta_jax.sampling import Sampler
+pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+sharding.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+assert jax.process_count() == 2 and len(jax.devices()) == 4
+cfg = models.get_preset("tiny").replace(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+mesh = sharding.make_mesh(-1, 1, 1)          # rows over 4 devices in 2 processes
+res = Sampler(model, max_batch_size=16, mesh=mesh).generate(
+    PROMPTS, n=2, temperature=1.0, max_new_tokens=6, stop_token_ids=(1,), seed=3)
+json.dump({"ids": res.response_ids, "logprobs": res.logprobs, "truncated": res.truncated},
+          open(f"{out}.{pid}", "w"))
+jax.distributed.shutdown()
+'''
+
+
+def test_generate_two_processes(tmp_path):
+    import json
+    import os
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(f"PROMPTS = {[[t % 64 for t in p] for p in PROMPTS]!r}\n"
+                      + _MULTIHOST_WORKER)
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                        "JAX_PROCESS_ID")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, str(script), str(pid), str(port),
+                               str(tmp_path / "out")], env=env, cwd=str(repo),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for pid, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {pid} failed:\n{log[-3000:]}"
+    got = [json.load(open(tmp_path / f"out.{pid}")) for pid in range(2)]
+    assert got[0] == got[1]  # every process returns the whole output
+    cfg = models.get_preset("tiny").replace(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_layers=1, num_heads=2, num_kv_heads=1,
+                                            head_dim=16)
+    ref = Sampler(models.Transformer(cfg, rngs=nnx.Rngs(0)), max_batch_size=16).generate(
+        [[t % 64 for t in p] for p in PROMPTS], n=2, temperature=1.0, max_new_tokens=6,
+        stop_token_ids=(1,), seed=3)
+    assert got[0]["ids"] == ref.response_ids
+    assert got[0]["truncated"] == ref.truncated
+    for a, b in zip(got[0]["logprobs"], ref.logprobs):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=1e-4)
