@@ -150,27 +150,36 @@ class _Blocks:
     x = _pad_axis1(x, self.nq * self.bq)
     return _to_blocks(x.reshape((B, self.nq * self.bq, K, G) + x.shape[3:]), self.nq, self.bq)
 
-  def needed(self, i, j, valid_j):
+  def tie(self, kj, vj, valid_j, i, j):
+    """Block-loop operands, passed through one optimization barrier with the key block.
+
+    Why: when attend() runs inside a differentiated outer scan (the model's layer scan), JAX
+    hoists loop-invariant computations out of it, and the mask of every block pair depends only
+    on (i, j, kv_valid, q_offset), which do not change from layer to layer: it would be computed
+    ahead for all block pairs at once, i.e. materialised at [T, S]. Tying them to the key block
+    keeps the mask inside the loops. (For the same reason the loop bodies use no broadcast
+    constants of block size.)
+    """
+    return jax.lax.optimization_barrier((kj, vj, valid_j, i, j, self.q_offset))
+
+  def needed(self, i, j, valid_j, q_offset):
     """Whether key block j can matter to query block i (else it is skipped; exact)."""
     any_valid = jnp.any(valid_j)
     if not self.causal:
       return any_valid
-    last_q_slot = self.q_offset + (i + 1) * self.bq - 1
+    last_q_slot = q_offset + (i + 1) * self.bq - 1
     return any_valid & (j * self.bkv <= last_q_slot)
 
-  def mask(self, i, j, valid_j):
-    """bool [B, 1, 1, bq, bkv]: allowed (query, key) pairs of blocks (i, j)."""
+  def scores(self, qi, kj, i, j, valid_j, q_offset):
+    """float32 [B, K, G, bq, bkv] scaled scores of blocks (i, j), -inf where not allowed."""
     allowed = valid_j[:, None, :]
     if self.causal:
-      q_slot = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+      q_slot = q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
       kv_slot = j * self.bkv + jnp.arange(self.bkv, dtype=jnp.int32)
       allowed = allowed & (kv_slot[None, :] <= q_slot[:, None])[None]
-    return allowed[:, None, None, :, :]
-
-  def scores(self, qi, kj, i, j, valid_j):
-    """float32 [B, K, G, bq, bkv] scaled scores, -inf where not allowed."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
-    return jnp.where(self.mask(i, j, valid_j), s * self.scale, -jnp.inf)
+    # log(1) = 0, log(0) = -inf: the mask as an additive term, without a broadcast constant.
+    return s * self.scale + jnp.log(allowed.astype(jnp.float32))[:, None, None, :, :]
 
 
 def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
@@ -183,13 +192,14 @@ def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
     qi, i = args
 
     def kv_step(carry, xs):
-      kj, vj, valid_j, j = xs
+      kj, vj, valid_j, i_, j, q_offset = blk.tie(*xs[:3], i, xs[3])
 
       def update(carry):
         m, l, acc = carry
-        s = blk.scores(qi, kj, i, j, valid_j)
+        s = blk.scores(qi, kj, i_, j, valid_j, q_offset)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # no (-inf) - (-inf)
+        # Finite where the row has seen no allowed key yet: no (-inf) - (-inf) below.
+        m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)
         p = jnp.exp(s - m_safe[..., None])
         correction = jnp.exp(m - m_safe)
         l = l * correction + jnp.sum(p, axis=-1)
@@ -197,7 +207,8 @@ def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
                         preferred_element_type=jnp.float32)
         return m_new, l, acc * correction[..., None] + pv
 
-      return jax.lax.cond(blk.needed(i, j, valid_j), update, lambda c: c, carry), None
+      return jax.lax.cond(blk.needed(i_, j, valid_j, q_offset), update, lambda c: c,
+                          carry), None
 
     init = (jnp.full((B, K, G, blk.bq), -jnp.inf, jnp.float32),
             jnp.zeros((B, K, G, blk.bq), jnp.float32),
@@ -230,10 +241,10 @@ def _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal, blo
     qi, doi, lse_i, delta_i, i = xs
 
     def kv_step(dq, xs):
-      kj, vj, valid_j, j = xs
+      kj, vj, valid_j, i_, j, q_offset = blk.tie(*xs[:3], i, xs[3])
 
       def grads(dq):
-        s = blk.scores(qi, kj, i, j, valid_j)
+        s = blk.scores(qi, kj, i_, j, valid_j, q_offset)
         p = jnp.exp(s - lse_i[..., None])  # 0 where masked (s = -inf) or the row is empty
         dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(doi.dtype), doi,
                         preferred_element_type=jnp.float32)
@@ -243,7 +254,7 @@ def _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal, blo
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32)
         return dq, (dk, dv)
 
-      return jax.lax.cond(blk.needed(i, j, valid_j), grads,
+      return jax.lax.cond(blk.needed(i_, j, valid_j, q_offset), grads,
                           lambda dq: (dq, (kv_zeros, kv_zeros)), dq)
 
     dq, (dk, dv) = jax.lax.scan(kv_step, jnp.zeros((B, blk.bq, K, G, D), jnp.float32), kv_xs)
