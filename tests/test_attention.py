@@ -39,7 +39,7 @@ def random_qkv(seed, B, T, S, N, K, D, dtype=jnp.float32):
 
 
 def padded_valid(B, S, left=(), right=(), empty=()):
-  """bool [B, S]: row b loses left[b] leading / right[b] trailing slots; rows in `empty` lose all."""
+  """bool [B, S]: row b loses left[b] leading and right[b] trailing slots; `empty` rows lose all."""
   valid = np.ones((B, S), bool)
   for b, n in enumerate(left):
     valid[b, :n] = False
