@@ -1,8 +1,27 @@
 """The default job: a tiny Qwen3-shaped model from random init on the built-in synthetic
 arithmetic task (data and tokenizer generated into the workdir, no downloads): a short SFT warm
-start, eval, DelTA RL, eval.
+start, eval, DelTA RL, eval, plots.
 
     python -m delta_jax.main --config=experiments/tiny.py --workdir=runs/tiny
+    (or: bash scripts/run_default.sh)
+
+What runs, and where it goes (all under --workdir):
+  synthetic/{train,test}.jsonl   the task (levels 1-2: one or two operations, values <= 99),
+                                 served through the tfds builder (tfds/) and the grain pipeline
+  tokenizer/                     a byte-level BPE trained on the task's own text (448 ids)
+  SFT warm start                 sft.steps supervised steps on the worked solutions: the policy
+                                 learns the "a op b = c. ... \\boxed{c}" format and earns reward
+  eval step 0                    avg@4 on data.synthetic_test held-out problems, math reward
+  DelTA RL                       train.steps x 16 prompts x 8 samples, math reward + DAPO overlong
+                                 penalty, GRPO advantages, DelTA token weights, 2 updates per step
+  eval step train.steps          the same held-out problems; the before/after line is printed
+  metrics.jsonl, tensorboard/    every scalar; plots/{training,delta_weights}.png; final/ (HF dir)
+
+Size: about 0.9 M parameters (hidden 128, 4 layers, GQA 4/2 heads); prompts <= 50 tokens,
+solutions <= 22. After the warm start the policy solves about 40% of the held-out problems at
+T = 1 and still samples its answer digits with some uncertainty; RL from the verifiable reward
+sharpens that. The budget (300 SFT steps, 100 RL steps) fits about 10 minutes on 2 CPU cores; see
+the README for measured times and the accuracy before and after RL.
 """
 from delta_jax.train.config import default_config
 
@@ -25,7 +44,7 @@ def get_config():
     c.data.eval = "synthetic"
     c.data.max_prompt_len = 96
     c.data.synthetic_train = 4000
-    c.data.synthetic_test = 64
+    c.data.synthetic_test = 256
     c.data.synthetic_levels = "1,2"
     c.rollout.batch_prompts = 16
     c.rollout.group_size = 8
@@ -35,20 +54,20 @@ def get_config():
     c.rewards.overlong_buffer = 8
     c.rl.mini_batch_prompts = 8
     c.rl.micro_batch_size = 0
-    c.optim.lr = 2e-5
+    c.optim.lr = 1e-4
     c.optim.weight_decay = 0.0
-    c.train.steps = 30
-    c.train.save_every = 10
+    c.train.steps = 100
+    c.train.save_every = 25
     c.train.eval_every = 0
     c.train.keep = 2
     c.sft.steps = 300
     c.sft.batch_size = 32
     c.sft.lr = 2e-3
-    c.sft.max_len = 128
+    c.sft.max_len = 80          # the longest prompt + solution + EOS is 72 tokens
     c.eval.k = 4
     c.eval.pass_k = "1,4"
     c.eval.temperature = 1.0
     c.eval.top_p = 1.0
     c.eval.max_new_tokens = 48
-    c.eval.limit = 64
+    c.eval.limit = 256
     return c
