@@ -95,6 +95,20 @@ def test_parity_with_transformers(tmp_path, name, model_cls, config_cls, kwargs)
   assert np.abs(logits2[valid] - ref_logits[valid]).max() <= 1e-5
 
 
+def test_attention_choice_reaches_loaded_model_and_keeps_parity(tmp_path):
+  # from_pretrained(attention=...) sets the run-time implementation; the flash-style blockwise
+  # path (used for long sequences) must agree with transformers just like the default.
+  hf = _make_hf(Qwen3ForCausalLM, Qwen3Config, CASES[0][3], seed=2)
+  hf.save_pretrained(tmp_path / "hf")
+  ids, mask, positions = _batch(seed=2)
+  ref_logits, _ = _hf_forward(hf, ids, mask, positions)
+  valid = mask.astype(bool)
+  model = models.from_pretrained(tmp_path / "hf", attention="blockwise")
+  assert model.cfg.attention == "blockwise"
+  logits = np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)).logits)
+  assert np.abs(logits[valid] - ref_logits[valid]).max() <= 1e-4
+
+
 def test_sharded_checkpoints_round_trip(tmp_path):
   hf = _make_hf(Qwen3ForCausalLM, Qwen3Config, CASES[1][3], seed=1)
   hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

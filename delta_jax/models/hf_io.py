@@ -105,7 +105,7 @@ def _rope_theta(hf: dict, where: str) -> float:
 
 
 def config_from_hf(hf: dict, *, where: str = CONFIG_NAME, dtype=jnp.float32, param_dtype=None,
-                   remat=False) -> ModelConfig:
+                   remat=False, attention: str = "auto") -> ModelConfig:
   """ModelConfig from a parsed HF config.json dict; `where` names the file in errors."""
   model_type = hf.get("model_type")
   archs = hf.get("architectures") or []
@@ -166,6 +166,7 @@ def config_from_hf(hf: dict, *, where: str = CONFIG_NAME, dtype=jnp.float32, par
         dtype=dtype,
         param_dtype=dtype if param_dtype is None else param_dtype,
         remat=remat,
+        attention=attention,
     )
   except (TypeError, ValueError) as e:
     raise CheckpointError(f"{where}: invalid configuration: {e}") from e
@@ -299,10 +300,11 @@ def _lookup_sharding(shardings, path: tuple[str, ...], axes, shape):
 
 
 def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None,
-                    remat=False) -> Transformer:
+                    remat=False, attention: str = "auto") -> Transformer:
   """Load a Hugging Face Qwen3/Llama directory (config.json + *.safetensors [+ index]).
 
   dtype: compute dtype (cfg.dtype); param_dtype: storage dtype (default: dtype).
+  remat / attention: the run-time choices of ModelConfig (not stored in config.json).
   shardings: optional placement, either a callable (path tuple, logical axes, shape) ->
     jax.sharding.Sharding | None, or a pytree shaped like nnx.state(model) (e.g. from
     nnx.get_named_sharding) whose leaves are Shardings. Each parameter is assembled on the host
@@ -313,7 +315,7 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
     raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
   hf = read_config_json(path)
   cfg = config_from_hf(hf, where=str(path / CONFIG_NAME), dtype=dtype, param_dtype=param_dtype,
-                       remat=remat)
+                       remat=remat, attention=attention)
   reader = _TensorReader(_weight_files(path))
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

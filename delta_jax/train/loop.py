@@ -112,7 +112,7 @@ def build_model(cfg, vocab_size: int, mesh=None):
         return model if mesh is None else sharding_lib.shard_model(model, mesh)
     shardings = None if mesh is None else sharding_lib.param_sharding_fn(mesh)
     return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat, shardings=shardings)
+                                  remat=remat, attention=cfg.model.attention, shardings=shardings)
 
 
 def make_loss_fn(cfg) -> Callable:
