@@ -3,20 +3,11 @@
     python -m delta_jax.main --config=experiments/qwen3_0_6b.py --workdir=runs/qwen3_0_6b \
         --config.model.path=/path/to/model --config.data.train=/path/to/train.jsonl
 """
-import importlib.util
-import pathlib
-
-
-def load_base():
-    path = pathlib.Path(__file__).with_name("base.py")
-    spec = importlib.util.spec_from_file_location("delta_jax_experiments_base", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from delta_jax.train.recipes import paper_config
 
 
 def get_config():
-    c = load_base().paper_config("qwen3-0.6b", steps=200)
+    c = paper_config("qwen3-0.6b", steps=200)
     c.rollout.batch_prompts = 32
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 4096

@@ -3,17 +3,8 @@
     python -m delta_jax.main --config=experiments/qwen3_8b.py --workdir=runs/qwen3_8b \
         --config.model.path=/path/to/model --config.data.train=/path/to/train.jsonl
 """
-import importlib.util
-import pathlib
-
-
-def load_base():
-    path = pathlib.Path(__file__).with_name("base.py")
-    spec = importlib.util.spec_from_file_location("delta_jax_experiments_base", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from delta_jax.train.recipes import paper_config
 
 
 def get_config():
-    return load_base().paper_config("qwen3-8b", steps=220)
+    return paper_config("qwen3-8b", steps=220)

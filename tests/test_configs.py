@@ -10,7 +10,7 @@ from delta_jax.train.config import (METHOD_DEFAULTS, ConfigError, default_config
                                     validate_config)
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
-CONFIG_FILES = sorted(p for p in EXPERIMENTS.glob("*.py") if p.name != "base.py")
+CONFIG_FILES = sorted(EXPERIMENTS.glob("*.py"))
 REAL_MODEL_CONFIGS = ("qwen3_8b.py", "qwen3_14b.py", "qwen3_0_6b.py", "qwen3_1_7b.py")
 
 

@@ -1,7 +1,6 @@
-"""Shared settings for the experiment configs: the DelTA paper's RL recipe (DELTA_SPEC.md 3).
+"""Named run recipes shared by the experiment files: the DelTA paper's RL recipe (DELTA_SPEC.md 3).
 
-Experiment files load this module by path (see `load_base` in each file), so they work with
-`--config=experiments/<name>.py` from any working directory.
+Experiment files (experiments/*.py) start from one of these and change a few values.
 """
 from delta_jax.train.config import default_config
 
