@@ -224,6 +224,10 @@ def plot_delta_weights(rows: Sequence[dict], histograms: Sequence[dict], path: s
         if not len(s):
             continue
         _, std = series(rows, f"delta/weight_std_{side}")
+        s_tok, tokens = series(rows, f"delta/tokens_{side}")
+        if len(s_tok) == len(s):  # a step without tokens on this side reports 0: leave it out
+            keep = tokens > 0
+            s, mean, std = s[keep], mean[keep], std[keep] if len(std) == len(keep) else std
         color = _SIDE_COLORS[side]
         ax_steps.plot(s, mean, color=color, label=f"{side} mean +- std")
         if len(std) == len(s):
