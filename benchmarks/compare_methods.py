@@ -82,7 +82,9 @@ def rl_run(seed_dir: str, seed: int, method: str, sft_export: str, extra: dict) 
     if os.path.isfile(os.path.join(workdir, "config.json")):
         steps = _read_config(workdir)["train"]["steps"]
     result = plots.eval_before_after(rows, steps) if steps is not None else None
-    secs = float("nan")
+    # A reused run's time: from its config.json (written at start) to its last metrics line.
+    secs = (os.path.getmtime(os.path.join(workdir, "metrics.jsonl"))
+            - os.path.getmtime(os.path.join(workdir, "config.json"))) if result else float("nan")
     if result is None:  # not run yet, or unfinished: (re)run; it resumes from its checkpoint
         secs = _run(_main_cmd(workdir, overrides), os.path.join(seed_dir, f"{method}.log"))
         steps = _read_config(workdir)["train"]["steps"]
@@ -206,8 +208,9 @@ def main(argv=None) -> int:
         "eval": f"avg@{ev['k']} at T = {ev['temperature']}, top-p {ev['top_p']}, on "
                 f"{ev['limit'] or cfg['data']['synthetic_test']} held-out problems of levels "
                 f"{cfg['data']['synthetic_levels']} per seed",
-        "rl_time": (f"{np.mean(rl_secs):.0f} s per run on average" if rl_secs
-                    else "reused earlier runs"),
+        "rl_time": (f"{np.mean(rl_secs):.0f} s per run on average (min {np.min(rl_secs):.0f}, "
+                    f"max {np.max(rl_secs):.0f}; the machine's load varied)" if rl_secs
+                    else "not measured"),
     }
     text = to_markdown(table, meta)
     print(text)
