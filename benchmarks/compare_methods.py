@@ -152,6 +152,17 @@ def write_section(path: str, text: str) -> None:
         f.write(new)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.platform()
+
+
 def _parse_sets(items) -> dict:
     out = {}
     for item in items or []:
@@ -174,6 +185,7 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
     extra = _parse_sets(args.set)
+    load_start = os.getloadavg()[0]
 
     results, sft_secs = {}, 0.0
     for seed in seeds:
@@ -194,9 +206,9 @@ def main(argv=None) -> int:
     rl_secs = [r["seconds"] for r in results.values() if r["seconds"] == r["seconds"]]
     meta = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores "
-                   f"({platform.processor() or platform.platform()}), load average at the end "
-                   f"{os.getloadavg()[0]:.1f} (machine shared with other jobs)",
+        "machine": f"{platform.machine()} {_cpu_model()}, {os.cpu_count()} cores, load average "
+                   f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (reused "
+                   "runs were measured earlier, under their own load)",
         "command": "python benchmarks/compare_methods.py " + shlex.join(
             (argv if argv is not None else sys.argv[1:])),
         "seeds": ", ".join(map(str, seeds)),
