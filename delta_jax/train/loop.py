@@ -706,8 +706,9 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
         metrics["policy/nonfinite_streak"] = float(nonfinite_streak)
         scalars = run.writer.write(step, metrics)
         line = summary_line(step, scalars)
-        _bar_update(bar, step, line)
-        if bar is None or step % cfg.train.log_every == 0:
+        if bar is not None:
+            _bar_update(bar, step, line)
+        if step % cfg.train.log_every == 0:  # the one-line summary (once, with or without a bar)
             log.info(line)
         if nonfinite_streak > cfg.rl.max_nonfinite:
             run.ckpt.save(step, state, run.data_iter.get_state(),
