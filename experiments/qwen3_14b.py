@@ -7,4 +7,8 @@ from delta_jax.train.recipes import paper_config
 
 
 def get_config():
-    return paper_config("qwen3-14b", steps=300)
+    c = paper_config("qwen3-14b", steps=300)
+    # On 8 x 80 GB the device-resident DelTA feature cache does not fit beside the old-policy pass
+    # (--config.mode=plan); host memory does. Use "device" on larger-memory accelerators.
+    c.delta.feature_cache = "host"
+    return c

@@ -24,7 +24,9 @@ def paper_config(preset: str, steps: int):
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1
     c.rollout.max_new_tokens = 20480
-    c.rollout.max_batch_size = 256
+    # Sequences per sampler call and per old-policy chunk. 32 keeps the 22.5k-token KV cache and
+    # the old-policy pass of Qwen3-8B inside 8 x 80 GB (mesh fsdp=8; see --config.mode=plan).
+    c.rollout.max_batch_size = 32
     c.rewards.name = "math"
     c.rewards.num_workers = 8
     c.rewards.overlong_buffer = 4096
