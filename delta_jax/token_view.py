@@ -105,13 +105,14 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
 
     from delta_jax.rl.advantages import compute_advantages
     from delta_jax.train import features as features_lib
-    from delta_jax.train import loop
+    from delta_jax.train import rl_step as rl_step_lib
+    from delta_jax.train import run as run_lib
     from delta_jax.train import rollout as rollout_lib
     from delta_jax.train.config import method_settings
     from delta_jax.train.state import init_train_state
 
     cfg = load_run_config(workdir)
-    run = loop.build_run(cfg, workdir)
+    run = run_lib.build_run(cfg, workdir)
     try:
         steps = run.ckpt.all_steps()
         if not steps:
@@ -127,7 +128,7 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
         run.data_iter.set_state(data_state)
         records = next(run.data_iter)
         run.data_iter.set_state(data_state)
-        samples, rewards, accuracy, _ = loop.collect_rollout(run, params, step + 1)
+        samples, rewards, accuracy, _ = rl_step_lib.collect_rollout(run, params, step + 1)
         if samples.num_prompts != len(records):  # dynamic sampling refilled the batch
             records = [{"problem": run.tokenizer.decode(p), "answer": "?"}
                        for p in samples.prompt_ids]
@@ -144,7 +145,7 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
         logp, _, hidden = features_lib.run_in_chunks(
             run.old_pass, params, batch["input_ids"], batch["attention_mask"], rb.response_len,
             chunk=min(rb.num_rows, cfg.rollout.max_batch_size), keep_hidden=keep)
-        weights, diag = loop.compute_delta_weights(run, params, batch, logp, hidden,
+        weights, diag = rl_step_lib.compute_delta_weights(run, params, batch, logp, hidden,
                                                    batch["advantages"], batch["response_mask"])
         weights, logp = jax.device_get((weights, logp))
         token_ids = rb.input_ids[:, rb.prompt_len:]

@@ -22,6 +22,7 @@ from flax import nnx
 
 from delta_jax.rl.delta import delta_coefficients
 from delta_jax.train import loop
+from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import validate_config
 
@@ -86,7 +87,7 @@ def load_config(path, **overrides):
 
 def run_in_process(config_path, workdir, steps, **overrides):
     cfg = validate_config(load_config(config_path, **overrides))
-    run = loop.build_run(cfg, str(workdir))
+    run = run_lib.build_run(cfg, str(workdir))
     run.debug_record = True
     state, run = loop.train(cfg, str(workdir), run=run)
     run.close()

@@ -1,5 +1,5 @@
 """A full RL step (rollout -> rewards -> advantages -> old-policy pass -> DelTA -> mini-batch
-updates, i.e. delta_jax.train.loop.rl_step) on 8 simulated CPU devices with the meshes
+updates, i.e. delta_jax.train.rl_step.rl_step) on 8 simulated CPU devices with the meshes
 (data, fsdp, tensor) = (8,1,1), (2,4,1), (1,4,2), (2,2,2) gives the one-device results, and the
 parameters and optimizer moments are really placed as the sharding rules say.
 
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from delta_jax import sharding
-from delta_jax.train import loop
+from delta_jax.train import rl_step as rl_step_lib
+from delta_jax.train import run as run_lib
 from delta_jax.train.config import default_config, validate_config
 from delta_jax.train.state import init_train_state
 
@@ -71,12 +72,12 @@ def make_config():
 
 
 def one_step(cfg, workdir, mesh):
-    run = loop.build_run(cfg, str(workdir), need_scorer=False, mesh=mesh)
+    run = run_lib.build_run(cfg, str(workdir), need_scorer=False, mesh=mesh)
     run.scorer = TextLengthScorer()
     run.debug_record = True
     try:
-        state = loop.place_state(run, init_train_state(run.initial_params, run.optimizer))
-        new_state, metrics = loop.rl_step(run, state, 1)
+        state = run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+        new_state, metrics = rl_step_lib.rl_step(run, state, 1)
         return {"rewards": np.asarray(run.debug["rewards"]),
                 "input_ids": np.asarray(run.debug["batch"]["input_ids"]),
                 "weights": np.asarray(run.debug["batch"]["token_weights"]),

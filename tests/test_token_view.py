@@ -14,6 +14,7 @@ from flax import nnx
 from delta_jax import models, token_view
 from delta_jax.rl.delta import delta_coefficients
 from delta_jax.train import loop
+from delta_jax.train import run as run_lib
 from delta_jax.train.config import validate_config
 from delta_jax.train.state import split_model
 
@@ -69,7 +70,7 @@ def tiny_run(tmp_path_factory):
     """A 2-step delta run in-process; keeps step 2's batch (trained with checkpoint 1's policy)."""
     workdir = tmp_path_factory.mktemp("token_view") / "run"
     cfg = _tiny_cfg()
-    run = loop.build_run(cfg, str(workdir))
+    run = run_lib.build_run(cfg, str(workdir))
     with open(workdir / "config.json", "w") as f:  # what delta_jax.main writes
         json.dump(cfg.to_dict(), f)
     run.debug_record = True  # keeps the last step's inputs (step 2) in run.debug
@@ -104,7 +105,7 @@ def test_view_matches_an_independent_recomputation(tiny_run, view):
     cfg = _tiny_cfg()
     batch = debug["batch"]
     tok = models.load_tokenizer(str(tiny_run[0] / "tokenizer"))
-    model = loop.build_model(cfg, tok.vocab_size)
+    model = run_lib.build_model(cfg, tok.vocab_size)
     graphdef, _, rest = split_model(model)
     model = nnx.merge(graphdef, debug["params"], rest)  # checkpoint 1's parameters
     ids, attn = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])

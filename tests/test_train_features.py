@@ -9,7 +9,8 @@ from flax import nnx
 from ml_collections import config_dict
 
 from delta_jax import models
-from delta_jax.train import features, loop, state as state_lib
+from delta_jax.train import features, state as state_lib
+from delta_jax.train import rl_step as rl_step_lib
 
 
 def test_feature_cache_modes_agree():
@@ -36,7 +37,7 @@ def test_feature_cache_modes_agree():
             hidden_pass=features.make_hidden_pass(graphdef, rest),
             count=lambda name, k=1, c=counters: c.__setitem__(name, c.get(name, 0) + k))
         h = np.asarray(hidden) if mode == "host" else hidden
-        w, diag = loop.compute_delta_weights(run, params, batch, logp, h, adv, mask)
+        w, diag = rl_step_lib.compute_delta_weights(run, params, batch, logp, h, adv, mask)
         out[mode] = np.asarray(w)
         # Recompute streams the trunk once per chunk per pass: K + 3 passes over ceil(8 / 3)
         # chunks, plus the first chunk once more where the driver peeks at the hidden size.
@@ -80,7 +81,7 @@ def test_per_shard_stats_on_eight_devices():
             "feature_cache": "device", "num_refine": 1, "lam_min": 0.8, "lam_max": 1.2,
             "recompute_chunk": 4, "proxy": "last_layer", "stats_mode": "per_shard"}}),
         mesh=mesh, count=lambda name, k=1: None)
-    w, diag = loop.compute_delta_weights(run, params, batch, logp, hidden, adv, mask)
+    w, diag = rl_step_lib.compute_delta_weights(run, params, batch, logp, hidden, adv, mask)
     p = jnp.exp(logp)
     ref, _ = delta_coefficients(hidden, p, adv, mask, stats_mode="per_shard", mesh=mesh,
                                 data_axes=("data", "fsdp"))
@@ -95,7 +96,7 @@ def test_per_shard_stats_on_eight_devices():
     glob, _ = delta_coefficients(hidden, p, adv, mask)
     assert np.max(np.abs(np.asarray(w) - np.asarray(glob))) > 1e-2
     run.cfg.delta.stats_mode = "global"
-    w_glob, _ = loop.compute_delta_weights(run, params, batch, logp, hidden, adv, mask)
+    w_glob, _ = rl_step_lib.compute_delta_weights(run, params, batch, logp, hidden, adv, mask)
     np.testing.assert_allclose(np.asarray(w_glob), np.asarray(glob), atol=1e-6)
     # The streaming caches compute global statistics only: refused at config time.
     c = default_config()

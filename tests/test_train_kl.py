@@ -18,6 +18,7 @@ from flax import nnx
 
 from delta_jax import models, sharding
 from delta_jax.train import loop, state as state_lib
+from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import ConfigError, default_config, validate_config
 from delta_jax.train.step import make_train_step
@@ -103,7 +104,7 @@ def test_kl_term_in_loss_and_gradient():
 
     opt = optax.sgd(1.0)
     cfg = base_config(kl_coef=KL_COEF, kl_type="k3")
-    step = make_train_step(graphdef, rest, opt, loop.make_loss_fn(cfg), temperature=T,
+    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
                            chunk_size=4)
     st = state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt)
     new, metrics = step(st, dict(batch, ref_logp=ref_logp))
@@ -151,7 +152,7 @@ def _max_diff(a, b):
 def test_kl_through_the_loop_with_sft_and_resume(tmp_path):
     cfg = base_config(kl_coef=0.1, kl_type="k3")
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = loop.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
+    run = run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
     run.scorer = TextLengthScorer()
     try:
         state, run = loop.train(cfg, str(tmp_path), run=run)

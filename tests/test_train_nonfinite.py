@@ -14,6 +14,7 @@ import pytest
 
 from delta_jax import sharding
 from delta_jax.train import loop
+from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import default_config, validate_config
 from delta_jax.train.state import init_train_state
@@ -75,7 +76,7 @@ def _leaves_equal(a, b):
 def test_nonfinite_stop_checkpoints_and_resumes(tmp_path):
     cfg = make_config()
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = loop.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
+    run = run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
     run.scorer = TextLengthScorer()
     good_step = run.train_step
 
@@ -97,7 +98,7 @@ def test_nonfinite_stop_checkpoints_and_resumes(tmp_path):
         # The last checkpoint (step 2) is usable: it holds the untouched initial state.
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
         assert ckpt.latest_step() == 2 and ckpt.all_steps() == [0, 1, 2]
-        template = loop.place_state(run, init_train_state(run.initial_params, run.optimizer))
+        template = run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
         first, _, _ = ckpt.restore(0, template)
         last, _, meta = ckpt.restore(2, template)
         ckpt.close()

@@ -19,7 +19,9 @@ from ml_collections import config_dict
 
 from delta_jax import sharding
 from delta_jax.rl.delta import delta_coefficients
-from delta_jax.train import features, loop
+from delta_jax.train import features
+from delta_jax.train import rl_step as rl_step_lib
+from delta_jax.train import run as run_lib
 from delta_jax.train.config import default_config, validate_config
 from delta_jax.train.state import init_train_state
 
@@ -120,11 +122,11 @@ def make_config(**delta):
 def topk_run(tmp_path_factory):
     cfg = make_config(proxy="hidden_topk", topk=TOPK)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = loop.build_run(cfg, str(tmp_path_factory.mktemp("topk")), need_scorer=False, mesh=mesh)
+    run = run_lib.build_run(cfg, str(tmp_path_factory.mktemp("topk")), need_scorer=False, mesh=mesh)
     run.scorer = TextLengthScorer()
     run.debug_record = True
-    state = loop.place_state(run, init_train_state(run.initial_params, run.optimizer))
-    _, metrics = loop.rl_step(run, state, 1)
+    state = run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+    _, metrics = rl_step_lib.rl_step(run, state, 1)
     yield cfg, run, metrics
     run.close()
 
@@ -184,7 +186,7 @@ def test_topk_streaming_cache_modes_agree(topk_run):
                                         "rollout": cfg.rollout.to_dict()}),
             topk_proxy_pass=run.topk_proxy_pass, mesh=run.mesh,
             count=lambda name, k=1, c=counters: c.__setitem__(name, c.get(name, 0) + k))
-        w, _ = loop.compute_delta_weights(ns, params, b, logp, None, b["advantages"],
+        w, _ = rl_step_lib.compute_delta_weights(ns, params, b, logp, None, b["advantages"],
                                           b["response_mask"], topk=(ids, probs))
         np.testing.assert_allclose(np.asarray(w), np.asarray(b["token_weights"]), atol=1e-5)
         assert "trunk_forward" not in counters and counters["topk_proxy"] > 0

@@ -1,0 +1,79 @@
+"""Evaluation hook of the RL loop: avg@k / pass@k of the current policy on the eval benchmarks
+(delta_jax.evaluation), written to workdir/eval/step_<n>.json and the metrics log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from delta_jax.train import rollout as rollout_lib
+from delta_jax.train.run import Run
+
+log = logging.getLogger("delta_jax.train")
+
+_EVAL_SALT = 11
+
+def evaluate_policy(run: Run, params, step: int) -> dict:
+    """avg@k / pass@k on the eval benchmarks with the eval sampling settings."""
+    cfg = run.cfg
+    if not run.assets["eval"]:
+        return {}
+    from delta_jax import evaluation
+    from delta_jax.rl.rewards import RewardScorer
+
+    if run.eval_scorer is None:
+        run.eval_scorer = RewardScorer(name="math", num_workers=cfg.rewards.num_workers,
+                                       timeout_s=cfg.rewards.timeout_s)
+    run.sampler.update_params(run.model(params))
+    calls = [0]
+
+    def generate_fn(prompts, n):
+        calls[0] += 1
+        out = run.sampler.generate(
+            list(prompts), n=n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            stop_token_ids=(run.tokenizer.eos_token_id,),
+            seed=rollout_lib.step_seed(cfg.seed, step, _EVAL_SALT + calls[0]))
+        return out.texts
+
+    t0 = time.perf_counter()
+    pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]
+    result = evaluation.evaluate(
+        generate_fn, run.assets["eval"], k=cfg.eval.k, pass_ks=pass_k,
+        format_prompt=run.template, limit=cfg.eval.limit or None, scorer=run.eval_scorer,
+        settings={"step": step, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
+                  "max_new_tokens": cfg.eval.max_new_tokens})
+    metrics = _flatten_eval(result)
+    metrics["time/eval_s"] = time.perf_counter() - t0
+    os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
+    with open(os.path.join(run.workdir, "eval", f"step_{step}.json"), "w") as f:
+        f.write(result.to_json() if hasattr(result, "to_json") else str(result))
+    if hasattr(result, "to_markdown"):
+        run.writer.write_text(step, "eval", result.to_markdown())
+    return metrics
+
+
+def _flatten_eval(result) -> dict:
+    import json
+    data = json.loads(result.to_json()) if hasattr(result, "to_json") else dict(result)
+    out = {}
+
+    def walk(prefix, value):
+        if prefix == "settings":
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out["eval/" + prefix] = float(value)
+    walk("", data)
+    return out
+
+
+
+def write_eval(run: Run, params, step: int):
+    metrics = evaluate_policy(run, params, step)
+    if metrics:
+        run.writer.write(step, metrics)
+        log.info("eval step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))

@@ -1,0 +1,286 @@
+"""Building a run from a validated config: assets (data, tokenizer), the model, the loss, the
+jitted programs, the checkpointer and metrics writer, all held in one `Run`; plus the train state's
+placement on the mesh and the KL reference policy's save/restore for resumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from delta_jax import models
+from delta_jax import sharding as sharding_lib
+from delta_jax.sampling import Sampler
+from delta_jax.train import features as features_lib
+from delta_jax.train.checkpoint import Checkpointer
+from delta_jax.train.metrics import MetricsWriter, to_scalars
+from delta_jax.train.state import (TrainState, init_train_state, optimizer_from_config,
+                                   split_model)
+from delta_jax.train.step import make_train_step
+
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim")
+
+
+# ----------------------------------------------------------------------------- assets
+
+
+def prepare_assets(cfg, workdir: str) -> dict:
+    """Resolves data/tokenizer paths; generates the synthetic task and tiny tokenizer on demand.
+
+    Returns {"train": path(s) or "", "eval": {name: path}, "tokenizer": dir}.
+    """
+    out = {"train": cfg.data.train, "eval": {}, "tokenizer": cfg.tokenizer.path or cfg.model.path}
+    synth_dir = os.path.join(workdir, "synthetic")
+    needs_synth = "synthetic" in (cfg.data.train, cfg.data.eval)
+    if needs_synth:
+        from delta_jax.data import synthetic
+        levels = [int(x) for x in str(cfg.data.synthetic_levels).split(",") if x.strip()]
+        train_path = os.path.join(synth_dir, "train.jsonl")
+        if not os.path.exists(train_path):  # deterministic from the seed: generate once
+            synthetic.write_synthetic_splits(synth_dir, num_train=cfg.data.synthetic_train,
+                                             num_test=cfg.data.synthetic_test, seed=cfg.seed,
+                                             levels=levels)
+        if cfg.data.train == "synthetic":
+            out["train"] = train_path
+        if cfg.data.eval == "synthetic":
+            out["eval"]["synthetic_test"] = os.path.join(synth_dir, "test.jsonl")
+    if cfg.data.eval and cfg.data.eval != "synthetic":
+        for path in str(cfg.data.eval).split(","):
+            path = path.strip()
+            if path:
+                name = os.path.splitext(os.path.basename(path))[0]
+                out["eval"][name] = path
+    if cfg.tokenizer.path == "synthetic":
+        from delta_jax.data import tiny_tokenizer
+        tok_dir = os.path.join(workdir, "tokenizer")
+        if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+            tiny_tokenizer.build_tiny_tokenizer(tok_dir)
+        out["tokenizer"] = tok_dir
+    return out
+
+
+def build_model(cfg, vocab_size: int, mesh=None):
+    """Random init from a preset (+ shape overrides) or a Hugging Face directory; with a mesh,
+    the parameters are placed by the sharding rules (checkpoint tensors go straight to their
+    shards)."""
+    dtype = jnp.dtype(cfg.model.dtype)
+    param_dtype = jnp.dtype(cfg.model.param_dtype)
+    remat = cfg.model.remat
+    if cfg.model.random_init:
+        overrides = {f: cfg.model[f] for f in _SHAPE_FIELDS if cfg.model[f]}
+        overrides["attention"] = cfg.model.attention  # models.attention implementation
+        vocab = cfg.model.vocab_size or -(-vocab_size // 64) * 64
+        mcfg = models.get_preset(cfg.model.preset, vocab_size=vocab, dtype=dtype,
+                                 param_dtype=param_dtype, remat=remat, **overrides)
+        model = models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+        return model if mesh is None else sharding_lib.shard_model(model, mesh)
+    shardings = None if mesh is None else sharding_lib.param_sharding_fn(mesh)
+    return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
+                                  remat=remat, attention=cfg.model.attention, shardings=shardings)
+
+
+def make_loss_fn(cfg) -> Callable:
+    """loss_fn(logp, old_logp, adv, mask, weights, entropy) -> (sum, denom, metric sums)."""
+    from delta_jax.rl import losses
+
+    loss_cfg = losses.PolicyLossConfig(
+        eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high,
+        dual_clip=cfg.rl.dual_clip if cfg.rl.dual_clip > 0 else None,
+        log_ratio_clamp=cfg.rl.log_ratio_clamp, agg=cfg.rl.agg,
+        # Dr.GRPO's constant normaliser: the maximum response length.
+        drgrpo_norm=(float(cfg.rollout.max_new_tokens)
+                     if cfg.rl.agg == "seq-mean-token-sum-norm" else None),
+        entropy_coef=cfg.rl.entropy_coef,
+        kl_type=cfg.rl.kl_type if cfg.rl.kl_coef > 0 else None, kl_coef=cfg.rl.kl_coef)
+
+    def loss_fn(logp, old_logp, advantages, mask, token_weights, entropy, ref_logp=None):
+        return losses.policy_loss(logp, old_logp, advantages, mask, token_weights=token_weights,
+                                  cfg=loss_cfg, entropy=entropy, ref_logp=ref_logp)
+
+    return loss_fn
+
+
+
+# ----------------------------------------------------------------------------- run
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a step needs; built once by build_run."""
+    cfg: Any
+    workdir: str
+    assets: dict
+    tokenizer: Any
+    graphdef: Any
+    rest: Any
+    template: Callable[[str], str]
+    sampler: Sampler
+    optimizer: Any
+    schedule: Any
+    train_step: Callable
+    old_pass: Callable
+    hidden_pass: Callable
+    ckpt: Checkpointer
+    writer: MetricsWriter
+    data_iter: Any = None
+    scorer: Any = None
+    eval_scorer: Any = None      # accuracy only (no overlong shaping); made on first eval
+    counters: dict = dataclasses.field(default_factory=dict)
+    debug_record: bool = False   # tests: keep the last step's inputs in `debug`
+    debug: dict = dataclasses.field(default_factory=dict)
+    initial_params: Any = None
+    mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
+    state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
+    topk_proxy_pass: Any = None  # delta.proxy = "hidden_topk": (params, labels, ids, probs) -> v
+    ref_pass: Any = None         # rl.kl_coef > 0: log-probs of the reference policy
+    ref_params: Any = None       # rl.kl_coef > 0: the frozen reference parameters
+
+    def count(self, name: str, k: int = 1):
+        self.counters[name] = self.counters.get(name, 0) + k
+
+    def model(self, params):
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def close(self):
+        for scorer in (self.scorer, self.eval_scorer):
+            if scorer is not None:
+                scorer.close()
+        self.ckpt.close()
+        self.writer.close()
+
+
+def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True,
+              mesh=None) -> Run:
+    """Everything a run needs. mesh: a delta_jax.sharding mesh (default: from config.mesh)."""
+    from delta_jax.data import templates
+
+    os.makedirs(workdir, exist_ok=True)
+    assets = prepare_assets(cfg, workdir)
+    tokenizer = models.load_tokenizer(assets["tokenizer"])
+    mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
+    model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
+    graphdef, params, rest = split_model(model)
+    optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
+    state_shardings = sharding_lib.tree_shardings(
+        jax.eval_shape(lambda p: init_train_state(p, optimizer), params), mesh)
+    template = templates.make_template(cfg.data.template, tokenizer=tokenizer)
+    sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
+                      max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
+                      pad_id=tokenizer.pad_token_id, mesh=mesh,
+                      batch_axes=sharding_lib.batch_axes(mesh))
+    run = Run(
+        cfg=cfg, workdir=workdir, assets=assets, tokenizer=tokenizer, graphdef=graphdef,
+        rest=rest, template=template, sampler=sampler, optimizer=optimizer, schedule=schedule,
+        train_step=None, old_pass=None, hidden_pass=None,
+        ckpt=Checkpointer(os.path.join(workdir, "checkpoints"), save_every=cfg.train.save_every,
+                          keep=cfg.train.keep),
+        writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
+        initial_params=params, mesh=mesh, state_shardings=state_shardings)
+    if cfg.mode == "train":
+        run.train_step = make_train_step(
+            graphdef, rest, optimizer, make_loss_fn(cfg), temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.logprob_chunk, micro_batch_size=cfg.rl.micro_batch_size,
+            schedule=schedule, mesh=mesh, state_shardings=state_shardings)
+        topk = cfg.delta.topk if uses_topk_proxy(cfg) else 0
+        run.old_pass = features_lib.make_old_policy_pass(
+            graphdef, rest, temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk, with_hidden=not topk)
+        run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest, mesh=mesh)
+        if topk:
+            mcfg = model.cfg
+            run.topk_proxy_pass = features_lib.make_topk_proxy_pass(
+                graphdef, rest, mesh=mesh, chunk_size=features_lib.proxy_token_chunk(
+                    cfg.model.logprob_chunk, mcfg.vocab_size, topk, mcfg.hidden_size))
+        if cfg.rl.kl_coef > 0:
+            run.ref_pass = features_lib.make_old_policy_pass(
+                graphdef, rest, temperature=cfg.rollout.temperature,
+                chunk_size=cfg.model.logprob_chunk, mesh=mesh, with_hidden=False)
+            # A copy: the train step donates (and so frees) the buffers of the live parameters.
+            # train() replaces it with the post-SFT parameters when there is a warm start.
+            run.ref_params = copy_tree(params)
+    if need_data and cfg.mode == "train":
+        from delta_jax.data import builders, pipeline
+        source = builders.build_tfds_source(assets["train"],
+                                            data_dir=os.path.join(workdir, "tfds"))
+        run.data_iter = pipeline.make_prompt_pipeline(
+            source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
+            template=template, encode_fn=tokenizer.encode)
+    if need_scorer and cfg.mode == "train":
+        from delta_jax.rl.rewards import RewardScorer
+        overlong = cfg.rewards.overlong
+        run.scorer = RewardScorer(
+            name=cfg.rewards.name, num_workers=cfg.rewards.num_workers,
+            timeout_s=cfg.rewards.timeout_s, max_response_len=cfg.rollout.max_new_tokens,
+            overlong_buffer_len=cfg.rewards.overlong_buffer if overlong else 0,
+            overlong_penalty_factor=cfg.rewards.overlong_factor)
+    return run
+
+
+class _NullWriter:
+    """Metrics sink of processes other than 0 (metrics are logged once)."""
+
+    def write(self, step, metrics, prefix=""):
+        return {prefix + k: v for k, v in to_scalars(metrics).items()}
+
+    def write_text(self, step, tag, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def place_state(run: Run, state: TrainState) -> TrainState:
+    """The train state on the run's mesh, by its logical-axis shardings."""
+    if run.state_shardings is None:
+        return state
+    return sharding_lib.shard_tree(state, run.state_shardings)
+
+
+def uses_topk_proxy(cfg) -> bool:
+    return cfg.method == "delta" and cfg.delta.proxy == "hidden_topk"
+
+
+def copy_tree(tree):
+    """Fresh device buffers with the same values and shardings."""
+    return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def _updates_per_step(cfg) -> int:
+    return cfg.rl.epochs * (cfg.rollout.batch_prompts // cfg.rl.mini_batch_prompts)
+
+
+# ----------------------------------------------------------------------------- KL reference
+
+
+def _reference_dir(run: Run) -> str:
+    return os.path.join(run.workdir, "reference")
+
+
+def save_reference(run: Run, params):
+    """Keeps the post-SFT reference policy for resumes (without SFT it is rebuilt from the
+    config: random init from the seed, or model.path)."""
+    ckpt = Checkpointer(_reference_dir(run), keep=1)
+    try:
+        ckpt.save(0, params, None, {"what": "KL reference policy (parameters after SFT)"},
+                  force=True)
+    finally:
+        ckpt.close()
+
+
+def restore_reference(run: Run, target):
+    ckpt = Checkpointer(_reference_dir(run), keep=1)
+    try:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(
+                f"rl.kl_coef: resuming a run with an SFT warm start needs its KL reference "
+                f"policy in {_reference_dir(run)}, which is missing (was rl.kl_coef 0 when the "
+                "run started?)")
+        params, _, _ = ckpt.restore(0, target)
+        return params
+    finally:
+        ckpt.close()
