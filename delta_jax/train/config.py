@@ -40,6 +40,8 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     "model.attention": ("auto", "xla", "blockwise", "cudnn"),  # models.attention.IMPLS
+    "model.logprob_impl": ("chunked", "fused"),
+    "delta.pass_impl": ("jnp", "kernel"),
     "rl.advantage": ("grpo", "drgrpo", "rloo"),
     "rl.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "optim.schedule": ("constant", "cosine", "linear"),
@@ -84,6 +86,11 @@ def default_config() -> config_dict.ConfigDict:
     c.model.num_kv_heads = 0
     c.model.head_dim = 0
     c.model.logprob_chunk = 256  # sequence chunk of models.token_logprobs
+    # Per-token log-probs of the LM head: "chunked" = logits of logprob_chunk positions at a
+    # time (models.token_logprobs); "fused" = kernels.lm_head_logprob_auto (tiled over the
+    # vocabulary with an online log-sum-exp and a custom VJP, never materialising [T, V] logits;
+    # the Pallas kernel on GPU, its jnp reference elsewhere; DELTA_JAX_KERNELS overrides).
+    c.model.logprob_impl = "chunked"
 
     c.tokenizer = config_dict.ConfigDict()
     c.tokenizer.path = ""        # "" = model.path; "synthetic" = build the tiny tokenizer in workdir
@@ -143,6 +150,9 @@ def default_config() -> config_dict.ConfigDict:
     c.delta.stats_mode = "global"
     c.delta.feature_cache = "device"  # device | host | recompute
     c.delta.recompute_chunk = 64      # sequences per chunk in recompute mode
+    # Refinement passes over the cached features: "jnp" = rl/delta.py's XLA code; "kernel" =
+    # kernels.delta_pass_auto (the fused Pallas pass on GPU, its jnp reference elsewhere).
+    c.delta.pass_impl = "jnp"
 
     c.optim = config_dict.ConfigDict()
     c.optim.lr = 1e-6
