@@ -1,13 +1,24 @@
 """Per-token log-probs and entropies without materialising the full [B, T, V] logits.
 
-The sequence is cut into chunks; each chunk's logits [B, C, V] are computed, reduced and
-dropped (lax.map), and rematerialised in the backward pass (jax.checkpoint), so peak memory
-is one chunk of logits instead of all of them. Qwen3's vocabulary has 151,936 entries.
+Two implementations (`impl=`), same results:
+  "chunked"  the sequence is cut into chunks; each chunk's logits [B, C, V] are computed, reduced
+             and dropped (lax.map), and rematerialised in the backward pass (jax.checkpoint), so
+             peak memory is one chunk of logits instead of all of them.
+  "fused"    delta_jax.kernels.lm_head_logprob_auto: all B*T tokens at once, tiled over the
+             VOCABULARY with an online log-sum-exp and a custom VJP that recomputes each logits
+             tile in the backward (the Pallas kernel on GPU, its chunked-jnp reference elsewhere).
+             The vocabulary tile is chosen so that one [B*T, tile] fp32 tile holds as many
+             elements as the chunked path's [B, chunk_size, V] chunk: `chunk_size` sets the same
+             memory budget for both.
+Qwen3's vocabulary has 151,936 entries.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+LOGPROB_IMPLS = ("chunked", "fused")
 
 
 def _head_weight(model_or_weight) -> jax.Array:
@@ -29,19 +40,82 @@ def logprobs_from_logits(logits: jax.Array, labels: jax.Array, temperature=1.0):
 
 
 def token_logprobs(model_or_weight, hidden: jax.Array, labels: jax.Array, temperature=1.0,
-                   chunk_size: int = 512):
-  """Chunked log p(labels) and entropy under softmax(logits / temperature).
+                   chunk_size: int = 512, *, impl: str = "chunked", kernel_impl: str | None = None,
+                   mesh=None):
+  """log p(labels) and entropy under softmax(logits / temperature), never all logits at once.
 
   model_or_weight: a Transformer (uses model.lm_head_weight()) or the head weight [H, V].
-  hidden: [B, T, H] final hidden states (after the final norm); labels: int [B, T].
+  hidden: [B, T, H] final hidden states (after the final norm); labels: int [B, T] in [0, V).
   temperature: python float or scalar array (traceable).
+  impl: "chunked" (sequence chunks of `chunk_size`) or "fused" (vocabulary tiles, see the module
+    docstring). kernel_impl (fused only): kernels backend override ("auto" | "pallas" |
+    "interpret" | "reference"; None = $DELTA_JAX_KERNELS or auto). mesh (fused only): with a
+    delta_jax.sharding mesh and the Pallas kernel, the kernel runs per batch shard (shard_map over
+    the batch axes; XLA cannot partition a Pallas call itself).
   Returns (logp, entropy), both float32 [B, T]. Matches logprobs_from_logits on the full
   logits; the matmul runs in hidden.dtype with float32 accumulation.
   """
-  w = _head_weight(model_or_weight).astype(hidden.dtype)
   B, T, H = hidden.shape
   if labels.shape != (B, T):
     raise ValueError(f"token_logprobs: labels shape {labels.shape} != hidden[:2] {(B, T)}")
+  if impl == "fused":
+    return _fused_token_logprobs(_head_weight(model_or_weight), hidden, labels, temperature,
+                                 chunk_size, kernel_impl, mesh)
+  if impl != "chunked":
+    raise ValueError(f"token_logprobs: impl={impl!r}; expected one of {LOGPROB_IMPLS} "
+                     "(config field model.logprob_impl)")
+  return _chunked_token_logprobs(_head_weight(model_or_weight), hidden, labels, temperature,
+                                 chunk_size)
+
+
+def fused_vocab_chunk(chunk_size: int, seq_len: int, vocab: int) -> int:
+  """Vocabulary tile of the fused path with the chunked path's memory: [N, c] ~ [B, chunk, V],
+  i.e. c = chunk * V / T, rounded down to a multiple of 128 (at least 128, at most V)."""
+  c = (max(1, int(chunk_size)) * vocab) // max(1, seq_len)
+  if c >= 128:
+    c = (c // 128) * 128
+  return int(max(1, min(vocab, max(c, 128))))
+
+
+def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_impl, mesh):
+  from delta_jax import kernels
+
+  B, T, H = hidden.shape
+  vocab_chunk = fused_vocab_chunk(chunk_size, T, w.shape[1])
+  if isinstance(temperature, (int, float)):
+    static_t = float(temperature)
+  else:
+    # A traced temperature cannot be a static kernel argument: fold 1/T into the hidden states
+    # (exact for the gradient: d/dh flows through the division).
+    static_t = 1.0
+    hidden = (hidden.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)).astype(
+        hidden.dtype)
+  choice = kernels.resolve_impl(kernel_impl)
+
+  def flat(h, ww, y):
+    b, t = y.shape
+    logp, ent = kernels.lm_head_logprob_auto(h.reshape(b * t, H), ww, y.reshape(b * t),
+                                             static_t, impl=choice, chunk_size=vocab_chunk)
+    return logp.reshape(b, t), ent.reshape(b, t)
+
+  if mesh is None or choice == "reference":
+    # The jnp reference is ordinary XLA: the SPMD partitioner shards it like any matmul.
+    return flat(hidden, w, labels)
+  from delta_jax import sharding as sharding_lib
+
+  axes = sharding_lib.batch_axes(mesh)
+  if not axes:
+    return flat(hidden, w, labels)
+  rows = PartitionSpec(axes)
+  # The head weight enters replicated (FSDP gathers it for the matmul anyway); shard_map's
+  # transpose sums its gradient over the batch shards.
+  return jax.shard_map(flat, mesh=mesh, in_specs=(rows, PartitionSpec(), rows),
+                       out_specs=(rows, rows))(hidden, w, labels)
+
+
+def _chunked_token_logprobs(w, hidden, labels, temperature, chunk_size):
+  w = w.astype(hidden.dtype)
+  B, T, H = hidden.shape
   chunk = max(1, min(int(chunk_size), T))
   num_chunks = -(-T // chunk)
   pad = num_chunks * chunk - T

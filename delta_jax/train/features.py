@@ -31,15 +31,19 @@ from delta_jax import models
 
 
 def response_forward(model, input_ids, attention_mask, response_len: int, *, temperature: float,
-                     chunk_size: int, with_hidden: bool = True):
-    """One forward pass; returns (logp fp32 [B,R], entropy fp32 [B,R], hidden [B,R,H] | None)."""
+                     chunk_size: int, with_hidden: bool = True, logprob_impl: str = "chunked",
+                     mesh=None):
+    """One forward pass; returns (logp fp32 [B,R], entropy fp32 [B,R], hidden [B,R,H] | None).
+
+    logprob_impl: "chunked" | "fused" (models.token_logprobs impl=; config model.logprob_impl);
+    mesh: passed to the fused path (the Pallas kernel runs per batch shard)."""
     out = model(input_ids, attention_mask=attention_mask, return_logits=False)
     total = input_ids.shape[1]
     start = total - response_len
     hidden = out.hidden[:, start - 1:total - 1]
     labels = input_ids[:, start:]
     logp, entropy = models.token_logprobs(model, hidden, labels, temperature=temperature,
-                                          chunk_size=chunk_size)
+                                          chunk_size=chunk_size, impl=logprob_impl, mesh=mesh)
     return logp, entropy, (hidden if with_hidden else None)
 
 
@@ -133,12 +137,14 @@ def response_hidden(model, input_ids, attention_mask, response_len: int):
 
 def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
                          hidden_dtype=jnp.bfloat16, mesh=None, topk: int = 0,
-                         with_hidden: bool = True) -> Callable:
+                         with_hidden: bool = True, logprob_impl: str = "chunked") -> Callable:
     """Jitted (params, input_ids, attention_mask, response_len) -> (logp, entropy, hidden), or
     with topk = K > 0 -> (logp, entropy, hidden, topk_ids [N, R, K], topk_probs [N, R, K]).
     with_hidden=False returns None for hidden (e.g. the reference-policy pass, or the top-K proxy,
     which does not read h). With a mesh (delta_jax.sharding) the outputs stay row-sharded like
-    the inputs."""
+    the inputs. logprob_impl ("chunked" | "fused", models.token_logprobs) applies without top-K;
+    with topk > 0 the pass always uses the chunked logits (logprobs_and_topk), because the top-K
+    needs each token's logits over the whole vocabulary, which the fused path never holds."""
     from flax import nnx
 
     from delta_jax.sharding import constrain_batch
@@ -159,7 +165,8 @@ def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
         else:
             logp, entropy = models.token_logprobs(model, hidden, labels,
                                                   temperature=temperature,
-                                                  chunk_size=chunk_size)
+                                                  chunk_size=chunk_size, impl=logprob_impl,
+                                                  mesh=mesh)
             extra = ()
         kept = hidden.astype(hidden_dtype) if with_hidden else None
         return constrain_batch(jax.lax.stop_gradient((logp, entropy, kept) + extra), mesh)

@@ -185,11 +185,13 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         run.train_step = make_train_step(
             graphdef, rest, optimizer, make_loss_fn(cfg), temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.logprob_chunk, micro_batch_size=cfg.rl.micro_batch_size,
-            schedule=schedule, mesh=mesh, state_shardings=state_shardings)
+            schedule=schedule, mesh=mesh, state_shardings=state_shardings,
+            logprob_impl=cfg.model.logprob_impl)
         topk = cfg.delta.topk if uses_topk_proxy(cfg) else 0
         run.old_pass = features_lib.make_old_policy_pass(
             graphdef, rest, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk, with_hidden=not topk)
+            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk, with_hidden=not topk,
+            logprob_impl=cfg.model.logprob_impl)
         run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest, mesh=mesh)
         if topk:
             mcfg = model.cfg
@@ -199,7 +201,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         if cfg.rl.kl_coef > 0:
             run.ref_pass = features_lib.make_old_policy_pass(
                 graphdef, rest, temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.logprob_chunk, mesh=mesh, with_hidden=False)
+                chunk_size=cfg.model.logprob_chunk, mesh=mesh, with_hidden=False,
+                logprob_impl=cfg.model.logprob_impl)
             # A copy: the train step donates (and so frees) the buffers of the live parameters.
             # train() replaces it with the post-SFT parameters when there is a warm start.
             run.ref_params = copy_tree(params)

@@ -64,28 +64,30 @@ def sft_batch(examples: SFTExamples, batch_size: int, seed: int, step: int) -> d
             "loss_mask": examples.loss_mask[idx]}
 
 
-def sft_loss(model, batch, chunk_size: int = 256):
-    """(token-mean NLL over loss_mask[:, 1:], number of target tokens)."""
+def sft_loss(model, batch, chunk_size: int = 256, logprob_impl: str = "chunked"):
+    """(token-mean NLL over loss_mask[:, 1:], number of target tokens). logprob_impl: "chunked" |
+    "fused" (models.token_logprobs)."""
     ids = batch["input_ids"]
     out = model(ids, attention_mask=batch["attention_mask"], return_logits=False)
     logp, _ = models.token_logprobs(model, out.hidden[:, :-1], ids[:, 1:], temperature=1.0,
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, impl=logprob_impl)
     mask = batch["loss_mask"][:, 1:]
     count = jnp.sum(mask)
     return -jnp.sum(logp * mask) / jnp.maximum(count, 1.0), count
 
 
 def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
-                  schedule: optax.Schedule | None = None, chunk_size: int = 256):
+                  schedule: optax.Schedule | None = None, chunk_size: int = 256,
+                  logprob_impl: str = "chunked"):
     """Jitted sft_step(state, batch) -> (state, metrics), state donated; non-finite skipped."""
 
     def loss_fn(params, batch):
-        return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size)
+        return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size, logprob_impl)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def sft_step(state: TrainState, batch):
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)

@@ -41,9 +41,11 @@ def _split_micro(batch, micro):
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                     temperature: float, chunk_size: int, micro_batch_size: int = 0,
                     schedule: optax.Schedule | None = None, mesh=None,
-                    state_shardings=None) -> Callable:
+                    state_shardings=None, logprob_impl: str = "chunked") -> Callable:
     """Returns jitted train_step(state, batch) -> (state, metrics); the state is donated.
 
+    logprob_impl: how the loss's log-probs are computed from the hidden states, "chunked" or
+    "fused" (models.token_logprobs; config model.logprob_impl); chunk_size is its memory budget.
     mesh / state_shardings (delta_jax.sharding): with a mesh, each micro-batch is constrained to
     rows over the batch axes; the new state keeps `state_shardings` (e.g.
     sharding.tree_shardings(state, mesh)), so parameters never move between steps.
@@ -55,7 +57,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         response_len = mb["response_mask"].shape[1]
         logp, entropy, _ = response_forward(model, mb["input_ids"], mb["attention_mask"],
                                             response_len, temperature=temperature,
-                                            chunk_size=chunk_size, with_hidden=False)
+                                            chunk_size=chunk_size, with_hidden=False,
+                                            logprob_impl=logprob_impl, mesh=mesh)
         # ref_logp (reference-policy log-probs) only when the run has a KL term.
         extra = {"ref_logp": mb["ref_logp"]} if "ref_logp" in mb else {}
         loss_sum, denom, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"],
@@ -88,7 +91,7 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         safe_denom = jnp.maximum(denom, 1e-8)
         grads = jax.tree.map(lambda g: g / safe_denom, grads)
         loss = loss_sum / safe_denom
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
