@@ -25,8 +25,23 @@ from delta_jax.train import loop
 from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import validate_config
+from rl_fixtures import LOOP_WITHOUT_EVAL, TINY_MODEL
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# experiments/tiny.py (the default job) shrunk: the shared tiny model, 4 prompts x 4 samples,
+# 16 new tokens, 2 updates per step, 6 steps checkpointed every 3, a 2-step SFT warm start.
+TEST_OVERRIDES = {
+    "model": dict(TINY_MODEL, logprob_chunk=16),
+    "data": dict(synthetic_train=200, synthetic_test=8, synthetic_levels="1"),
+    "rollout": dict(batch_prompts=4, group_size=4, max_new_tokens=16),
+    "rewards": dict(num_workers=1, overlong_buffer=4),
+    "rl": dict(mini_batch_prompts=2),
+    "optim": dict(lr=1e-3),
+    "train": dict(steps=6, save_every=3, keep=5, progress_bar=False, **LOOP_WITHOUT_EVAL),
+    "sft": dict(steps=2, batch_size=4, max_len=64),
+    "eval": dict(k=2, pass_k="1,2", max_new_tokens=16, limit=2),
+}
+# A config file (the subprocess runs read it too): self-contained, the overrides as a literal.
 TEST_CONFIG = f'''
 import importlib.util
 
@@ -35,37 +50,9 @@ def get_config():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config()
-    c.model.hidden_size = 32
-    c.model.intermediate_size = 64
-    c.model.num_layers = 2
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 16
-    c.model.logprob_chunk = 16
-    c.data.synthetic_train = 200
-    c.data.synthetic_test = 8
-    c.data.synthetic_levels = "1"
-    c.rollout.batch_prompts = 4
-    c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 16
-    c.rewards.num_workers = 1
-    c.rewards.overlong_buffer = 4
-    c.rl.mini_batch_prompts = 2
-    c.optim.lr = 1e-3
-    c.train.steps = 6
-    c.train.save_every = 3
-    c.train.keep = 5
-    c.train.eval_before = False
-    c.train.eval_after = False
-    c.train.export_final = False
-    c.train.progress_bar = False
-    c.sft.steps = 2
-    c.sft.batch_size = 4
-    c.sft.max_len = 64
-    c.eval.k = 2
-    c.eval.pass_k = "1,2"
-    c.eval.max_new_tokens = 16
-    c.eval.limit = 2
+    for section, fields in {TEST_OVERRIDES!r}.items():
+        for field, value in fields.items():
+            c[section][field] = value
     return c
 '''
 

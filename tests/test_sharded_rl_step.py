@@ -20,63 +20,26 @@ import pytest
 
 from delta_jax import sharding
 from delta_jax.train import rl_step as rl_step_lib
-from delta_jax.train import run as run_lib
-from delta_jax.train.config import default_config, validate_config
-from delta_jax.train.state import init_train_state
+from rl_fixtures import (build_scored_run, initial_state, single_device_mesh, tiny_rl_config,
+                         tree_max_abs_diff)
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
 
 
-class TextLengthScorer:
-    """Stand-in for rl.rewards.RewardScorer: reward 1 for an even-length response text."""
-
-    def score(self, texts, golds, response_lengths=None, truncated=None):
-        rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
-        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
-
-    def close(self):
-        pass
-
-
 def make_config():
-    c = default_config()
-    c.method = "delta"
-    c.model.random_init = True
-    c.model.preset = "tiny"
-    c.model.hidden_size = 32
-    c.model.intermediate_size = 64
-    c.model.num_layers = 2
-    c.model.num_heads = 4
-    c.model.num_kv_heads = 2
-    c.model.head_dim = 16
-    c.model.logprob_chunk = 16
-    c.tokenizer.path = "synthetic"
-    c.data.train = "synthetic"
-    c.data.template = "plain"
-    c.data.max_prompt_len = 32
-    c.data.synthetic_train = 64
-    c.data.synthetic_test = 4
-    c.data.synthetic_levels = "1"
-    c.rollout.batch_prompts = 4
-    c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 8
-    c.rollout.max_batch_size = 16
-    c.rewards.overlong_buffer = 4
-    c.rl.mini_batch_prompts = 2      # 2 updates of 8 rows
-    c.rl.micro_batch_size = 4        # 2 micro-batches per update
-    c.optim.lr = 1e-3
-    c.optim.weight_decay = 0.0
-    c.train.steps = 1
-    c.train.progress_bar = False
-    return validate_config(c)
+    return tiny_rl_config(
+        "delta",
+        model=dict(num_heads=4, num_kv_heads=2, logprob_chunk=16),
+        rl=dict(mini_batch_prompts=2,    # 2 updates of 8 rows
+                micro_batch_size=4),     # 2 micro-batches per update
+        optim=dict(weight_decay=0.0))
 
 
 def one_step(cfg, workdir, mesh):
-    run = run_lib.build_run(cfg, str(workdir), need_scorer=False, mesh=mesh)
-    run.scorer = TextLengthScorer()
+    run = build_scored_run(cfg, workdir, mesh)
     run.debug_record = True
     try:
-        state = run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+        state = initial_state(run)
         new_state, metrics = rl_step_lib.rl_step(run, state, 1)
         return {"rewards": np.asarray(run.debug["rewards"]),
                 "input_ids": np.asarray(run.debug["batch"]["input_ids"]),
@@ -95,8 +58,7 @@ def results(tmp_path_factory):
         pytest.skip("needs 8 (simulated) devices")
     cfg = make_config()
     workdir = tmp_path_factory.mktemp("sharded_rl")
-    out = {"single": one_step(cfg, workdir, sharding.make_mesh(1, 1, 1,
-                                                               devices=jax.devices()[:1]))}
+    out = {"single": one_step(cfg, workdir, single_device_mesh())}
     for shape in MESHES:
         out[shape] = one_step(cfg, workdir, sharding.make_mesh(*shape))
     return out
@@ -125,8 +87,7 @@ def _named_leaves(tree):
 def test_single_device_step_learns_something(results):
     ref = results["single"]
     assert 0 < ref["rewards"].mean() < 1, "the stand-in rewards should vary"
-    moved = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(ref["params"]),
-                                                    jax.tree.leaves(ref["params_before"])))
+    moved = tree_max_abs_diff(ref["params"], ref["params_before"])
     assert moved > 1e-4, "the update changed nothing; the comparison would be vacuous"
     assert ref["metrics"]["policy/skipped_updates"] == 0
 

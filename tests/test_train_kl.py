@@ -16,56 +16,25 @@ import optax
 import pytest
 from flax import nnx
 
-from delta_jax import models, sharding
+from delta_jax import models
 from delta_jax.train import loop, state as state_lib
 from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
-from delta_jax.train.config import ConfigError, default_config, validate_config
+from delta_jax.train.config import ConfigError
 from delta_jax.train.step import make_train_step
+from rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config, tree_max_abs_diff
 
 N, P, R, T, KL_COEF = 4, 5, 6, 1.0, 0.5
 
 
 def base_config(**rl):
-    c = default_config()
-    c.method = "dapo"
-    c.model.random_init = True
-    c.model.preset = "tiny"
-    c.model.hidden_size = 32
-    c.model.intermediate_size = 64
-    c.model.num_layers = 2
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 16
-    c.model.logprob_chunk = 8
-    c.tokenizer.path = "synthetic"
-    c.data.train = "synthetic"
-    c.data.template = "plain"
-    c.data.max_prompt_len = 32
-    c.data.synthetic_train = 64
-    c.data.synthetic_test = 4
-    c.data.synthetic_levels = "1"
-    c.rollout.batch_prompts = 4
-    c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 8
-    c.rollout.max_batch_size = 16
-    c.rewards.overlong_buffer = 4
-    c.rl.mini_batch_prompts = 4       # one update per step: the first one sees policy == ref
-    c.optim.lr = 3e-3
-    c.optim.weight_decay = 0.0
-    c.train.steps = 2
-    c.train.save_every = 2
-    c.train.eval_before = False
-    c.train.eval_after = False
-    c.train.export_final = False
-    c.train.progress_bar = False
-    c.sft.steps = 2
-    c.sft.batch_size = 4
-    c.sft.max_len = 32
-    c.sft.warmup_steps = 0
-    for key, value in rl.items():
-        c.rl[key] = value
-    return validate_config(c)
+    return tiny_rl_config(
+        "dapo",
+        rl=dict(mini_batch_prompts=4,   # one update per step: the first one sees policy == ref
+                **rl),
+        optim=dict(lr=3e-3, weight_decay=0.0),
+        train=dict(steps=2, save_every=2, **LOOP_WITHOUT_EVAL),
+        sft=dict(steps=2, batch_size=4, max_len=32, warmup_steps=0))
 
 
 def full_logits_logp(graphdef, params, rest, ids, attn):
@@ -133,27 +102,9 @@ def test_kl_config_validation():
         base_config(kl_coef=-0.1)
 
 
-class TextLengthScorer:
-    """Stand-in for rl.rewards.RewardScorer: reward 1 for an even-length response text."""
-
-    def score(self, texts, golds, response_lengths=None, truncated=None):
-        rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
-        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
-
-    def close(self):
-        pass
-
-
-def _max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def test_kl_through_the_loop_with_sft_and_resume(tmp_path):
     cfg = base_config(kl_coef=0.1, kl_type="k3")
-    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
-    run.scorer = TextLengthScorer()
+    run = build_scored_run(cfg, tmp_path)
     try:
         state, run = loop.train(cfg, str(tmp_path), run=run)
         rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -166,10 +117,10 @@ def test_kl_through_the_loop_with_sft_and_resume(tmp_path):
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
         ckpt0, _, _ = ckpt.restore(0, state)
         ckpt.close()
-        assert _max_diff(run.ref_params, ckpt0.params) == 0.0
-        assert _max_diff(ckpt0.params, state.params) > 1e-4
+        assert tree_max_abs_diff(run.ref_params, ckpt0.params) == 0.0
+        assert tree_max_abs_diff(ckpt0.params, state.params) > 1e-4
         fresh = models.Transformer(run.model(state.params).cfg, rngs=nnx.Rngs(cfg.seed))
-        assert _max_diff(nnx.state(fresh, nnx.Param), ckpt0.params) > 5e-4  # SFT moved it
+        assert tree_max_abs_diff(nnx.state(fresh, nnx.Param), ckpt0.params) > 5e-4  # SFT moved it
         # Resume (one more step): the reference comes back from workdir/reference.
         run.ref_params = jax.tree.map(jnp.zeros_like, run.ref_params)
         cfg3 = base_config(kl_coef=0.1, kl_type="k3")
@@ -177,7 +128,7 @@ def test_kl_through_the_loop_with_sft_and_resume(tmp_path):
             cfg3.train.steps = 3
         run.cfg = cfg3
         state3, run = loop.train(cfg3, str(tmp_path), run=run)
-        assert _max_diff(run.ref_params, ckpt0.params) == 0.0
+        assert tree_max_abs_diff(run.ref_params, ckpt0.params) == 0.0
         rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
         kl3 = [r["policy/kl"] for r in rows if r.get("step") == 3 and "policy/kl" in r]
         assert len(kl3) == 1 and kl3[0] > 1e-6

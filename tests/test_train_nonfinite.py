@@ -12,60 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from delta_jax import sharding
 from delta_jax.train import loop
-from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
-from delta_jax.train.config import default_config, validate_config
-from delta_jax.train.state import init_train_state
-
-
-class TextLengthScorer:
-    """Stand-in for rl.rewards.RewardScorer: reward 1 for an even-length response text."""
-
-    def score(self, texts, golds, response_lengths=None, truncated=None):
-        rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
-        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
-
-    def close(self):
-        pass
+from rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, initial_state, tiny_rl_config
 
 
 def make_config():
-    c = default_config()
-    c.method = "dapo"
-    c.model.random_init = True
-    c.model.preset = "tiny"
-    c.model.hidden_size = 32
-    c.model.intermediate_size = 64
-    c.model.num_layers = 1
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 16
-    c.model.logprob_chunk = 8
-    c.tokenizer.path = "synthetic"
-    c.data.train = "synthetic"
-    c.data.template = "plain"
-    c.data.max_prompt_len = 32
-    c.data.synthetic_train = 64
-    c.data.synthetic_test = 4
-    c.data.synthetic_levels = "1"
-    c.rollout.batch_prompts = 4
-    c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 8
-    c.rollout.max_batch_size = 16
-    c.rewards.overlong_buffer = 4
-    c.rl.mini_batch_prompts = 4
-    c.rl.max_nonfinite = 1            # stop at the 2nd consecutive step with skipped updates
-    c.optim.lr = 1e-3
-    c.train.steps = 4
-    c.train.save_every = 1
-    c.train.keep = 5
-    c.train.eval_before = False
-    c.train.eval_after = False
-    c.train.export_final = False
-    c.train.progress_bar = False
-    return validate_config(c)
+    return tiny_rl_config(
+        "dapo",
+        model=dict(num_layers=1),
+        rl=dict(max_nonfinite=1),        # stop at the 2nd consecutive step with skipped updates
+        train=dict(steps=4, save_every=1, keep=5, **LOOP_WITHOUT_EVAL))
 
 
 def _leaves_equal(a, b):
@@ -75,9 +32,7 @@ def _leaves_equal(a, b):
 
 def test_nonfinite_stop_checkpoints_and_resumes(tmp_path):
     cfg = make_config()
-    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
-    run.scorer = TextLengthScorer()
+    run = build_scored_run(cfg, tmp_path)
     good_step = run.train_step
 
     def nan_step(state, batch):  # the same compiled step, fed a NaN advantage
@@ -98,7 +53,7 @@ def test_nonfinite_stop_checkpoints_and_resumes(tmp_path):
         # The last checkpoint (step 2) is usable: it holds the untouched initial state.
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
         assert ckpt.latest_step() == 2 and ckpt.all_steps() == [0, 1, 2]
-        template = run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+        template = initial_state(run)
         first, _, _ = ckpt.restore(0, template)
         last, _, meta = ckpt.restore(2, template)
         ckpt.close()

@@ -17,13 +17,10 @@ import pytest
 from flax import nnx
 from ml_collections import config_dict
 
-from delta_jax import sharding
 from delta_jax.rl.delta import delta_coefficients
 from delta_jax.train import features
 from delta_jax.train import rl_step as rl_step_lib
-from delta_jax.train import run as run_lib
-from delta_jax.train.config import default_config, validate_config
-from delta_jax.train.state import init_train_state
+from rl_fixtures import build_scored_run, initial_state, tiny_rl_config
 
 TOPK = 8
 
@@ -73,60 +70,19 @@ def test_topk_pieces_match_numpy():
                                    temperature=1.0, chunk_size=4, topk=V + 1)
 
 
-class TextLengthScorer:
-    """Stand-in for rl.rewards.RewardScorer: reward 1 for an even-length response text."""
-
-    def score(self, texts, golds, response_lengths=None, truncated=None):
-        rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
-        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
-
-    def close(self):
-        pass
-
-
 def make_config(**delta):
-    c = default_config()
-    c.method = "delta"
-    c.model.random_init = True
-    c.model.preset = "tiny"
-    c.model.hidden_size = 32
-    c.model.intermediate_size = 64
-    c.model.num_layers = 2
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 16
-    c.model.logprob_chunk = 8
-    c.tokenizer.path = "synthetic"
-    c.data.train = "synthetic"
-    c.data.template = "plain"
-    c.data.max_prompt_len = 32
-    c.data.synthetic_train = 64
-    c.data.synthetic_test = 4
-    c.data.synthetic_levels = "1"
-    c.rollout.batch_prompts = 4
-    c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 8
-    c.rollout.max_batch_size = 16
-    c.rollout.temperature = 1.5       # a rollout temperature != 1 reaches the top-K probs
-    c.rewards.overlong_buffer = 4
-    c.rl.mini_batch_prompts = 4
-    c.optim.lr = 1e-3
-    c.train.steps = 1
-    c.train.progress_bar = False
-    for key, value in delta.items():
-        c.delta[key] = value
-    return validate_config(c)
+    return tiny_rl_config(
+        "delta",
+        rollout=dict(temperature=1.5),  # a rollout temperature != 1 reaches the top-K probs
+        delta=delta)
 
 
 @pytest.fixture(scope="module")
 def topk_run(tmp_path_factory):
     cfg = make_config(proxy="hidden_topk", topk=TOPK)
-    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = run_lib.build_run(cfg, str(tmp_path_factory.mktemp("topk")), need_scorer=False, mesh=mesh)
-    run.scorer = TextLengthScorer()
+    run = build_scored_run(cfg, tmp_path_factory.mktemp("topk"))
     run.debug_record = True
-    state = run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
-    _, metrics = rl_step_lib.rl_step(run, state, 1)
+    _, metrics = rl_step_lib.rl_step(run, initial_state(run), 1)
     yield cfg, run, metrics
     run.close()
 

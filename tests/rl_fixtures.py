@@ -1,0 +1,107 @@
+"""Shared set-up of the tests that run the real RL trainer on a tiny model (not a test module).
+
+    from rl_fixtures import build_scored_run, initial_state, tiny_rl_config
+
+Importable as a top-level module because pytest's default ("prepend") import mode puts each
+test file's folder, tests/ (no __init__.py), first on sys.path, as for
+`from test_delta import ...` in tests/test_delta_sharded.py.
+
+tiny_rl_config: default_config() shrunk to a random-init 2-layer width-32 model (GQA 2/1 heads)
+on the built-in synthetic task (64 train / 4 test problems, level 1, prompts <= 32 tokens), one
+RL step of 4 prompts x 4 samples x 8 new tokens and one update (mini-batch = the whole rollout),
+lr 1e-3, no progress bar. Each test file passes its own differences as per-section overrides.
+"""
+import jax
+import numpy as np
+
+from delta_jax import sharding
+from delta_jax.train import run as run_lib
+from delta_jax.train.config import default_config, validate_config
+from delta_jax.train.state import init_train_state
+
+# The tiny model's shape (model.* fields), shared with test_main's config file.
+TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=16, logprob_chunk=8)
+
+# train.* fields that keep loop.train() to the RL steps (and checkpoints) a test looks at.
+LOOP_WITHOUT_EVAL = dict(eval_before=False, eval_after=False, export_final=False)
+
+_BASE = {
+    "model": dict(random_init=True, preset="tiny", **TINY_MODEL),
+    "tokenizer": dict(path="synthetic"),
+    "data": dict(train="synthetic", template="plain", max_prompt_len=32, synthetic_train=64,
+                 synthetic_test=4, synthetic_levels="1"),
+    "rollout": dict(batch_prompts=4, group_size=4, max_new_tokens=8, max_batch_size=16),
+    "rewards": dict(overlong_buffer=4),
+    "rl": dict(mini_batch_prompts=4),
+    "optim": dict(lr=1e-3),
+    "train": dict(steps=1, progress_bar=False),
+}
+
+
+def apply_overrides(cfg, sections):
+    """Sets cfg[section][field] = value for {section: {field: value}}; a section or field the
+    config does not have is a KeyError naming it (a typo must not pass silently)."""
+    for section, fields in sections.items():
+        if section not in cfg:
+            raise KeyError(f"config has no section {section!r}")
+        for field, value in fields.items():
+            if field not in cfg[section]:
+                raise KeyError(f"config has no field {section}.{field}")
+            cfg[section][field] = value
+    return cfg
+
+
+def tiny_rl_config(method="delta", **sections):
+    """The validated tiny RL config (see the module docstring) for `method`, with
+    sections = {section: {field: value}} applied over it, e.g.
+    tiny_rl_config("dapo", rl=dict(max_nonfinite=1), train=dict(steps=4))."""
+    c = default_config()
+    c.method = method
+    apply_overrides(c, _BASE)
+    apply_overrides(c, sections)
+    return validate_config(c)
+
+
+class TextLengthScorer:
+    """Stand-in for rl.rewards.RewardScorer: reward 1 for an even-length response text.
+
+    Deterministic and instant, and groups of a random-init policy get reward variance, so the
+    RL update is not trivially zero (the real math grader is tested in test_rewards.py)."""
+
+    def score(self, texts, golds, response_lengths=None, truncated=None):
+        rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
+        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
+
+    def close(self):
+        pass
+
+
+def single_device_mesh():
+    """A (1, 1, 1) mesh on device 0 (the tests see 8 simulated devices)."""
+    return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def build_scored_run(cfg, workdir, mesh=None):
+    """run.build_run without the math grader, scored by TextLengthScorer instead, on `mesh`
+    (default: single_device_mesh()). The caller closes it."""
+    run = run_lib.build_run(cfg, str(workdir), need_scorer=False,
+                            mesh=single_device_mesh() if mesh is None else mesh)
+    run.scorer = TextLengthScorer()
+    return run
+
+
+def initial_state(run):
+    """The run's initial TrainState (its initial parameters + fresh optimizer state), placed on
+    the run's mesh."""
+    return run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+
+
+def tree_max_abs_diff(a, b):
+    """max |a - b| over all leaves of two trees with the same number of leaves; NaN if any
+    difference is NaN (so an equality or a "moved" check cannot pass on NaN)."""
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    if len(leaves_a) != len(leaves_b):
+        raise ValueError(f"trees differ: {len(leaves_a)} vs {len(leaves_b)} leaves")
+    return float(np.max([np.max(np.abs(np.asarray(x) - np.asarray(y)))
+                         for x, y in zip(leaves_a, leaves_b)]))
