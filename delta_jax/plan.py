@@ -9,6 +9,12 @@ the placed arrays hold on device 0): parameters, gradients, optimizer state, rol
 DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
 the update (remat none / full), the rollout prefill's attention scores, the old-policy pass.
 
+The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses
+(delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
+memory chunk by chunk and brings back one recompute_chunk at a time, "recompute" holds one
+recompute chunk's hidden states plus the trunk pass that recomputes them. The "fits" line below
+the phases compares all three modes.
+
 Attention follows model.attention (delta_jax/models/attention.py): "xla" materialises the
 [rows, heads, T, S] float32 scores per layer, a quadratic term that dominates at long contexts;
 "blockwise" / "cudnn" (and "auto" at lengths where it picks them) keep only block-sized scores plus
@@ -30,6 +36,7 @@ from delta_jax import models
 from delta_jax import sharding as sharding_lib
 
 GB = 1e9
+FEATURE_CACHE_MODES = ("device", "host", "recompute")  # config.delta.feature_cache
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -192,7 +199,7 @@ class MemoryPlan:
             f"(+ {self.features_host_ram / GB:.2f} GB host RAM per device)",
             f"  DelTA features, recompute      {g(self.features_recompute)}  "
             f"(+ {s['num_refine'] + 3} trunk passes per step)",
-            "phase peaks per device:",
+            f"phase peaks per device (delta.feature_cache={s['feature_cache']}):",
         ]
         mem = s["device_memory_gb"] * GB
         for name, value in self.phases.items():
@@ -212,17 +219,23 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 device_memory_gb: float, rollout_rows: int, prompt_len: int, response_len: int,
                 sampler_rows: int, group_size: int, mini_batch_rows: int, micro_batch_rows: int,
                 logprob_chunk: int, recompute_chunk: int, num_refine: int = 1,
-                optimizer=None, host_memory_gb: float = 0.0, devices_per_host: int = 8,
+                feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
+                devices_per_host: int = 8,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
 
     rollout_rows: sequences per RL step (prompts x group size); prompt_len / response_len: the
     padded lengths; sampler_rows: sequences per sampler call; mini/micro_batch_rows: rows per
-    optimizer step / per forward-backward (0 = the mini-batch). optimizer: an optax
-    GradientTransformation (default AdamW as in train/state.py). Nothing is allocated.
+    optimizer step / per forward-backward (0 = the mini-batch). feature_cache: the
+    delta.feature_cache mode ("device" | "host" | "recompute") whose on-device features the
+    old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
+    AdamW as in train/state.py). Nothing is allocated.
     """
     import optax
+    if feature_cache not in FEATURE_CACHE_MODES:
+        raise ValueError(f"delta.feature_cache must be one of {FEATURE_CACHE_MODES}, got "
+                         f"{feature_cache!r}")
     data, fsdp, tensor = mesh_shape
     mesh = abstract_mesh(data, fsdp, tensor)
     num_devices = data * fsdp * tensor
@@ -294,6 +307,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     f_host_chunk = chunk_rows * feat_row
     f_host_ram = f_device
     f_recompute = chunk_rows * feat_row + (o_layer["linear"] * chunk_rows // max(o_rows, 1))
+    # What each cache mode holds on the device while DelTA runs (host: one chunk brought back).
+    features_on_device = {"device": f_device, "host": f_host_chunk, "recompute": f_recompute}
 
     resident = param_bytes + opt_bytes
     mem = device_memory_gb * GB
@@ -302,15 +317,13 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     def peaks(prefill, old_pass, act):
         phases = {
             "rollout": resident + kv + max(prefill, s_rows * V * 4),
-            "old-policy pass + DelTA": resident + old_pass + f_device,
+            "old-policy pass + DelTA": resident + old_pass + features_on_device[feature_cache],
             "update": resident + grad_bytes + act + lp_chunk,
         }
         base = resident + old_pass
-        fits = {"device": base + f_device <= mem,
-                "host": base + f_host_chunk <= mem and host_ok,
-                "recompute": base + f_recompute <= mem}
-        return phases, fits, next((m for m in ("device", "host", "recompute") if fits[m]),
-                                  "none")
+        fits = {m: base + features_on_device[m] <= mem and (host_ok or m != "host")
+                for m in FEATURE_CACHE_MODES}
+        return phases, fits, next((m for m in FEATURE_CACHE_MODES if fits[m]), "none")
 
     phases, fits, recommended = peaks(prefill, old_pass, act_cfg)
     act_cfg_flash = activations(_layer_activation_bytes(model_cfg, m_rows, seq, tensor,
@@ -328,6 +341,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
+        "feature_cache": feature_cache,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
         "attention_prefill": prefill_kind,
     }
@@ -378,5 +392,6 @@ def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
         group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
         micro_batch_rows=cfg.rl.micro_batch_size, logprob_chunk=cfg.model.logprob_chunk,
         recompute_chunk=cfg.delta.recompute_chunk, num_refine=cfg.delta.num_refine,
-        optimizer=optimizer, host_memory_gb=cfg.plan.host_memory_gb,
+        feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
+        host_memory_gb=cfg.plan.host_memory_gb,
         devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path)

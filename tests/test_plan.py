@@ -145,3 +145,62 @@ def test_run_config_attention_reaches_the_plan():
     cfg = config_lib.default_config()
     cfg.model.random_init, cfg.model.preset, cfg.model.attention = True, "tiny", "blockwise"
     assert plan.model_config_from_run_config(cfg).attention == "blockwise"
+
+
+def test_old_pass_peak_follows_the_configured_feature_cache():
+    """The "old-policy pass + DelTA" peak counts the features the configured cache mode keeps
+    on the device. Hand-computed for SMALL on (1, 4, 2): 16 rollout rows over 4 batch shards = 4
+    rows, recompute chunk 4 rows = 1 row, response 8 tokens, hidden 36, bf16 features."""
+    feat_row = 8 * 36 * 2
+    # One decoder layer's forward intermediates of the recompute chunk's trunk pass: the old
+    # pass's 4 rows x 16 tokens in fp32, scaled to 1 row: 4 H + 3 (N D + 2 K D) + N D + 4 I
+    # with N = 4 / 2, K = 2 / 2, I = 80 / 2 per device, D = 8.
+    recompute_layer = 4 * 16 * 4 * (4 * 36 + 3 * (2 * 8 + 2 * 1 * 8) + 2 * 8 + 4 * 40) // 4
+    want = {"device": 4 * feat_row, "host": 1 * feat_row,
+            "recompute": 1 * feat_row + recompute_layer}
+    assert want == {"device": 2304, "host": 576, "recompute": 576 + 26624}
+
+    def plan_with(mode, memory_gb=1.0):
+        return plan.plan_memory(SMALL, mesh_shape=(1, 4, 2), device_memory_gb=memory_gb,
+                                rollout_rows=16, prompt_len=8, response_len=8, sampler_rows=16,
+                                group_size=4, mini_batch_rows=8, micro_batch_rows=0,
+                                logprob_chunk=4, recompute_chunk=4, feature_cache=mode)
+
+    plans = {mode: plan_with(mode) for mode in want}
+    name = "old-policy pass + DelTA"
+    for mode, p in plans.items():
+        assert p.phases[name] == p.params + p.optimizer + p.old_pass_activations + want[mode]
+        # The blockwise-attention column: the same features on top of its own old pass.
+        assert (p.phases_flash[name] - plans["device"].phases_flash[name]
+                == want[mode] - want["device"]), mode
+        # Only that phase depends on the cache mode.
+        assert p.phases["rollout"] == plans["device"].phases["rollout"]
+        assert p.phases["update"] == plans["device"].phases["update"]
+        assert f"phase peaks per device (delta.feature_cache={mode})" in p.to_text()
+    assert plans["device"].old_pass_activations == plans["host"].old_pass_activations
+
+    # A device that fits the host mode's peak but not the device mode's: the host-configured
+    # plan's phase line and its recommendation agree.
+    host_peak = plans["host"].phases[name]
+    tight = plan_with("host", memory_gb=(host_peak + 1) / plan.GB)
+    assert tight.phases[name] == host_peak
+    assert tight.feature_cache_fits == {"device": False, "host": True, "recompute": False}
+    assert tight.recommended_feature_cache == "host"
+    line = next(l for l in tight.to_text().splitlines()
+                if l.strip().startswith(name))
+    assert line.split("|")[0].rstrip().endswith(" fits"), line
+    with pytest.raises(ValueError, match="delta.feature_cache"):
+        plan_with("disk")
+
+
+def test_plan_from_config_uses_delta_feature_cache():
+    """From a run config (tiny model: 4 x 4 rows, 8 response tokens, hidden 32, one device):
+    the host mode's peak is the device mode's minus the features of all but one 4-row chunk."""
+    from rl_fixtures import tiny_rl_config
+    cfgs = {mode: tiny_rl_config("delta", delta=dict(feature_cache=mode, recompute_chunk=4))
+            for mode in ("device", "host")}
+    plans = {mode: plan.plan_from_config(c, num_devices=1) for mode, c in cfgs.items()}
+    assert {m: p.settings["feature_cache"] for m, p in plans.items()} == {
+        "device": "device", "host": "host"}
+    peak = {m: p.phases["old-policy pass + DelTA"] for m, p in plans.items()}
+    assert peak["device"] - peak["host"] == (16 - 4) * 8 * 32 * 2
