@@ -166,9 +166,14 @@ def sample_tokens(
         logp = jax.nn.log_softmax(logits, axis=-1)[rows, tokens]
         return tokens, logp, logp
     scaled = tempered_logits(logits, temperature)
-    tempered_logp_all = scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    # Only the drawn tokens' log-probs are needed: gather, then subtract the normaliser (no
+    # [B, V] log-prob array).
+    tempered_lse = jax.nn.logsumexp(scaled, axis=-1)
     values, ids = filtered_candidates(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
     choice = jax.vmap(jax.random.categorical)(keys, values).astype(jnp.int32)
+    if ids is None:  # nothing filtered: the sampling distribution is the tempered one
+        tempered_logp = scaled[rows, choice] - tempered_lse
+        return choice, tempered_logp, tempered_logp
     chosen_logp = jax.nn.log_softmax(values, axis=-1)[rows, choice]
-    tokens = choice if ids is None else ids[rows, choice]
-    return tokens, chosen_logp, tempered_logp_all[rows, tokens]
+    tokens = ids[rows, choice]
+    return tokens, chosen_logp, scaled[rows, tokens] - tempered_lse

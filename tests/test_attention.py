@@ -199,7 +199,9 @@ def test_impl_resolution_and_errors():
 
 def test_model_blockwise_matches_xla():
   """Padded forward (logits) and a cache prefill + decode step: attention="blockwise" with
-  blocks smaller than the sequence equals attention="xla"."""
+  blocks smaller than the sequence equals attention="xla". The 11-token prefill and the decode
+  step run the live-prefix path with key blocks of 3 over a 16-slot cache; "xla" attends the
+  whole cache."""
   cfg = models.get_preset("tiny", attention="xla")
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -255,3 +257,101 @@ def test_model_gradients_blockwise_under_remat_match_xla():
   for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(blockwise)):
     scale = float(np.abs(np.asarray(a)).max())
     np.testing.assert_allclose(b, a, atol=1e-5 * scale, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Live-prefix decode
+
+
+def full_cache_reference(q, k, v, q_offset, kv_valid):
+  """attend_xla over the whole cache with the decode mask (the path the live prefix replaces)."""
+  return A.attend_xla(q, k, v, A.attention_mask(q.shape[1], jnp.asarray(kv_valid), q_offset))
+
+
+@pytest.mark.parametrize("groups,S", [(1, 32), (2, 29), (4, 32)])
+def test_live_prefix_decode_matches_full_cache_reference(groups, S):
+  """One- and three-token queries at live lengths 1, block, block + 1, 2 blocks + 1 and S (S = 29
+  is not a multiple of the block of 8), from a layer-stacked cache; rows with left padding in the
+  prompt slots, a hole, and a row with no valid slot at all."""
+  B, K, D, L, block = 4, 2, 8, 3, 8
+  rng = np.random.RandomState(groups)
+  k = jnp.asarray(rng.randn(L, B, S, K, D), jnp.float32)
+  v = jnp.asarray(rng.randn(L, B, S, K, D), jnp.float32)
+  valid = padded_valid(B, S, left=(0, 5, 9), empty=(3,))
+  valid[0, 3] = False
+
+  @jax.jit
+  def live(q, q_offset, valid):
+    return A.attend_live_prefix(q, k, v, layer=jnp.int32(1), q_offset=q_offset, kv_valid=valid,
+                                block_kv=block)
+
+  for T in (1, 3):
+    for live_len in sorted({T, block, block + 1, 2 * block + 1, S}):
+      if live_len < T:
+        continue
+      q_offset = live_len - T
+      q = jnp.asarray(rng.randn(B, T, K * groups, D), jnp.float32)
+      got = live(q, jnp.int32(q_offset), jnp.asarray(valid))
+      want = full_cache_reference(q, k[1], v[1], q_offset, valid)
+      np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
+                                 err_msg=f"T={T} live={live_len}")
+      assert np.all(np.asarray(got)[3] == 0)  # no valid key: exactly 0
+  np.testing.assert_allclose(  # and the independent float64 reference, once
+      got, numpy_attention(q, k[1], v[1], q_offset, valid), atol=1e-5, rtol=1e-5)
+
+
+def test_live_prefix_never_reads_the_dead_tail():
+  """Values past the last live block are NaN: any read of them would poison the output (0 * NaN
+  is NaN), so a finite result equal to the reference shows those blocks are never read. The
+  unstacked [B, S, K, D] form and a static offset take the same path."""
+  B, S, K, G, D, block = 2, 40, 1, 2, 8, 8
+  q, k, v = random_qkv(7, B, 1, S, K * G, K, D)
+  valid = padded_valid(B, S, left=(0, 3))
+  for q_offset in (0, 9, 15, 23):
+    live_end = -(-(q_offset + 1) // block) * block
+    poisoned_k = k.at[:, live_end:].set(jnp.nan)
+    poisoned_v = v.at[:, live_end:].set(jnp.nan)
+    got = A.attend_live_prefix(q, poisoned_k, poisoned_v, q_offset=q_offset,
+                               kv_valid=jnp.asarray(valid), block_kv=block)
+    assert np.isfinite(np.asarray(got)).all(), f"q_offset={q_offset}"
+    np.testing.assert_allclose(got, full_cache_reference(q, k, v, q_offset, valid), atol=1e-5)
+
+
+def test_live_prefix_bfloat16_cache_and_bad_input():
+  q, k, v = random_qkv(8, 2, 1, 24, 4, 2, 16, jnp.bfloat16)
+  valid = padded_valid(2, 24, left=(4, 0))
+  out = A.attend_live_prefix(q, k, v, q_offset=jnp.int32(17), kv_valid=jnp.asarray(valid),
+                             block_kv=8)
+  assert out.dtype == jnp.bfloat16
+  ref = numpy_attention(q, k, v, 17, valid)
+  assert np.abs(np.asarray(out, np.float32) - ref).max() < 2e-2
+  with pytest.raises(ValueError, match="layer"):
+    A.attend_live_prefix(q, k[None], v[None], q_offset=0)  # stacked cache without layer=
+  with pytest.raises(ValueError, match="kv_valid"):
+    A.attend_live_prefix(q, k, v, q_offset=0, kv_valid=jnp.ones((2, 5), bool))
+  assert A.decode_uses_live_prefix("auto", 1) and A.decode_uses_live_prefix("blockwise", 1)
+  assert not A.decode_uses_live_prefix("xla", 1)  # the full-cache reference path
+  assert not A.decode_uses_live_prefix("auto", A.DECODE_MAX_QUERIES + 1)  # prefill
+
+
+def test_model_decode_step_reads_no_full_layer_copy():
+  """The compiled decode step of the live path holds no [B, S, K, D] layer slice of the cache
+  (the full-cache path does: it attends the whole layer)."""
+  cfg = models.get_preset("tiny")
+  B, S = 2, 512
+  full_layer = f"f32[{B},{S},{cfg.num_kv_heads},{cfg.head_dim}]"
+
+  def layer_slices(attention_impl):
+    c = cfg.replace(attention=attention_impl)
+    graphdef, state = nnx.split(models.Transformer(c, rngs=nnx.Rngs(0)))
+
+    def step(state, cache, token, index, kv_mask):
+      return nnx.merge(graphdef, state)(token, cache=cache, cache_index=index,
+                                        kv_mask=kv_mask).cache
+    hlo = jax.jit(step, donate_argnums=1).lower(
+        state, models.init_cache(c, B, S), jnp.zeros((B, 1), jnp.int32), jnp.int32(5),
+        jnp.ones((B, S), bool)).compile().as_text()
+    return sum(full_layer in line for line in hlo.splitlines() if " = " in line)
+
+  assert layer_slices("xla") > 0  # the check sees the layer slice where it exists
+  assert layer_slices("auto") == 0

@@ -31,6 +31,13 @@ Implementations (`impl`):
   "auto"       "cudnn" where supported, else "blockwise" when T * S > AUTO_BLOCKWISE_MIN_SCORES,
                else "xla" (short sequences and single-token decoding).
 
+Decode against a cache (attend_live_prefix; the model picks it for queries of at most
+DECODE_MAX_QUERIES tokens with a cache unless impl is "xla", see decode_uses_live_prefix): all rows
+of a decode step write at the same slot, so only slots [0, q_offset + T) can be valid. It loops
+over key blocks [0, ceil((q_offset + T) / block_kv)) with a traced trip count, slicing each block
+straight out of the (layer-stacked) cache, so the dead tail of the cache is never read; online
+softmax in float32. Forward only.
+
 Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
 float32, probabilities cast to v.dtype for the value product (float32 accumulation).
 """
@@ -44,6 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
+# Cache calls with at most this many queries (decode steps) read only the live cache prefix.
+DECODE_MAX_QUERIES = 16
+# Key block of the live-prefix decode: a step reads at most one block of dead slots per row.
+DECODE_BLOCK_KV = 256
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
 # 2048 x 2048 float32 scores are 16 MiB per head per row.
 AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
@@ -302,6 +313,90 @@ def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
     kv_valid = jnp.ones(k.shape[:2], bool)
   return _blockwise(q, k, v, jnp.asarray(q_offset, jnp.int32), kv_valid.astype(bool),
                     bool(causal), int(block_q), int(block_kv))
+
+
+# ---------------------------------------------------------------------------------------------
+# Live-prefix decode: read only the cache blocks that can hold valid keys
+
+
+def decode_uses_live_prefix(impl: str, q_len: int) -> bool:
+  """Whether a cache call with q_len queries runs attend_live_prefix (else the full cache is
+  attended through attend()). impl "xla" keeps the full-cache reference path."""
+  return impl != "xla" and q_len <= DECODE_MAX_QUERIES
+
+
+def attend_live_prefix(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset,
+                       kv_valid: Optional[jax.Array] = None, layer=None,
+                       block_kv: int = DECODE_BLOCK_KV) -> jax.Array:
+  """Causal attention of T queries at cache slots q_offset .. q_offset + T - 1, reading only key
+  blocks [0, ceil((q_offset + T) / block_kv)) of the cache (a lax.while_loop with a traced trip
+  count; slots >= q_offset + T are never read). Same mask and numerics as attend(): query t
+  attends slot s iff kv_valid[b, s] and s <= q_offset + t; float32 scores and softmax, the
+  probabilities cast to the value dtype; a query with no allowed key gets 0.
+
+  q [B, T, N, D]; k, v [B, S, K, D], or the layer-stacked cache [L, B, S, K, D] with `layer`
+  (int or int32 scalar): blocks are then sliced straight out of it, so no [B, S, K, D] copy of the
+  layer is made. Cache blocks are cast to q.dtype. q_offset: int or int32 scalar;
+  kv_valid: bool [B, S] (None = all valid); block_kv: static, clipped to S (the last block is
+  moved back to end at S and its already-seen slots masked, so S need not be a multiple).
+  Returns [B, T, N, D] in q.dtype. Forward only (decoding needs no gradient).
+  """
+  stacked = layer is not None
+  if k.ndim != (5 if stacked else 4) or k.shape != v.shape:
+    raise ValueError(f"attend_live_prefix: k {k.shape} and v {v.shape} must be [B, S, K, D] "
+                     f"(or [L, B, S, K, D] with layer=)")
+  layer_shape = jax.ShapeDtypeStruct(k.shape[1:] if stacked else k.shape, k.dtype)
+  _check_inputs(q, layer_shape, layer_shape, kv_valid)
+  B, T, N, D = q.shape
+  S, K = k.shape[-3], k.shape[-2]
+  G = N // K
+  bkv = min(int(block_kv), S)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+  live = jnp.minimum(q_offset + T, S)
+  num_blocks = (live + bkv - 1) // bkv
+  valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid.astype(bool)
+  # [B, K, G, T, D] in float32: the block contractions below are multiply + reduce over D (or
+  # over the block), which XLA fuses with the block's slice and cast, so each cache block is read
+  # once in its stored layout (a dot would first transpose it to put (b, k) batch-major).
+  qg = jnp.moveaxis(q.reshape(B, T, K, G, D), 1, 3).astype(jnp.float32)
+  q_slot = q_offset + jnp.arange(T, dtype=jnp.int32)
+  layer_start = () if not stacked else (jnp.asarray(layer, jnp.int32),)
+
+  def cache_block(x, start):
+    zero = jnp.int32(0)
+    idx = layer_start + (zero, start, zero, zero)
+    block = jax.lax.dynamic_slice(x, idx, ((1,) if stacked else ()) + (B, bkv, K, D))
+    block = block[0] if stacked else block
+    return jnp.swapaxes(block, 1, 2).astype(q.dtype)                     # [B, K, bkv, D]
+
+  def step(j, carry):
+    m, l, acc = carry
+    first = j * bkv
+    start = jnp.minimum(first, S - bkv)  # the last block may overlap the one before it
+    kj, vj = cache_block(k, start), cache_block(v, start)
+    slot = start + jnp.arange(bkv, dtype=jnp.int32)
+    allowed = (jax.lax.dynamic_slice(valid, (jnp.int32(0), start), (B, bkv))[:, None, :]
+               & (slot >= first)[None, None, :]
+               & (slot[None, :] <= q_slot[:, None])[None])                # [B, T, bkv]
+    s = jnp.sum(qg[:, :, :, :, None, :] * kj[:, :, None, None].astype(jnp.float32), axis=-1)
+    s = s * (D ** -0.5)
+    s = jnp.where(allowed[:, None, None], s, -jnp.inf)                    # [B, K, G, T, bkv]
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # Finite where the row has seen no allowed key yet: no (-inf) - (-inf) below.
+    m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)
+    p = jnp.exp(s - m_safe[..., None])
+    correction = jnp.exp(m - m_safe)
+    l = l * correction + jnp.sum(p, axis=-1)
+    p = p.astype(vj.dtype).astype(jnp.float32)
+    pv = jnp.sum(p[..., None] * vj[:, :, None, None].astype(jnp.float32), axis=-2)
+    return m_new, l, acc * correction[..., None] + pv
+
+  init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+          jnp.zeros((B, K, G, T, D), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(jnp.int32(0), num_blocks, step, init)
+  nonempty = l > 0
+  out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+  return jnp.moveaxis(out, 3, 1).reshape(B, T, N, D).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

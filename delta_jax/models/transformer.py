@@ -22,7 +22,10 @@ axes). Shapes use L=layers, V=vocab, H=hidden, N=heads, K=kv heads, D=head_dim, 
 Numerics: RMSNorm, RoPE and softmax in float32; matmuls in cfg.dtype with float32 accumulation
 for the scores and logits; logits are returned in float32. Attention runs through
 delta_jax.models.attention.attend with cfg.attention ("auto" never materialises the [T, S] scores
-of long sequences).
+of long sequences). Cache calls with at most attention.DECODE_MAX_QUERIES tokens (decode steps)
+use attention.attend_live_prefix, which reads only the cache blocks below cache_index + T (key
+block min(cfg.attention_block_kv, attention.DECODE_BLOCK_KV)), unless cfg.attention == "xla",
+which keeps the full-cache reference path.
 """
 from __future__ import annotations
 
@@ -266,6 +269,10 @@ class Transformer(nnx.Module):
       q_offset = cache_index if static_start else jnp.asarray(cache_index, jnp.int32)
       cache_index = jnp.asarray(cache_index, jnp.int32)
       kv_valid = None if kv_mask is None else kv_mask.astype(bool)
+      # Short queries (decode steps) attend only the live cache prefix; prefill (and
+      # attention="xla", the full-cache reference) attend the whole cache through attend().
+      live_prefix = attention.decode_uses_live_prefix(cfg.attention, T)
+      decode_block = min(cfg.attention_block_kv, attention.DECODE_BLOCK_KV)
 
       # The whole cache rides in the carry and is updated slice-wise, so a donated cache
       # buffer can be updated in place.
@@ -277,9 +284,14 @@ class Transformer(nnx.Module):
         start = (i, 0, cache_index, 0, 0)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
-        k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
-        v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
-        x = _finish_layer(cfg, p, x, _attend(cfg, q, k_all, v_all, q_offset, kv_valid))
+        if live_prefix:  # decode: read only the cache blocks below cache_index + T
+          attn = attention.attend_live_prefix(q, k_cache, v_cache, layer=i, q_offset=q_offset,
+                                              kv_valid=kv_valid, block_kv=decode_block)
+        else:
+          k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
+          v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
+          attn = _attend(cfg, q, k_all, v_all, q_offset, kv_valid)
+        x = _finish_layer(cfg, p, x, attn)
         return (x, k_cache, v_cache), None
 
       layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
