@@ -1,23 +1,34 @@
 """Decode throughput of delta_jax.sampling.Sampler next to its memory-bandwidth limit and to
 transformers' PyTorch generate on the same device.
 
-    # On an accelerator (the reference configuration):
+    # On an accelerator (the reference configuration; both attention paths):
     python benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 \
-        --batch 64 256 --prompt-len 512 --new-tokens 1024 --output decode_throughput.json
+        --batch 64 256 --prompt-len 512 --new-tokens 1024 --decode-attention live full \
+        --output decode_throughput.json
     # A quick CPU run:
-    python benchmarks/decode_throughput.py --preset tiny --batch 4 --prompt-len 32 --new-tokens 32
+    python benchmarks/decode_throughput.py --preset tiny --batch 4 --prompt-len 32 \
+        --new-tokens 32 --dtype float32 --hf always --repeats 1 --copy-mib 64
 
-Per batch size it reports:
-* decode tokens/s of the sampler (decode loop only, prefill timed separately, compile excluded;
-  no stop tokens, so every sequence generates exactly --new-tokens tokens);
-* the bandwidth limit: B / (bytes read per decode step / copy bandwidth), where bytes per step =
-  the parameters (the embedding table counted once, as the LM head; the token gather is tiny) +
-  the K and V cache at the mean cache length prompt_len + new_tokens / 2. The copy bandwidth is
-  measured in the same run (a jitted device-to-device copy: bytes read + bytes written / time);
-  "ideal %" = measured / limit. The sampler's attention reads the whole bucketed cache each step,
-  so its own bytes per step (reported as cache_read_actual_gb) are higher than the ideal;
-* transformers generate (greedy, static shapes, same model shape, random weights, sdpa) on the
-  same device when torch has CUDA (or with --hf always on CPU); skipped otherwise.
+Per batch size and decode attention path it reports:
+* decode tokens/s of the sampler: B * (new_tokens - 1) / decode-loop time (the tokens produced
+  by decode forward passes; the first token comes from the prefill's logits). Prefill is timed
+  separately, compile is excluded, and no stop token is set, so every sequence generates exactly
+  --new-tokens tokens. Paths (--decode-attention): "live" = the default model, whose decode
+  attention reads only the cache blocks below the live length (attention.attend_live_prefix);
+  "full" = the same weights with attention="xla" for decode, which attends the whole bucketed
+  cache (prompt slots + response slots) every step. Both decode from the same prefill.
+* bytes read per decode step: parameters (every matmul weight once; the embedding table counted
+  once, as the LM head, since the token gather reads B rows) + the K and V cache. The ideal cache
+  read is at the live length (prompt_len + s at decode step s, averaged over the steps); each
+  path's own read is reported next to it (live: rounded up to whole key blocks; full: every slot).
+* the bandwidth limit: B / (ideal bytes per step / copy bandwidth). The copy bandwidth is
+  measured in the same run (a jitted device-to-device copy: bytes read + bytes written / time).
+  "% limit" = measured / limit. Logits, activations and sampling traffic are not counted.
+* transformers generate (greedy or the same sampling settings, same model shape and dtype, random
+  weights, sdpa, --hf-cache dynamic or static) on the same device when torch has CUDA (or with
+  --hf always, e.g. on CPU); skipped otherwise. Its decode time = a full generate minus a
+  1-new-token generate (the prefill), each the best of --repeats; both totals are reported too.
+  "x HF" compares decode tokens/s with decode tokens/s.
 Results are printed as a table and written as JSON (--output).
 """
 from __future__ import annotations
@@ -34,8 +45,11 @@ import numpy as np
 from flax import nnx
 
 from delta_jax import models
+from delta_jax.models import attention
 from delta_jax.sampling import Sampler, _decode, _prefill, bucket_size, left_pad
 from delta_jax.sampling_utils import SamplingParams
+
+PATHS = ("live", "full")
 
 
 def parse_args(argv=None):
@@ -48,12 +62,20 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--decode-attention", nargs="+", choices=PATHS, default=["live"],
+                   help="live: read only the live cache prefix (the default model); full: "
+                        "attend the whole cache every step (attention='xla'), for comparison")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch (best is kept)")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     p.add_argument("--hf", choices=["auto", "always", "never"], default="auto",
                    help="transformers baseline: auto = only when torch has CUDA")
+    p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
+                   help="transformers' KV cache (generate's cache_implementation)")
     p.add_argument("--output", default="decode_throughput.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch) < 1:
+        p.error("--new-tokens must be >= 2, --prompt-len and --batch >= 1")
+    return args
 
 
 def copy_bandwidth(num_mib: int, repeats: int = 5) -> float:
@@ -71,8 +93,10 @@ def copy_bandwidth(num_mib: int, repeats: int = 5) -> float:
 
 
 def param_bytes(cfg: models.ModelConfig) -> int:
-    """Bytes of parameters read per decode step (every matmul weight once)."""
-    return cfg.num_params() * jnp.dtype(cfg.param_dtype).itemsize
+    """Bytes of parameters read per decode step: every matmul weight once; of the embedding
+    table and the LM head only the LM head (the token gather reads B rows)."""
+    untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (cfg.num_params() - untied_embedding) * jnp.dtype(cfg.param_dtype).itemsize
 
 
 def cache_bytes(cfg: models.ModelConfig, batch: int, length: float) -> float:
@@ -81,8 +105,36 @@ def cache_bytes(cfg: models.ModelConfig, batch: int, length: float) -> float:
     return batch * length * per_token * jnp.dtype(cfg.dtype).itemsize
 
 
-def time_sampler(sampler: Sampler, batch: int, args) -> dict:
-    """Prefill and decode timings for one batch of random prompts (compile excluded)."""
+def cache_slots_read(cfg: models.ModelConfig, path: str, prompt_len: int, prompt_slots: int,
+                     new_tokens: int, cache_slots: int) -> dict:
+    """Mean cache slots per row read by one decode step (steps s = 1 .. new_tokens - 1 write
+    slot prompt_slots + s - 1): the ideal (live length, unpadded prompt) and this path's."""
+    steps = np.arange(1, new_tokens)
+    ideal = float(np.mean(prompt_len + steps))
+    if path == "full":
+        actual = float(cache_slots)
+    else:
+        block = min(cfg.attention_block_kv, attention.DECODE_BLOCK_KV, cache_slots)
+        live = prompt_slots + steps
+        actual = float(np.mean(np.minimum(-(-live // block) * block, cache_slots)))
+    return {"ideal": ideal, "actual": actual}
+
+
+def graphdef_for(model, path: str):
+    """The model's graphdef whose decode attention is the given path (same parameter tree)."""
+    if path == "live":
+        return nnx.graphdef(model)
+    cfg = model.cfg
+    model.cfg = cfg.replace(attention="xla")
+    try:
+        return nnx.graphdef(model)
+    finally:
+        model.cfg = cfg
+
+
+def time_sampler(sampler: Sampler, decode_graphdefs: dict, batch: int, args) -> dict:
+    """Prefill and decode timings (per decode path) for one batch of random prompts; every
+    path decodes from the same prefill; compile excluded (a first untimed run)."""
     cfg = sampler.cfg
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
@@ -93,15 +145,11 @@ def time_sampler(sampler: Sampler, batch: int, args) -> dict:
     ids, mask = sampler._put(ids), sampler._put(mask)
     rows = np.arange(batch, dtype=np.int32)
     stop_ids = jnp.asarray(sampler._stop_ids(()))
+    paths = list(decode_graphdefs)
 
-    def run():
+    def decode(graphdef, cache, logits, kv_mask, next_pos):
         start = time.perf_counter()
-        cache, logits, kv_mask, next_pos = _prefill(
-            sampler.graphdef, sampler.state, ids, mask, num_copies=1,
-            response_slots=response_slots, batch_spec=sampler._batch_spec)
-        jax.block_until_ready(logits)
-        mid = time.perf_counter()
-        out = _decode(sampler.graphdef, sampler.state, cache, logits, kv_mask, next_pos,
+        out = _decode(graphdef, sampler.state, cache, logits, kv_mask, next_pos,
                       jnp.ones(batch, bool), jnp.asarray(rows), jnp.zeros(batch, jnp.int32),
                       np.uint32(0), stop_ids, np.float32(args.temperature),
                       np.float32(args.top_p), np.int32(args.new_tokens),
@@ -109,41 +157,64 @@ def time_sampler(sampler: Sampler, batch: int, args) -> dict:
                       use_top_p=params.use_top_p, greedy=params.greedy,
                       response_slots=response_slots, batch_spec=sampler._batch_spec)
         lengths = np.asarray(out[3])
-        end = time.perf_counter()
+        seconds = time.perf_counter() - start
+        tokens = np.asarray(out[0])
         del out
-        return mid - start, end - mid, int(lengths.sum())
+        return seconds, int(lengths.sum()), tokens
+
+    def run():
+        start = time.perf_counter()
+        cache, logits, kv_mask, next_pos = _prefill(
+            sampler.graphdef, sampler.state, ids, mask, num_copies=1,
+            response_slots=response_slots, batch_spec=sampler._batch_spec)
+        jax.block_until_ready(logits)
+        prefill_s = time.perf_counter() - start
+        decodes = {}
+        for n, path in enumerate(paths):
+            # The cache is donated to decode: later paths get a copy (made outside the timing).
+            own = cache if n == len(paths) - 1 else jax.block_until_ready(
+                jax.tree.map(jnp.copy, cache))
+            decodes[path] = decode(decode_graphdefs[path], own, logits, kv_mask, next_pos)
+        return prefill_s, decodes
 
     start = time.perf_counter()
-    run()  # compile both programs
+    _, first = run()  # compile the programs
     compile_s = time.perf_counter() - start
     timings = [run() for _ in range(args.repeats)]
-    prefill_s = min(t[0] for t in timings)
-    decode_s, tokens = min((t[1], t[2]) for t in timings)
-    return {
-        "compile_and_first_run_s": compile_s,
-        "prefill_s": prefill_s,
-        "prefill_tokens_per_s": batch * args.prompt_len / prefill_s,
-        "decode_s": decode_s,
-        "decode_tokens": tokens,
-        "decode_tokens_per_s": tokens / decode_s,
-        "cache_slots": prompt_slots + response_slots,
-    }
+    out = {"compile_and_first_run_s": compile_s,
+           "prefill_s": min(t[0] for t in timings),
+           "prompt_slots": prompt_slots, "cache_slots": prompt_slots + response_slots}
+    out["prefill_tokens_per_s"] = batch * args.prompt_len / out["prefill_s"]
+    for path in paths:
+        decode_s = min(t[1][path][0] for t in timings)
+        tokens = first[path][1]
+        if tokens != batch * args.new_tokens:
+            raise RuntimeError(f"{path}: generated {tokens} tokens, expected "
+                               f"{batch * args.new_tokens} (no stop token is set)")
+        out[path] = {"decode_s": decode_s, "decode_tokens": batch * (args.new_tokens - 1),
+                     "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s}
+    if len(paths) == 2 and args.temperature == 0:  # greedy: both paths should agree
+        out["paths_same_tokens"] = bool(np.array_equal(first["live"][2], first["full"][2]))
+    return out
 
 
 def time_transformers(cfg: models.ModelConfig, batch: int, args, device: str) -> dict:
+    """transformers generate at the same shapes; decode = full generate - 1-token generate."""
     import torch
     import transformers
 
     hf_cfg = models.hf_config_dict(cfg)
     config = transformers.AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype, torch.float32)
+    torch.manual_seed(0)
     with torch.device(device):
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                            attn_implementation="sdpa").eval()
     ids = torch.randint(1, cfg.vocab_size, (batch, args.prompt_len), device=device)
-    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                  do_sample=args.temperature > 0, pad_token_id=0, eos_token_id=None,
+    kwargs = dict(do_sample=args.temperature > 0, pad_token_id=0, eos_token_id=None,
                   attention_mask=torch.ones_like(ids))
+    if args.hf_cache == "static":
+        kwargs["cache_implementation"] = "static"
     if args.temperature > 0:
         kwargs.update(temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k if args.top_k > 0 else None)
@@ -153,18 +224,19 @@ def time_transformers(cfg: models.ModelConfig, batch: int, args, device: str) ->
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(ids, **{**kwargs, "max_new_tokens": new_tokens,
-                                      "min_new_tokens": new_tokens})
+            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              **kwargs)
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start, out.shape[1] - args.prompt_len
 
     run(2)  # warm-up
-    # Decode time = full generate - a 1-token generate (which is the prefill).
     prefill_s = min(run(1)[0] for _ in range(args.repeats))
     total_s, new = min(run(args.new_tokens) for _ in range(args.repeats))
     decode_s = max(total_s - prefill_s, 1e-9)
-    return {"hf_prefill_s": prefill_s, "hf_decode_s": decode_s,
+    del hf
+    return {"hf_device": device, "hf_cache": args.hf_cache, "hf_prefill_s": prefill_s,
+            "hf_total_s": total_s, "hf_decode_s": decode_s,
             "hf_decode_tokens_per_s": batch * (new - 1) / decode_s}
 
 
@@ -175,6 +247,7 @@ def main(argv=None):
     cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings,
                                                   args.prompt_len + args.new_tokens))
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    decode_graphdefs = {path: graphdef_for(model, path) for path in args.decode_attention}
     bandwidth = copy_bandwidth(args.copy_mib)
     device = jax.devices()[0]
 
@@ -195,33 +268,49 @@ def main(argv=None):
         row = {"preset": args.preset, "dtype": args.dtype, "batch": batch,
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "device": f"{device.platform}:{device.device_kind}",
-               "copy_bandwidth_gb_s": bandwidth / 1e9}
-        row.update(time_sampler(sampler, batch, args))
-        mean_len = args.prompt_len + args.new_tokens / 2
-        step_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, mean_len)
-        row.update({
-            "param_gb": param_bytes(cfg) / 1e9,
-            "cache_read_mean_gb": cache_bytes(cfg, batch, mean_len) / 1e9,
-            "cache_read_actual_gb": cache_bytes(cfg, batch, row["cache_slots"]) / 1e9,
-            "bandwidth_limit_tokens_per_s": batch * bandwidth / step_bytes,
-        })
-        row["fraction_of_limit"] = row["decode_tokens_per_s"] / row["bandwidth_limit_tokens_per_s"]
+               "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9}
+        row.update(time_sampler(sampler, decode_graphdefs, batch, args))
+        for path in args.decode_attention:
+            slots = cache_slots_read(cfg, path, args.prompt_len, row["prompt_slots"],
+                                     args.new_tokens, row["cache_slots"])
+            ideal_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, slots["ideal"])
+            path_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, slots["actual"])
+            r = row[path]
+            r.update({
+                "cache_read_ideal_gb": cache_bytes(cfg, batch, slots["ideal"]) / 1e9,
+                "cache_read_actual_gb": cache_bytes(cfg, batch, slots["actual"]) / 1e9,
+                "step_read_ideal_gb": ideal_bytes / 1e9,
+                "step_read_actual_gb": path_bytes / 1e9,
+                "bandwidth_limit_tokens_per_s": batch * bandwidth / ideal_bytes,
+                "path_bandwidth_limit_tokens_per_s": batch * bandwidth / path_bytes,
+            })
+            r["fraction_of_limit"] = r["decode_tokens_per_s"] / r["bandwidth_limit_tokens_per_s"]
         if hf_device is not None:
-            row["hf_device"] = hf_device
             row.update(time_transformers(cfg, batch, args, hf_device))
+            for path in args.decode_attention:
+                row[path]["speedup_vs_hf"] = (row[path]["decode_tokens_per_s"]
+                                              / row["hf_decode_tokens_per_s"])
         results.append(row)
         del sampler
 
-    header = ["batch", "decode tok/s", "limit tok/s", "% limit", "prefill s", "HF tok/s",
-              "copy GB/s"]
-    print(" | ".join(f"{h:>12}" for h in header))
+    header = ["batch", "path", "decode tok/s", "limit tok/s", "% limit", "read GB/step",
+              "ideal GB/step", "prefill s", "HF tok/s", "x HF", "copy GB/s"]
+    print(" | ".join(f"{h:>13}" for h in header))
     for r in results:
-        cells = [r["batch"], f"{r['decode_tokens_per_s']:.1f}",
-                 f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{100 * r['fraction_of_limit']:.1f}",
-                 f"{r['prefill_s']:.3f}",
-                 f"{r['hf_decode_tokens_per_s']:.1f}" if "hf_decode_tokens_per_s" in r else "skip",
-                 f"{r['copy_bandwidth_gb_s']:.1f}"]
-        print(" | ".join(f"{c:>12}" for c in cells))
+        for path in args.decode_attention:
+            p = r[path]
+            hf = "hf_decode_tokens_per_s" in r
+            cells = [r["batch"], path, f"{p['decode_tokens_per_s']:.1f}",
+                     f"{p['bandwidth_limit_tokens_per_s']:.1f}",
+                     f"{100 * p['fraction_of_limit']:.1f}", f"{p['step_read_actual_gb']:.4g}",
+                     f"{p['step_read_ideal_gb']:.4g}", f"{r['prefill_s']:.3f}",
+                     f"{r['hf_decode_tokens_per_s']:.1f}" if hf else "skip",
+                     f"{p['speedup_vs_hf']:.2f}" if hf else "-",
+                     f"{r['copy_bandwidth_gb_s']:.1f}"]
+            print(" | ".join(f"{c:>13}" for c in cells))
+    print("decode tok/s = B * (new_tokens - 1) / decode time (prefill excluded); HF: the same "
+          "over (generate total - 1-token generate); limit = B * copy bandwidth / ideal bytes "
+          "per step (params + K/V at the live length)")
     with open(args.output, "w") as f:
         json.dump({"args": vars(args), "jax": jax.__version__, "host": platform.node(),
                    "results": results}, f, indent=2)

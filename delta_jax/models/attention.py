@@ -393,7 +393,12 @@ def attend_live_prefix(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset,
 
   init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
           jnp.zeros((B, K, G, T, D), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(jnp.int32(0), num_blocks, step, init)
+  if bkv == S:
+    # One block: no loop. (In a loop XLA hoists the loop-invariant slice of the layer out of it,
+    # copying the whole cache once per layer.)
+    _, l, acc = step(jnp.int32(0), init)
+  else:
+    _, l, acc = jax.lax.fori_loop(jnp.int32(0), num_blocks, step, init)
   nonempty = l > 0
   out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
   return jnp.moveaxis(out, 3, 1).reshape(B, T, N, D).astype(q.dtype)
