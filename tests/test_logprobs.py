@@ -81,3 +81,105 @@ def test_label_shape_mismatch_is_an_error(inputs):
   hidden, weight, labels = inputs
   with pytest.raises(ValueError, match="labels shape"):
     models.token_logprobs(jnp.asarray(weight), jnp.asarray(hidden), jnp.asarray(labels[:, :-1]))
+
+
+# ----------------------------------------------------------------------------- impl="fused"
+
+def _fused_inputs(vocab=300):
+  """Realistically scaled fp32 inputs (logits of order 1) with a vocabulary of several tiles."""
+  rng = np.random.RandomState(3)
+  hidden = jnp.asarray(rng.randn(B, T, H), jnp.float32)
+  weight = jnp.asarray(rng.randn(H, vocab) / np.sqrt(H), jnp.float32)
+  labels = jnp.asarray(rng.randint(0, vocab, (B, T)), jnp.int32)
+  return hidden, weight, labels
+
+
+def _objective(impl, labels, temperature, **kw):
+  """A scalar touching both outputs with non-uniform weights (so every cotangent differs)."""
+  def f(h, w):
+    logp, ent = models.token_logprobs(w, h, labels, temperature=temperature, chunk_size=4,
+                                      impl=impl, **kw)
+    return jnp.sum(logp * jnp.linspace(-1.0, 2.0, T)) + 0.3 * jnp.sum(ent)
+  return f
+
+
+def _assert_rel(got, want, rtol):
+  got, want = np.asarray(got), np.asarray(want)
+  scale = np.max(np.abs(want))
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_matches_chunked_values_and_gradients(temperature):
+  """On CPU impl="fused" is the kernels' vocab-tiled jnp reference with its custom VJP."""
+  h, w, y = _fused_inputs()
+  for out_f, out_c in zip(
+      models.token_logprobs(w, h, y, temperature, chunk_size=4, impl="fused"),
+      models.token_logprobs(w, h, y, temperature, chunk_size=4, impl="chunked")):
+    assert out_f.shape == (B, T) and out_f.dtype == jnp.float32
+    _assert_rel(out_f, out_c, 1e-5)
+  got = jax.jit(jax.grad(_objective("fused", y, temperature), argnums=(0, 1)))(h, w)
+  want = jax.jit(jax.grad(_objective("chunked", y, temperature), argnums=(0, 1)))(h, w)
+  for a, b in zip(got, want):  # d/d hidden, d/d head weight
+    _assert_rel(a, b, 1e-5)
+
+
+def test_fused_traced_temperature_and_pallas_interpret():
+  """A traced temperature (folded into the hidden states) and the Pallas kernel itself (interpret
+  mode) give the chunked path's values and gradients."""
+  h, w, y = _fused_inputs()
+  t = jnp.float32(0.8)
+  want = jax.grad(_objective("chunked", y, t), argnums=(0, 1))(h, w)
+  got = jax.jit(jax.grad(_objective("fused", y, t), argnums=(0, 1)))(h, w)
+  for a, b in zip(got, want):
+    _assert_rel(a, b, 1e-5)
+  logp, ent = models.token_logprobs(w, h, y, 0.8, chunk_size=4, impl="fused",
+                                    kernel_impl="interpret")
+  want_logp, want_ent = models.token_logprobs(w, h, y, 0.8, chunk_size=4)
+  _assert_rel(logp, want_logp, 1e-5)
+  _assert_rel(ent, want_ent, 1e-5)
+
+
+def test_fused_pallas_under_a_batch_mesh_runs_per_shard():
+  """With a mesh, the Pallas kernel runs under shard_map over the batch axes; values and the
+  gradients (the head's summed over shards) equal the unsharded chunked path."""
+  from delta_jax import sharding as sharding_lib
+
+  mesh = sharding_lib.make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2])
+  h, w, y = _fused_inputs(vocab=200)
+  f = _objective("fused", y, 1.0, kernel_impl="interpret", mesh=mesh)
+  got = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w)
+  want = jax.value_and_grad(_objective("chunked", y, 1.0), argnums=(0, 1))(h, w)
+  _assert_rel(got[0], want[0], 1e-5)
+  for a, b in zip(got[1], want[1]):
+    _assert_rel(a, b, 1e-5)
+
+
+def test_fused_gradient_never_materialises_the_logits():
+  """XLA's buffer assignment for jit(grad) under remat: the fused path's temporaries stay well
+  below one [N, V] fp32 logits array (the chunked path with one chunk needs several)."""
+  n_rows, t_len, hid, vocab = 4, 64, 32, 8192   # N * V * 4 bytes = 8 MiB
+  h = jax.ShapeDtypeStruct((n_rows, t_len, hid), jnp.float32)
+  w = jax.ShapeDtypeStruct((hid, vocab), jnp.float32)
+  y = jax.ShapeDtypeStruct((n_rows, t_len), jnp.int32)
+  logits_bytes = n_rows * t_len * vocab * 4
+
+  def temp_bytes(impl, chunk):
+    @jax.checkpoint
+    def loss(h, w, y):
+      logp, ent = models.token_logprobs(w, h, y, chunk_size=chunk, impl=impl)
+      return jnp.sum(logp) + jnp.sum(ent)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w, y).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  fused = temp_bytes("fused", 4)      # vocabulary tile 4 * V / T = 512 columns
+  whole = temp_bytes("chunked", t_len)  # one sequence chunk = all the logits
+  assert whole >= logits_bytes
+  assert fused < logits_bytes / 4, (fused, logits_bytes)
+
+
+def test_unknown_impl_is_an_error(inputs):
+  hidden, weight, labels = inputs
+  with pytest.raises(ValueError, match="model.logprob_impl"):
+    models.token_logprobs(jnp.asarray(weight), jnp.asarray(hidden), jnp.asarray(labels),
+                          impl="flash")

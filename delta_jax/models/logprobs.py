@@ -108,9 +108,10 @@ def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_imp
     return flat(hidden, w, labels)
   rows = PartitionSpec(axes)
   # The head weight enters replicated (FSDP gathers it for the matmul anyway); shard_map's
-  # transpose sums its gradient over the batch shards.
+  # transpose sums its gradient over the batch shards. check_vma=False: a Pallas call's outputs
+  # carry no varying-axes annotation.
   return jax.shard_map(flat, mesh=mesh, in_specs=(rows, PartitionSpec(), rows),
-                       out_specs=(rows, rows))(hidden, w, labels)
+                       out_specs=(rows, rows), check_vma=False)(hidden, w, labels)
 
 
 def _chunked_token_logprobs(w, hidden, labels, temperature, chunk_size):
