@@ -334,3 +334,66 @@ def test_bad_inputs_raise_clear_errors():
         D.delta_coefficients(hidden, prob, adv, mask, lam_min=1.3, lam_max=1.2)
     with pytest.raises(ValueError, match="stats_mode"):
         D.delta_coefficients(hidden, prob, adv, mask, stats_mode="local")
+
+
+# ----------------------------------------------------------------------------- fused-pass form
+
+
+def _assert_same_result(got, want, rtol=1e-5):
+    """Weights and every diagnostic equal to rtol relative (atol 1e-6 for values near 0)."""
+    (w_got, d_got), (w_want, d_want) = got, want
+    np.testing.assert_allclose(np.asarray(w_got), np.asarray(w_want), rtol=rtol, atol=1e-7)
+    assert set(d_got) == set(d_want)
+    for key in d_want:
+        np.testing.assert_allclose(d_got[key], d_want[key], rtol=rtol, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("num_refine", [0, 1, 2])
+def test_kernel_pass_impl_equals_jnp(num_refine):
+    """pass_impl="kernel" (the kernels' jnp reference on CPU) == the jnp path, NaN padding, a
+    zero-advantage group and an all-zero-advantage batch included; also vs the NumPy reference."""
+    hidden, prob, adv, mask = make_batch(20 + num_refine)
+    hidden[mask == 0] = np.nan
+    prob[mask == 0] = np.nan
+    for a in (adv, np.zeros_like(adv)):
+        want = D.delta_coefficients(hidden, prob, a, mask, num_refine=num_refine)
+        got = D.delta_coefficients(hidden, prob, a, mask, num_refine=num_refine,
+                                   pass_impl="kernel", kernel_impl="reference")
+        _assert_same_result(got, want)
+        ref, _ = reference_delta(_proxy64(np.where(mask[..., None] > 0, hidden, 0.0),
+                                          np.where(mask > 0, prob, 0.0)), a, mask, num_refine)
+        _assert_weights(got[0], ref, mask)
+    np.testing.assert_allclose(np.asarray(got[0]), mask, rtol=1e-6)  # all-zero advantages
+
+
+def test_kernel_pass_impl_pallas_interpret_and_env(monkeypatch):
+    """The Pallas kernel itself (interpret mode) through delta_coefficients, chosen by the
+    environment variable; per-token advantages and precomputed features (p = 0) too."""
+    from delta_jax.kernels import backend
+    hidden, prob, adv, mask = make_batch(30, B=4, T=5, H=8, group=2, zero_group=False)
+    adv_tok = (adv[:, None] * np.linspace(0.5, 1.5, 5)[None]).astype(np.float32)
+    adv_tok[0, 0] = -adv_tok[0, 0]
+    monkeypatch.setenv(backend.ENV_VAR, "interpret")
+    got = D.delta_coefficients(hidden, prob, adv_tok, mask, num_refine=1, pass_impl="kernel")
+    _assert_same_result(got, D.delta_coefficients(hidden, prob, adv_tok, mask, num_refine=1))
+    v = np.asarray(_proxy64(hidden, prob), np.float32)
+    got = D.delta_coefficients(None, None, adv, mask, features=v, pass_impl="kernel")
+    _assert_same_result(got, D.delta_coefficients(None, None, adv, mask, features=v))
+
+
+def test_kernel_pass_impl_streaming_equals_one_shot():
+    hidden, prob, adv, mask = make_batch(31)
+    want = D.delta_coefficients(hidden, prob, adv, mask, num_refine=2)
+    chunks = [D.FeatureChunk(jnp.asarray(hidden[r]), jnp.asarray(adv[r]), jnp.asarray(mask[r]),
+                             jnp.asarray(1.0 - prob[r])) for r in (slice(0, 3), slice(3, 8))]
+    got, diag = D.delta_coefficients_streaming(chunks, num_refine=2, pass_impl="kernel",
+                                               kernel_impl="reference")
+    _assert_same_result((jnp.concatenate(got), diag), want, rtol=1e-4)
+
+
+def test_bad_pass_impl_names_the_field():
+    hidden, prob, adv, mask = make_batch(32)
+    with pytest.raises(ValueError, match="delta.pass_impl"):
+        D.delta_coefficients(hidden, prob, adv, mask, pass_impl="triton")
+    with pytest.raises(ValueError, match="DELTA_JAX_KERNELS|impl"):
+        D.delta_coefficients(hidden, prob, adv, mask, pass_impl="kernel", kernel_impl="cuda")

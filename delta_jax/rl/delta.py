@@ -18,6 +18,10 @@ Layout of this module
 * `delta_coefficients`: the one-shot form, written with the same pieces (one chunk = the whole
   batch), global statistics by default or per data shard via jax.shard_map.
 * `delta_coefficients_streaming`: the same result from chunks given one at a time.
+* pass_impl="kernel" (both forms): each of the K + 3 passes is one call of the fused pass
+  kernels.delta_pass_auto on (h, p) (Pallas on GPU, its jnp reference elsewhere), v never stored;
+  `fit_discriminator_fused` runs the same passes as `fit_discriminator`, and `add_final_lambdas`
+  turns the final pass's lambdas into the same `FinalStats`.
 
 Side index convention for the [2]/[3]-shaped statistics: 0 = positive (P), 1 = negative (N),
 2 = zero advantage (Z, only in the final-pass statistics).
@@ -196,18 +200,27 @@ class _Tokens(NamedTuple):
     sign: Array  # [b, t] +1 on P, -1 on N, 0 elsewhere
 
 
+def _token_advantages(advantages: Array, mask: Array) -> Array:
+    """Advantages [b] or [b, t] -> fp32 [b, t], 0 on padding."""
+    adv = advantages.astype(jnp.float32)
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    return jnp.where(mask > 0, jnp.broadcast_to(adv, mask.shape), 0.0)
+
+
+def _side_masks(adv: Array, mask: Array) -> Array:
+    """[3, b, t] float 0/1 masks of the valid tokens on P, N, Z (adv from _token_advantages)."""
+    valid = mask > 0
+    pos, neg = valid & (adv > 0), valid & (adv < 0)
+    return jnp.stack([pos, neg, valid & ~pos & ~neg]).astype(jnp.float32)
+
+
 def _tokens(chunk: FeatureChunk) -> _Tokens:
     _check_chunk(chunk)
     f, a, m, s = chunk
     valid = m > 0
-    adv = a.astype(jnp.float32)
-    if adv.ndim == 1:
-        adv = adv[:, None]
-    adv = jnp.broadcast_to(adv, m.shape)
-    adv = jnp.where(valid, adv, 0.0)
-    pos, neg = valid & (adv > 0), valid & (adv < 0)
-    zero = valid & ~pos & ~neg
-    side = jnp.stack([pos, neg, zero]).astype(jnp.float32)
+    adv = _token_advantages(a, m)
+    side = _side_masks(adv, m)
     scale = jnp.ones(m.shape, jnp.float32) if s is None else s.astype(jnp.float32)
     # Padding may hold garbage (even NaN): select, do not multiply, so it never reaches a sum.
     feats = jnp.where(valid[..., None], f.astype(jnp.float32), 0.0)
@@ -313,15 +326,20 @@ def accumulate_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator
     The chunk's weights are `normaliser(final_stats) * lambda` once every chunk has been seen."""
     tok = _tokens(chunk)
     lam, score = _lambdas(tok, disc, lam_min, lam_max)
-    count, mean, m2 = _merge_moments(stats.token_count, stats.lam_mean, stats.lam_m2, lam, tok.side)
-    on_side = tok.side > 0
+    correct = ((tok.side[0] + tok.side[1]) * (tok.sign * score > 0)).sum()
+    return add_final_lambdas(stats, tok.side, lam, correct), lam
+
+
+def add_final_lambdas(stats: FinalStats, side: Array, lam: Array, correct: Array) -> FinalStats:
+    """Final-pass statistics of a chunk given its lambdas: side [3, b, t] (P/N/Z masks), lambda
+    [b, t] (0 on padding), correct [] (P/N tokens with sign(A) s > 0)."""
+    count, mean, m2 = _merge_moments(stats.token_count, stats.lam_mean, stats.lam_m2, lam, side)
+    on_side = side > 0
     lam_min_s = jnp.min(jnp.where(on_side, lam, jnp.inf), axis=(1, 2))
     lam_max_s = jnp.max(jnp.where(on_side, lam, -jnp.inf), axis=(1, 2))
-    correct = ((tok.side[0] + tok.side[1]) * (tok.sign * score > 0)).sum()
-    new = FinalStats(count, stats.lam_sum + lam.sum(), mean, m2,
-                     jnp.minimum(stats.lam_min, lam_min_s), jnp.maximum(stats.lam_max, lam_max_s),
-                     stats.correct + correct)
-    return new, lam
+    return FinalStats(count, stats.lam_sum + lam.sum(), mean, m2,
+                      jnp.minimum(stats.lam_min, lam_min_s), jnp.maximum(stats.lam_max, lam_max_s),
+                      stats.correct + correct)
 
 
 def normaliser(stats: FinalStats) -> Array:
@@ -384,6 +402,112 @@ def fit_discriminator(fold: Fold, hidden_size: int, num_refine: int) -> Discrimi
     return disc
 
 
+# ----------------------------------------------------------------------------- fused-pass form
+#
+# pass_impl="kernel": every pass over the features is one call of kernels.delta_pass_auto (the
+# fused Pallas pass on GPU, its jnp reference elsewhere) on (h, p): the proxy v = (1 - p) h is
+# formed inside the pass, never stored. Precomputed features v (features=, e.g. the top-K proxy)
+# go through the same pass with p = 0. The [B, T]-sized final statistics (lambda moments per side)
+# are plain jnp.
+
+PASS_IMPLS = ("jnp", "kernel")
+# pass_fn(mu [2, H], gamma [2], use_alpha, lam_range, with_centroids) -> kernels.DeltaPassSums
+PassFn = Callable[..., Any]
+
+
+def _as_pass_stats(sums) -> PassStats:
+    """kernels.DeltaPassSums -> PassStats (the fields map one-to-one)."""
+    return PassStats(sums.centroid_sum, sums.weight_sum, sums.count, sums.margin_mean,
+                     sums.margin_m2)
+
+
+def fit_discriminator_fused(pass_fn: PassFn, hidden_size: int, num_refine: int) -> Discriminator:
+    """`fit_discriminator` with one fused pass per round (same passes, same lagged gammas)."""
+    if num_refine < 0:
+        raise ValueError(f"delta: num_refine must be >= 0, got {num_refine}")
+    unit = jnp.ones((2,), jnp.float32)
+    # Initial centroids: weights |A| (alpha off); the margins of this pass are unused.
+    mu = finalize_pass(_as_pass_stats(pass_fn(jnp.zeros((2, hidden_size), jnp.float32), unit,
+                                              use_alpha=False))).mu
+    gamma = finalize_pass(_as_pass_stats(pass_fn(mu, unit, use_alpha=False,
+                                                 with_centroids=False))).gamma
+    disc = Discriminator(mu, gamma)
+    for _ in range(num_refine):
+        disc = finalize_pass(_as_pass_stats(pass_fn(disc.mu, disc.gamma, use_alpha=True)))
+    return disc
+
+
+def _kernel_pass(h, p, adv, mask, mu, gamma, *, impl, use_alpha=True, lam_range=None,
+                 with_centroids=True):
+    from delta_jax.kernels.delta_pass import delta_pass_auto
+
+    return delta_pass_auto(h, p, adv, mask, mu[0], mu[1], gamma[0], gamma[1], use_alpha,
+                           lam_range=lam_range, with_centroids=with_centroids, impl=impl)
+
+
+def _psum_sums(sums, axes):
+    """Global DeltaPassSums from each shard's (sums plain, margin moments merged exactly)."""
+    psum = lambda x: jax.lax.psum(x, axes)  # noqa: E731
+    count = psum(sums.count)
+    mean = psum(sums.count * sums.margin_mean) / jnp.maximum(count, 1.0)
+    m2 = psum(sums.margin_m2 + sums.count * jnp.square(sums.margin_mean - mean))
+    return sums._replace(centroid_sum=psum(sums.centroid_sum), weight_sum=psum(sums.weight_sum),
+                         count=count, margin_mean=mean, margin_m2=m2,
+                         correct=psum(sums.correct), lam_sum=psum(sums.lam_sum),
+                         num_valid=psum(sums.num_valid), lam=None)
+
+
+def _make_pass_fn(h, p, adv, mask, impl: str, mesh: Mesh | None, axes) -> PassFn:
+    """A pass over the whole batch: one kernel call, or with a mesh one per batch shard
+    (jax.shard_map, each shard's features read where they live) and a psum of the statistics."""
+    if mesh is None:
+        return functools.partial(_kernel_pass, h, p, adv, mask, impl=impl)
+    spec, rep = PartitionSpec(axes), PartitionSpec()
+
+    def pass_fn(mu, gamma, use_alpha=True, lam_range=None, with_centroids=True):
+        def body(h, p, adv, mask, mu, gamma):
+            sums = _kernel_pass(h, p, adv, mask, mu, gamma, impl=impl, use_alpha=use_alpha,
+                                lam_range=lam_range, with_centroids=with_centroids)
+            lam = sums.lam if sums.lam is not None else jnp.zeros(mask.shape, jnp.float32)
+            return _psum_sums(sums, axes), lam
+
+        # check_vma off: a pallas_call's outputs carry no varying-axes annotation.
+        sums, lam = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec, rep, rep),
+                                  out_specs=(rep, spec), check_vma=False)(h, p, adv, mask, mu,
+                                                                          gamma)
+        return sums._replace(lam=lam if lam_range is not None else None)
+
+    return pass_fn
+
+
+def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, impl, mesh=None, axes=()):
+    """`_one_shot` with fused passes. h [B, T, H], p [B, T] (0 when h is v already), adv [B, T]
+    masked (from _token_advantages), mask [B, T]."""
+    pass_fn = _make_pass_fn(h, p, adv, mask, impl, mesh, axes)
+    disc = fit_discriminator_fused(pass_fn, h.shape[-1], num_refine)
+    sums = pass_fn(disc.mu, disc.gamma, use_alpha=True, lam_range=(lam_min, lam_max),
+                   with_centroids=False)
+    final = add_final_lambdas(init_final(), _side_masks(adv, mask), sums.lam, sums.correct.sum())
+    return normaliser(final) * sums.lam, diagnostics(disc, final)
+
+
+def _kernel_inputs(chunk: FeatureChunk, token_prob: Array | None = None):
+    """(h, p, adv [b, t] masked fp32, mask) of a chunk for the fused pass. p = token_prob when
+    given, else 1 - feature_scale (0 for precomputed features: v = h)."""
+    _check_chunk(chunk)
+    f, a, m, scale = chunk
+    if token_prob is None:
+        token_prob = (jnp.zeros(m.shape, jnp.float32) if scale is None
+                      else 1.0 - scale.astype(jnp.float32))
+    return f, token_prob.astype(jnp.float32), _token_advantages(a, m), m.astype(jnp.float32)
+
+
+def _check_pass_impl(pass_impl: str) -> None:
+    if pass_impl not in PASS_IMPLS:
+        raise ValueError(f"delta: pass_impl must be one of {PASS_IMPLS} (config delta.pass_impl),"
+                         f" got {pass_impl!r}")
+
+
 def _check_lambda_range(lam_min: float, lam_max: float) -> None:
     if not 0.0 < lam_min <= lam_max:
         raise ValueError(f"delta: need 0 < lam_min <= lam_max, got lam_min={lam_min}, "
@@ -416,13 +540,12 @@ def _reduce_shard_diagnostics(diag: dict[str, Array]) -> dict[str, Array]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("num_refine", "lam_min", "lam_max", "stats_mode",
-                                             "mesh", "data_axes"))
 def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantages: Array,
                        mask: Array, num_refine: int = 1, lam_min: float = 0.8,
                        lam_max: float = 1.2, *, features: Array | None = None,
                        stats_mode: str = "global", mesh: Mesh | None = None,
-                       data_axes: str | tuple[str, ...] = "data"):
+                       data_axes: str | tuple[str, ...] = "data", pass_impl: str = "jnp",
+                       kernel_impl: str | None = None):
     """DelTA token weights (DELTA_SPEC sections 2.0-2.7), jitted.
 
     Args:
@@ -442,7 +565,15 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         normaliser are computed separately on each data shard of `mesh` (the reference
         implementation's behaviour), via jax.shard_map.
       mesh, data_axes: for "per_shard": the mesh and the axis name(s) over which the batch
-        dimension is split (B must be divisible by their total size).
+        dimension is split (B must be divisible by their total size). With pass_impl="kernel" in
+        "global" mode an optional mesh runs each pass per batch shard and psums the statistics
+        (a Pallas call is not partitioned by XLA); without a mesh, or when B does not split
+        evenly over data_axes, each pass sees the whole batch.
+      pass_impl: "jnp" (rl/delta.py's XLA code) or "kernel" (each of the K + 3 passes is one
+        kernels.delta_pass_auto call on (h, p), v never materialised; features= go through it
+        with p = 0). Same results to fp32 rounding.
+      kernel_impl: for pass_impl="kernel": "pallas" | "interpret" | "reference" | "auto"; None
+        reads $DELTA_JAX_KERNELS (default auto: Pallas on GPU, the jnp reference elsewhere).
 
     Returns (no gradient flows through either):
       weights fp32 [B, T]: c * lambda, mean 1 over the valid tokens (of each shard in per_shard
@@ -451,6 +582,39 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         mean over shards of the shard's value, except token counts (summed) and weight min/max
         (min/max over shards).
     """
+    _check_pass_impl(pass_impl)
+    if pass_impl == "kernel":
+        from delta_jax.kernels import backend
+        kernel_impl = backend.resolve_impl(kernel_impl)  # read the environment outside the jit
+    else:
+        kernel_impl = None
+    return _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_min, lam_max,
+                               features=features, stats_mode=stats_mode, mesh=mesh,
+                               data_axes=data_axes, pass_impl=pass_impl, kernel_impl=kernel_impl)
+
+
+def _mesh_axes(mesh: Mesh, data_axes, batch: int, required: bool = True):
+    """The data axes as a tuple, or None when B does not split over them and not `required`."""
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"delta_coefficients: data_axes {missing} not in mesh axes "
+                         f"{mesh.axis_names}")
+    num_shards = 1
+    for a in axes:
+        num_shards *= mesh.shape[a]
+    if batch % num_shards:
+        if not required:
+            return None
+        raise ValueError(f"delta_coefficients: batch size {batch} is not divisible by "
+                         f"the {num_shards} data shards of axes {axes}")
+    return axes
+
+
+@functools.partial(jax.jit, static_argnames=("num_refine", "lam_min", "lam_max", "stats_mode",
+                                             "mesh", "data_axes", "pass_impl", "kernel_impl"))
+def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_min, lam_max, *,
+                        features, stats_mode, mesh, data_axes, pass_impl, kernel_impl):
     _check_lambda_range(lam_min, lam_max)
     # Spec 2: the coefficients are constants for the policy update.
     hidden, token_prob, advantages, mask, features = jax.lax.stop_gradient(
@@ -466,35 +630,40 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
                              "features= is not given")
         chunk = FeatureChunk(hidden, advantages, mask, 1.0 - token_prob.astype(jnp.float32))
     _check_chunk(chunk)
-
-    if stats_mode == "global":
-        return _one_shot(chunk, num_refine, lam_min, lam_max)
-    if stats_mode != "per_shard":
+    if stats_mode not in ("global", "per_shard"):
         raise ValueError(f"delta_coefficients: stats_mode must be 'global' or 'per_shard', "
                          f"got {stats_mode!r}")
+    fused = pass_impl == "kernel"
+
+    def one_shot(c: FeatureChunk, p, pass_mesh=None, axes=()):
+        if not fused:
+            return _one_shot(c, num_refine, lam_min, lam_max)
+        h, p, adv, m = _kernel_inputs(c, p)
+        return _fused_one_shot(h, p, adv, m, num_refine, lam_min, lam_max, kernel_impl,
+                               pass_mesh, axes)
+
+    if stats_mode == "global":
+        # Fused passes per batch shard when the rows split evenly, else on the whole batch.
+        axes = (_mesh_axes(mesh, data_axes, mask.shape[0], required=False)
+                if fused and mesh is not None else None)
+        if axes:
+            return one_shot(chunk, token_prob, mesh, axes)
+        return one_shot(chunk, token_prob)
     if mesh is None:
         raise ValueError("delta_coefficients: stats_mode='per_shard' needs mesh=")
-    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"delta_coefficients: data_axes {missing} not in mesh axes "
-                         f"{mesh.axis_names}")
-    num_shards = 1
-    for a in axes:
-        num_shards *= mesh.shape[a]
-    if mask.shape[0] % num_shards:
-        raise ValueError(f"delta_coefficients: batch size {mask.shape[0]} is not divisible by "
-                         f"the {num_shards} data shards of axes {axes}")
+    axes = _mesh_axes(mesh, data_axes, mask.shape[0])
     if chunk.feature_scale is None:
         chunk = chunk._replace(feature_scale=jnp.ones(mask.shape, jnp.float32))
+    probs = (jnp.zeros(mask.shape, jnp.float32) if token_prob is None
+             else token_prob.astype(jnp.float32))
     spec = PartitionSpec(axes)
 
-    def per_shard(c: FeatureChunk):
-        weights, diag = _one_shot(c, num_refine, lam_min, lam_max)
+    def per_shard(c: FeatureChunk, p):
+        weights, diag = one_shot(c, p)
         return weights, {k: v[None] for k, v in diag.items()}
 
-    weights, diag = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,),
-                                  out_specs=(spec, spec))(chunk)
+    weights, diag = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec),
+                                  out_specs=(spec, spec), check_vma=not fused)(chunk, probs)
     return weights, _reduce_shard_diagnostics(diag)
 
 
@@ -505,7 +674,8 @@ _accumulate_final_jit = jax.jit(accumulate_final, static_argnames=("lam_min", "l
 
 
 def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], Iterable],
-                                 num_refine: int = 1, lam_min: float = 0.8, lam_max: float = 1.2
+                                 num_refine: int = 1, lam_min: float = 0.8, lam_max: float = 1.2,
+                                 *, pass_impl: str = "jnp", kernel_impl: str | None = None
                                  ) -> tuple[list[Array], dict[str, Array]]:
     """DelTA weights from feature chunks given one at a time (the same pieces as the one-shot form).
 
@@ -517,8 +687,13 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
       result equals the one-shot result on the concatenated batch (up to fp32 summation order).
     Returns the list of weight chunks [b, t] (in chunk order) and the diagnostics dict.
     Only the [b, t] lambdas of the final pass are kept between chunks, never the features.
+    pass_impl / kernel_impl: as in `delta_coefficients` ("kernel": one fused pass per chunk and
+    round, with p = 1 - feature_scale).
     """
     _check_lambda_range(lam_min, lam_max)
+    _check_pass_impl(pass_impl)
+    if pass_impl == "kernel":
+        return _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl)
     get_chunks = chunks if callable(chunks) else (lambda: chunks)
     hidden_size = None
     for chunk in get_chunks():
@@ -544,10 +719,61 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
     return [c * lam for lam in lams], diagnostics(disc, final)
 
 
+@functools.partial(jax.jit, static_argnames=("impl", "use_alpha", "lam_range", "with_centroids"))
+def _fused_chunk_pass(chunk: FeatureChunk, mu, gamma, *, impl, use_alpha=True, lam_range=None,
+                      with_centroids=True):
+    h, p, adv, m = _kernel_inputs(chunk)
+    return _kernel_pass(h, p, adv, m, mu, gamma, impl=impl, use_alpha=use_alpha,
+                        lam_range=lam_range, with_centroids=with_centroids)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "lam_min", "lam_max"))
+def _fused_chunk_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator, *, impl,
+                       lam_min, lam_max):
+    h, p, adv, m = _kernel_inputs(chunk)
+    sums = _kernel_pass(h, p, adv, m, disc.mu, disc.gamma, impl=impl,
+                        lam_range=(lam_min, lam_max), with_centroids=False)
+    return add_final_lambdas(stats, _side_masks(adv, m), sums.lam, sums.correct.sum()), sums.lam
+
+
+def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl):
+    """delta_coefficients_streaming with pass_impl="kernel"."""
+    from delta_jax.kernels import backend
+    from delta_jax.kernels.delta_pass import add_sums
+
+    impl = backend.resolve_impl(kernel_impl)
+    get_chunks = chunks if callable(chunks) else (lambda: chunks)
+    hidden_size = None
+    for chunk in get_chunks():
+        hidden_size = chunk.features.shape[-1]
+        break
+    if hidden_size is None:
+        raise ValueError("delta_coefficients_streaming: no chunks")
+
+    def pass_fn(mu, gamma, use_alpha=True, with_centroids=True):
+        total = None
+        for chunk in get_chunks():
+            sums = _fused_chunk_pass(FeatureChunk(*chunk), mu, gamma, impl=impl,
+                                     use_alpha=use_alpha, with_centroids=with_centroids)
+            total = sums._replace(lam=None) if total is None else add_sums(total, sums)
+        return total
+
+    disc = fit_discriminator_fused(pass_fn, hidden_size, num_refine)
+    final, lams = init_final(), []
+    for chunk in get_chunks():
+        final, lam = _fused_chunk_final(final, FeatureChunk(*chunk), disc, impl=impl,
+                                        lam_min=lam_min, lam_max=lam_max)
+        lams.append(lam)
+    c = normaliser(final)
+    return [c * lam for lam in lams], diagnostics(disc, final)
+
+
 __all__: Sequence[str] = (
     "Discriminator", "FeatureChunk", "FinalStats", "PassStats", "accumulate_centroids",
-    "accumulate_final", "accumulate_margins", "delta_coefficients", "delta_coefficients_streaming",
-    "diagnostics", "finalize_pass", "fit_discriminator", "hidden_topk_proxy",
+    "PASS_IMPLS", "accumulate_final", "accumulate_margins", "add_final_lambdas",
+    "delta_coefficients", "delta_coefficients_streaming",
+    "diagnostics", "finalize_pass", "fit_discriminator", "fit_discriminator_fused",
+    "hidden_topk_proxy",
     "hidden_topk_proxy_from_head", "init_final", "init_pass", "last_layer_proxy", "normaliser",
     "token_lambdas",
 )

@@ -8,7 +8,8 @@
           -> [rl.kl_coef > 0: one more forward pass of the frozen reference policy: ref log p]
           -> DelTA coefficients from those cached features (method delta; no extra forward pass
              unless delta.feature_cache = "recompute" with the last-layer proxy), global or
-             per-shard statistics (delta.stats_mode)
+             per-shard statistics (delta.stats_mode), XLA or fused-kernel passes
+             (delta.pass_impl)
           -> mini-batch updates with the pure jitted train_step (step.py)
           -> metrics; the caller (loop.train) checkpoints and evaluates.
 """
@@ -121,14 +122,24 @@ def collect_rollout(run: Run, params, step: int):
     return samples, np.concatenate(rew_parts), np.concatenate(acc_parts), metrics
 
 
+def _pass_kwargs(d) -> dict:
+    """delta.pass_impl: "jnp" (rl/delta.py's XLA passes) or "kernel" (kernels.delta_pass_auto)."""
+    return {"pass_impl": d.get("pass_impl", "jnp")}
+
+
 def _stats_kwargs(run, d) -> dict:
     """delta_coefficients' statistics mode: global, or per data shard of the run's mesh (the
-    reference implementation's behaviour), over the mesh axes the batch rows are split over."""
-    if d.get("stats_mode", "global") != "per_shard":
-        return {}
+    reference implementation's behaviour), over the mesh axes the batch rows are split over.
+    With the fused kernel passes the global mode gets the mesh too (one kernel call per batch
+    shard, statistics psummed), as a Pallas call is not partitioned by XLA."""
+    kwargs = _pass_kwargs(d)
     mesh = getattr(run, "mesh", None)
     axes = sharding_lib.batch_axes(mesh) if mesh is not None else ("data",)
-    return {"stats_mode": "per_shard", "mesh": mesh, "data_axes": axes}
+    if d.get("stats_mode", "global") == "per_shard":
+        return {**kwargs, "stats_mode": "per_shard", "mesh": mesh, "data_axes": axes}
+    if kwargs["pass_impl"] == "kernel" and mesh is not None and axes:
+        return {**kwargs, "mesh": mesh, "data_axes": axes}
+    return kwargs
 
 
 def compute_delta_weights(run: Run, params, batch, logp, hidden, adv, mask, topk=None):
@@ -169,7 +180,8 @@ def compute_delta_weights(run: Run, params, batch, logp, hidden, adv, mask, topk
                 yield delta_lib.FeatureChunk(h, adv[s:s + chunk], mask[s:s + chunk],
                                              scale[s:s + chunk])
     weight_chunks, diag = delta_lib.delta_coefficients_streaming(
-        chunks, num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max)
+        chunks, num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max,
+        **_pass_kwargs(d))
     return jnp.concatenate(weight_chunks), diag
 
 
@@ -206,7 +218,8 @@ def _topk_delta_weights(run: Run, params, batch, topk, adv, mask):
             yield delta_lib.FeatureChunk(proxy(s, s + chunk), adv[s:s + chunk],
                                          mask[s:s + chunk], None)
     weight_chunks, diag = delta_lib.delta_coefficients_streaming(
-        chunks, num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max)
+        chunks, num_refine=d.num_refine, lam_min=d.lam_min, lam_max=d.lam_max,
+        **_pass_kwargs(d))
     return jnp.concatenate(weight_chunks), diag
 
 
