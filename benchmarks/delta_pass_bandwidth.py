@@ -10,8 +10,6 @@ shapes; the Pallas kernel then runs in interpret mode (correctness only, not spe
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -75,18 +73,13 @@ def main(argv=None):
         results.append({"case": name, "median_s": seconds, "runs_s": runs, "bytes": nbytes,
                         "effective_GBps": nbytes / seconds / 1e9})
 
-    print(f"\nDelTA pass bandwidth on {timing.device_description()}: tokens={args.tokens} "
-          f"hidden={args.hidden} dtype={args.dtype}")
-    print(f"{'case':34s} {'median ms':>10s} {'GB moved':>9s} {'GB/s':>9s}")
-    for r in results:
-        print(f"{r['case']:34s} {1e3 * r['median_s']:10.3f} {r['bytes'] / 1e9:9.3f} "
-              f"{r['effective_GBps']:9.1f}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": timing.device_description(), "args": vars(args),
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
-
+    timing.print_table(
+        f"DelTA pass bandwidth on {timing.device_description()}: tokens={args.tokens} "
+        f"hidden={args.hidden} dtype={args.dtype}",
+        [("case", "case", "34s"), ("median ms", lambda r: 1e3 * r["median_s"], "10.3f"),
+         ("GB moved", lambda r: r["bytes"] / 1e9, "9.3f"), ("GB/s", "effective_GBps", "9.1f")],
+        results)
+    timing.write_json(args.out, {"results": results}, args=args)
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,6 @@ kernel then runs in interpret mode (correctness only, not speed):
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -87,18 +85,15 @@ def main(argv=None):
             results.append({"impl": label, "mode": mode, "median_s": seconds, "runs_s": runs,
                             **memory})
 
-    print(f"\nLM-head log-prob on {timing.device_description()}: N={args.tokens} H={args.hidden} "
-          f"V={args.vocab} dtype={args.dtype}")
-    print(f"{'impl':22s} {'mode':17s} {'median ms':>10s} {'temp MiB':>10s} {'peak est MiB':>13s}")
-    for r in results:
-        print(f"{r['impl']:22s} {r['mode']:17s} {1e3 * r['median_s']:10.3f} "
-              f"{r.get('temp_bytes', 0) / 2**20:10.1f} {r.get('peak_estimate_bytes', 0) / 2**20:13.1f}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": timing.device_description(), "args": vars(args),
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
-
+    timing.print_table(
+        f"LM-head log-prob on {timing.device_description()}: N={args.tokens} H={args.hidden} "
+        f"V={args.vocab} dtype={args.dtype}",
+        [("impl", "impl", "22s"), ("mode", "mode", "17s"),
+         ("median ms", lambda r: 1e3 * r["median_s"], "10.3f"),
+         ("temp MiB", lambda r: r.get("temp_bytes", 0) / 2**20, "10.1f"),
+         ("peak est MiB", lambda r: r.get("peak_estimate_bytes", 0) / 2**20, "13.1f")],
+        results)
+    timing.write_json(args.out, {"results": results}, args=args)
 
 if __name__ == "__main__":
     main()
