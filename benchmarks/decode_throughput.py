@@ -5,9 +5,15 @@ transformers' PyTorch generate on the same device.
     python benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 \
         --batch 64 256 --prompt-len 512 --new-tokens 1024 --decode-attention live full \
         --output decode_throughput.json
-    # A quick CPU run:
+    # A quick CPU smoke run:
     python benchmarks/decode_throughput.py --preset tiny --batch 4 --prompt-len 32 \
         --new-tokens 32 --dtype float32 --hf always --repeats 1 --copy-mib 64
+    # The CPU recording (Qwen3-0.6B shape, reduced batch/lengths; ~3-4 min on an idle 2-core
+    # machine). float32: XLA:CPU has no fast bf16 matmuls, so bf16 would time the emulation.
+    # With 64 + 32 cache slots (< one 256-slot key block) "live" and "full" read the same bytes.
+    python benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype float32 --batch 4 16 \
+        --prompt-len 64 --new-tokens 32 --hf always --repeats 2 --copy-mib 512 \
+        --output decode_throughput_cpu.json
 
 Per batch size and decode attention path it reports:
 * decode tokens/s of the sampler: B * (new_tokens - 1) / decode-loop time (the tokens produced
