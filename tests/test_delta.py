@@ -397,3 +397,20 @@ def test_bad_pass_impl_names_the_field():
         D.delta_coefficients(hidden, prob, adv, mask, pass_impl="triton")
     with pytest.raises(ValueError, match="DELTA_JAX_KERNELS|impl"):
         D.delta_coefficients(hidden, prob, adv, mask, pass_impl="kernel", kernel_impl="cuda")
+
+
+@pytest.mark.parametrize("pass_impl", ["jnp", "kernel"])
+def test_streaming_reads_the_source_exactly_k_plus_3_times(pass_impl):
+    """A recomputing source (one trunk pass per iteration) is iterated K + 3 times, no more."""
+    hidden, prob, adv, mask = make_batch(33)
+    calls = []
+
+    def source():
+        calls.append(1)
+        return iter([D.FeatureChunk(jnp.asarray(hidden), jnp.asarray(adv), jnp.asarray(mask),
+                                    jnp.asarray(1.0 - prob))])
+    D.delta_coefficients_streaming(source, num_refine=2, pass_impl=pass_impl,
+                                   kernel_impl="reference")
+    assert len(calls) == 2 + 3
+    with pytest.raises(ValueError, match="no chunks"):
+        D.delta_coefficients_streaming([], pass_impl=pass_impl, kernel_impl="reference")

@@ -386,19 +386,21 @@ def diagnostics(disc: Discriminator, final: FinalStats) -> dict[str, Array]:
 Fold = Callable[..., Any]
 
 
-def fit_discriminator(fold: Fold, hidden_size: int, num_refine: int) -> Discriminator:
+def fit_discriminator(fold: Fold, hidden_size: int | None, num_refine: int) -> Discriminator:
     """Spec 2.2-2.5 given a way to run one pass over the chunks; returns (mu^K, gamma^K).
+    hidden_size None: fold gets state None and creates it from the first chunk it sees.
 
     Passes: initial centroids mu^0; margins Delta(mu^0) -> gamma^0; then K refinement rounds, each
     one pass producing mu^{k+1} and gamma^{k+1} = std Delta(mu^k) (lagged: gamma^1 = gamma^0).
     """
     if num_refine < 0:
         raise ValueError(f"delta: num_refine must be >= 0, got {num_refine}")
-    mu = finalize_pass(fold(accumulate_centroids, init_pass(hidden_size), None)).mu
-    gamma = finalize_pass(fold(accumulate_margins, init_pass(hidden_size), mu)).gamma
+    init = lambda: None if hidden_size is None else init_pass(hidden_size)  # noqa: E731
+    mu = finalize_pass(fold(accumulate_centroids, init(), None)).mu
+    gamma = finalize_pass(fold(accumulate_margins, init(), mu)).gamma
     disc = Discriminator(mu, gamma)
     for _ in range(num_refine):
-        disc = finalize_pass(fold(accumulate_centroids, init_pass(hidden_size), disc))
+        disc = finalize_pass(fold(accumulate_centroids, init(), disc))
     return disc
 
 
@@ -421,14 +423,16 @@ def _as_pass_stats(sums) -> PassStats:
                      sums.margin_m2)
 
 
-def fit_discriminator_fused(pass_fn: PassFn, hidden_size: int, num_refine: int) -> Discriminator:
-    """`fit_discriminator` with one fused pass per round (same passes, same lagged gammas)."""
+def fit_discriminator_fused(pass_fn: PassFn, hidden_size: int | None,
+                            num_refine: int) -> Discriminator:
+    """`fit_discriminator` with one fused pass per round (same passes, same lagged gammas).
+    hidden_size None: pass_fn gets mu None for the initial pass (zeros of the features' size)."""
     if num_refine < 0:
         raise ValueError(f"delta: num_refine must be >= 0, got {num_refine}")
     unit = jnp.ones((2,), jnp.float32)
     # Initial centroids: weights |A| (alpha off); the margins of this pass are unused.
-    mu = finalize_pass(_as_pass_stats(pass_fn(jnp.zeros((2, hidden_size), jnp.float32), unit,
-                                              use_alpha=False))).mu
+    mu0 = None if hidden_size is None else jnp.zeros((2, hidden_size), jnp.float32)
+    mu = finalize_pass(_as_pass_stats(pass_fn(mu0, unit, use_alpha=False))).mu
     gamma = finalize_pass(_as_pass_stats(pass_fn(mu, unit, use_alpha=False,
                                                  with_centroids=False))).gamma
     disc = Discriminator(mu, gamma)
@@ -441,6 +445,8 @@ def _kernel_pass(h, p, adv, mask, mu, gamma, *, impl, use_alpha=True, lam_range=
                  with_centroids=True):
     from delta_jax.kernels.delta_pass import delta_pass_auto
 
+    if mu is None:  # the initial pass: weights |A| only, the margins are unused
+        mu = jnp.zeros((2, h.shape[-1]), jnp.float32)
     return delta_pass_auto(h, p, adv, mask, mu[0], mu[1], gamma[0], gamma[1], use_alpha,
                            lam_range=lam_range, with_centroids=with_centroids, impl=impl)
 
@@ -694,22 +700,23 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
     _check_pass_impl(pass_impl)
     if pass_impl == "kernel":
         return _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl)
+    # The hidden size comes from the first chunk of the first pass: probing the source separately
+    # would cost one more trunk pass when it recomputes features.
     get_chunks = chunks if callable(chunks) else (lambda: chunks)
-    hidden_size = None
-    for chunk in get_chunks():
-        hidden_size = chunk.features.shape[-1]
-        break
-    if hidden_size is None:
-        raise ValueError("delta_coefficients_streaming: no chunks")
     jitted = {accumulate_centroids: _accumulate_centroids_jit,
               accumulate_margins: _accumulate_margins_jit}
 
     def fold(update, state, *extra):
         for chunk in get_chunks():
-            state = jitted[update](state, FeatureChunk(*chunk), *extra)
+            chunk = FeatureChunk(*chunk)
+            if state is None:
+                state = init_pass(chunk.features.shape[-1])
+            state = jitted[update](state, chunk, *extra)
+        if state is None:
+            raise ValueError("delta_coefficients_streaming: no chunks")
         return state
 
-    disc = fit_discriminator(fold, hidden_size, num_refine)
+    disc = fit_discriminator(fold, None, num_refine)
     final, lams = init_final(), []
     for chunk in get_chunks():
         final, lam = _accumulate_final_jit(final, FeatureChunk(*chunk), disc, lam_min=lam_min,
@@ -743,12 +750,6 @@ def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl):
 
     impl = backend.resolve_impl(kernel_impl)
     get_chunks = chunks if callable(chunks) else (lambda: chunks)
-    hidden_size = None
-    for chunk in get_chunks():
-        hidden_size = chunk.features.shape[-1]
-        break
-    if hidden_size is None:
-        raise ValueError("delta_coefficients_streaming: no chunks")
 
     def pass_fn(mu, gamma, use_alpha=True, with_centroids=True):
         total = None
@@ -756,9 +757,11 @@ def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl):
             sums = _fused_chunk_pass(FeatureChunk(*chunk), mu, gamma, impl=impl,
                                      use_alpha=use_alpha, with_centroids=with_centroids)
             total = sums._replace(lam=None) if total is None else add_sums(total, sums)
+        if total is None:
+            raise ValueError("delta_coefficients_streaming: no chunks")
         return total
 
-    disc = fit_discriminator_fused(pass_fn, hidden_size, num_refine)
+    disc = fit_discriminator_fused(pass_fn, None, num_refine)
     final, lams = init_final(), []
     for chunk in get_chunks():
         final, lam = _fused_chunk_final(final, FeatureChunk(*chunk), disc, impl=impl,
