@@ -178,3 +178,37 @@ def test_sft_loss_fused_matches_chunked(setup):
     np.testing.assert_allclose(float(loss_f), float(loss_c), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_c)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_run_sft_follows_model_logprob_impl(tmp_path, monkeypatch):
+    """loop.run_sft builds its step with cfg.model.logprob_impl: the fused path calls the LM-head
+    kernel, the chunked one does not, and both warm starts end at the same parameters."""
+    from delta_jax import kernels
+    from delta_jax.train import loop
+    from rl_fixtures import build_scored_run, tiny_rl_config, tree_max_abs_diff
+
+    calls = []
+    real = kernels.lm_head_logprob_auto
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "lm_head_logprob_auto", counting)
+    out = {}
+    for impl in ("chunked", "fused"):
+        cfg = tiny_rl_config("dapo", model=dict(logprob_impl=impl),
+                             sft=dict(steps=2, batch_size=4, max_len=32, warmup_steps=0))
+        run = build_scored_run(cfg, tmp_path / impl)
+        try:
+            calls.clear()
+            out[impl] = loop.run_sft(run, run.initial_params)
+            assert bool(calls) == (impl == "fused"), impl
+        finally:
+            run.close()
+    assert tree_max_abs_diff(out["fused"], out["chunked"]) < 1e-5
+    fresh = build_scored_run(tiny_rl_config("dapo"), tmp_path / "fresh")
+    try:
+        assert tree_max_abs_diff(out["chunked"], fresh.initial_params) > 1e-4   # SFT moved it
+    finally:
+        fresh.close()
