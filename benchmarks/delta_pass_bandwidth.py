@@ -6,6 +6,10 @@ is the practical ceiling. Default shape: 1M tokens x hidden 4096, bf16 (GPU). On
 shapes; the Pallas kernel then runs in interpret mode (correctness only, not speed):
 
     python benchmarks/delta_pass_bandwidth.py --tokens 4096 --hidden 256 --iters 3
+
+and time the XLA version against the copy at a larger shape without the interpreted kernel:
+
+    python benchmarks/delta_pass_bandwidth.py --tokens 65536 --hidden 4096 --kinds copy xla
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def main(argv=None):
     parser.add_argument("--num-programs", type=int, default=None)
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", choices=["copy", "xla", "pallas"],
+                        default=["copy", "xla", "pallas"], help="which cases to time")
     parser.add_argument("--out", default="benchmarks/results/delta_pass_bandwidth.json")
     args = parser.parse_args(argv)
 
@@ -66,18 +72,25 @@ def main(argv=None):
             jax.jit(lambda *x, e=extra: delta_pass(*x, **e, **kernel_opts)),
             feature_bytes + token_bytes + lam_bytes)
 
+    kind_of = lambda name: name.split()[0].replace("device", "copy")  # noqa: E731
+    cases = {name: case for name, case in cases.items() if kind_of(name) in args.kinds}
     results = []
     for name, (fn, nbytes) in cases.items():
         call_args = (h,) if name.startswith("device copy") else (h, p, a, mask, mu_pos, mu_neg, *gammas)
         seconds, runs = timing.median_seconds(fn, *call_args, warmup=args.warmup, iters=args.iters)
         results.append({"case": name, "median_s": seconds, "runs_s": runs, "bytes": nbytes,
                         "effective_GBps": nbytes / seconds / 1e9})
+    copy = next((r["effective_GBps"] for r in results if r["case"].startswith("device copy")), None)
+    for r in results:
+        r["share_of_copy"] = None if copy is None else r["effective_GBps"] / copy
 
     timing.print_table(
         f"DelTA pass bandwidth on {timing.device_description()}: tokens={args.tokens} "
         f"hidden={args.hidden} dtype={args.dtype}",
         [("case", "case", "34s"), ("median ms", lambda r: 1e3 * r["median_s"], "10.3f"),
-         ("GB moved", lambda r: r["bytes"] / 1e9, "9.3f"), ("GB/s", "effective_GBps", "9.1f")],
+         ("GB moved", lambda r: r["bytes"] / 1e9, "9.3f"), ("GB/s", "effective_GBps", "9.1f"),
+         ("% of copy", lambda r: None if r["share_of_copy"] is None else 100 * r["share_of_copy"],
+          "10.1f")],
         results)
     timing.write_json(args.out, {"results": results}, args=args)
 
