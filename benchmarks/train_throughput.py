@@ -181,7 +181,7 @@ def throughput(args, impl: str, peak: float) -> dict:
 
 def peak_memory(args, impl: str) -> dict:
     """Compiled-memory analysis of the full-shape train step, from abstract shapes only."""
-    cfg = model_config(args.memory_preset, None, args.dtype, args.remat, args.attention)
+    cfg = model_config(args.memory_preset, None, args.memory_dtype, args.remat, args.attention)
     abstract_model = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = state_lib.split_model(abstract_model)
     optimizer = state_lib.make_optimizer(lambda _: 1e-6, weight_decay=0.1, max_grad_norm=1.0)
@@ -221,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--memory-response-len", type=int, default=3072)
     parser.add_argument("--memory-batch", type=int, default=8)
     parser.add_argument("--memory-micro-batch", type=int, default=2)
+    parser.add_argument("--memory-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="parameter and activation dtype of the memory analysis (the recipes' bf16)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/train_throughput.json")
@@ -262,7 +264,7 @@ def main(argv=None):
         timing.print_table(
             f"compiled train-step memory: {args.memory_preset}, batch {args.memory_batch} "
             f"(micro {args.memory_micro_batch}) x seq {args.memory_seq} "
-            f"(response {args.memory_response_len}), {args.dtype}, remat {args.remat}",
+            f"(response {args.memory_response_len}), {args.memory_dtype}, remat {args.remat}",
             [("logprob", "impl", "9s"), ("peak GiB", "peak_estimate_gib", "9.2f"),
              ("temp GiB", "temp_gib", "9.2f"), ("compile s", "compile_s", "10.1f")], rows)
         payload["memory"] = rows

@@ -132,7 +132,11 @@ def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
 
 def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
   """Output projection + residual, then the SwiGLU MLP block + residual."""
-  x = x + jnp.einsum("btnd,ndh->bth", attn, p["o_proj"])
+  # One [B, T, N*D] x [N*D, H] matmul: both reshapes are free views, and XLA otherwise
+  # transposes the [N, D, H] weight in every layer of every decode step.
+  b, t, n, d = attn.shape
+  o_proj = p["o_proj"].reshape(n * d, -1)
+  x = x + jnp.einsum("btf,fh->bth", attn.reshape(b, t, n * d), o_proj)
   h = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("bth,hi->bti", h, p["gate_proj"])
   up = jnp.einsum("bth,hi->bti", h, p["up_proj"])
