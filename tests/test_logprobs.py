@@ -183,3 +183,24 @@ def test_unknown_impl_is_an_error(inputs):
   with pytest.raises(ValueError, match="model.logprob_impl"):
     models.token_logprobs(jnp.asarray(weight), jnp.asarray(hidden), jnp.asarray(labels),
                           impl="flash")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 11, 64])
+def test_map_sequence_chunks_equals_the_unchunked_function(chunk_size):
+  # T = 11 is no multiple of 4: the zero-padded tail must be cut off, and every output (a pytree
+  # of arrays with trailing axes) must land at its own position.
+  rng = np.random.RandomState(1)
+  x = jnp.asarray(rng.randn(B, T, 3).astype(np.float32))
+  y = jnp.asarray(rng.randint(0, 9, (B, T)))
+  seen_lengths = []
+
+  def fn(args):
+    a, b = args
+    seen_lengths.append(a.shape[1])
+    return {"sum": a.sum(-1) + b, "outer": a[..., :, None] * b[..., None, None]}
+
+  got = models.map_sequence_chunks(fn, (x, y), chunk_size)
+  np.testing.assert_allclose(got["sum"], x.sum(-1) + y, rtol=1e-6)
+  np.testing.assert_allclose(got["outer"], x[..., :, None] * y[..., None, None], rtol=1e-6)
+  assert got["outer"].shape == (B, T, 3, 1)
+  assert seen_lengths == [min(chunk_size, T)]  # one traced chunk, never the whole sequence

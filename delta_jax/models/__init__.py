@@ -13,7 +13,7 @@ from delta_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_pr
 from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, config_from_hf,
                                     from_pretrained, hf_config_dict, read_config_json,
                                     save_pretrained)
-from delta_jax.models.logprobs import logprobs_from_logits, token_logprobs
+from delta_jax.models.logprobs import logprobs_from_logits, map_sequence_chunks, token_logprobs
 from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
 from delta_jax.models.transformer import LAYER_AXES, ModelOutput, Transformer
 
@@ -21,6 +21,6 @@ __all__ = [
     "CACHE_AXES", "CheckpointError", "KVCache", "LAYER_AXES", "ModelConfig", "ModelOutput",
     "PRESETS", "REMAT_POLICIES", "Tokenizer", "Transformer", "UnsupportedModelError",
     "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict", "init_cache",
-    "load_tokenizer", "logprobs_from_logits", "read_config_json", "save_pretrained",
-    "token_logprobs",
+    "load_tokenizer", "logprobs_from_logits", "map_sequence_chunks", "read_config_json",
+    "save_pretrained", "token_logprobs",
 ]

@@ -114,18 +114,33 @@ def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_imp
                        out_specs=(rows, rows), check_vma=False)(hidden, w, labels)
 
 
-def _chunked_token_logprobs(w, hidden, labels, temperature, chunk_size):
-  w = w.astype(hidden.dtype)
-  B, T, H = hidden.shape
+def map_sequence_chunks(fn, arrays, chunk_size: int):
+  """lax.map of `fn` over chunks of the sequence axis, so only one chunk's temporaries exist.
+
+  arrays: a tuple of [B, T, ...] arrays; fn gets the tuple of their [B, C, ...] chunks and returns
+  a pytree of [B, C, ...] arrays, reassembled here to [B, T, ...]. The last chunk is zero-padded
+  and its padded positions are cut off.
+  """
+  B, T = arrays[0].shape[:2]
   chunk = max(1, min(int(chunk_size), T))
   num_chunks = -(-T // chunk)
   pad = num_chunks * chunk - T
-  if pad:
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-    labels = jnp.pad(labels, ((0, 0), (0, pad)))
-  # [num_chunks, B, C, ...]: lax.map walks the leading axis.
-  h_chunks = hidden.reshape(B, num_chunks, chunk, H).swapaxes(0, 1)
-  y_chunks = labels.reshape(B, num_chunks, chunk).swapaxes(0, 1)
+
+  def split(x):  # [B, T, ...] -> [num_chunks, B, C, ...]: lax.map walks the leading axis.
+    if pad:
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape((B, num_chunks, chunk) + x.shape[2:]).swapaxes(0, 1)
+
+  def join(x):  # [num_chunks, B, C, ...] -> [B, T, ...]
+    x = x.swapaxes(0, 1)
+    return x.reshape((B, num_chunks * chunk) + x.shape[3:])[:, :T]
+
+  outs = jax.lax.map(fn, tuple(split(x) for x in arrays))
+  return jax.tree.map(join, outs)
+
+
+def _chunked_token_logprobs(w, hidden, labels, temperature, chunk_size):
+  w = w.astype(hidden.dtype)
 
   @jax.checkpoint
   def one_chunk(args):
@@ -133,7 +148,4 @@ def _chunked_token_logprobs(w, hidden, labels, temperature, chunk_size):
     logits = jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32)
     return logprobs_from_logits(logits, y, temperature)
 
-  logp, entropy = jax.lax.map(one_chunk, (h_chunks, y_chunks))
-  logp = logp.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :T]
-  entropy = entropy.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :T]
-  return logp, entropy
+  return map_sequence_chunks(one_chunk, (hidden, labels), chunk_size)

@@ -56,19 +56,10 @@ def logprobs_and_topk(head, hidden, labels, *, temperature: float, chunk_size: i
     Each chunk's logits [B, C, V] are computed once (the same matmul as models.token_logprobs:
     hidden dtype in, fp32 accumulation), reduced and dropped. No gradient is meant to flow.
     """
-    B, T, H = hidden.shape
     V = head.shape[1]
     if not 1 <= topk <= V:
         raise ValueError(f"delta.topk={topk} must be in [1, vocab_size={V}]")
     w = head.astype(hidden.dtype)
-    chunk = max(1, min(int(chunk_size), T))
-    num_chunks = -(-T // chunk)
-    pad = num_chunks * chunk - T
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        labels = jnp.pad(labels, ((0, 0), (0, pad)))
-    h_chunks = hidden.reshape(B, num_chunks, chunk, H).swapaxes(0, 1)
-    y_chunks = labels.reshape(B, num_chunks, chunk).swapaxes(0, 1)
     inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
 
     def one_chunk(args):
@@ -80,13 +71,7 @@ def logprobs_and_topk(head, hidden, labels, *, temperature: float, chunk_size: i
         top_logp, top_ids = jax.lax.top_k(logp_all, topk)
         return logp, entropy, top_ids.astype(jnp.int32), jnp.exp(top_logp)
 
-    outs = jax.lax.map(one_chunk, (h_chunks, y_chunks))
-
-    def unchunk(x):  # [num_chunks, B, C, ...] -> [B, T, ...]
-        x = x.swapaxes(0, 1)
-        return x.reshape((B, num_chunks * chunk) + x.shape[3:])[:, :T]
-
-    return tuple(unchunk(x) for x in outs)
+    return models.map_sequence_chunks(one_chunk, (hidden, labels), chunk_size)
 
 
 def topk_proxy_features(head, labels, topk_ids, topk_probs, *, chunk_size: int,
@@ -99,26 +84,11 @@ def topk_proxy_features(head, labels, topk_ids, topk_probs, *, chunk_size: int,
     """
     from delta_jax.rl import delta as delta_lib
 
-    B, T = labels.shape
-    K = topk_ids.shape[-1]
-    chunk = max(1, min(int(chunk_size), T))
-    num_chunks = -(-T // chunk)
-    pad = num_chunks * chunk - T
-    if pad:
-        labels = jnp.pad(labels, ((0, 0), (0, pad)))
-        topk_ids = jnp.pad(topk_ids, ((0, 0), (0, pad), (0, 0)))
-        topk_probs = jnp.pad(topk_probs, ((0, 0), (0, pad), (0, 0)))
-
-    def split(x):
-        return x.reshape((B, num_chunks, chunk) + x.shape[2:]).swapaxes(0, 1)
-
     def one_chunk(args):
         y, ids, probs = args
         return delta_lib.hidden_topk_proxy_from_head(head, y, ids, probs).astype(dtype)
 
-    v = jax.lax.map(one_chunk, (split(labels), split(topk_ids), split(topk_probs)))
-    H = v.shape[-1]
-    return v.swapaxes(0, 1).reshape(B, num_chunks * chunk, H)[:, :T]
+    return models.map_sequence_chunks(one_chunk, (labels, topk_ids, topk_probs), chunk_size)
 
 
 def proxy_token_chunk(logprob_chunk: int, vocab_size: int, topk: int, hidden_size: int) -> int:
