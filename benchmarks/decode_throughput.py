@@ -32,7 +32,9 @@ Per batch size and decode attention path it reports:
   "% limit" = measured / limit. Logits, activations and sampling traffic are not counted.
 * transformers generate (greedy or the same sampling settings, same model shape and dtype, random
   weights, sdpa, --hf-cache dynamic or static) on the same device when torch has CUDA (or with
-  --hf always, e.g. on CPU); skipped otherwise. Its decode time = a full generate minus a
+  --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process per batch size,
+  before JAX takes the device, so each framework has the whole GPU memory in turn; a failure
+  (e.g. out of memory) is reported in the table and the JSON, and the run goes on. Its decode time = a full generate minus a
   1-new-token generate (the prefill), each the best of --repeats; both totals are reported too.
   "x HF" compares decode tokens/s with decode tokens/s.
 Results are printed as a table and written as JSON (--output).
@@ -42,7 +44,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -78,6 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                    help="transformers' KV cache (generate's cache_implementation)")
     p.add_argument("--output", default="decode_throughput.json")
+    p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch) < 1:
         p.error("--new-tokens must be >= 2, --prompt-len and --batch >= 1")
@@ -169,18 +176,19 @@ def time_sampler(sampler: Sampler, decode_graphdefs: dict, batch: int, args) -> 
         return seconds, int(lengths.sum()), tokens
 
     def run():
-        start = time.perf_counter()
-        cache, logits, kv_mask, next_pos = _prefill(
-            sampler.graphdef, sampler.state, ids, mask, num_copies=1,
-            response_slots=response_slots, batch_spec=sampler._batch_spec)
-        jax.block_until_ready(logits)
-        prefill_s = time.perf_counter() - start
-        decodes = {}
-        for n, path in enumerate(paths):
-            # The cache is donated to decode: later paths get a copy (made outside the timing).
-            own = cache if n == len(paths) - 1 else jax.block_until_ready(
-                jax.tree.map(jnp.copy, cache))
-            decodes[path] = decode(decode_graphdefs[path], own, logits, kv_mask, next_pos)
+        prefill_s, decodes = math.inf, {}
+        for path in paths:
+            # A fresh prefill per path (the cache is donated to decode): one cache alive at a
+            # time, where a copy per path would double the largest buffer (45 GB of bf16 K/V at
+            # batch 256 x 1536 slots for Qwen3-0.6B). The prefill is deterministic.
+            start = time.perf_counter()
+            cache, logits, kv_mask, next_pos = _prefill(
+                sampler.graphdef, sampler.state, ids, mask, num_copies=1,
+                response_slots=response_slots, batch_spec=sampler._batch_spec)
+            jax.block_until_ready(logits)
+            prefill_s = min(prefill_s, time.perf_counter() - start)
+            decodes[path] = decode(decode_graphdefs[path], cache, logits, kv_mask, next_pos)
+            del cache
         return prefill_s, decodes
 
     start = time.perf_counter()
@@ -246,27 +254,68 @@ def time_transformers(cfg: models.ModelConfig, batch: int, args, device: str) ->
             "hf_decode_tokens_per_s": batch * (new - 1) / decode_s}
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def hf_device(mode: str):
+    """Where transformers runs: CUDA when torch has it, the CPU only when asked (--hf always);
+    None: no baseline."""
+    if mode == "never":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if mode == "always" else None
+
+
+def time_transformers_in_subprocess(batch: int, argv) -> dict:
+    """time_transformers in a child process: torch then owns the GPU memory alone (JAX
+    preallocates 75% of it on first use) and returns all of it on exit, and neither framework
+    loads its CUDA libraries beside the other's; an out-of-memory or other failure is recorded,
+    not fatal. JAX in the child stays on the CPU. {} when there is no baseline to run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "hf.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--hf-worker", str(batch),
+               "--output", out_path]
+        proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = " / ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            print(f"transformers generate at batch {batch} failed: {tail}")
+            return {"hf_error": tail}
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def model_config(args) -> models.ModelConfig:
     dtype = jnp.dtype(args.dtype)
     cfg = models.get_preset(args.preset, dtype=dtype, param_dtype=dtype)
-    cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings,
-                                                  args.prompt_len + args.new_tokens))
+    return cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings,
+                                                   args.prompt_len + args.new_tokens))
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    cfg = model_config(args)
+    if args.hf_worker is not None:  # the child of time_transformers_in_subprocess
+        device = hf_device(args.hf)
+        result = {} if device is None else time_transformers(cfg, args.hf_worker, args, device)
+        with open(args.output, "w") as f:
+            json.dump(result, f)
+        return
+
+    # transformers first, before JAX takes the device (see time_transformers_in_subprocess).
+    hf_results = {}
+    if args.hf != "never":
+        for batch in args.batch:
+            print(f"transformers generate (--hf {args.hf}): batch {batch}", flush=True)
+            hf_results[batch] = time_transformers_in_subprocess(batch, argv)
+
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     decode_graphdefs = {path: graphdef_for(model, path) for path in args.decode_attention}
     bandwidth = copy_bandwidth(args.copy_mib)
     device = jax.devices()[0]
-
-    hf_device = None
-    if args.hf != "never":
-        try:
-            import torch
-            if torch.cuda.is_available():
-                hf_device = "cuda"
-            elif args.hf == "always":
-                hf_device = "cpu"
-        except ImportError:
-            hf_device = None
 
     results = []
     for batch in args.batch:
@@ -291,12 +340,13 @@ def main(argv=None):
                 "path_bandwidth_limit_tokens_per_s": batch * bandwidth / path_bytes,
             })
             r["fraction_of_limit"] = r["decode_tokens_per_s"] / r["bandwidth_limit_tokens_per_s"]
-        if hf_device is not None:
-            row.update(time_transformers(cfg, batch, args, hf_device))
+        row.update(hf_results.get(batch, {}))
+        if "hf_decode_tokens_per_s" in row:
             for path in args.decode_attention:
                 row[path]["speedup_vs_hf"] = (row[path]["decode_tokens_per_s"]
                                               / row["hf_decode_tokens_per_s"])
         results.append(row)
+        write_results(args, results)  # after every batch: a later failure keeps these
         del sampler
 
     header = ["batch", "path", "decode tok/s", "limit tok/s", "% limit", "read GB/step",
@@ -306,21 +356,25 @@ def main(argv=None):
         for path in args.decode_attention:
             p = r[path]
             hf = "hf_decode_tokens_per_s" in r
+            hf_cell = "error" if "hf_error" in r else "skip"
             cells = [r["batch"], path, f"{p['decode_tokens_per_s']:.1f}",
                      f"{p['bandwidth_limit_tokens_per_s']:.1f}",
                      f"{100 * p['fraction_of_limit']:.1f}", f"{p['step_read_actual_gb']:.4g}",
                      f"{p['step_read_ideal_gb']:.4g}", f"{r['prefill_s']:.3f}",
-                     f"{r['hf_decode_tokens_per_s']:.1f}" if hf else "skip",
+                     f"{r['hf_decode_tokens_per_s']:.1f}" if hf else hf_cell,
                      f"{p['speedup_vs_hf']:.2f}" if hf else "-",
                      f"{r['copy_bandwidth_gb_s']:.1f}"]
             print(" | ".join(f"{c:>13}" for c in cells))
     print("decode tok/s = B * (new_tokens - 1) / decode time (prefill excluded); HF: the same "
           "over (generate total - 1-token generate); limit = B * copy bandwidth / ideal bytes "
           "per step (params + K/V at the live length)")
+    print(f"wrote {args.output}")
+
+
+def write_results(args, results):
     with open(args.output, "w") as f:
         json.dump({"args": vars(args), "jax": jax.__version__, "host": platform.node(),
                    "results": results}, f, indent=2)
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
