@@ -30,6 +30,7 @@ CPU recording run (a Qwen3-0.6B-shaped model with 2 layers, 4 prompts x 4 respon
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -87,16 +88,20 @@ def make_config(args, variant: str):
     c.rollout.batch_prompts = args.prompts
     c.rollout.group_size = args.group_size
     c.rollout.max_new_tokens = args.new_tokens
-    c.rollout.max_batch_size = args.max_batch_size or args.prompts * args.group_size
+    sequences = args.prompts * args.group_size
+    # Defaults sized for one 80 GB GPU at the issue's shape (512 sequences x 1152 tokens of
+    # Qwen3-0.6B): the whole batch in one sampler call would need 68 GB of bf16 K/V, and one
+    # forward/backward over it tens of GB of activations. Small batches run whole.
+    c.rollout.max_batch_size = args.max_batch_size or min(256, sequences)
     c.rl.mini_batch_prompts = args.mini_batch_prompts or args.prompts
-    c.rl.micro_batch_size = args.micro_batch_size
+    c.rl.micro_batch_size = args.micro_batch_size or math.gcd(64, sequences)
     c.rl.dynamic_sampling = False
     c.rewards.overlong = False  # the stand-in scorer's reward only
     c.delta.pass_impl = args.pass_impl
     c.delta.num_refine = args.num_refine
     if variant == "delta-recompute":
         c.delta.feature_cache = "recompute"
-        c.delta.recompute_chunk = args.recompute_chunk or args.prompts * args.group_size
+        c.delta.recompute_chunk = args.recompute_chunk or min(64, sequences)
     if args.tokenizer != "synthetic":
         # The preset's vocabulary (Qwen3's LM head) when it covers the tokenizer's (ids past the
         # tokenizer decode to ""); else the tokenizer's size (0), e.g. the "tiny" preset.
@@ -161,10 +166,12 @@ def main(argv=None):
                         help="delta.pass_impl of the delta variants")
     parser.add_argument("--num-refine", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=0,
-                        help="rollout.max_batch_size (0 = the whole batch)")
+                        help="rollout.max_batch_size (0 = min(256, sequences))")
     parser.add_argument("--mini-batch-prompts", type=int, default=0, help="0 = one update/step")
-    parser.add_argument("--micro-batch-size", type=int, default=0)
-    parser.add_argument("--recompute-chunk", type=int, default=0, help="0 = the whole batch")
+    parser.add_argument("--micro-batch-size", type=int, default=0,
+                        help="rl.micro_batch_size (0 = gcd(64, sequences))")
+    parser.add_argument("--recompute-chunk", type=int, default=0,
+                        help="delta.recompute_chunk (0 = min(64, sequences))")
     parser.add_argument("--tokenizer", default="",
                         help="tokenizer dir (default: ../shared/tokenizers/qwen3 if present, "
                              "else the synthetic tiny tokenizer)")
