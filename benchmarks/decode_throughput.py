@@ -34,8 +34,9 @@ Per batch size and decode attention path it reports:
   weights, sdpa, --hf-cache dynamic or static) on the same device when torch has CUDA (or with
   --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process per batch size,
   before JAX takes the device, so each framework has the whole GPU memory in turn; a failure
-  (e.g. out of memory) is reported in the table and the JSON, and the run goes on. Its decode time = a full generate minus a
-  1-new-token generate (the prefill), each the best of --repeats; both totals are reported too.
+  (e.g. out of memory) is reported in the table and the JSON, and the run goes on. Its decode
+  time = a full generate minus a 1-new-token generate (the prefill), each the best of --repeats;
+  both totals are reported too.
   "x HF" compares decode tokens/s with decode tokens/s.
 Results are printed as a table and written as JSON (--output).
 """
@@ -311,6 +312,8 @@ def main(argv=None):
         for batch in args.batch:
             print(f"transformers generate (--hf {args.hf}): batch {batch}", flush=True)
             hf_results[batch] = time_transformers_in_subprocess(batch, argv)
+            if not hf_results[batch]:  # no torch, or --hf auto without CUDA: none for any batch
+                break
 
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     decode_graphdefs = {path: graphdef_for(model, path) for path in args.decode_attention}
