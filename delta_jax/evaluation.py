@@ -24,12 +24,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from delta_jax.data.templates import BOXED_INSTRUCTION
+
 # The paper's evaluation sampling (k samples per question at these settings).
 EVAL_TEMPERATURE = 1.0
 EVAL_TOP_P = 0.7
 EVAL_K = 16
-
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 GenerateFn = Callable[[list, int], list]
 

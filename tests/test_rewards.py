@@ -137,6 +137,8 @@ def test_reward_table(table_results, idx):
     (r"\fbox{x}", "x"),
     (r"\boxed{1} and \fbox{2}", "2"),
     (r"$\boxed 5$", "5"),
+    (r"so \boxed 9.", "9"),
+    (r"\boxed .", None),
     (r"\boxed  {7}", "7"),
     (r"\boxed{}", ""),
     ("no box here", None),

@@ -31,6 +31,8 @@ import pathlib
 import re
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+from delta_jax.rl.rewards import extract_last_boxed
+
 RECORD_KEYS = ("id", "problem", "answer", "solution", "level")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -80,29 +82,9 @@ class LoadStats:
 # \boxed{} extraction (MATH solutions)
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces matched; None if absent.
-
-    The brace-less form "\\boxed 5" gives the token after the space.
-    """
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    if text.startswith(" ", i):  # "\boxed 5": the next whitespace-delimited token
-        token = text[i + 1 :].split()
-        return token[0].rstrip("$.") if token else None
-    if not text.startswith("{", i):
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None  # unbalanced braces
+# One implementation, shared with the reward: the gold answer of a MATH solution is read the
+# same way as a model's answer. `last_boxed` is this module's (and delta_jax.data's) public name.
+last_boxed = extract_last_boxed
 
 
 # --------------------------------------------------------------------------------------------

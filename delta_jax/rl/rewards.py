@@ -54,11 +54,12 @@ def _box_content(text: str, start: int) -> str | None:
         return None
     if text[i] != "{":
         # Brace-less form "\boxed 5": only valid with a space after the command; the answer is
-        # the next token (up to whitespace or the closing $ of the math span).
+        # the next token (up to whitespace or the closing $ of the math span), without a
+        # sentence-final period ("\boxed 9." is 9).
         if i == start:
             return None
         m = re.match(r"[^\s$]+", text[i:])
-        return m.group(0) if m else None
+        return (m.group(0).rstrip(".") or None) if m else None
     depth = 0
     for j in range(i, len(text)):
         c = text[j]
