@@ -20,7 +20,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.train.rollout import step_seed
-from delta_jax.train.state import TrainState
+from delta_jax.train.state import TrainState, apply_if_finite
 
 _SFT_SALT = 7
 
@@ -88,13 +88,7 @@ def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
     def sft_step(state: TrainState, batch):
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        state = TrainState(step=state.step + finite.astype(jnp.int32),
-                           params=jax.tree.map(keep, new_params, state.params),
-                           opt_state=jax.tree.map(keep, new_opt, state.opt_state))
+        state, finite = apply_if_finite(state, grads, optimizer, loss=loss, grad_norm=grad_norm)
         metrics = {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": count,
                    "sft/skipped": 1 - finite.astype(jnp.int32)}
         if schedule is not None:

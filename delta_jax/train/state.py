@@ -23,6 +23,22 @@ class TrainState:
     opt_state: Any
 
 
+def apply_if_finite(state: TrainState, grads, optimizer: optax.GradientTransformation, *,
+                    loss: jax.Array, grad_norm: jax.Array) -> tuple[TrainState, jax.Array]:
+    """(new state, finite): the optimizer update of `grads` applied only if `loss` and
+    `grad_norm` are finite; otherwise parameters, optimizer state and step are kept (jnp.where,
+    so it runs inside jit). `finite` is a bool scalar (the step's metrics report 1 - finite as
+    "skipped")."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_state = TrainState(step=state.step + finite.astype(jnp.int32),
+                           params=jax.tree.map(keep, new_params, state.params),
+                           opt_state=jax.tree.map(keep, new_opt, state.opt_state))
+    return new_state, finite
+
+
 def learning_rate_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
                            total_steps: int = 1, min_lr_ratio: float = 0.0) -> optax.Schedule:
     """Linear warmup to `lr`, then constant | cosine | linear decay to lr * min_lr_ratio."""

@@ -3,7 +3,7 @@
 The mini-batch is split into micro-batches scanned with lax.scan; each contributes the gradient of
 its loss SUM, and the sum of gradients is divided by the mini-batch's total denominator, so the
 result is exactly the gradient of the global (sum / denominator) loss. A non-finite loss or
-gradient norm leaves parameters and optimizer state unchanged (jnp.where inside the step) and is
+gradient norm leaves parameters and optimizer state unchanged (state.apply_if_finite) and is
 reported in metrics["skipped"]; the caller counts consecutive skips.
 
 Mini-batch arrays (N rows, T = P + R tokens):
@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from delta_jax.train.features import response_forward
-from delta_jax.train.state import TrainState
+from delta_jax.train.state import TrainState, apply_if_finite
 
 # loss_fn(logp, old_logp, advantages, mask, token_weights, entropy[, ref_logp=...])
 #   -> (loss_sum scalar, denominator scalar, metrics: dict of scalar SUMS)
@@ -92,15 +92,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         grads = jax.tree.map(lambda g: g / safe_denom, grads)
         loss = loss_sum / safe_denom
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_state = TrainState(
-            step=state.step + finite.astype(jnp.int32),
-            params=jax.tree.map(keep, new_params, state.params),
-            opt_state=jax.tree.map(keep, new_opt, state.opt_state))
+        new_state, finite = apply_if_finite(state, grads, optimizer, loss=loss,
+                                            grad_norm=grad_norm)
         metrics = dict(msum)
         metrics.update(loss=loss, loss_denominator=denom, grad_norm=grad_norm,
                        skipped=1 - finite.astype(jnp.int32))
