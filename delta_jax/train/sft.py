@@ -88,11 +88,13 @@ def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
     def sft_step(state: TrainState, batch):
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         grad_norm = optax.tree.norm(grads)
-        state, finite = apply_if_finite(state, grads, optimizer, loss=loss, grad_norm=grad_norm)
+        new_state, finite = apply_if_finite(state, grads, optimizer, loss=loss,
+                                            grad_norm=grad_norm)
         metrics = {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/tokens": count,
                    "sft/skipped": 1 - finite.astype(jnp.int32)}
         if schedule is not None:
+            # The rate this update used: the schedule at the step count before it (as train_step).
             metrics["sft/learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return state, metrics
+        return new_state, metrics
 
     return sft_step

@@ -1,0 +1,49 @@
+"""The SFT step (delta_jax/train/sft.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from delta_jax import models
+from delta_jax.train import sft, state as state_lib
+
+
+def _tiny():
+    cfg = models.get_preset("tiny").replace(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_layers=2, num_heads=2, num_kv_heads=1,
+                                            head_dim=16)
+    graphdef, params, rest = state_lib.split_model(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(3, 64, (2, 9)), jnp.int32)
+    loss_mask = np.zeros((2, 9), np.float32)
+    loss_mask[:, 4:] = 1.0
+    batch = {"input_ids": ids, "attention_mask": jnp.ones((2, 9), jnp.int32),
+             "loss_mask": jnp.asarray(loss_mask)}
+    return graphdef, params, rest, batch
+
+
+def test_sft_step_logs_the_learning_rate_of_its_own_update():
+    """Step k logs schedule(k), the rate its update used (as train/step.py does), not the next
+    step's rate. With plain SGD the update is -lr * grad, so the rate actually applied is read
+    off the parameters and must equal the logged one."""
+    graphdef, params, rest, batch = _tiny()
+    schedule = optax.linear_schedule(1e-2, 0.0, 4)   # 1e-2, 7.5e-3, 5e-3, ...: every step differs
+    opt = optax.sgd(schedule)
+    step_fn = sft.make_sft_step(graphdef, rest, opt, schedule, chunk_size=4)
+    grad_fn = jax.jit(jax.grad(
+        lambda p: sft.sft_loss(nnx.merge(graphdef, p, rest), batch, 4)[0]))
+
+    st = state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt)
+    for k in range(3):
+        before = jax.tree.map(jnp.copy, st.params)
+        grads = grad_fn(before)
+        st, metrics = step_fn(st, batch)
+        assert int(metrics["sft/skipped"]) == 0 and int(st.step) == k + 1
+        logged = float(metrics["sft/learning_rate"])
+        np.testing.assert_allclose(logged, float(schedule(k)), rtol=1e-6)
+        # The rate the update applied: (before - after) / grad on the largest-gradient entry.
+        g, b, a = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+                   for t in (grads, before, st.params))
+        i = int(np.argmax(np.abs(g)))
+        np.testing.assert_allclose((b[i] - a[i]) / g[i], logged, rtol=1e-3)
