@@ -13,7 +13,9 @@ from delta_jax.kernels.delta_pass import (
     delta_pass_auto,
     delta_pass_reference,
     margin_std_from_sums,
+    masked_moments,
     merge_moments,
+    reduce_moments,
 )
 from delta_jax.kernels.lm_head_logprob import (
     lm_head_logprob,
@@ -33,6 +35,8 @@ __all__ = [
     "lm_head_logprob_auto",
     "lm_head_logprob_reference",
     "margin_std_from_sums",
+    "masked_moments",
     "merge_moments",
+    "reduce_moments",
     "resolve_impl",
 ]

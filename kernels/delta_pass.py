@@ -98,12 +98,38 @@ def _check_and_flatten(h, p, a, mask, mu_pos, mu_neg):
     )
 
 
+# (count, mean, m2) moments: the one implementation of the DelTA statistics' exact moments, used
+# by the jnp reference, inside the Pallas kernel (pure jnp on the tile's values), for the
+# per-program and per-device combination, and by delta_jax.rl.delta. Never raw sums of squares.
+
+
+def masked_moments(x, mask, axis):
+    """Exact (count, mean, m2) of the values of `x` selected by the 0/1 float `mask` (broadcast
+    against x), reduced over `axis` (an int or a tuple); m2 is the sum of squared deviations."""
+    count = jnp.sum(mask, axis)
+    mean = jnp.sum(mask * x, axis) / jnp.maximum(count, 1.0)
+    centred = x - (jnp.expand_dims(mean, axis) if jnp.ndim(mean) else mean)
+    return count, mean, jnp.sum(mask * centred * centred, axis)
+
+
 def merge_moments(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
     """Chan et al.'s pairwise merge of (count, mean, m2) moments (any matching shapes)."""
     count = count_a + count_b
     delta = mean_b - mean_a
     frac = count_b / jnp.maximum(count, 1.0)
     return count, mean_a + delta * frac, m2_a + m2_b + delta * delta * count_a * frac
+
+
+def reduce_moments(count, mean, m2, axis=0):
+    """Merges the moments along `axis` (static size) by a balanced tree of `merge_moments`;
+    returns (count, mean, m2) without that axis. An empty part (count 0) merges as identity."""
+    parts = [jnp.moveaxis(x, axis, 0) for x in (count, mean, m2)]
+    while parts[0].shape[0] > 1:
+        if parts[0].shape[0] % 2:
+            parts = [jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in parts]
+        half = parts[0].shape[0] // 2
+        parts = list(merge_moments(*(x[:half] for x in parts), *(x[half:] for x in parts)))
+    return tuple(x[0] for x in parts)
 
 
 def add_sums(x: DeltaPassSums, y: DeltaPassSums) -> DeltaPassSums:
@@ -173,15 +199,13 @@ def delta_pass_reference(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, us
         lam = jnp.where(side, lam_min + (lam_max - lam_min) * alpha, jnp.where(valid, lam_min, 0.0))
         lam_sum = jnp.sum(lam)
         lam = lam.reshape(lead)
-    count = jnp.sum(side_masks, axis=1)
-    margin_mean = (side_masks @ margin) / jnp.maximum(count, 1.0)
-    deviation = margin[None, :] - margin_mean[:, None]
+    count, margin_mean, margin_m2 = masked_moments(margin[None, :], side_masks, axis=1)
     return DeltaPassSums(
         centroid_sum=centroid_sum,
         weight_sum=side_masks @ weight,
         count=count,
         margin_mean=margin_mean,
-        margin_m2=jnp.sum(side_masks * deviation * deviation, axis=1),
+        margin_m2=margin_m2,
         correct=jnp.sum(correct, axis=1),
         lam_sum=lam_sum,
         num_valid=jnp.sum(valid.astype(jnp.float32)),
@@ -278,11 +302,8 @@ def _delta_kernel(h_ref, p_ref, a_ref, m_ref, w_ref, prm_ref, *out_refs, n_token
         moments = []
         for side_f, n_run, mean_run, m2_run in ((pos.astype(f32), n_p, mean_p, m2_p),
                                                 (neg.astype(f32), n_n, mean_n, m2_n)):
-            n_t = jnp.sum(side_f)
-            mean_t = jnp.sum(side_f * margin) / jnp.maximum(n_t, 1.0)
-            dev = margin - mean_t
-            m2_t = jnp.sum(side_f * dev * dev)
-            moments.append(merge_moments(n_run, mean_run, m2_run, n_t, mean_t, m2_t))
+            tile = masked_moments(margin, side_f, axis=0)
+            moments.append(merge_moments(n_run, mean_run, m2_run, *tile))
         (n_p, mean_p, m2_p), (n_n, mean_n, m2_n) = moments
         return (
             w_p + jnp.sum(jnp.where(pos, weight, 0.0)), w_n + jnp.sum(jnp.where(neg, weight, 0.0)),
@@ -350,11 +371,9 @@ def delta_pass(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=Tr
     outs = list(outs)
     per_program = outs.pop(0)  # [G, 16]
     stats = jnp.sum(per_program, axis=0)  # valid for the additive slots
-    # Margin moments: exact parallel combination of the programs' (count, mean, m2).
-    counts, means, m2s = per_program[:, 2:4], per_program[:, 4:6], per_program[:, 6:8]
-    count = jnp.sum(counts, axis=0)
-    margin_mean = jnp.sum(counts * means, axis=0) / jnp.maximum(count, 1.0)
-    margin_m2 = jnp.sum(m2s, axis=0) + jnp.sum(counts * jnp.square(means - margin_mean), axis=0)
+    # Margin moments: the programs' (count, mean, m2) merged exactly.
+    count, margin_mean, margin_m2 = reduce_moments(per_program[:, 2:4], per_program[:, 4:6],
+                                                   per_program[:, 6:8])
     if with_centroids:
         centroid_sum = jnp.sum(outs.pop(0).reshape(num_programs, 2, hidden), axis=0)
     else:

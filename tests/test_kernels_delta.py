@@ -228,3 +228,24 @@ def test_kernel_lowers_for_the_triton_gpu_backend():
     except (NotImplementedError, ImportError) as err:  # a jaxlib built without GPU lowering
         pytest.skip(f"CUDA lowering unavailable: {err}")
     assert "triton" in text
+
+
+def test_moments_merge_to_the_whole():
+    """masked_moments of parts, merged pairwise (merge_moments) or by reduce_moments over a
+    ragged number of parts (empty ones included), give the float64 moments of the whole."""
+    from delta_jax.kernels.delta_pass import masked_moments, merge_moments, reduce_moments
+
+    rng = np.random.default_rng(11)
+    x = (1e3 + rng.normal(size=(7, 40))).astype(np.float32)   # large mean, unit spread
+    mask = (rng.uniform(size=(2, 7, 40)) > 0.3).astype(np.float32)
+    mask[:, 3] = 0.0                                           # an empty part
+    want = [(m.sum(), (x * m).sum() / m.sum(), ((x - (x * m).sum() / m.sum()) ** 2 * m).sum())
+            for m in mask.astype(np.float64)]
+    parts = masked_moments(jnp.asarray(x)[None], jnp.asarray(mask), axis=2)  # [2, 7] each
+    for got in (reduce_moments(*(jnp.moveaxis(v, 1, 0) for v in parts)),
+                reduce_moments(*parts, axis=1),
+                merge_moments(*reduce_moments(*(v[:, :3] for v in parts), axis=1),
+                              *reduce_moments(*(v[:, 3:] for v in parts), axis=1))):
+        for side in range(2):
+            for k, tol in ((0, 0.0), (1, 1e-6), (2, 1e-4)):
+                np.testing.assert_allclose(float(got[k][side]), want[side][k], rtol=tol)

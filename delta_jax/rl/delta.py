@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from delta_jax.kernels.delta_pass import masked_moments, merge_moments, reduce_moments
+
 Array = jax.Array
 
 _WEIGHT_FLOOR = 1e-8  # spec 2.2 / 2.7: max(sum, 1e-8)
@@ -244,15 +246,9 @@ def _margins(tok: _Tokens, mu: Array) -> tuple[Array, Array]:
 
 
 def _merge_moments(count, mean, m2, x, side):
-    """Chan et al.'s merge of running (count, mean, m2) per side with the values x [b, t]
-    selected by side [S, b, t]; returns the updated (count, mean, m2) [S]."""
-    n_b = side.sum((1, 2))
-    mean_b = (side * x).sum((1, 2)) / jnp.maximum(n_b, 1.0)
-    m2_b = (side * jnp.square(x - mean_b[:, None, None])).sum((1, 2))
-    n = count + n_b
-    delta = mean_b - mean
-    frac = n_b / jnp.maximum(n, 1.0)
-    return n, mean + delta * frac, m2 + m2_b + jnp.square(delta) * count * frac
+    """Running (count, mean, m2) per side merged (Chan et al.) with the moments of the values
+    x [b, t] selected by side [S, b, t]; returns the updated (count, mean, m2) [S]."""
+    return merge_moments(count, mean, m2, *masked_moments(x, side, axis=(1, 2)))
 
 
 def _alpha(margin: Array, tok: _Tokens, gamma: Array) -> Array:
@@ -452,11 +448,12 @@ def _kernel_pass(h, p, adv, mask, mu, gamma, *, impl, use_alpha=True, lam_range=
 
 
 def _psum_sums(sums, axes):
-    """Global DeltaPassSums from each shard's (sums plain, margin moments merged exactly)."""
+    """Global DeltaPassSums from each shard's (sums plain, margin moments merged exactly: the
+    shards' [2]-sized moments are gathered and merged by kernels' reduce_moments)."""
     psum = lambda x: jax.lax.psum(x, axes)  # noqa: E731
-    count = psum(sums.count)
-    mean = psum(sums.count * sums.margin_mean) / jnp.maximum(count, 1.0)
-    m2 = psum(sums.margin_m2 + sums.count * jnp.square(sums.margin_mean - mean))
+    gather = lambda x: jax.lax.all_gather(x, axes)  # noqa: E731  [shards, 2]
+    count, mean, m2 = reduce_moments(gather(sums.count), gather(sums.margin_mean),
+                                     gather(sums.margin_m2))
     return sums._replace(centroid_sum=psum(sums.centroid_sum), weight_sum=psum(sums.weight_sum),
                          count=count, margin_mean=mean, margin_m2=m2,
                          correct=psum(sums.correct), lam_sum=psum(sums.lam_sum),
