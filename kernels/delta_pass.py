@@ -3,7 +3,8 @@
 DELTA_SPEC.md sections 2.0-2.7. For every token of a (flattened) batch of cached features
 
     v = (1 - p) h                                  (last-layer proxy, fp32)
-    s = v . W + b,  W = mu+ - mu-,  b = -(|mu+|^2 - |mu-|^2) / 2   (discriminator score)
+    s = v . W + b,  W = mu+ - mu-,  b = -(|mu+|^2 - |mu-|^2) / 2   (discriminator score;
+                                                   b is formed as -W . (mu+ + mu-) / 2)
     Delta = 2 sign(a) s                            (margin; sign(a) picks the side)
     alpha = sigmoid(Delta / gamma_side)            (or 1 when use_alpha=False)
 
@@ -86,7 +87,9 @@ def _check_and_flatten(h, p, a, mask, mu_pos, mu_neg):
     mu_pos = mu_pos.astype(jnp.float32)
     mu_neg = mu_neg.astype(jnp.float32)
     w = mu_pos - mu_neg
-    b = -0.5 * (jnp.sum(mu_pos * mu_pos) - jnp.sum(mu_neg * mu_neg))
+    # |mu+|^2 - |mu-|^2 = (mu+ - mu-) . (mu+ + mu-): no difference of large squared norms (which
+    # loses O(|mu|^2 * eps) in fp32), the same form as delta_jax.rl.delta._scores.
+    b = -0.5 * jnp.dot(w, mu_pos + mu_neg, precision=_HIGHEST)
     return (
         h.reshape(n, hidden),
         p.reshape(n).astype(jnp.float32),

@@ -249,3 +249,33 @@ def test_moments_merge_to_the_whole():
         for side in range(2):
             for k, tol in ((0, 0.0), (1, 1e-6), (2, 1e-4)):
                 np.testing.assert_allclose(float(got[k][side]), want[side][k], rtol=tol)
+
+
+def test_bias_survives_large_centroid_norms():
+    """Centroids of norm ~1e4 a unit apart, features around their midpoint: the score
+    b + v . W is O(1) while |mu|^2 ~ 1e8. Forming b from |mu+|^2 - |mu-|^2 in fp32 loses O(10)
+    to rounding; b = -(mu+ - mu-) . (mu+ + mu-) / 2 (the jnp path's form) does not."""
+    rng = np.random.default_rng(12)
+    n, hidden = 200, 64
+    centre = rng.normal(size=hidden)
+    centre *= 1e4 / np.linalg.norm(centre)
+    half_gap = 0.5 * rng.normal(size=hidden) / np.sqrt(hidden)          # |mu+ - mu-| ~ 1
+    mu_pos = jnp.asarray(centre + half_gap, jnp.float32)
+    mu_neg = jnp.asarray(centre - half_gap, jnp.float32)
+    h = jnp.asarray(centre + rng.normal(size=(n, hidden)), jnp.float32)  # p = 0: v = h
+    p = jnp.zeros((n,), jnp.float32)
+    a = jnp.asarray(rng.choice(np.array([1.0, -1.0, 0.5, -0.5], np.float32), size=n))
+    mask = jnp.ones((n,), jnp.float32)
+    inputs = (h, p, a, mask, mu_pos, mu_neg, np.float32(1.0), np.float32(1.0))
+    want = spec_float64(*inputs, use_alpha=True, lam_range=LAM_RANGE)
+    assert np.all(np.sqrt(want["margin_m2"] / want["count"]) > 0.3)  # margins of O(1)
+    for name, sums in (("reference", delta_pass_reference(*inputs, lam_range=LAM_RANGE)),
+                       ("pallas", _kernel(*inputs, lam_range=LAM_RANGE, block_tokens=32,
+                                          block_hidden=32, num_programs=3))):
+        for field in ("margin_mean", "margin_m2", "weight_sum"):
+            scale = None
+            if field == "margin_mean":
+                scale = np.abs(want[field]) + np.sqrt(want["margin_m2"] / want["count"])
+            assert_close(getattr(sums, field), want[field], 1e-2, scale=scale,
+                         name=f"{name} {field}")
+        assert_close(sums.lam, want["lam"], 1e-2, name=f"{name} lam")
