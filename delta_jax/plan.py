@@ -34,14 +34,10 @@ from jax.sharding import AbstractMesh
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
+from delta_jax.sampling import bucket_size
 
 GB = 1e9
 FEATURE_CACHE_MODES = ("device", "host", "recompute")  # config.delta.feature_cache
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    """The sampler's power-of-two length buckets (sampling.bucket_size)."""
-    return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
@@ -277,12 +273,13 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
 
     # Rollout: the KV cache of one sampler call, and the prefill's attention scores.
     s_rows = rows_per_device(sampler_rows)
-    slots = _bucket(prompt_len) + _bucket(response_len)
+    # The sampler's power-of-two length buckets (its default minimum of 16).
+    slots = bucket_size(prompt_len, 16) + bucket_size(response_len, 16)
     K_loc = _div(model_cfg.num_kv_heads, tensor)
     kv = 2 * L * s_rows * slots * K_loc * model_cfg.head_dim * a
     prefill_prompts = max(1, sampler_rows // group_size)
     p_rows = rows_per_device(prefill_prompts)
-    P = _bucket(prompt_len)
+    P = bucket_size(prompt_len, 16)
 
     def prefill_bytes(kind):  # the prefill's attention intermediates, one layer at a time
         pre = _layer_activation_bytes(model_cfg, p_rows, P, tensor, kind, backward=False)
