@@ -39,12 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from delta_jax import models
+from delta_jax import sharding as sharding_lib
 from delta_jax.sampling_utils import SamplingParams, sample_tokens
 
-DEFAULT_BATCH_AXES = ("data", "fsdp")
+DEFAULT_BATCH_AXES = tuple(sharding_lib.DEFAULT_RULES["batch"])  # ("data", "fsdp")
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,19 +183,6 @@ class GenerationOutput:
 # Jitted programs
 
 
-def _batch_constraint(x, batch_spec, axis):
-    """Shard dim `axis` of x over the batch mesh axes, leave the others to the compiler.
-
-    batch_spec: None (no mesh: nothing to do) or (mesh, batch axis names).
-    """
-    if batch_spec is None:
-        return x
-    mesh, axes = batch_spec
-    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
-    spec[axis] = axes
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_copies", "response_slots",
                                              "batch_spec"))
 def _prefill(graphdef, state, prompt_ids, prompt_mask, *, num_copies, response_slots,
@@ -217,8 +205,13 @@ def _prefill(graphdef, state, prompt_ids, prompt_mask, *, num_copies, response_s
                 return_logits=False)
     logits = model.logits(out.hidden[:, -1:])[:, 0]  # prompts are right-aligned
 
+    mesh, batch_axes = batch_spec or (None, None)
+
     def share(x, axis):  # repeat each prompt's row num_copies times along the batch axis
-        return _batch_constraint(jnp.repeat(x, num_copies, axis=axis), batch_spec, axis)
+        # Dim `axis` over the batch mesh axes, the others left to the compiler.
+        return sharding_lib.constrain_batch(jnp.repeat(x, num_copies, axis=axis), mesh,
+                                            axis=axis, batch_axes=batch_axes,
+                                            others=PartitionSpec.UNCONSTRAINED)
 
     def grow(x):  # [layers, N, P, ...] -> [layers, N, P + response_slots, ...]
         pad = [(0, 0)] * x.ndim
@@ -269,8 +262,12 @@ def _decode(graphdef, state, cache, logits, kv_mask, next_position, active, prom
         stopped = stopped | hit_stop
         return token, (tokens_buf, logp_buf, tlogp_buf, stopped), done | hit_stop, lengths
 
+    mesh, batch_axes = batch_spec or (None, None)
+
     def fresh(dtype):
-        return _batch_constraint(jnp.zeros((num_rows, response_slots), dtype), batch_spec, 0)
+        return sharding_lib.constrain_batch(jnp.zeros((num_rows, response_slots), dtype), mesh,
+                                            batch_axes=batch_axes,
+                                            others=PartitionSpec.UNCONSTRAINED)
 
     buffers = (fresh(jnp.int32), fresh(jnp.float32), fresh(jnp.float32),
                jnp.zeros((num_rows,), bool))
@@ -355,18 +352,10 @@ class Sampler:
             self.state = model_or_state
 
     # ---------------------------------------------------------------------------------------
-    def _put(self, x, spec_axes: int = 1):
-        """Place a host array on the device(s): batch-sharded (leading axis) with a mesh."""
-        if self.mesh is None:
-            return jnp.asarray(x)
-        spec = PartitionSpec(self._batch_axes) if spec_axes else PartitionSpec()
-        sharding = NamedSharding(self.mesh, spec)
-        if sharding.is_fully_addressable:
-            return jax.device_put(x, sharding)
-        # A mesh spanning processes: every process holds the same host value and contributes
-        # only its own devices' shards.
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    def _put(self, x):
+        """Place a host array on the device(s): rows over the sampler's batch axes with a mesh
+        (every process of a multi-host mesh holds the same host value)."""
+        return sharding_lib.put_rows(x, self.mesh, batch_axes=self._batch_axes)
 
     def _prepare_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

@@ -13,7 +13,7 @@ axis names through one rules table, and jit/GSPMD partitions the programs.
     batch = put_batch({"input_ids": ids, ...}, mesh)      # rows over ("data", "fsdp")
 
 Logical names: the parameters' names come from the model (models.transformer LAYER_AXES, the
-`out_sharding` metadata of each nnx.Param; models.cache.CACHE_AXES for the KV cache); the main
+`out_sharding` metadata of each nnx.Param; the KV cache's `logical_axes`); the main
 activations' names are in ACTIVATION_AXES below. A mesh axis that does not divide an array
 dimension is dropped for that dimension (replicated there) with a logged note, so one rules table
 works for every model size and mesh. A mesh axis is used at most once per array.
@@ -278,39 +278,69 @@ def activation_sharding(kind: str, shape, mesh: Mesh,
     return logical_sharding(axes, shape, mesh, rules)
 
 
-def batch_sharding(shape, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES) -> NamedSharding:
-    """Rows (dim 0) over the batch axes, the other dimensions replicated."""
-    return logical_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules)
+def _with_batch_axes(rules: Mapping[str, Any], batch_axes: Optional[Sequence[str]]):
+    """`rules` with the "batch" rule replaced by explicit mesh axes (None: unchanged)."""
+    return rules if batch_axes is None else {**rules, "batch": tuple(batch_axes)}
+
+
+def batch_sharding(shape, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES, *,
+                   batch_axes: Optional[Sequence[str]] = None) -> NamedSharding:
+    """Rows (dim 0) over the batch axes, the other dimensions replicated. batch_axes: mesh axes
+    to use instead of rules["batch"] (e.g. a sampler's own batch_axes)."""
+    return logical_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh,
+                            _with_batch_axes(rules, batch_axes))
+
+
+def put_rows(x, mesh: Optional[Mesh], rules: Mapping[str, Any] = DEFAULT_RULES, *,
+             batch_axes: Optional[Sequence[str]] = None):
+    """Places one global host array row-sharded on the mesh (put_global of batch_sharding);
+    jnp.asarray without a mesh."""
+    if mesh is None:
+        import jax.numpy as jnp
+        return jnp.asarray(x)
+    return put_global(x, batch_sharding(np.shape(x), mesh, rules, batch_axes=batch_axes))
 
 
 def put_batch(batch: Mapping[str, Any], mesh: Optional[Mesh],
-              rules: Mapping[str, Any] = DEFAULT_RULES) -> dict:
+              rules: Mapping[str, Any] = DEFAULT_RULES, *,
+              batch_axes: Optional[Sequence[str]] = None) -> dict:
     """Places a dict of global host arrays row-sharded on the mesh (jnp.asarray without one)."""
-    import jax.numpy as jnp
-    if mesh is None:
-        return {k: jnp.asarray(v) for k, v in batch.items()}
-    return {k: put_global(v, batch_sharding(np.shape(v), mesh, rules)) for k, v in batch.items()}
+    return {k: put_rows(v, mesh, rules, batch_axes=batch_axes) for k, v in batch.items()}
 
 
 def constrain_batch(tree, mesh: Optional[Mesh], rules: Mapping[str, Any] = DEFAULT_RULES,
-                    axis: int = 0):
+                    axis: int = 0, *, batch_axes: Optional[Sequence[str]] = None,
+                    others=None):
     """with_sharding_constraint: dim `axis` of every array over the batch axes (inside jit).
-    No-op without a mesh."""
+    No-op without a mesh. batch_axes: mesh axes instead of rules["batch"]. others: the spec of
+    the other dimensions, None (replicated) or PartitionSpec.UNCONSTRAINED (left to the
+    compiler)."""
     if mesh is None:
         return tree
+    rules = _with_batch_axes(rules, batch_axes)
 
     def one(x):
         axes = [None] * x.ndim
         axes[axis] = "batch"
         spec = logical_to_spec(axes, x.shape, mesh, rules)
+        if others is not None:
+            entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+            spec = PartitionSpec(*(e if d == axis else others for d, e in enumerate(entries)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     return jax.tree.map(one, tree)
 
 
-def cache_shardings(cache, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES):
-    """Shardings of a models.KVCache (or its eval_shape) by models.CACHE_AXES."""
-    from delta_jax import models
-    return jax.tree.map(lambda x: logical_sharding(models.CACHE_AXES, x.shape, mesh, rules), cache)
+def cache_shardings(cache, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES,
+                    axes: Optional[Sequence[Optional[str]]] = None):
+    """Shardings of a KV cache (or its eval_shape): each array by the logical names `axes`,
+    by default the cache type's own `logical_axes` (models.KVCache declares models.CACHE_AXES).
+    This module knows no model: the cache brings its names, as parameters do."""
+    if axes is None:
+        axes = getattr(cache, "logical_axes", None)
+        if axes is None:
+            raise ValueError(f"cache_shardings: {type(cache).__name__} declares no logical_axes; "
+                             "pass axes=")
+    return jax.tree.map(lambda x: logical_sharding(axes, x.shape, mesh, rules), cache)
 
 
 def local_shard_bytes(tree, device=None) -> int:

@@ -2,6 +2,10 @@
 shardings, the KV cache, multi-host settings. (The full RL step on meshes is in
 test_sharded_rl_step.py; two processes in test_multihost.py.)"""
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +107,25 @@ def test_put_batch_and_constraint():
     assert len(unplaced["input_ids"].sharding.device_set) == 1
 
 
+def test_explicit_batch_axes_and_unconstrained_others():
+    """batch_axes= overrides rules["batch"] (the sampler's own axes); others= leaves the other
+    dimensions to the compiler."""
+    _need8()
+    mesh = sharding.make_mesh(2, 4, 1)
+    x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    assert sharding.put_rows(x, mesh, batch_axes=("data",)).sharding.shard_shape((8, 3)) == (4, 3)
+    assert sharding.put_rows(x, mesh, batch_axes=()).sharding.shard_shape((8, 3)) == (8, 3)
+    assert sharding.put_rows(x, None).sharding.device_set == {jax.devices()[0]}
+
+    jaxpr = jax.make_jaxpr(lambda y: sharding.constrain_batch(
+        y, mesh, axis=1, batch_axes=("fsdp",), others=P.UNCONSTRAINED))(jnp.ones((3, 8, 2)))
+    (eqn,) = jaxpr.eqns
+    assert eqn.params["sharding"].spec == P(P.UNCONSTRAINED, "fsdp", P.UNCONSTRAINED)
+    out = jax.jit(lambda y: sharding.constrain_batch(y, mesh, axis=1, batch_axes=("fsdp",)))(
+        jnp.ones((3, 8, 2)))
+    assert out.sharding.spec == P(None, "fsdp")
+
+
 def test_cache_shardings_follow_cache_axes():
     _need8()
     cfg = models.get_preset("tiny")
@@ -112,6 +135,31 @@ def test_cache_shardings_follow_cache_axes():
     # [layers, batch, slots, kv_heads, head_dim]: batch over (data, fsdp), kv heads over tensor.
     assert sh.k.spec == P(None, ("data", "fsdp"), None, "tensor")
     assert sh.k.shard_shape(cache.k.shape) == (2, 2, 16, 1, 32)
+    # Any cache pytree, given its names; one that declares none is a clear error.
+    plain = {"k": cache.k}
+    assert sharding.cache_shardings(plain, mesh, axes=models.CACHE_AXES)["k"] == sh.k
+    with pytest.raises(ValueError, match="logical_axes"):
+        sharding.cache_shardings(plain, mesh)
+
+
+def test_sharding_is_the_bottom_layer():
+    """delta_jax.sharding imports no delta_jax module (the models import it, not the reverse),
+    also when its cache and batch helpers run."""
+    code = (
+        "import sys, jax, numpy as np\n"
+        "import delta_jax.sharding as s\n"
+        "mesh = s.make_mesh(-1, 1, 1)\n"
+        "cache = {'k': jax.ShapeDtypeStruct((2, 4, 8, 1, 16), np.float32)}\n"
+        "s.cache_shardings(cache, mesh, axes=('layers', 'cache_batch', 'cache_sequence',"
+        " 'kv_heads', 'head_dim'))\n"
+        "s.put_batch({'x': np.zeros((4, 2))}, mesh)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('delta_jax.'))\n"
+        "assert loaded == ['delta_jax.sharding'], loaded\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_distributed_settings():

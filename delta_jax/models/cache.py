@@ -6,6 +6,8 @@ should donate the old one (jax.jit(..., donate_argnums=...)) so XLA updates it i
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,8 @@ CACHE_AXES = ("layers", "cache_batch", "cache_sequence", "kv_heads", "head_dim")
 class KVCache:
   k: jax.Array  # [layers, B, S, num_kv_heads, head_dim]
   v: jax.Array  # [layers, B, S, num_kv_heads, head_dim]
+  # The arrays' logical names: sharding.cache_shardings reads them from the cache.
+  logical_axes: ClassVar[tuple] = CACHE_AXES
 
   @property
   def max_len(self) -> int:

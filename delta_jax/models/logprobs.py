@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from delta_jax import sharding as sharding_lib
+
 LOGPROB_IMPLS = ("chunked", "fused")
 
 
@@ -101,8 +103,6 @@ def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_imp
   if mesh is None or choice == "reference":
     # The jnp reference is ordinary XLA: the SPMD partitioner shards it like any matmul.
     return flat(hidden, w, labels)
-  from delta_jax import sharding as sharding_lib
-
   axes = sharding_lib.batch_axes(mesh)
   if not axes:
     return flat(hidden, w, labels)
