@@ -128,10 +128,20 @@ def run_variant(args, variant: str, workdir: str) -> dict:
     vocab = cfg.model.vocab_size or run.tokenizer.vocab_size
     run.data_iter = fixed_prompts(args.prompts, args.prompt_len, vocab, args.seed)
     state = place_state(run, init_train_state(run.initial_params, run.optimizer))
+    counters = {}
+    for name in ("old_pass", "ref_pass", "hidden_pass", "topk_proxy_pass", "train_step"):
+        fn = getattr(run, name)
+        if fn is not None:  # count the calls of each jitted program
+            def counted(*a, _fn=fn, _name=name, **kw):
+                counters[_name] = counters.get(_name, 0) + 1
+                return _fn(*a, **kw)
+            setattr(run, name, counted)
     steps = []
     try:
         for step in range(args.warmup_steps + args.steps):
-            state, metrics = rl_step(run, state, step)
+            out = rl_step(run, state, step)
+            state, metrics = out.state, out.metrics
+            del out
             row = {k: float(metrics[f"time/{k}"]) for k in PHASES}
             row["warmup"] = step < args.warmup_steps
             row["reward_mean"] = float(metrics.get("rollout/reward_mean",
@@ -147,7 +157,7 @@ def run_variant(args, variant: str, workdir: str) -> dict:
     timed = [s for s in steps if not s["warmup"]]
     median = {k: statistics.median(s[k] for s in timed) for k in PHASES}
     return {"variant": variant, "median": median, "steps": steps,
-            "counters": dict(run.counters)}
+            "counters": counters}
 
 
 def main(argv=None):

@@ -323,18 +323,21 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
 
 
 def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: float = EVAL_TOP_P,
-                        top_k: int = -1, max_new_tokens: int = 4096, seed: int = 0
+                        top_k: int = -1, max_new_tokens: int = 4096, seed: int = 0,
+                        stop_token_ids=None, seeds: Callable[[int], int] | None = None
                         ) -> GenerateFn:
     """Adapts a delta_jax.sampling.Sampler (built with a tokenizer) to the generate_fn protocol.
 
-    Each call uses a new seed (seed, seed + 1, ...) so repeated calls draw fresh samples.
+    Call i (from 0) samples with seed `seeds(i)` when given, else `seed + i`, so repeated calls
+    draw fresh samples. stop_token_ids: as Sampler.generate (default: the tokenizer's EOS).
     """
     calls = [0]
 
     def generate_fn(prompts: list[str], n: int) -> list[list[str]]:
+        call_seed = seeds(calls[0]) if seeds is not None else seed + calls[0]
         out = sampler.generate(list(prompts), n=n, temperature=temperature, top_p=top_p,
                                top_k=top_k, max_new_tokens=max_new_tokens,
-                               seed=seed + calls[0])
+                               stop_token_ids=stop_token_ids, seed=call_seed)
         calls[0] += 1
         if out.texts is None:
             raise ValueError("sampler_generate_fn needs a Sampler built with a tokenizer "

@@ -68,6 +68,10 @@ class TokenView:
 # ----------------------------------------------------------------------------- computing
 
 
+# Config sections of earlier versions that no longer exist (and never changed a run's results).
+_RETIRED_SECTIONS = ("debug",)
+
+
 def load_run_config(workdir: str):
     """The run's resolved config (<workdir>/config.json) on top of today's schema, in train mode."""
     from ml_collections import config_dict
@@ -84,6 +88,8 @@ def load_run_config(workdir: str):
 
     def merge(node, values, prefix):
         for key, value in values.items():
+            if not prefix and key in _RETIRED_SECTIONS:
+                continue
             if key not in node:
                 raise ValueError(f"{path}: unknown config field {prefix}{key}")
             if isinstance(node[key], config_dict.ConfigDict):
@@ -99,20 +105,16 @@ def load_run_config(workdir: str):
 
 def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
     """Rolls out RL step `step` + 1's prompts with the policy of checkpoint `step` (default: the
-    latest) and computes their DelTA coefficients exactly as the trainer does."""
+    latest) and computes their DelTA coefficients with the trainer's own step
+    (rl_step.prepare_batch, on the run's mesh)."""
     import jax
-    import jax.numpy as jnp
 
-    from delta_jax.rl.advantages import compute_advantages
-    from delta_jax.train import features as features_lib
     from delta_jax.train import rl_step as rl_step_lib
     from delta_jax.train import run as run_lib
-    from delta_jax.train import rollout as rollout_lib
-    from delta_jax.train.config import method_settings
     from delta_jax.train.state import init_train_state
 
     cfg = load_run_config(workdir)
-    run = run_lib.build_run(cfg, workdir)
+    run = run_lib.build_run(cfg, workdir, with_delta=True)
     try:
         steps = run.ckpt.all_steps()
         if not steps:
@@ -122,44 +124,24 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
             raise ValueError(f"--step {step}: no such checkpoint in {run.ckpt.directory} "
                              f"(have {sorted(steps)})")
         state, data_state, _ = run.ckpt.restore(
-            step, init_train_state(run.initial_params, run.optimizer))
-        params = state.params
-        # The records the rollout will use: peek at the iterator, then rewind it.
+            step, run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer)))
         run.data_iter.set_state(data_state)
-        records = next(run.data_iter)
-        run.data_iter.set_state(data_state)
-        samples, rewards, accuracy, _ = rl_step_lib.collect_rollout(run, params, step + 1)
-        if samples.num_prompts != len(records):  # dynamic sampling refilled the batch
-            records = [{"problem": run.tokenizer.decode(p), "answer": "?"}
-                       for p in samples.prompt_ids]
-
-        G = cfg.rollout.group_size
-        adv = np.asarray(compute_advantages(jnp.asarray(rewards),
-                                            method=method_settings(cfg).advantage, group_size=G))
-        rb = rollout_lib.pack_rollout(samples, adv, rewards, run.tokenizer.pad_token_id)
-        batch = {"input_ids": jnp.asarray(rb.input_ids),
-                 "attention_mask": jnp.asarray(rb.attention_mask),
-                 "response_mask": jnp.asarray(rb.response_mask),
-                 "advantages": jnp.asarray(rb.advantages)}
-        keep = {"device": "device", "host": "host"}.get(cfg.delta.feature_cache, "drop")
-        logp, _, hidden = features_lib.run_in_chunks(
-            run.old_pass, params, batch["input_ids"], batch["attention_mask"], rb.response_len,
-            chunk=min(rb.num_rows, cfg.rollout.max_batch_size), keep_hidden=keep)
-        weights, diag = rl_step_lib.compute_delta_weights(run, params, batch, logp, hidden,
-                                                   batch["advantages"], batch["response_mask"])
-        weights, logp = jax.device_get((weights, logp))
+        prep = rl_step_lib.prepare_batch(run, state.params, step + 1)
+        rb, roll = prep.packed, prep.rollout
+        # The DelTA weights whatever the run's method (grpo / dapo train with the mask).
+        weights, logp = jax.device_get((prep.delta_weights, prep.batch["old_logp"]))
         token_ids = rb.input_ids[:, rb.prompt_len:]
         ids = np.unique(token_ids[rb.response_mask > 0])
         return TokenView(
-            step=step, method=cfg.method, group_size=G, token_ids=token_ids,
+            step=step, method=cfg.method, group_size=cfg.rollout.group_size, token_ids=token_ids,
             mask=rb.response_mask, weights=np.asarray(weights, np.float32),
             token_prob=np.exp(np.asarray(logp, np.float32)) * rb.response_mask,
             advantages=rb.advantages, rewards=rb.rewards,
-            accuracy=np.asarray(accuracy, np.float32),
-            problems=[r["problem"] for r in records], answers=[str(r["answer"]) for r in records],
+            accuracy=np.asarray(roll.accuracy, np.float32),
+            problems=[r["problem"] for r in roll.records],
+            answers=[str(r["answer"]) for r in roll.records],
             token_text={int(i): run.tokenizer.decode([int(i)]) for i in ids},
-            diagnostics={k: float(v) for k, v in jax.device_get(diag).items()
-                         if np.asarray(v).size == 1},
+            diagnostics=dict(prep.delta_diagnostics),
             settings={"lam_min": cfg.delta.lam_min, "lam_max": cfg.delta.lam_max,
                       "num_refine": cfg.delta.num_refine,
                       "temperature": cfg.rollout.temperature})

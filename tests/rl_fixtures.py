@@ -1,10 +1,9 @@
 """Shared set-up of the tests that run the real RL trainer on a tiny model (not a test module).
 
-    from rl_fixtures import build_scored_run, initial_state, tiny_rl_config
+    from tests.rl_fixtures import build_scored_run, initial_state, tiny_rl_config
 
-Importable as a top-level module because pytest's default ("prepend") import mode puts each
-test file's folder, tests/ (no __init__.py), first on sys.path, as for
-`from test_delta import ...` in tests/test_delta_sharded.py.
+tests/ is a package and pytest.ini puts the repository root on sys.path, so this imports the
+same way under any pytest import mode and from a plain `python` started in the root.
 
 tiny_rl_config: default_config() shrunk to a random-init 2-layer width-32 model (GQA 2/1 heads)
 on the built-in synthetic task (64 train / 4 test problems, level 1, prompts <= 32 tokens), one
@@ -95,6 +94,37 @@ def initial_state(run):
     """The run's initial TrainState (its initial parameters + fresh optimizer state), placed on
     the run's mesh."""
     return run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+
+
+PROGRAMS = ("old_pass", "ref_pass", "hidden_pass", "topk_proxy_pass", "train_step")
+
+
+def count_calls(run, programs=PROGRAMS) -> dict:
+    """Wraps the run's jitted programs (those that exist) so that every call is counted; returns
+    the live counts {program name: calls} (a program never called has no entry)."""
+    counts = {}
+    for name in programs:
+        fn = getattr(run, name)
+        if fn is None:
+            continue
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+        setattr(run, name, counted)
+    return counts
+
+
+class StepRecorder:
+    """A loop.train step hook that keeps host copies of what each RL step trained on:
+    batches[step] (the train batch, with old_logp and token_weights) and params_after[step]."""
+
+    def __init__(self):
+        self.batches, self.params_after = {}, {}
+
+    def __call__(self, run, step, out):
+        self.batches[step] = jax.device_get(out.batch)
+        self.params_after[step] = jax.device_get(out.state.params)
 
 
 def tree_max_abs_diff(a, b):

@@ -4,15 +4,18 @@ One module-scoped set of runs (kept small: a 2-layer width-32 model, 4 prompts x
 16 new tokens) serves every test:
   * delta, 6 steps in-process (checkpoint every 3, SFT warm start, eval after);
   * dapo and grpo, 2 steps in-process;
-  * delta again as real processes: killed with SIGKILL right after the step-3 checkpoint, then
-    resumed to step 6; its parameters must equal the uninterrupted in-process run's.
+  * delta again as real processes: killed with SIGKILL by the test as soon as the step-3
+    checkpoint is on disk, then resumed to step 6; its parameters must equal the uninterrupted
+    in-process run's.
 """
 import glob
 import json
 import os
 import pathlib
 import subprocess
+import signal
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,7 @@ from delta_jax.train import loop
 from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import validate_config
-from rl_fixtures import LOOP_WITHOUT_EVAL, TINY_MODEL
+from tests.rl_fixtures import LOOP_WITHOUT_EVAL, TINY_MODEL, StepRecorder, count_calls
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # experiments/tiny.py (the default job) shrunk: the shared tiny model, 4 prompts x 4 samples,
@@ -73,12 +76,15 @@ def load_config(path, **overrides):
 
 
 def run_in_process(config_path, workdir, steps, **overrides):
+    """(cfg, final state, run, StepRecorder of every step, program call counts)."""
     cfg = validate_config(load_config(config_path, **overrides))
     run = run_lib.build_run(cfg, str(workdir))
-    run.debug_record = True
-    state, run = loop.train(cfg, str(workdir), run=run)
+    calls = count_calls(run)
+    record = StepRecorder()
+    state, run = loop.train(cfg, str(workdir), run=run,
+                            step_hooks=(loop.write_weight_histogram, record))
     run.close()
-    return cfg, state, run
+    return cfg, state, run, record, calls
 
 
 @pytest.fixture(scope="module")
@@ -129,19 +135,18 @@ def test_method_settings_reach_the_loss(runs):
     assert runs["dapo"][0].rl.eps_high == 0.28 and runs["dapo"][0].rewards.overlong
     # Without DelTA every valid token has weight 1; with it they vary around mean 1.
     for method in ("dapo", "grpo"):
-        b = runs[method][2].debug["batch"]
+        b = runs[method][3].batches[2]
         np.testing.assert_array_equal(b["token_weights"], b["response_mask"])
-    b = runs["delta"][2].debug["batch"]
+    b = runs["delta"][3].batches[6]
     mask = b["response_mask"] > 0
     assert np.std(b["token_weights"][mask]) > 0
     np.testing.assert_allclose(b["token_weights"][mask].mean(), 1.0, atol=1e-5)
 
 
 def test_delta_weights_equal_coefficients_of_a_separate_forward_pass(runs):
-    cfg, _, run = runs["delta"]
-    rec = run.debug
-    b = rec["batch"]
-    model = nnx.merge(run.graphdef, jax.tree.map(jnp.asarray, rec["params"]), run.rest)
+    cfg, _, run, record, _ = runs["delta"]
+    b = record.batches[6]  # trained with the parameters after step 5
+    model = nnx.merge(run.graphdef, jax.tree.map(jnp.asarray, record.params_after[5]), run.rest)
     out = model(jnp.asarray(b["input_ids"]), attention_mask=jnp.asarray(b["attention_mask"]))
     R = b["response_mask"].shape[1]
     logits = out.logits[:, -R - 1:-1] / cfg.rollout.temperature
@@ -160,11 +165,12 @@ def test_delta_weights_equal_coefficients_of_a_separate_forward_pass(runs):
 def test_delta_adds_no_forward_pass(runs):
     per_step = {}
     for method, steps in (("delta", 6), ("dapo", 2), ("grpo", 2)):
-        counters = runs[method][2].counters
-        per_step[method] = {k: v / steps for k, v in counters.items()}
+        calls = runs[method][4]
+        per_step[method] = {k: v / steps for k, v in calls.items()}
     assert per_step["delta"] == per_step["dapo"] == per_step["grpo"]
-    assert per_step["delta"]["old_policy_forward"] == 1  # 16 rows fit one chunk
-    assert "trunk_forward" not in per_step["delta"]
+    assert per_step["delta"]["old_pass"] == 1  # 16 rows fit one chunk
+    assert per_step["delta"]["train_step"] == 2  # 4 prompts in mini-batches of 2
+    assert "hidden_pass" not in per_step["delta"]
 
 
 def test_resume_after_sigkill_is_exact(runs):
@@ -172,9 +178,18 @@ def test_resume_after_sigkill_is_exact(runs):
     cmd = [sys.executable, "-m", "delta_jax.main", f"--config={runs['config']}",
            f"--workdir={workdir}"]
     env = dict(os.environ)
-    first = subprocess.run(cmd + ["--config.debug.kill_after_step=3"], env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=900)
-    assert first.returncode == -9, first.stderr[-3000:]
+    # A real crash: SIGKILL as soon as checkpoint 3 is complete (Orbax renames a finished
+    # checkpoint into checkpoints/3; the next one is due at step 6).
+    log_path = runs["base"] / "killed.log"
+    with open(log_path, "w") as log:
+        first = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        done = workdir / "checkpoints" / "3"
+        deadline = time.monotonic() + 900
+        while not done.is_dir() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    assert first.returncode == -9, log_path.read_text()[-3000:]
     ckpt = Checkpointer(str(workdir / "checkpoints"))
     assert ckpt.latest_step() == 3
     ckpt.close()
@@ -183,7 +198,7 @@ def test_resume_after_sigkill_is_exact(runs):
     rows = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows if "policy/loss" in r] == [1, 2, 3, 4, 5, 6]
 
-    _, reference, _ = runs["delta"]
+    reference = runs["delta"][1]
     ckpt = Checkpointer(str(workdir / "checkpoints"))
     resumed, _, meta = ckpt.restore(6, reference)
     ckpt.close()

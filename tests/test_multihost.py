@@ -1,7 +1,8 @@
 """Two processes on CPU (jax.distributed with a local coordinator, gloo collectives), each with
 2 local CPU devices, run an old-policy pass, DelTA coefficients and a train step on one
 (data=1, fsdp=2, tensor=2) mesh spanning both processes; the updated parameters and DelTA weights
-equal the single-process result.
+equal the single-process result. A second pair keeps the DelTA features in the host cache (each
+process holds its own shards) and exports the policy from both processes into one directory.
 
 The workers are this file run as a script, in a fresh environment without the test session's
 8-device XLA_FLAGS; they are killed if they do not finish in time.
@@ -86,7 +87,36 @@ def flat_params(params):
             for p, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def worker(process_id: int, port: int, out_path: str):
+def host_cache_and_export(mesh, new_state, export_dir):
+    """On the mesh: DelTA weights from the host feature cache (phases, keep_hidden="host") and
+    from the device cache; the updated policy exported with models.save_pretrained."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from delta_jax import models, sharding
+    from delta_jax.train import features, phases
+    from delta_jax.train.state import split_model
+
+    model = models.Transformer(model_config(), rngs=nnx.Rngs(0))
+    sharding.shard_model(model, mesh)
+    graphdef, _, rest = split_model(model)
+    batch = sharding.put_batch(host_batch(), mesh)
+    old_pass = features.make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=4,
+                                             mesh=mesh)
+    weights = {}
+    for mode in ("device", "host"):
+        settings = phases.DeltaSettings(feature_cache=mode, recompute_chunk=4)
+        old = phases.old_policy_features(old_pass, new_state.params, batch["input_ids"],
+                                         batch["attention_mask"], RESP, row_chunk=4,
+                                         keep_hidden=mode)
+        source = phases.delta_feature_source(old, settings)
+        weights[mode], _ = phases.delta_weights(source, batch["advantages"],
+                                                batch["response_mask"], settings)
+    models.save_pretrained(nnx.merge(graphdef, new_state.params, rest), export_dir)
+    return weights
+
+
+def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     from delta_jax import sharding
     index, count = sharding.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
     import jax
@@ -97,11 +127,13 @@ def worker(process_id: int, port: int, out_path: str):
     new_state, weights, metrics = one_step(mesh)
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
+    cached = host_cache_and_export(mesh, new_state, export_dir) if export_dir else {}
     gathered = multihost_utils.process_allgather(
-        {"params": new_state.params, "weights": weights}, tiled=True)
+        {"params": new_state.params, "weights": weights, "cached": cached}, tiled=True)
     if index == 0:
         out = {"w/weights": np.asarray(gathered["weights"]),
                "m/loss": np.asarray(jax.device_get(metrics["loss"]))}
+        out.update({"c/" + k: np.asarray(v) for k, v in gathered["cached"].items()})
         out.update({"p/" + k: v for k, v in flat_params(gathered["params"]).items()})
         np.savez(out_path, **out)
     multihost_utils.sync_global_devices("done")
@@ -114,16 +146,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
-    import jax
-
+def run_two_processes(tmp_path, *extra):
+    """Runs worker() in two processes; returns the arrays process 0 saved."""
     out_path = tmp_path / "result.npz"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO / "tests") + os.pathsep + env.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, __file__, str(pid), str(port), str(out_path)],
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, __file__, str(pid), str(port), str(out_path),
+                               *extra],
                               env=env, cwd=str(REPO), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for pid in range(2)]
     logs = []
@@ -138,8 +170,13 @@ def test_two_processes_match_one(tmp_path):
         pytest.fail(f"the two processes did not finish within {TIMEOUT_S} s")
     for pid, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"process {pid} failed:\n{log[-3000:]}"
+    return dict(np.load(out_path))
 
-    got = dict(np.load(out_path))
+
+def test_two_processes_match_one(tmp_path):
+    import jax
+
+    got = run_two_processes(tmp_path)
     with jax.default_device(jax.devices()[0]):
         ref_state, ref_weights, ref_metrics = one_step(None)
     np.testing.assert_allclose(got["w/weights"], np.asarray(ref_weights), atol=1e-4)
@@ -157,5 +194,28 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_allclose(got["p/" + name], value, atol=2e-5, err_msg=name)
 
 
+def test_host_feature_cache_and_export_across_processes(tmp_path):
+    """Parameters and features that span two processes: the host feature cache gives the device
+    cache's DelTA weights, and save_pretrained called by both processes writes one directory
+    that loads back to the gathered parameters."""
+    from delta_jax import models
+
+    export_dir = tmp_path / "export"
+    got = run_two_processes(tmp_path, str(export_dir))
+    np.testing.assert_allclose(got["c/host"], got["c/device"], atol=1e-5)
+    valid = host_batch()["response_mask"] > 0
+    np.testing.assert_allclose(got["c/host"][valid].mean(), 1.0, atol=1e-5)
+    loaded = flat_params(_param_state(models.from_pretrained(str(export_dir))))
+    params = {k[2:]: v for k, v in got.items() if k.startswith("p/")}
+    assert loaded.keys() == params.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def _param_state(model):
+    from flax import nnx
+    return nnx.state(model, nnx.Param)
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

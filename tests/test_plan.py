@@ -196,7 +196,7 @@ def test_old_pass_peak_follows_the_configured_feature_cache():
 def test_plan_from_config_uses_delta_feature_cache():
     """From a run config (tiny model: 4 x 4 rows, 8 response tokens, hidden 32, one device):
     the host mode's peak is the device mode's minus the features of all but one 4-row chunk."""
-    from rl_fixtures import tiny_rl_config
+    from tests.rl_fixtures import tiny_rl_config
     cfgs = {mode: tiny_rl_config("delta", delta=dict(feature_cache=mode, recompute_chunk=4))
             for mode in ("device", "host")}
     plans = {mode: plan.plan_from_config(c, num_devices=1) for mode, c in cfgs.items()}

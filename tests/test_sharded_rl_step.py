@@ -20,8 +20,8 @@ import pytest
 
 from delta_jax import sharding
 from delta_jax.train import rl_step as rl_step_lib
-from rl_fixtures import (build_scored_run, initial_state, single_device_mesh, tiny_rl_config,
-                         tree_max_abs_diff)
+from tests.rl_fixtures import (build_scored_run, initial_state, single_device_mesh,
+                               tiny_rl_config, tree_max_abs_diff)
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
 
@@ -37,17 +37,18 @@ def make_config():
 
 def one_step(cfg, workdir, mesh):
     run = build_scored_run(cfg, workdir, mesh)
-    run.debug_record = True
     try:
         state = initial_state(run)
-        new_state, metrics = rl_step_lib.rl_step(run, state, 1)
-        return {"rewards": np.asarray(run.debug["rewards"]),
-                "input_ids": np.asarray(run.debug["batch"]["input_ids"]),
-                "weights": np.asarray(run.debug["batch"]["token_weights"]),
-                "old_logp": np.asarray(run.debug["batch"]["old_logp"]),
-                "params": jax.device_get(new_state.params),
-                "params_before": run.debug["params"],
-                "state": new_state, "metrics": metrics}
+        params_before = jax.device_get(state.params)  # the step donates the state
+        out = rl_step_lib.rl_step(run, state, 1)
+        batch = jax.device_get(out.batch)
+        return {"rewards": out.prepared.rollout.rewards,
+                "input_ids": np.asarray(batch["input_ids"]),
+                "weights": np.asarray(batch["token_weights"]),
+                "old_logp": np.asarray(batch["old_logp"]),
+                "params": jax.device_get(out.state.params),
+                "params_before": params_before,
+                "state": out.state, "metrics": out.metrics}
     finally:
         run.close()
 

@@ -144,13 +144,19 @@ def test_project_reward_accepts_the_solutions(splits):
     assert math_reward(sample[0]["solution"], str(int(sample[0]["answer"]) + 1)) == 0.0
 
 
-def test_prepare_tiny_task_is_idempotent(tmp_path):
+def test_synthetic_assets_are_made_once_and_remade_when_their_settings_change(tmp_path):
     from delta_jax.data import tiny_task
 
-    paths = tiny_task.prepare_tiny_task(str(tmp_path), num_train=50, num_test=10, seed=2)
-    assert os.path.isfile(os.path.join(paths["tokenizer"], "tokenizer.json"))
+    paths = tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), num_train=50, num_test=10,
+                                               seed=2)
     mtime = os.path.getmtime(paths["train"])
-    assert tiny_task.prepare_tiny_task(str(tmp_path), num_train=50, num_test=10, seed=2) == paths
+    assert tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), num_train=50, num_test=10,
+                                              seed=2) == paths
     assert os.path.getmtime(paths["train"]) == mtime  # reused, not rewritten
-    tiny_task.prepare_tiny_task(str(tmp_path), num_train=30, num_test=10, seed=2)
+    tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), num_train=30, num_test=10, seed=2)
     assert len(records.load_records(paths["train"])[0]) == 30
+    tok = tiny_task.prepare_tiny_tokenizer(str(tmp_path / "tok"))
+    assert os.path.isfile(os.path.join(tok, "tokenizer.json"))
+    mtime = os.path.getmtime(os.path.join(tok, "tokenizer.json"))
+    assert tiny_task.prepare_tiny_tokenizer(str(tmp_path / "tok")) == tok
+    assert os.path.getmtime(os.path.join(tok, "tokenizer.json")) == mtime

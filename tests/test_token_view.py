@@ -13,10 +13,11 @@ from flax import nnx
 
 from delta_jax import models, token_view
 from delta_jax.rl.delta import delta_coefficients
-from delta_jax.train import loop
+from delta_jax.train import loop, phases
 from delta_jax.train import run as run_lib
 from delta_jax.train.config import validate_config
 from delta_jax.train.state import split_model
+from tests.rl_fixtures import StepRecorder
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -45,7 +46,7 @@ def test_rank_tokens_matches_a_dictionary_reference():
             assert [e[2] for e in got[side][kind]] == [e[2] for e in want]
 
 
-def _tiny_cfg():
+def _tiny_cfg(**delta):
     import importlib.util
     spec = importlib.util.spec_from_file_location("tiny_exp", REPO / "experiments" / "tiny.py")
     module = importlib.util.module_from_spec(spec)
@@ -62,21 +63,28 @@ def _tiny_cfg():
                         export_final=False, progress_bar=False))
     c.sft.update(dict(steps=20, batch_size=8, max_len=64))  # enough for some correct answers
     c.sft.lr = 3e-3
+    c.delta.update(delta)
     return validate_config(c)
+
+
+def _train(workdir, cfg):
+    """A 2-step run in-process, as delta_jax.main would run it; returns step 2's batch (trained
+    with checkpoint 1's policy) and checkpoint 1's parameters, as host arrays."""
+    run = run_lib.build_run(cfg, str(workdir))
+    with open(workdir / "config.json", "w") as f:  # what delta_jax.main writes
+        json.dump(cfg.to_dict(), f)
+    record = StepRecorder()
+    _, run = loop.train(cfg, str(workdir), run=run, step_hooks=(record,))
+    run.close()
+    return {"batch": record.batches[2], "params": record.params_after[1]}
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A 2-step delta run in-process; keeps step 2's batch (trained with checkpoint 1's policy)."""
+    """A 2-step delta run (last-layer proxy) on the config's mesh (all 8 test devices)."""
     workdir = tmp_path_factory.mktemp("token_view") / "run"
-    cfg = _tiny_cfg()
-    run = run_lib.build_run(cfg, str(workdir))
-    with open(workdir / "config.json", "w") as f:  # what delta_jax.main writes
-        json.dump(cfg.to_dict(), f)
-    run.debug_record = True  # keeps the last step's inputs (step 2) in run.debug
-    _, run = loop.train(cfg, str(workdir), run=run)
-    run.close()
-    return workdir, run.debug
+    workdir.mkdir()
+    return workdir, _train(workdir, _tiny_cfg())
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +94,8 @@ def view(tiny_run):
 
 
 def test_view_is_what_the_trainer_trained_on(tiny_run, view):
-    _, debug = tiny_run
-    batch = debug["batch"]
+    _, trained = tiny_run
+    batch = trained["batch"]
     P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
     np.testing.assert_array_equal(view.token_ids, batch["input_ids"][:, P:])
     np.testing.assert_array_equal(view.mask, batch["response_mask"])
@@ -101,13 +109,13 @@ def test_view_is_what_the_trainer_trained_on(tiny_run, view):
 
 
 def test_view_matches_an_independent_recomputation(tiny_run, view):
-    _, debug = tiny_run
+    _, trained = tiny_run
     cfg = _tiny_cfg()
-    batch = debug["batch"]
+    batch = trained["batch"]
     tok = models.load_tokenizer(str(tiny_run[0] / "tokenizer"))
     model = run_lib.build_model(cfg, tok.vocab_size)
     graphdef, _, rest = split_model(model)
-    model = nnx.merge(graphdef, debug["params"], rest)  # checkpoint 1's parameters
+    model = nnx.merge(graphdef, trained["params"], rest)  # checkpoint 1's parameters
     ids, attn = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
     R = batch["response_mask"].shape[1]
     P = ids.shape[1] - R
@@ -140,3 +148,28 @@ def test_cli_writes_html_and_png_and_prints_the_ranking(tiny_run, tmp_path, caps
 def test_bad_step_is_a_clear_error(tiny_run):
     with pytest.raises(ValueError, match="--step 7: no such checkpoint"):
         token_view.compute_token_view(str(tiny_run[0]), step=7)
+
+
+def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
+    """delta.proxy=hidden_topk (a 5-output old-policy pass) on an explicit (4, 2, 1) mesh: the
+    view computes step 2's weights exactly as the trainer did, from rows placed on the mesh."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    cfg = _tiny_cfg(proxy="hidden_topk", topk=8)
+    cfg.mesh.update(dict(data=4, fsdp=2, tensor=1))
+    trained = _train(workdir, cfg)
+    placed = []
+    real = phases.old_policy_features
+
+    def spy(old_pass, params, ids, *args, **kwargs):
+        placed.append(len(ids.sharding.device_set))
+        return real(old_pass, params, ids, *args, **kwargs)
+
+    monkeypatch.setattr(phases, "old_policy_features", spy)
+    view = token_view.compute_token_view(str(workdir), step=1)
+    assert placed == [8]
+    batch = trained["batch"]
+    np.testing.assert_array_equal(view.mask, batch["response_mask"])
+    np.testing.assert_array_equal(view.advantages, batch["advantages"])
+    assert np.any(view.advantages != 0)
+    np.testing.assert_allclose(view.weights, batch["token_weights"], atol=1e-6)

@@ -22,7 +22,8 @@ from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import ConfigError
 from delta_jax.train.step import make_train_step
-from rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config, tree_max_abs_diff
+from tests.rl_fixtures import (LOOP_WITHOUT_EVAL, build_scored_run, count_calls, tiny_rl_config,
+                               tree_max_abs_diff)
 
 N, P, R, T, KL_COEF = 4, 5, 6, 1.0, 0.5
 
@@ -105,6 +106,7 @@ def test_kl_config_validation():
 def test_kl_through_the_loop_with_sft_and_resume(tmp_path):
     cfg = base_config(kl_coef=0.1, kl_type="k3")
     run = build_scored_run(cfg, tmp_path)
+    calls = count_calls(run)
     try:
         state, run = loop.train(cfg, str(tmp_path), run=run)
         rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -112,7 +114,7 @@ def test_kl_through_the_loop_with_sft_and_resume(tmp_path):
         assert sorted(kl) == [1, 2] and all(np.isfinite(list(kl.values())))
         assert abs(kl[1]) < 1e-7        # the first update: policy == reference
         assert kl[2] > 1e-6             # after one update the policy has moved away
-        assert run.counters["old_policy_forward"] == run.counters["ref_forward"] == 2
+        assert calls["old_pass"] == calls["ref_pass"] == 2
         # The reference is the post-SFT policy (checkpoint 0), still frozen after training.
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
         ckpt0, _, _ = ckpt.restore(0, state)

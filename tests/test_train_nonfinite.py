@@ -14,7 +14,8 @@ import pytest
 
 from delta_jax.train import loop
 from delta_jax.train.checkpoint import Checkpointer
-from rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, initial_state, tiny_rl_config
+from tests.rl_fixtures import (LOOP_WITHOUT_EVAL, build_scored_run, initial_state,
+                               tiny_rl_config)
 
 
 def make_config():

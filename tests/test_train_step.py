@@ -8,7 +8,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.rl import losses
-from delta_jax.train import features, state as state_lib
+from delta_jax.train import features, phases, state as state_lib
 from delta_jax.train.step import make_train_step
 
 N, P, R, T = 4, 5, 7, 1.3
@@ -49,8 +49,9 @@ def reference_logp(graphdef, params, rest, batch):
 def test_old_policy_pass_matches_full_logits(setup):
     graphdef, params, rest, batch = setup
     fn = features.make_old_policy_pass(graphdef, rest, temperature=T, chunk_size=3)
-    logp, ent, hidden = features.run_in_chunks(fn, params, batch["input_ids"],
-                                               batch["attention_mask"], R, chunk=2)
+    old = phases.old_policy_features(fn, params, batch["input_ids"], batch["attention_mask"], R,
+                                     row_chunk=3)  # chunks of 3 + 1 rows
+    logp, ent, hidden = old.logp, old.entropy, old.hidden
     ref = reference_logp(graphdef, params, rest, batch)
     mask = np.asarray(batch["response_mask"]) > 0
     np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(ref)[mask], atol=1e-5)
@@ -185,7 +186,7 @@ def test_run_sft_follows_model_logprob_impl(tmp_path, monkeypatch):
     kernel, the chunked one does not, and both warm starts end at the same parameters."""
     from delta_jax import kernels
     from delta_jax.train import loop
-    from rl_fixtures import build_scored_run, tiny_rl_config, tree_max_abs_diff
+    from tests.rl_fixtures import build_scored_run, tiny_rl_config, tree_max_abs_diff
 
     calls = []
     real = kernels.lm_head_logprob_auto

@@ -8,19 +8,16 @@
   last-layer proxy's weights; there is still exactly one old-policy forward pass and no trunk
   pass; the streaming (recompute) feature cache gives the same weights.
 """
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from ml_collections import config_dict
 
 from delta_jax.rl.delta import delta_coefficients
-from delta_jax.train import features
+from delta_jax.train import features, phases
 from delta_jax.train import rl_step as rl_step_lib
-from rl_fixtures import build_scored_run, initial_state, tiny_rl_config
+from tests.rl_fixtures import build_scored_run, count_calls, initial_state, tiny_rl_config
 
 TOPK = 8
 
@@ -81,15 +78,16 @@ def make_config(**delta):
 def topk_run(tmp_path_factory):
     cfg = make_config(proxy="hidden_topk", topk=TOPK)
     run = build_scored_run(cfg, tmp_path_factory.mktemp("topk"))
-    run.debug_record = True
-    _, metrics = rl_step_lib.rl_step(run, initial_state(run), 1)
-    yield cfg, run, metrics
+    calls = count_calls(run)
+    state = initial_state(run)
+    params = jax.device_get(state.params)  # the step donates the state
+    out = rl_step_lib.rl_step(run, state, 1)
+    yield cfg, run, out.metrics, {"batch": jax.device_get(out.batch), "params": params}, calls
     run.close()
 
 
 def test_loop_weights_equal_independent_topk_proxy(topk_run):
-    cfg, run, metrics = topk_run
-    rec = run.debug
+    cfg, run, metrics, rec, _ = topk_run
     b = rec["batch"]
     params = jax.tree.map(jnp.asarray, rec["params"])
     model = nnx.merge(run.graphdef, params, run.rest)
@@ -121,28 +119,34 @@ def test_loop_weights_equal_independent_topk_proxy(topk_run):
 
 
 def test_topk_adds_no_forward_pass(topk_run):
-    _, run, _ = topk_run
-    assert run.counters["old_policy_forward"] == 1
-    assert run.counters["topk_proxy"] == 1        # v from the head: gathers, not a trunk pass
-    assert "trunk_forward" not in run.counters and "ref_forward" not in run.counters
+    calls = topk_run[4]
+    assert calls["old_pass"] == 1
+    assert calls["topk_proxy_pass"] == 1  # v from the head: gathers, not a trunk pass
+    assert "hidden_pass" not in calls and "ref_pass" not in calls
 
 
 def test_topk_streaming_cache_modes_agree(topk_run):
-    cfg, run, _ = topk_run
-    b = jax.tree.map(jnp.asarray, run.debug["batch"])
-    params = jax.tree.map(jnp.asarray, run.debug["params"])
+    cfg, run, _, rec, _ = topk_run
+    b = jax.tree.map(jnp.asarray, rec["batch"])
+    params = jax.tree.map(jnp.asarray, rec["params"])
     R = b["response_mask"].shape[1]
-    logp, _, hidden, ids, probs = run.old_pass(params, b["input_ids"], b["attention_mask"], R)
-    assert hidden is None and ids.shape == probs.shape == (b["input_ids"].shape[0], R, TOPK)
-    for mode in ("recompute",):  # host takes the same path for this proxy
-        counters = {}
-        ns = types.SimpleNamespace(
-            cfg=config_dict.ConfigDict({"delta": dict(cfg.delta.to_dict(), feature_cache=mode,
-                                                      recompute_chunk=8),
-                                        "rollout": cfg.rollout.to_dict()}),
-            topk_proxy_pass=run.topk_proxy_pass, mesh=run.mesh,
-            count=lambda name, k=1, c=counters: c.__setitem__(name, c.get(name, 0) + k))
-        w, _ = rl_step_lib.compute_delta_weights(ns, params, b, logp, None, b["advantages"],
-                                          b["response_mask"], topk=(ids, probs))
+    old = phases.old_policy_features(run.old_pass, params, b["input_ids"], b["attention_mask"],
+                                     R, row_chunk=16, keep_hidden="drop")
+    assert old.hidden is None
+    assert old.topk_ids.shape == old.topk_probs.shape == (b["input_ids"].shape[0], R, TOPK)
+    for mode in ("host", "recompute"):  # both rebuild v per chunk from the top-K arrays
+        calls = {}
+
+        def proxy_pass(*args):
+            calls["topk_proxy_pass"] = calls.get("topk_proxy_pass", 0) + 1
+            return run.topk_proxy_pass(*args)
+        settings = phases.DeltaSettings.from_config(cfg.delta)
+        settings = phases.dataclasses.replace(settings, feature_cache=mode, recompute_chunk=8)
+        source = phases.delta_feature_source(old, settings, params=params,
+                                             input_ids=b["input_ids"],
+                                             attention_mask=b["attention_mask"],
+                                             topk_proxy_pass=proxy_pass)
+        w, _ = phases.delta_weights(source, b["advantages"], b["response_mask"], settings)
         np.testing.assert_allclose(np.asarray(w), np.asarray(b["token_weights"]), atol=1e-5)
-        assert "trunk_forward" not in counters and counters["topk_proxy"] > 0
+        # 16 rows in chunks of 8, read K + 3 times.
+        assert calls["topk_proxy_pass"] == 2 * (cfg.delta.num_refine + 3)

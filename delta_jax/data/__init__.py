@@ -6,7 +6,8 @@
     templates.py      PromptTemplate / make_template: "qwen_math" | "base" | "chat" | "plain"
     synthetic.py      the built-in arithmetic task (JSONL train/test splits)
     tiny_tokenizer.py a <512-token byte-level BPE tokenizer for the synthetic task
-    tiny_task.py      prepare_tiny_task(out_dir): both of the above for the tiny default run
+    tiny_task.py      prepare_synthetic_splits / prepare_tiny_tokenizer: both of the above, made
+                      once per workdir (what train.run.prepare_assets uses)
 
 The names below are re-exported lazily, so `import delta_jax.data.synthetic` does not load
 tensorflow-datasets or grain.
@@ -25,7 +26,8 @@ _EXPORTS = {
     "PromptTemplate": "templates",
     "make_template": "templates",
     "BOXED_INSTRUCTION": "templates",
-    "prepare_tiny_task": "tiny_task",
+    "prepare_synthetic_splits": "tiny_task",
+    "prepare_tiny_tokenizer": "tiny_task",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -366,22 +366,32 @@ def _parse_size(size) -> int:
   return int(float(match.group(1)) * scale)
 
 
+def _fetch(x) -> np.ndarray:
+  """The whole value of a (possibly sharded) array on this host. An array that spans processes
+  is gathered from all of them (a collective: every process must fetch the same arrays in the
+  same order)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
 def _hf_tensors(model: Transformer) -> list[tuple[str, tuple[int, ...], Callable[[], Any]]]:
   """(HF name, HF shape, getter of the host array) for every tensor, without reading them."""
   cfg = model.cfg
   out = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size),
-          lambda: np.asarray(jax.device_get(model.embed[...])))]
+          lambda: _fetch(model.embed[...]))]
   for i in range(cfg.num_layers):
     for name, shape in layer_param_shapes(cfg).items():
       getter = (lambda name=name, i=i:
-                _to_hf(name, np.asarray(jax.device_get(getattr(model.layers, name)[i]))))
+                _to_hf(name, _fetch(getattr(model.layers, name)[i])))
       out.append((f"model.layers.{i}.{_LAYER_HF_NAMES[name]}", _hf_shape(name, shape[1:]),
                   getter))
   out.append(("model.norm.weight", (cfg.hidden_size,),
-              lambda: np.asarray(jax.device_get(model.final_norm[...]))))
+              lambda: _fetch(model.final_norm[...])))
   if not cfg.tie_word_embeddings:
     out.append(("lm_head.weight", (cfg.vocab_size, cfg.hidden_size),
-                lambda: _to_hf("lm_head", np.asarray(jax.device_get(model.lm_head[...])))))
+                lambda: _to_hf("lm_head", _fetch(model.lm_head[...]))))
   return out
 
 
@@ -393,7 +403,8 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_size="5GB
   max_shard_size: bytes or a string like "5GB"; above it the weights are split into
     model-0000k-of-0000n.safetensors files plus model.safetensors.index.json.
   extra_config: fields merged into config.json (e.g. eos_token_id, bos_token_id).
-  Tensors are fetched from the devices one shard file at a time.
+  Tensors are fetched from the devices one shard file at a time. Collective when the
+  parameters span processes (multi-host): every process calls it, process 0 alone writes.
   """
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
@@ -413,20 +424,28 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_size="5GB
     shard_bytes += nbytes
     total += nbytes
 
-  for stale in list(path.glob("*.safetensors")) + [path / INDEX_NAME]:
-    if stale.is_file():
-      stale.unlink()  # a previous save with another sharding must not shadow this one
+  # Collective when the parameters span processes: every process fetches every tensor (the
+  # gathers), process 0 alone touches the directory, and all leave together.
+  writer = jax.process_index() == 0
+  if writer:
+    for stale in list(path.glob("*.safetensors")) + [path / INDEX_NAME]:
+      if stale.is_file():
+        stale.unlink()  # a previous save with another sharding must not shadow this one
   weight_map = {}
   for k, shard in enumerate(shards):
     fname = SINGLE_NAME if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
     tensors = {name: get().astype(np_dtype) for name, _, get in shard}
-    save_file(tensors, str(path / fname), metadata={"format": "pt"})
+    if writer:
+      save_file(tensors, str(path / fname), metadata={"format": "pt"})
     weight_map.update({name: fname for name in tensors})
-  if len(shards) > 1:
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-
-  config = hf_config_dict(cfg, dtype=np_dtype)
-  config.update(extra_config or {})
-  (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+  if writer:
+    if len(shards) > 1:
+      index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+      (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = hf_config_dict(cfg, dtype=np_dtype)
+    config.update(extra_config or {})
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(f"save_pretrained {path}")
   return path

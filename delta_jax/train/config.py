@@ -212,9 +212,6 @@ def default_config() -> config_dict.ConfigDict:
     c.plan.device_memory_gb = 80.0   # HBM per device (H100 80 GB; v5p 95 GB)
     c.plan.num_devices = 0           # 0 = the devices present
     c.plan.host_memory_gb = 0.0      # host RAM per process, for feature_cache=host (0 = unknown)
-
-    c.debug = config_dict.ConfigDict()
-    c.debug.kill_after_step = 0   # tests: SIGKILL the process after this step's checkpoint
     return c
 
 

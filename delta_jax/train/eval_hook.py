@@ -26,16 +26,10 @@ def evaluate_policy(run: Run, params, step: int) -> dict:
         run.eval_scorer = RewardScorer(name="math", num_workers=cfg.rewards.num_workers,
                                        timeout_s=cfg.rewards.timeout_s)
     run.sampler.update_params(run.model(params))
-    calls = [0]
-
-    def generate_fn(prompts, n):
-        calls[0] += 1
-        out = run.sampler.generate(
-            list(prompts), n=n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            stop_token_ids=(run.tokenizer.eos_token_id,),
-            seed=rollout_lib.step_seed(cfg.seed, step, _EVAL_SALT + calls[0]))
-        return out.texts
+    generate_fn = evaluation.sampler_generate_fn(
+        run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+        max_new_tokens=cfg.eval.max_new_tokens, stop_token_ids=(run.tokenizer.eos_token_id,),
+        seeds=lambda i: rollout_lib.step_seed(cfg.seed, step, _EVAL_SALT + 1 + i))
 
     t0 = time.perf_counter()
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]

@@ -175,32 +175,3 @@ def make_hidden_pass(graphdef, rest, hidden_dtype=jnp.bfloat16, mesh=None) -> Ca
                                                response_len).astype(hidden_dtype), mesh)
 
     return hidden_pass
-
-
-def run_in_chunks(fn: Callable, params, input_ids, attention_mask, response_len: int,
-                  chunk: int, keep_hidden: str = "device"):
-    """Applies the old-policy pass over row chunks of at most `chunk` rows.
-
-    keep_hidden: "device" (concatenate on device), "host" (move each chunk to host memory as
-    numpy), "drop" (recompute mode: do not keep it). Returns (logp, entropy, hidden | None) plus
-    any further outputs of `fn` (e.g. top-K ids and probabilities), concatenated on device.
-    """
-    n = input_ids.shape[0]
-    outs = []
-    for s in range(0, n, chunk):
-        logp, ent, hid, *extra = fn(params, input_ids[s:s + chunk],
-                                    attention_mask[s:s + chunk], response_len)
-        if keep_hidden == "host" and hid is not None:
-            hid = np.asarray(jax.device_get(hid))
-        elif keep_hidden not in ("device", "host"):
-            hid = None
-        outs.append((logp, ent, hid, *extra))
-
-    def cat(parts):
-        if parts[0] is None:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        return (np.concatenate if isinstance(parts[0], np.ndarray) else jnp.concatenate)(parts)
-
-    return tuple(cat([o[i] for o in outs]) for i in range(len(outs[0])))

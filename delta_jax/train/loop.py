@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from delta_jax import models
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
-from delta_jax.train.rl_step import rl_step
+from delta_jax.train.rl_step import StepOutput, rl_step
 from delta_jax.train.run import (Run, build_run, copy_tree, place_state, restore_reference,
                                  save_reference)
 from delta_jax.train.state import TrainState, init_train_state
@@ -78,8 +78,26 @@ def _bar_update(bar, step, text):
     bar.refresh()
 
 
-def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run]:
-    """RL training (mode train); returns the final state and the run (caller closes it)."""
+StepHook = Callable[[Run, int, StepOutput], None]
+
+
+def write_weight_histogram(run: Run, step: int, out: StepOutput):
+    """Per-side histograms of the step's DelTA weights (workdir/delta_weights.jsonl, plots.py)."""
+    if run.cfg.method == "delta" and jax.process_index() == 0:
+        from delta_jax.train import plots
+        b = out.batch
+        plots.append_weight_histogram(run.workdir, step, b["token_weights"], b["advantages"],
+                                      b["response_mask"], run.cfg.delta.lam_min,
+                                      run.cfg.delta.lam_max)
+
+
+def train(cfg, workdir: str, *, run: Run | None = None,
+          step_hooks: Sequence[StepHook] = (write_weight_histogram,)
+          ) -> tuple[TrainState, Run]:
+    """RL training (mode train); returns the final state and the run (caller closes it).
+
+    step_hooks: called as hook(run, step, StepOutput) after each RL step's metrics are written and
+    before its checkpoint (default: the DelTA weight histograms)."""
     run = run or build_run(cfg, workdir)
     init_state = place_state(run, init_train_state(run.initial_params, run.optimizer))
     latest = run.ckpt.latest_step()
@@ -107,11 +125,15 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
 
     bar = _progress(cfg, cfg.train.steps, f"rl ({cfg.method})")
     for step in range(start + 1, cfg.train.steps + 1):
-        state, metrics = rl_step(run, state, step)
+        out = rl_step(run, state, step)
+        state, metrics = out.state, out.metrics
         skipped = metrics.get("policy/skipped_updates", 0.0)
         nonfinite_streak = nonfinite_streak + 1 if skipped > 0 else 0
         metrics["policy/nonfinite_streak"] = float(nonfinite_streak)
         scalars = run.writer.write(step, metrics)
+        for hook in step_hooks:
+            hook(run, step, out)
+        del out  # the batch is not kept past the hooks
         line = summary_line(step, scalars)
         if bar is not None:
             _bar_update(bar, step, line)
@@ -125,11 +147,8 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
                 f"gradients (rl.max_nonfinite={cfg.rl.max_nonfinite}); parameters were left "
                 f"unchanged by those updates; the last checkpoint in {run.ckpt.directory} "
                 "is usable")
-        saved = run.ckpt.save(step, state, run.data_iter.get_state(),
-                              _meta(cfg, step, nonfinite_streak),
-                              force=step == cfg.train.steps)
-        if saved and cfg.debug.kill_after_step == step:
-            os.kill(os.getpid(), signal.SIGKILL)  # tests: a real crash right after the save
+        run.ckpt.save(step, state, run.data_iter.get_state(), _meta(cfg, step, nonfinite_streak),
+                      force=step == cfg.train.steps)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             write_eval(run, state.params, step)
     if bar is not None:
@@ -137,9 +156,16 @@ def train(cfg, workdir: str, *, run: Run | None = None) -> tuple[TrainState, Run
     if cfg.train.eval_after and start < cfg.train.steps:
         write_eval(run, state.params, cfg.train.steps)
     if cfg.train.export_final:
-        models.save_pretrained(run.model(state.params), os.path.join(workdir, "final"))
-        run.tokenizer.hf.save_pretrained(os.path.join(workdir, "final"))
+        export_policy(run, state.params, os.path.join(workdir, "final"))
     return state, run
+
+def export_policy(run: Run, params, path: str):
+    """The policy as a Hugging Face directory (weights + tokenizer). Collective: every process
+    calls it (models.save_pretrained gathers parameters that span processes); process 0 writes."""
+    models.save_pretrained(run.model(params), path)
+    if jax.process_index() == 0:
+        run.tokenizer.hf.save_pretrained(path)
+
 
 def _meta(cfg, step, nonfinite_streak=0) -> dict:
     return {"seed": int(cfg.seed), "step": int(step), "method": cfg.method,
@@ -151,8 +177,7 @@ def sft_only(cfg, workdir: str):
     run = build_run(cfg, workdir, need_scorer=False)
     try:
         params = run_sft(run, run.initial_params)
-        models.save_pretrained(run.model(params), os.path.join(workdir, "sft"))
-        run.tokenizer.hf.save_pretrained(os.path.join(workdir, "sft"))
+        export_policy(run, params, os.path.join(workdir, "sft"))
         return params
     finally:
         run.close()

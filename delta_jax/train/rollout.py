@@ -1,8 +1,8 @@
-"""Rollout -> rewards -> advantages: assembly of the arrays one RL step trains on.
+"""Assembly of the arrays one RL step trains on, from the sampler's GenerationOutput:
 
-    samples = generate_groups(sampler, prompt_ids, ...)        # sampler.GenerationOutput
-    rewards, info = score_groups(scorer, samples, golds)       # fp32 [P * G]
-    batch = pack_rollout(samples, advantages, pad_id)          # RolloutBatch (numpy arrays)
+    batch = pack_rollout(samples, advantages, rewards, pad_id)  # RolloutBatch (numpy arrays)
+    select_groups(samples, keep) / concat_samples(parts)        # prompt groups of outputs
+    step_seed(seed, step, salt)                                 # every random draw of a step
 
 Rows are ordered prompt-major (row = i * G + j), so a group is a contiguous block of G rows.
 """

@@ -35,20 +35,16 @@ def prepare_assets(cfg, workdir: str) -> dict:
     Returns {"train": path(s) or "", "eval": {name: path}, "tokenizer": dir}.
     """
     out = {"train": cfg.data.train, "eval": {}, "tokenizer": cfg.tokenizer.path or cfg.model.path}
-    synth_dir = os.path.join(workdir, "synthetic")
-    needs_synth = "synthetic" in (cfg.data.train, cfg.data.eval)
-    if needs_synth:
-        from delta_jax.data import synthetic
+    if "synthetic" in (cfg.data.train, cfg.data.eval):
+        from delta_jax.data import tiny_task
         levels = [int(x) for x in str(cfg.data.synthetic_levels).split(",") if x.strip()]
-        train_path = os.path.join(synth_dir, "train.jsonl")
-        if not os.path.exists(train_path):  # deterministic from the seed: generate once
-            synthetic.write_synthetic_splits(synth_dir, num_train=cfg.data.synthetic_train,
-                                             num_test=cfg.data.synthetic_test, seed=cfg.seed,
-                                             levels=levels)
+        splits = tiny_task.prepare_synthetic_splits(
+            os.path.join(workdir, "synthetic"), num_train=cfg.data.synthetic_train,
+            num_test=cfg.data.synthetic_test, seed=cfg.seed, levels=levels)
         if cfg.data.train == "synthetic":
-            out["train"] = train_path
+            out["train"] = splits["train"]
         if cfg.data.eval == "synthetic":
-            out["eval"]["synthetic_test"] = os.path.join(synth_dir, "test.jsonl")
+            out["eval"]["synthetic_test"] = splits["test"]
     if cfg.data.eval and cfg.data.eval != "synthetic":
         for path in str(cfg.data.eval).split(","):
             path = path.strip()
@@ -56,11 +52,8 @@ def prepare_assets(cfg, workdir: str) -> dict:
                 name = os.path.splitext(os.path.basename(path))[0]
                 out["eval"][name] = path
     if cfg.tokenizer.path == "synthetic":
-        from delta_jax.data import tiny_tokenizer
-        tok_dir = os.path.join(workdir, "tokenizer")
-        if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-            tiny_tokenizer.build_tiny_tokenizer(tok_dir)
-        out["tokenizer"] = tok_dir
+        from delta_jax.data import tiny_task
+        out["tokenizer"] = tiny_task.prepare_tiny_tokenizer(os.path.join(workdir, "tokenizer"))
     return out
 
 
@@ -130,18 +123,13 @@ class Run:
     data_iter: Any = None
     scorer: Any = None
     eval_scorer: Any = None      # accuracy only (no overlong shaping); made on first eval
-    counters: dict = dataclasses.field(default_factory=dict)
-    debug_record: bool = False   # tests: keep the last step's inputs in `debug`
-    debug: dict = dataclasses.field(default_factory=dict)
+    with_delta: bool = False     # the old-policy pass feeds DelTA (method delta, token view)
     initial_params: Any = None
     mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
     state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
     topk_proxy_pass: Any = None  # delta.proxy = "hidden_topk": (params, labels, ids, probs) -> v
     ref_pass: Any = None         # rl.kl_coef > 0: log-probs of the reference policy
     ref_params: Any = None       # rl.kl_coef > 0: the frozen reference parameters
-
-    def count(self, name: str, k: int = 1):
-        self.counters[name] = self.counters.get(name, 0) + k
 
     def model(self, params):
         return nnx.merge(self.graphdef, params, self.rest)
@@ -155,8 +143,10 @@ class Run:
 
 
 def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True,
-              mesh=None) -> Run:
-    """Everything a run needs. mesh: a delta_jax.sharding mesh (default: from config.mesh)."""
+              mesh=None, with_delta: bool | None = None) -> Run:
+    """Everything a run needs. mesh: a delta_jax.sharding mesh (default: from config.mesh).
+    with_delta: build the passes that feed DelTA (default: method delta; the token view asks for
+    them on grpo / dapo runs too)."""
     from delta_jax.data import templates
 
     os.makedirs(workdir, exist_ok=True)
@@ -180,19 +170,25 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         ckpt=Checkpointer(os.path.join(workdir, "checkpoints"), save_every=cfg.train.save_every,
                           keep=cfg.train.keep),
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
-        initial_params=params, mesh=mesh, state_shardings=state_shardings)
+        initial_params=params, mesh=mesh, state_shardings=state_shardings,
+        with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
     if cfg.mode == "train":
         run.train_step = make_train_step(
             graphdef, rest, optimizer, make_loss_fn(cfg), temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.logprob_chunk, micro_batch_size=cfg.rl.micro_batch_size,
             schedule=schedule, mesh=mesh, state_shardings=state_shardings,
             logprob_impl=cfg.model.logprob_impl)
-        topk = cfg.delta.topk if uses_topk_proxy(cfg) else 0
+        topk = cfg.delta.topk if run.with_delta and cfg.delta.proxy == "hidden_topk" else 0
+        # h leaves the pass only when DelTA reads it from there (not for grpo / dapo, the top-K
+        # proxy or the recompute cache): an unused [rows, R, H] output is memory plan mode
+        # does not count.
         run.old_pass = features_lib.make_old_policy_pass(
             graphdef, rest, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk, with_hidden=not topk,
+            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk,
+            with_hidden=feature_cache_mode(cfg, run.with_delta) != "drop",
             logprob_impl=cfg.model.logprob_impl)
-        run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest, mesh=mesh)
+        if run.with_delta and not topk and cfg.delta.feature_cache == "recompute":
+            run.hidden_pass = features_lib.make_hidden_pass(graphdef, rest, mesh=mesh)
         if topk:
             mcfg = model.cfg
             run.topk_proxy_pass = features_lib.make_topk_proxy_pass(
@@ -244,8 +240,14 @@ def place_state(run: Run, state: TrainState) -> TrainState:
     return sharding_lib.shard_tree(state, run.state_shardings)
 
 
-def uses_topk_proxy(cfg) -> bool:
-    return cfg.method == "delta" and cfg.delta.proxy == "hidden_topk"
+def feature_cache_mode(cfg, with_delta: bool) -> str:
+    """What the old-policy pass keeps of the hidden states h: delta.feature_cache ("device" |
+    "host") when DelTA reads h from that pass, else "drop" (no DelTA, the top-K proxy, which reads
+    the top-K ids instead, or the recompute cache, which runs the trunk again)."""
+    if (not with_delta or cfg.delta.proxy == "hidden_topk"
+            or cfg.delta.feature_cache == "recompute"):
+        return "drop"
+    return cfg.delta.feature_cache
 
 
 def copy_tree(tree):
