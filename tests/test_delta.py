@@ -1,8 +1,5 @@
-"""DelTA coefficients vs an independent float64 NumPy transcription of DELTA_SPEC section 2.
-
-The reference below is written from the spec text (squared-distance margins, explicit loops), and
-never calls delta_jax. The sharded tests in test_delta_sharded.py import it from here.
-"""
+"""DelTA coefficients vs an independent float64 NumPy transcription of DELTA_SPEC section 2
+(tests/delta_reference.py: written from the spec text, never calls delta_jax)."""
 import numpy as np
 import pytest
 
@@ -10,109 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from delta_jax.rl import delta as D
-
-
-# ----------------------------------------------------------------------------- NumPy reference
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def reference_delta(v, adv, mask, num_refine=1, lam_min=0.8, lam_max=1.2):
-    """Spec 2.1-2.7 in float64. v [B, T, H], adv [B] or [B, T], mask [B, T].
-
-    Returns (weights [B, T], info dict with gamma, mu, accuracy, counts).
-    """
-    v = np.asarray(v, np.float64)
-    mask = np.asarray(mask)
-    adv = np.asarray(adv, np.float64)
-    B, T, _ = v.shape
-    if adv.ndim == 1:
-        adv = np.repeat(adv[:, None], T, axis=1)
-    pos = [(b, t) for b in range(B) for t in range(T) if mask[b, t] > 0 and adv[b, t] > 0]
-    neg = [(b, t) for b in range(B) for t in range(T) if mask[b, t] > 0 and adv[b, t] < 0]
-    zero = [(b, t) for b in range(B) for t in range(T) if mask[b, t] > 0 and adv[b, t] == 0]
-
-    def centroid(tokens, alpha):
-        num = np.zeros(v.shape[-1])
-        den = 0.0
-        for (b, t) in tokens:
-            w = abs(adv[b, t]) * alpha.get((b, t), 1.0)
-            num += w * v[b, t]
-            den += w
-        return num / max(den, 1e-8)
-
-    def margins(mu_p, mu_n):
-        out = {}
-        for (b, t) in pos:
-            out[(b, t)] = np.sum((v[b, t] - mu_n) ** 2) - np.sum((v[b, t] - mu_p) ** 2)
-        for (b, t) in neg:
-            out[(b, t)] = np.sum((v[b, t] - mu_p) ** 2) - np.sum((v[b, t] - mu_n) ** 2)
-        return out
-
-    def temperature(tokens, delta):
-        vals = np.array([delta[k] for k in tokens], np.float64)
-        n = max(len(vals), 1)
-        mean = vals.sum() / n
-        var = np.sum((vals - mean) ** 2) / n
-        return np.sqrt(max(var, 1e-8))
-
-    def alphas(delta, g_p, g_n):
-        out = {}
-        for k in pos:
-            out[k] = _sigmoid(delta[k] / g_p)
-        for k in neg:
-            out[k] = _sigmoid(delta[k] / g_n)
-        return out
-
-    mu_p, mu_n = centroid(pos, {}), centroid(neg, {})
-    delta = margins(mu_p, mu_n)
-    g_p, g_n = temperature(pos, delta), temperature(neg, delta)
-    for _ in range(num_refine):
-        alpha = alphas(delta, g_p, g_n)
-        new_mu_p, new_mu_n = centroid(pos, alpha), centroid(neg, alpha)
-        g_p, g_n = temperature(pos, delta), temperature(neg, delta)  # lagged: std of Delta(mu^k)
-        mu_p, mu_n = new_mu_p, new_mu_n
-        delta = margins(mu_p, mu_n)
-    alpha = alphas(delta, g_p, g_n)
-    lam = np.zeros((B, T))
-    for k in pos + neg:
-        lam[k] = lam_min + (lam_max - lam_min) * alpha[k]
-    for k in zero:
-        lam[k] = lam_min
-    n_tok = len(pos) + len(neg) + len(zero)
-    c = n_tok / max(lam.sum(), 1e-8)
-    weights = c * lam
-    correct = sum(1 for k in pos + neg if delta[k] > 0)  # sign(A) s > 0  <=>  Delta > 0
-    info = dict(gamma=(g_p, g_n), mu=(mu_p, mu_n), c=c, tokens=(len(pos), len(neg), len(zero)),
-                accuracy=correct / max(len(pos) + len(neg), 1), sides=(pos, neg, zero))
-    return weights, info
-
-
-def make_batch(seed, B=8, T=9, H=6, group=4, zero_group=True):
-    """Random rollout batch: binary rewards -> GRPO advantages (one zero-variance group when
-    zero_group), ragged lengths with garbage in the padding."""
-    rng = np.random.default_rng(seed)
-    hidden = rng.normal(size=(B, T, H)) + rng.normal(size=(1, 1, H))
-    # Sequences of the two sides differ a little in feature space, as they would in practice.
-    rewards = rng.integers(0, 2, size=B).astype(np.float64)
-    rewards[:group] = [1, 0, 1, 0][:group] if group >= 4 else rewards[:group]
-    if zero_group:
-        rewards[-group:] = 1.0
-    hidden += 0.5 * rewards[:, None, None] * rng.normal(size=(1, 1, H))
-    grouped = rewards.reshape(-1, group)
-    adv = ((grouped - grouped.mean(1, keepdims=True))
-           / (grouped.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
-    prob = rng.uniform(0.01, 0.99, size=(B, T))
-    lengths = rng.integers(2, T + 1, size=B)
-    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
-    hidden = np.where(mask[..., None] > 0, hidden, 1e4 * rng.normal(size=(B, T, H)))
-    return (hidden.astype(np.float32), prob.astype(np.float32), adv.astype(np.float32), mask)
-
-
-def _proxy64(hidden, prob):
-    return (1.0 - prob.astype(np.float64))[..., None] * hidden.astype(np.float64)
+from tests.delta_reference import make_batch, proxy64, reference_delta
 
 
 def _assert_weights(got, want, mask, rtol=1e-5):
@@ -130,7 +25,7 @@ def test_matches_numpy_reference(num_refine):
         hidden, prob, adv, mask = make_batch(seed + 10 * num_refine)
         got, diag = D.delta_coefficients(jnp.asarray(hidden), jnp.asarray(prob), jnp.asarray(adv),
                                          jnp.asarray(mask), num_refine=num_refine)
-        want, info = reference_delta(_proxy64(hidden, prob), adv, mask, num_refine)
+        want, info = reference_delta(proxy64(hidden, prob), adv, mask, num_refine)
         _assert_weights(got, want, mask)
         np.testing.assert_allclose([diag["gamma_pos"], diag["gamma_neg"]], info["gamma"],
                                    rtol=1e-4)
@@ -164,7 +59,7 @@ def test_token_level_advantages_and_bf16_hidden():
                                   jnp.asarray(mask))
     # The reference sees exactly the bf16 values, upcast to float64.
     hidden_seen = np.asarray(hidden_bf16.astype(jnp.float32), np.float64)
-    want, _ = reference_delta(_proxy64(hidden_seen, prob), adv_tok.astype(np.float32), mask, 1)
+    want, _ = reference_delta(proxy64(hidden_seen, prob), adv_tok.astype(np.float32), mask, 1)
     _assert_weights(got, want, mask)
 
 
@@ -202,7 +97,7 @@ def test_hidden_topk_proxy_matches_numpy_and_feeds_coefficients():
 def test_last_layer_proxy_and_stop_gradient():
     hidden, prob, adv, mask = make_batch(5)
     np.testing.assert_allclose(D.last_layer_proxy(jnp.asarray(hidden), jnp.asarray(prob)),
-                               _proxy64(hidden, prob), rtol=1e-6)
+                               proxy64(hidden, prob), rtol=1e-6)
     # The coefficients are constants of the policy update (spec 2).
     grad = jax.grad(lambda h: jnp.sum(D.delta_coefficients(h, prob, adv, mask)[0] ** 2))(
         jnp.asarray(hidden))
@@ -291,7 +186,7 @@ def test_one_sided_batches():
     for one_side in (np.abs(adv), -np.abs(adv)):
         w, diag = D.delta_coefficients(hidden, prob, one_side, mask)
         _finite_in_range(w, mask, diag)
-        want, _ = reference_delta(_proxy64(hidden, prob), one_side, mask, 1)
+        want, _ = reference_delta(proxy64(hidden, prob), one_side, mask, 1)
         _assert_weights(w, want, mask)
 
 
@@ -310,7 +205,7 @@ def test_single_token_side_and_constant_margins():
     _finite_in_range(w, mask, diag)
     np.testing.assert_allclose(diag["gamma_neg"], 1e-4, rtol=1e-3)
     np.testing.assert_allclose(diag["gamma_pos"], 1e-4, rtol=1e-3)
-    want, _ = reference_delta(_proxy64(hidden, prob), adv, mask, 1)
+    want, _ = reference_delta(proxy64(hidden, prob), adv, mask, 1)
     _assert_weights(w, want, mask)
 
 
@@ -360,7 +255,7 @@ def test_kernel_pass_impl_equals_jnp(num_refine):
         got = D.delta_coefficients(hidden, prob, a, mask, num_refine=num_refine,
                                    pass_impl="kernel", kernel_impl="reference")
         _assert_same_result(got, want)
-        ref, _ = reference_delta(_proxy64(np.where(mask[..., None] > 0, hidden, 0.0),
+        ref, _ = reference_delta(proxy64(np.where(mask[..., None] > 0, hidden, 0.0),
                                           np.where(mask > 0, prob, 0.0)), a, mask, num_refine)
         _assert_weights(got[0], ref, mask)
     np.testing.assert_allclose(np.asarray(got[0]), mask, rtol=1e-6)  # all-zero advantages
@@ -376,7 +271,7 @@ def test_kernel_pass_impl_pallas_interpret_and_env(monkeypatch):
     monkeypatch.setenv(backend.ENV_VAR, "interpret")
     got = D.delta_coefficients(hidden, prob, adv_tok, mask, num_refine=1, pass_impl="kernel")
     _assert_same_result(got, D.delta_coefficients(hidden, prob, adv_tok, mask, num_refine=1))
-    v = np.asarray(_proxy64(hidden, prob), np.float32)
+    v = np.asarray(proxy64(hidden, prob), np.float32)
     got = D.delta_coefficients(None, None, adv, mask, features=v, pass_impl="kernel")
     _assert_same_result(got, D.delta_coefficients(None, None, adv, mask, features=v))
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from delta_jax.rl import delta as D
-from test_delta import _proxy64, make_batch, reference_delta
+from tests.delta_reference import make_batch, proxy64, reference_delta
 
 
 def _mesh(shape, names):
@@ -37,7 +37,7 @@ def _put(mesh, x, spec):
 @pytest.mark.parametrize("layout", ["data8", "data2x4_batch", "data2x4_hidden"])
 def test_global_mode_is_layout_independent(layout):
     hidden, prob, adv, mask = _batch()
-    want, _ = reference_delta(_proxy64(hidden, prob), adv, mask, 1)
+    want, _ = reference_delta(proxy64(hidden, prob), adv, mask, 1)
     single, single_diag = D.delta_coefficients(hidden, prob, adv, mask)
     np.testing.assert_allclose(single, want, rtol=1e-5, atol=1e-7)
 
@@ -73,7 +73,7 @@ def test_per_shard_mode_matches_per_shard_reference(shape, names, data_axes, num
                                          data_axes=data_axes)
     weights = np.asarray(weights)
     rows = 16 // num_shards
-    v = _proxy64(hidden, prob)
+    v = proxy64(hidden, prob)
     for s in range(num_shards):
         sl = slice(s * rows, (s + 1) * rows)
         want, _ = reference_delta(v[sl], adv[sl], mask[sl], 1)
