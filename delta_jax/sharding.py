@@ -13,8 +13,8 @@ axis names through one rules table, and jit/GSPMD partitions the programs.
     batch = put_batch({"input_ids": ids, ...}, mesh)      # rows over ("data", "fsdp")
 
 Logical names: the parameters' names come from the model (models.transformer LAYER_AXES, the
-`out_sharding` metadata of each nnx.Param; the KV cache's `logical_axes`); the main
-activations' names are in ACTIVATION_AXES below. A mesh axis that does not divide an array
+`out_sharding` metadata of each nnx.Param; the KV cache's `logical_axes`); batch arrays split
+their rows by the "batch" name (put_batch, constrain_batch). A mesh axis that does not divide an array
 dimension is dropped for that dimension (replicated there) with a logged note, so one rules table
 works for every model size and mesh. A mesh axis is used at most once per array.
 
@@ -59,15 +59,6 @@ DEFAULT_RULES: dict[str, Any] = {
     "sequence": None,
     "response": None,
     "hidden": None,
-}
-
-# Logical names of the arrays the loop moves between programs ([shape] in the comment).
-ACTIVATION_AXES: dict[str, tuple] = {
-    "tokens": ("batch", "sequence"),                # input_ids / attention_mask [N, P+R]
-    "response": ("batch", "response"),              # response_mask, old_logp, weights [N, R]
-    "rows": ("batch",),                             # advantages, rewards [N]
-    "features": ("batch", "response", "hidden"),    # DelTA feature cache h [N, R, H]
-    "hidden_states": ("batch", "sequence", "hidden"),  # model activations [B, T, H]
 }
 
 _noted: set = set()
@@ -270,14 +261,6 @@ def param_sharding_fn(mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES):
 # ----------------------------------------------------------------------------- batches, caches
 
 
-def activation_sharding(kind: str, shape, mesh: Mesh,
-                        rules: Mapping[str, Any] = DEFAULT_RULES) -> NamedSharding:
-    """The sharding of an ACTIVATION_AXES kind ("tokens", "features", ...) of this shape;
-    the kind's names are trimmed to the array's rank."""
-    axes = ACTIVATION_AXES[kind][:len(shape)]
-    return logical_sharding(axes, shape, mesh, rules)
-
-
 def _with_batch_axes(rules: Mapping[str, Any], batch_axes: Optional[Sequence[str]]):
     """`rules` with the "batch" rule replaced by explicit mesh axes (None: unchanged)."""
     return rules if batch_axes is None else {**rules, "batch": tuple(batch_axes)}
@@ -355,11 +338,6 @@ def local_shard_bytes(tree, device=None) -> int:
 
 
 # ----------------------------------------------------------------------------- multi-host
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip() else default
 
 
 def distributed_settings(coordinator_address: str = "", num_processes: int = 0,

@@ -86,10 +86,6 @@ def split_model(model: nnx.Module):
     return graphdef, params, rest
 
 
-def merge_model(graphdef, params, rest) -> nnx.Module:
-    return nnx.merge(graphdef, params, rest)
-
-
 def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params))
