@@ -2,14 +2,21 @@
 
 One scorer (2 worker processes) is shared by the module to keep start-up cost low.
 """
+import os
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from delta_jax.rl import rewards as R
 from delta_jax.rl import verify_pool as vp
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # (response, gold, expected reward, why). Labels are what a careful human grader would give.
 CASES = [
@@ -239,10 +246,68 @@ def test_pathological_answer_times_out_and_pool_recovers(scorer):
     np.testing.assert_array_equal(rewards, [0, 1, 1, 0])
     assert info["timed_out"].tolist() == [True, False, False, False]
     assert info["num_timeouts"] == 1
-    # The same pathological pair again is answered from the cache, still counted as a timeout.
-    rewards, info = scorer.score(responses[:1] + [r"\boxed{0.5}"], golds[:1] + [r"\frac12"])
-    np.testing.assert_array_equal(rewards, [0, 1])
-    assert info["num_timeouts"] == 1 and info["cache_hits"] == 1
+
+
+HOSTILE = r"\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the tower in C: only a timeout stops it
+
+
+def test_timeout_is_not_cached_as_a_verdict(scorer):
+    # A timeout says nothing about the answer (the host may have been busy): the next batch
+    # checks it again, where a real verdict would come from the cache.
+    before = scorer.pool.stats["timeouts"]
+    _, info = scorer.score([HOSTILE, r"\boxed{3}"], ["12", "4"])
+    assert info["timed_out"].tolist() == [True, False]
+    assert scorer.pool.stats["timeouts"] == before + 1
+    rewards, info = scorer.score([HOSTILE, r"\boxed{3}"], ["12", "4"])
+    np.testing.assert_array_equal(rewards, [0, 0])
+    assert info["timed_out"].tolist() == [True, False]
+    assert info["cache_hits"] == 1  # only the real verdict (3 vs 4)
+    assert scorer.pool.stats["timeouts"] == before + 2
+
+
+def test_hostile_answer_costs_one_timeout_per_batch(scorer):
+    # The same hostile answer against six different golds (six prompts): one timeout, the other
+    # five are reported as timeouts without being run again.
+    golds = ["11", "12", "13", "14", "15", "16"]
+    before = scorer.pool.stats["timeouts"]
+    t0 = time.perf_counter()
+    rewards, info = scorer.score([HOSTILE] * 6 + [r"\boxed{2}"], golds + ["2"])
+    seconds = time.perf_counter() - t0
+    np.testing.assert_array_equal(rewards, [0] * 6 + [1])
+    assert info["num_timeouts"] == 6
+    assert scorer.pool.stats["timeouts"] == before + 1
+    assert seconds < 1.5 * scorer.pool.timeout_s, seconds
+
+
+# A plain script, as a user writes one: no `if __name__ == "__main__":` guard, a thread.
+PLAIN_SCRIPT = '''
+import threading
+from delta_jax.rl.rewards import RewardScorer, math_reward
+print("one-off", math_reward(r"\\boxed{\\frac{1}{2}}", "0.5"))
+with RewardScorer("math", num_workers=1) as scorer:
+    print("batch", scorer.score([r"\\boxed{1}", r"\\boxed{2}"], ["1", "3"])[0].tolist())
+out = {}
+thread = threading.Thread(target=lambda: out.update(r=math_reward(r"\\boxed{3}", "3")))
+thread.start()
+thread.join()
+print("thread", out["r"])
+'''
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_rewards_from_a_plain_script(tmp_path, how):
+    script = tmp_path / "score.py"
+    script.write_text(PLAIN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    if how == "file":
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=180)
+    else:
+        proc = subprocess.run([sys.executable, "-"], input=PLAIN_SCRIPT, capture_output=True,
+                              text=True, cwd=tmp_path, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["one-off 1.0", "batch [1.0, 0.0]", "thread 1.0"], (
+        proc.stdout, proc.stderr[-3000:])
 
 
 def test_pool_kills_hung_worker_and_recovers():

@@ -270,7 +270,8 @@ class RewardScorer:
       max_response_len, overlong_buffer_len, overlong_penalty_factor: DAPO overlong penalty in
         tokens, on when overlong_buffer_len > 0 (needs response_lengths in score()).
       reward_kwargs: extra keyword arguments for the reward function.
-      cache_size: LRU cache of (gold, answer) -> verdict, shared across calls.
+      cache_size: LRU cache of (gold, answer) -> verdict, shared across calls. It holds real
+        verdicts only: timeouts and crashes are scored 0, counted, and checked again next batch.
       pool: an existing VerifyPool running grade_in_worker to share (not closed by this scorer);
         by default the scorer starts and owns its own.
       max_answer_chars: longer boxed answers score 0 unverified (no gold answer is that long,
@@ -360,12 +361,27 @@ class RewardScorer:
                     float(ok), status == vp.TIMEOUT, status == vp.ERROR)
                 continue
             todo.setdefault(key, []).append(i)
-        keys = list(todo)
-        outcomes = self.pool.map([(g, a, self._soft_timeout_s) for g, a in keys])
-        for key, out in zip(keys, outcomes):
+        # Two rounds: first one pair per distinct answer, then the rest. An answer that timed
+        # out in round one (a hostile answer: sympy stuck on it) is not run again in this batch
+        # against other golds; those pairs are reported as timeouts too. So a hostile answer
+        # costs one timeout per batch, however many prompts it was given for.
+        first: dict[str, tuple[str, str]] = {}
+        for key in todo:
+            first.setdefault(key[1], key)
+        outcomes = dict(zip(first.values(), self.pool.map(
+            [(g, a, self._soft_timeout_s) for g, a in first.values()])))
+        hostile = {a for (_, a), out in outcomes.items() if out.status == vp.TIMEOUT}
+        rest = [k for k in todo if k not in outcomes and k[1] not in hostile]
+        outcomes.update(zip(rest, self.pool.map([(g, a, self._soft_timeout_s) for g, a in rest])))
+        skipped = vp.ItemResult(vp.TIMEOUT, "the same answer timed out earlier in this batch")
+        for key, rows in todo.items():
+            out = outcomes.get(key, skipped)
             ok = out.status == vp.OK and bool(out.value)
-            self._cache[key] = (out.status, ok)
-            for i in todo[key]:
+            if out.status == vp.OK:
+                # Real verdicts only: a timeout or a crash says nothing about the answer (the
+                # host may have been busy) and is checked again in the next batch.
+                self._cache[key] = (out.status, ok)
+            for i in rows:
                 accuracy[i], timed_out[i], errored[i] = (
                     float(ok), out.status == vp.TIMEOUT, out.status == vp.ERROR)
         while len(self._cache) > self._cache_size:

@@ -5,9 +5,16 @@ Reward verification runs sympy on model output, which can hang in C code (huge p
 signal reaches it, so here a worker that overruns its item is killed and replaced, the item is
 reported as a timeout, and the rest of its chunk goes to the next free worker.
 
-Workers are started with "spawn" (default) or "forkserver": the parent holds JAX/XLA threads and
-must never be forked. Work goes to workers in chunks (one message per chunk, not per item); each
-worker answers item by item, which is what lets the parent time each item.
+Each worker is a fresh Python interpreter started with `subprocess` (never a fork: the parent holds
+JAX/XLA threads). Not multiprocessing's "spawn": that re-imports the parent's __main__ module in
+every worker, which re-runs a plain script without an `if __name__ == "__main__":` guard (and
+fails outright when the script came from stdin). The worker gets the parent's sys.path and talks
+to it over a socket pair (multiprocessing.connection). Workers run in their own session, so a
+Ctrl-C at the terminal reaches the trainer alone (which closes the pool), and a worker whose
+parent has died exits within a second even while it is busy.
+
+Work goes to workers in chunks (one message per chunk, not per item); each worker answers item by
+item, which is what lets the parent time each item.
 
 This module imports only the standard library, so a worker starts fast; the function it runs is
 named as "module:function" and imported in the worker.
@@ -18,9 +25,13 @@ import atexit
 import collections
 import dataclasses
 import importlib
+import json
 import math
-import multiprocessing
 import multiprocessing.connection
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -82,16 +93,95 @@ def _worker_main(conn, fn_path: str, init_path: str | None) -> None:
                 conn.send((key, ERROR, f"could not send result: {e}"[:500]))
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Worker watchdog: exit at once when the parent process is gone (an item stuck in C code
+    would otherwise keep the worker alive after the trainer was killed)."""
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
+
+
+# Run by `python -c` in a fresh interpreter: argv = [sys.path (JSON), socket fd, parent pid].
+# Everything else (fn, initializer) comes over the socket, so nothing is parsed from argv twice.
+_BOOTSTRAP = (
+    "import json, sys; sys.path[:0] = [p for p in json.loads(sys.argv[1]) if p not in sys.path]; "
+    "from delta_jax.rl.verify_pool import _worker_entry; "
+    "_worker_entry(int(sys.argv[2]), int(sys.argv[3]))"
+)
+
+
+def _worker_entry(fd: int, parent_pid: int) -> None:
+    """Entry point of a worker interpreter: connect, read (fn, initializer), run the loop."""
+    conn = multiprocessing.connection.Connection(fd)
+    _exit_when_orphaned(parent_pid)
+    try:
+        fn_path, init_path = conn.recv()
+    except (EOFError, OSError):
+        return
+    _worker_main(conn, fn_path, init_path)
+
+
+class _Process:
+    """A worker interpreter: the few Process methods the pool uses, over subprocess.Popen."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self._popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self):
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        try:
+            self._popen.kill()
+        except ProcessLookupError:
+            pass
+
+
+def _start_worker_process(fn_path: str, init_path: str | None, name: str):
+    """Starts one worker interpreter; returns (process, parent end of the connection)."""
+    parent_sock, child_sock = socket.socketpair()
+    child_fd = child_sock.fileno()
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    # Make sure the child can import this package even when only the parent's cwd or a test
+    # runner's path setting made it importable.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if here not in paths:
+        paths.insert(0, here)
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, json.dumps(paths), str(child_fd),
+             str(os.getpid())],
+            pass_fds=(child_fd,), stdin=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True)
+    finally:
+        child_sock.close()
+    conn = multiprocessing.connection.Connection(parent_sock.detach())
+    conn.send((fn_path, init_path))
+    del name  # (kept for messages; a fresh interpreter has no process name to set)
+    return _Process(popen), conn
+
+
 class _Worker:
     """One worker process and what it is doing."""
 
-    def __init__(self, ctx, fn_path: str, init_path: str | None, name: str):
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, fn_path, init_path),
-                                   name=name, daemon=True)
-        self.process.start()
-        child_conn.close()
-        self.conn = parent_conn
+    def __init__(self, fn_path: str, init_path: str | None, name: str):
+        self.name = name
+        self.process, self.conn = _start_worker_process(fn_path, init_path, name)
         self.ready = False
         self.started_at = time.monotonic()
         self.current: collections.deque = collections.deque()  # item keys in flight, in order
@@ -126,7 +216,8 @@ class VerifyPool:
       num_workers: worker processes.
       timeout_s: wall-clock seconds allowed per item; a worker past it is killed and replaced.
       initializer: optional "module:function" called once in each worker before it takes work.
-      start_method: "spawn" or "forkserver" ("fork" is refused: the parent has JAX threads).
+      start_method: "spawn" only (a fresh interpreter per worker; "fork" and "forkserver" are
+        refused: the parent has JAX threads, and a forkserver re-imports __main__).
       max_items_per_worker: recycle a worker after this many items (bounds sympy cache growth).
       startup_timeout_s: how long a new worker may take to import `fn` before it is an error.
       chunk_size: items per message; default splits a batch into ~4 chunks per worker (<= 64).
@@ -143,9 +234,9 @@ class VerifyPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"start_method must be 'spawn' or 'forkserver' (never fork a JAX "
-                             f"process), got {start_method!r}")
+        if start_method != "spawn":
+            raise ValueError(f"start_method must be 'spawn' (a fresh interpreter; never fork a "
+                             f"JAX process), got {start_method!r}")
         self.fn = fn
         self.initializer = initializer
         self.num_workers = num_workers
@@ -153,7 +244,6 @@ class VerifyPool:
         self.max_items_per_worker = max_items_per_worker
         self.startup_timeout_s = float(startup_timeout_s)
         self.chunk_size = chunk_size
-        self._ctx = multiprocessing.get_context(start_method)
         self._lock = threading.Lock()
         self._closed = False
         self._spawned = 0
@@ -168,7 +258,7 @@ class VerifyPool:
 
     def _new_worker(self) -> _Worker:
         self._spawned += 1
-        return _Worker(self._ctx, self.fn, self.initializer, name=f"verify-worker-{self._spawned}")
+        return _Worker(self.fn, self.initializer, name=f"verify-worker-{self._spawned}")
 
     def _replace(self, idx: int, graceful: bool) -> None:
         self._workers[idx].stop(graceful=graceful)
@@ -225,14 +315,24 @@ class VerifyPool:
         chunk = self.chunk_size or max(1, min(64, math.ceil(n / (4 * self.num_workers))))
         pending = collections.deque(range(n))  # item indices not yet sent
         remaining = n
+        # A worker that died while idle (killed from outside, its parent thread gone) is
+        # replaced before it is handed work.
+        for idx, w in enumerate(list(self._workers)):
+            if not w.process.is_alive():
+                self._replace(idx, graceful=False)
 
         while remaining:
             now = time.monotonic()
             # Hand a chunk to every idle ready worker.
-            for w in self._workers:
+            for idx, w in enumerate(list(self._workers)):
                 if w.ready and not w.busy and pending:
                     keys = [pending.popleft() for _ in range(min(chunk, len(pending)))]
-                    w.conn.send([(k, items[k]) for k in keys])
+                    try:
+                        w.conn.send([(k, items[k]) for k in keys])
+                    except OSError:  # it died since: the chunk goes to the next worker
+                        pending.extendleft(reversed(keys))
+                        self._replace(idx, graceful=False)
+                        continue
                     w.current.extend(keys)
                     w.deadline = now + self.timeout_s
 
