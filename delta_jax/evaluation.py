@@ -89,10 +89,15 @@ def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[di
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
             if limit is not None and len(rows) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[e.start]:02x} "
+                                 f"at column {e.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

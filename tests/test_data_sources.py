@@ -212,3 +212,50 @@ def test_hub_name_goes_through_datasets_when_installed(monkeypatch, tmp_path):
     assert calls[-1] == ("some-org/DeepMath-mini", "train")
     with pytest.raises(FileNotFoundError, match="no such file"):
         records.load_records(tmp_path / "missing.jsonl")
+
+
+# ------------------------------------------------------------------ #20: messages with the culprit
+
+
+def test_non_utf8_row_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"id": "a", "problem": "p", "answer": "1"}\n'
+                     b'{"id": "b", "problem": "caf\xe9", "answer": "2"}\n'
+                     b'{"id": "c", "problem": "p", "answer": "3"}\n')
+    with pytest.raises(records.MalformedRecordError,
+                       match=r"latin1\.jsonl:line 2: not valid UTF-8 \(byte 0xe9 at column 28\)"):
+        records.load_records(path)
+    recs, stats = records.load_records(path, on_error="skip")
+    assert [r["id"] for r in recs] == ["a", "c"] and stats.num_skipped == 1
+    array = tmp_path / "latin1.json"
+    array.write_bytes(b'[{"id": "a", "problem": "p", "answer": "1"},\n'
+                      b' {"id": "b", "problem": "caf\xe9", "answer": "2"}]\n')
+    with pytest.raises(records.MalformedRecordError,
+                       match=r"latin1\.json: not valid UTF-8 \(byte 0xe9 at line 2, column 29\)"):
+        records.load_records(array)
+
+
+def _config_data_fields():
+    from delta_jax.train.config import default_config
+    return set(default_config().data.keys())
+
+
+def test_data_errors_name_options_the_config_has(tmp_path):
+    """A message's advice must be something the user can do from the command line: every
+    --config.data.* option it names exists, and doing what it says works."""
+    bad = write_jsonl(tmp_path / "bad.jsonl", MALFORMED)
+    with pytest.raises(records.MalformedRecordError) as err:
+        records.load_records(bad)
+    assert "--config.data.on_error=skip" in str(err.value)
+    unknown = write_jsonl(tmp_path / "x.jsonl", [{"question": "q", "gold": "1"}])
+    with pytest.raises(records.MalformedRecordError) as err2:
+        records.load_records(unknown)
+    assert "--config.data.fields=" in str(err2.value)
+    assert {"on_error", "fields"} <= _config_data_fields()
+    # What the messages advise, as a config string, works.
+    recs, _ = records.load_records(bad, on_error="skip")
+    assert len(recs) == 3
+    recs, _ = records.load_records(unknown, fields='{"problem": "question", "answer": "gold"}')
+    assert recs[0]["problem"] == "q" and recs[0]["answer"] == "1"
+    with pytest.raises(ValueError, match=r"data\.fields: not a preset name or a JSON object"):
+        records.load_records(unknown, fields="{problem: question}")

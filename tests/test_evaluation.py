@@ -73,6 +73,14 @@ def test_load_benchmark(tmp_path):
         ev.load_benchmark(tmp_path / "missing.jsonl")
 
 
+def test_load_benchmark_non_utf8_names_file_and_line(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"id": "a", "problem": "x", "answer": "1"}\n'
+                    b'{"id": "b", "problem": "caf\xe9?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not valid UTF-8 \(byte 0xe9"):
+        ev.load_benchmark(bad)
+
+
 # --- evaluate ------------------------------------------------------------------------------
 
 

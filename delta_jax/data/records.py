@@ -48,6 +48,16 @@ class MalformedRecordError(ValueError):
     """A row that cannot be turned into a record; the message names the file and the row."""
 
 
+# What the messages advise: the run's config fields (train/config.py data.on_error, data.fields)
+# and the same-named arguments of load_records / builders.build_tfds_source.
+ON_ERROR_ADVICE = ("to skip malformed rows: --config.data.on_error=skip "
+                   "(on_error='skip' in Python)")
+FIELDS_ADVICE = ("set --config.data.fields=<preset>, one of {presets}, or a JSON object "
+                 "mapping record keys to source keys, e.g. "
+                 "--config.data.fields='{{\"problem\": \"question\", \"answer\": "
+                 "\"final_answer\"}}' (fields= in Python)")
+
+
 @dataclasses.dataclass
 class LoadStats:
     """What happened while reading: rows read, records kept, rows skipped (with reasons)."""
@@ -214,17 +224,42 @@ def detect_layout(row: Mapping[str, Any]) -> str:
     if "problem" in keys and "solution" in keys:
         return "math"
     raise ValueError(
-        f"cannot tell the layout from the keys {sorted(keys)}; pass fields= one of "
-        f"{sorted(PRESETS)} or a dict {{'problem': key, 'answer': key, ...}}"
+        f"cannot tell the layout from the keys {sorted(keys)}; {FIELDS_ADVICE.format(presets=sorted(PRESETS))}"
     )
+
+
+def parse_fields(fields: str | Mapping[str, str]) -> str | Mapping[str, str]:
+    """The `fields` option as given in Python or on the command line (data.fields): "auto", a
+    preset name, a mapping, or a mapping written as a JSON object string."""
+    if isinstance(fields, Mapping):
+        return fields
+    if not isinstance(fields, str):
+        raise ValueError(f"data.fields: expected a preset name or a JSON object, got "
+                         f"{type(fields).__name__} {fields!r}")
+    text = fields.strip()
+    if text.startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data.fields: not a preset name or a JSON object ({e.msg} at "
+                             f"column {e.colno}): {fields!r}") from None
+        if not isinstance(mapping, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+            raise ValueError(f"data.fields: the JSON object must map record keys to source key "
+                             f"strings, got {fields!r}")
+        return mapping
+    if text != "auto" and text not in PRESETS:
+        raise ValueError(f"data.fields: unknown preset {fields!r}; known: 'auto', "
+                         f"{sorted(PRESETS)}, or a JSON object mapping record keys to source keys")
+    return text
 
 
 def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
     unknown = set(fields) - set(RECORD_KEYS)
     if unknown or "problem" not in fields or "answer" not in fields:
         raise ValueError(
-            f"fields= mapping needs 'problem' and 'answer' and only keys from {RECORD_KEYS}; "
-            f"got {dict(fields)}"
+            f"data.fields: a mapping needs 'problem' and 'answer' and only keys from "
+            f"{RECORD_KEYS}; got {dict(fields)}"
         )
 
     def mapper(row):
@@ -248,12 +283,11 @@ def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
 
 
 def _resolve_mapper(fields: str | Mapping[str, str], first_row: Mapping[str, Any]) -> tuple[str, RowMapper]:
+    fields = parse_fields(fields)
     if isinstance(fields, Mapping):
         return "custom", _custom_mapper(fields)
     if fields == "auto":
         fields = detect_layout(first_row)
-    if fields not in PRESETS:
-        raise ValueError(f"unknown fields preset {fields!r}; known: 'auto', {sorted(PRESETS)}")
     return fields, PRESETS[fields]
 
 
@@ -261,13 +295,28 @@ def _resolve_mapper(fields: str | Mapping[str, str], first_row: Mapping[str, Any
 # Raw rows
 
 
+def _utf8_error(e: UnicodeDecodeError, data: bytes, lines: bool = False) -> str:
+    """'not valid UTF-8 (byte 0xe9 at [line L, ]column C)', 1-based, columns in bytes."""
+    NEWLINE = b"\n"
+    line_start = data.rfind(NEWLINE, 0, e.start) + 1
+    where = f"column {e.start - line_start + 1}"
+    if lines:
+        where = f"line {data.count(NEWLINE, 0, e.start) + 1}, {where}"
+    return f"not valid UTF-8 (byte 0x{data[e.start]:02x} at {where}); re-encode the file as UTF-8"
+
+
 def _iter_jsonl(path: str) -> Iterator[tuple[str, Mapping[str, Any] | Exception]]:
     """(where, row or the parse error) per non-blank line; `where` is "file:line N" (1-based)."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, ValueError(_utf8_error(e, raw))
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:line {line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -280,11 +329,14 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Mapping[str, Any] | Exception]
 
 
 def _iter_json_array(path: str):
-    with open(path, encoding="utf-8") as f:
-        try:
-            rows = json.load(f)
-        except json.JSONDecodeError as e:
-            raise MalformedRecordError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from e
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MalformedRecordError(f"{path}: {_utf8_error(e, data, lines=True)}") from None
+    except json.JSONDecodeError as e:
+        raise MalformedRecordError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from e
     if not isinstance(rows, list):
         raise MalformedRecordError(f"{path}: a .json file must hold a list of objects")
     for i, row in enumerate(rows, start=1):
@@ -326,25 +378,30 @@ def records_from_rows(
 ) -> list[dict]:
     """Map raw rows to records (see the module docstring); errors name `where`."""
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise ValueError(f"data.on_error: must be 'raise' or 'skip', got {on_error!r}")
+    fields = parse_fields(fields)
     stats = stats if stats is not None else LoadStats()
     mapper = None
     out = []
     for index, (where, row) in enumerate(rows):
         stats.num_rows += 1
+        if mapper is None and not isinstance(row, Exception):
+            try:
+                layout, mapper = _resolve_mapper(fields, row)
+            except ValueError as e:
+                if on_error == "raise":  # a layout question, not a bad row: no skip advice
+                    raise MalformedRecordError(f"{where}: {e}") from e
+                stats.add_skip(where, str(e))
+                continue
+            stats.layouts[layout_key or where.rsplit(":", 1)[0]] = layout
         try:
             if isinstance(row, Exception):
                 raise row
-            if mapper is None:
-                layout, mapper = _resolve_mapper(fields, row)
-                stats.layouts[layout_key or where.rsplit(":", 1)[0]] = layout
             record = mapper(row)
         except (KeyError, ValueError, TypeError) as e:
             reason = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
             if on_error == "raise":
-                raise MalformedRecordError(
-                    f"{where}: {reason} (pass on_error='skip' to skip malformed rows)"
-                ) from e
+                raise MalformedRecordError(f"{where}: {reason} ({ON_ERROR_ADVICE})") from e
             stats.add_skip(where, reason)
             continue
         record["id"] = str(record["id"]) if record["id"] not in (None, "") else f"{id_prefix}-{index}"
