@@ -10,8 +10,13 @@ processes (TPU pod, SLURM, or config.distributed.*) start jax.distributed before
 The config file's get_config() gives an ml_collections ConfigDict (see
 delta_jax/train/config.py for every field); each field can be overridden with --config.a.b=value.
 The config is validated before anything is built: an unknown field, a wrong type or an impossible
-combination stops the program with a message naming the field. A run resumes automatically from
-the latest checkpoint in --workdir.
+combination stops the program with a message naming the field (exit code 2), as does a config
+file that does not load. A run resumes automatically from the latest checkpoint in --workdir that
+reads back; a resume whose config changes a field that changes results lists the changes and stops
+unless --config.train.allow_config_change=True. One process at a time may use a workdir.
+
+SIGINT / SIGTERM (Ctrl-C, preemption) stop a training run after the step in hand with a checkpoint,
+a one-line message and exit code 130 / 143; a second signal exits at once.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from delta_jax.train.config import ConfigError, validate_config
+from delta_jax.train.config import ConfigError, default_config, resume_changes, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (get_config())",
                                           lock_config=True)
@@ -43,21 +48,111 @@ def run(cfg, workdir: str):
                                     cfg.distributed.num_processes, cfg.distributed.process_id)
     os.makedirs(workdir, exist_ok=True)
     import jax
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
-    from delta_jax.train import loop  # heavy imports only after the config is known to be good
 
-    if cfg.mode == "sft":
-        return loop.sft_only(cfg, workdir)
-    if cfg.mode == "eval":
-        return loop.eval_only(cfg, workdir)
-    state, run_ = loop.train(cfg, workdir)
-    run_.close()
-    if jax.process_index() == 0:  # plots + held-out accuracy before / after RL
-        from delta_jax.train import plots
-        print(plots.write_report(workdir, cfg.train.steps), flush=True)
-    return state
+    from delta_jax.train.workdir_lock import WorkdirLock
+    lock = WorkdirLock(workdir) if jax.process_index() == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        if cfg.mode in ("train", "sft"):
+            check_resume_config(cfg, workdir)
+        if jax.process_index() == 0 and cfg.mode != "eval":
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
+        from delta_jax.train import loop  # heavy imports only after the config is known good
+
+        if cfg.mode == "sft":
+            return loop.sft_only(cfg, workdir)
+        if cfg.mode == "eval":
+            return loop.eval_only(cfg, workdir)
+        state, run_ = loop.train(cfg, workdir)
+        run_.close()
+        if jax.process_index() == 0:  # plots + held-out accuracy before / after RL
+            from delta_jax.train import plots
+            print(plots.write_report(workdir, cfg.train.steps), flush=True)
+        return state
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def check_resume_config(cfg, workdir: str):
+    """A run directory with checkpoints resumes only with the config it was started with (fields
+    that change no result aside, config.RESUMABLE_FIELDS) unless train.allow_config_change."""
+    path = os.path.join(workdir, "config.json")
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if not (has_ckpt and os.path.isfile(path)):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: the saved config of this run does not read back ({e}); "
+                          "restore it or use another --workdir") from None
+    changes = resume_changes(saved, cfg.to_dict())
+    if changes and not cfg.train.allow_config_change:
+        listed = "\n  ".join(changes)
+        raise ConfigError(
+            f"train.allow_config_change: {workdir} holds a run started with another config; "
+            f"resuming it would change:\n  {listed}\nRun with the old values, use another "
+            "--workdir, or pass --config.train.allow_config_change=True to resume anyway")
+    if changes:
+        logging.getLogger("delta_jax").warning("resuming with a changed config:\n  %s",
+                                               "\n  ".join(changes))
+
+
+def _config_fields() -> set:
+    names, stack = set(), [("", default_config())]
+    while stack:
+        prefix, node = stack.pop()
+        for key in node.keys():
+            names.add(prefix + key)
+            if hasattr(node[key], "keys"):
+                stack.append((prefix + key + ".", node[key]))
+    return names
+
+
+def parse_flags(argv):
+    """absl's flag parsing with short messages for the config's errors: an unknown
+    --config.field, or a config file that does not load (exit code 2, no traceback)."""
+    try:
+        rest = flags.FLAGS(argv)
+        cfg = flags.FLAGS["config"].value
+        if cfg is not None:
+            cfg.keys()  # a config file that failed to load raises here, not while parsing
+        return rest
+    except flags.Error as e:
+        print(f"{os.path.basename(argv[0])}: {e}\nPass --helpshort for the flags.",
+              file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # noqa: BLE001 -- raised by loading or overriding the config
+        known = _config_fields()
+        for arg in argv[1:]:
+            if arg.startswith("--config."):
+                field = arg[len("--config."):].split("=", 1)[0]
+                if field not in known:
+                    section = field.rsplit(".", 1)[0] if "." in field else ""
+                    siblings = sorted(k[len(section) + 1:] for k in known
+                                      if k.startswith(section + ".")
+                                      and "." not in k[len(section) + 1:])
+                    hint = (f" (fields of {section}: {', '.join(siblings)})"
+                            if section in known else "")
+                    print(f"config error: --config.{field}: unknown config field{hint}",
+                          file=sys.stderr)
+                    sys.exit(2)
+        root = e
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        text = str(root)
+        if "Failed loading config file" in text:  # ml_collections: the file's own error last
+            text = text.strip().splitlines()[-1].strip()
+        where = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "")
+        detail = f"{type(root).__name__}: {text}"
+        if isinstance(root, SyntaxError):
+            detail = f"SyntaxError: {root.msg} ({root.filename}, line {root.lineno})"
+        print(f"config error: --config={where}: {detail}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv):
@@ -70,12 +165,20 @@ def main(argv):
     logging.getLogger("delta_jax").setLevel(logging.INFO)
     # Orbax logs every save step by step at INFO through absl; keep the console readable.
     logging.getLogger("absl").setLevel(logging.WARNING)
+    from delta_jax.train.preemption import TrainingInterrupted
+    from delta_jax.train.workdir_lock import WorkdirBusy
     try:
         run(_CONFIG.value, _WORKDIR.value)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except WorkdirBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except TrainingInterrupted as e:
+        print(str(e), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

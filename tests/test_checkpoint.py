@@ -5,7 +5,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from delta_jax.train.checkpoint import Checkpointer
+import logging
+import os
+import pathlib
+
+import pytest
+
+from delta_jax.train.checkpoint import Checkpointer, CheckpointError
 from delta_jax.train.state import init_train_state, make_optimizer, split_model
 
 
@@ -47,4 +53,73 @@ def test_round_trip_keep_and_latest(tmp_path):
     for a, b in zip(want, got):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert jax.tree.structure(state) == jax.tree.structure(target)
+    ckpt.close()
+
+
+def _largest_file(directory: pathlib.Path) -> pathlib.Path:
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(step_dir):
+    f = _largest_file(step_dir / "state")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _scramble(step_dir):
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 16:
+            data = bytearray(f.read_bytes())
+            data[8:] = bytes(255 - b for b in data[8:])
+            f.write_bytes(bytes(data))
+
+
+def _drop_metadata(step_dir):
+    for f in step_dir.rglob("*"):
+        if f.is_file() and "metadata" in f.name.lower():
+            f.unlink()
+
+
+def _garbage_meta(step_dir):
+    for f in (step_dir / "meta").rglob("*"):
+        if f.is_file():
+            f.write_text("{not json")
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _scramble, _drop_metadata, _garbage_meta],
+                         ids=["truncated", "scrambled", "no-metadata", "garbage-meta"])
+def test_restore_latest_falls_back_past_an_unreadable_checkpoint(tmp_path, corrupt, caplog):
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(str(directory), keep=3)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
+    ckpt.close()
+    corrupt(directory / "2")
+    ckpt = Checkpointer(str(directory), keep=3)
+    with caplog.at_level(logging.WARNING, logger="delta_jax.train"):
+        found = ckpt.restore_latest(_state(0))
+    assert found is not None
+    step, state, data, meta = found
+    assert step == 1 and data == {"iter": 1} and meta == {"step": 1}
+    np.testing.assert_array_equal(np.asarray(state.params["kernel"][...]),
+                                  np.asarray(_state(1).params["kernel"][...]))
+    text = caplog.text
+    assert "skipping checkpoint 2" in text and str(directory / "2") in text
+    # Set aside, not deleted: the resumed run saves step 2 again.
+    assert ckpt.all_steps() == [1] and (directory / "unreadable-2").is_dir()
+    assert ckpt.save(2, _state(2), {"iter": 2}, {"step": 2})
+    ckpt.close()
+
+
+def test_restore_errors_name_the_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(str(directory))
+    ckpt.save(1, _state(1), {"iter": 1}, {"step": 1}, force=True)
+    ckpt.close()
+    _garbage_meta(directory / "1")
+    ckpt = Checkpointer(str(directory))
+    with pytest.raises(CheckpointError, match=str(directory / "1")):
+        ckpt.restore(1, _state(0))
+    with pytest.raises(CheckpointError, match="no checkpoint in .* reads back"):
+        ckpt.restore_latest(_state(0))
     ckpt.close()

@@ -123,3 +123,51 @@ def test_unknown_and_mistyped_fields_in_a_config_file():
     d["model"]["random_init"] = True
     with pytest.raises(ConfigError, match=r"^model\.preset"):
         validate_config(config_dict.ConfigDict(d))
+
+
+@pytest.mark.parametrize("override,field", [
+    ("--config.train.log_every=0", "train.log_every"),
+    ("--config.eval.temperature=-1.0", "eval.temperature"),
+    ("--config.eval.top_p=0.0", "eval.top_p"),
+    ("--config.rewards.name=math_typo", "rewards.name"),
+    ("--config.rewards.num_workers=0", "rewards.num_workers"),
+    ("--config.rewards.timeout_s=0.0", "rewards.timeout_s"),
+])
+def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
+    """Each of these used to pass validation and fail only later (a ZeroDivisionError after SFT
+    and step 1, the sampler, the reward pool): now validate_config names the field."""
+    cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", override])
+    with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.")):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo"])
+def test_one_response_per_prompt_is_refused_for_every_advantage(advantage):
+    """Group-relative advantages are all 0 with one response per prompt (RLOO has no
+    leave-one-out baseline, Dr.GRPO subtracts the response's own reward): nothing would train."""
+    cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", f"--config.rl.advantage={advantage}",
+                 "--config.rollout.group_size=1"])
+    with pytest.raises(ConfigError, match=r"^rollout\.group_size: .*nothing is trained"):
+        validate_config(cfg)
+
+
+def test_resume_changes_lists_fields_that_change_results():
+    from delta_jax.train.config import resume_changes
+
+    old = validate_config(load(EXPERIMENTS / "tiny.py")).to_dict()
+    new = validate_config(load(EXPERIMENTS / "tiny.py"))
+    with new.unlocked():
+        new.optim.lr = 0.5
+        new.method = "grpo"
+        new.train.steps = 999          # running longer is a resume, not a change
+        new.eval.max_new_tokens = 7    # so is evaluating differently
+        new.rollout.max_batch_size = 8  # and scheduling (results do not depend on it)
+    new = validate_config(new)
+    changes = resume_changes(old, new.to_dict())
+    assert any(c.startswith("optim.lr: ") and c.endswith("-> 0.5") for c in changes)
+    assert any(c.startswith("method: 'delta' -> 'grpo'") for c in changes)
+    assert not any(c.startswith(("train.steps", "eval.", "rollout.max_batch_size"))
+                   for c in changes)
+    assert resume_changes(old, old) == []
+    del old["rl"]["epochs"]
+    assert "rl.epochs: '<absent>' -> 1" in resume_changes(old, new.to_dict())

@@ -293,3 +293,14 @@ def test_published_qwen3_config_json_gives_the_preset():
   assert models.config_from_hf(v5) == models.get_preset("qwen3-8b")
   ours = models.hf_config_dict(models.get_preset("qwen3-8b"))
   assert models.config_from_hf(ours) == models.get_preset("qwen3-8b")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])
+def test_truncated_safetensors_names_the_file(tmp_path, tiny_checkpoint, keep):
+  """A weights file cut short (a copy that died half way) is an error naming the file, whether
+  the cut lands in the tensor data or (keep=0.999) only loses the last bytes."""
+  path = _copy(tiny_checkpoint, tmp_path / "c")
+  data = (path / "model.safetensors").read_bytes()
+  (path / "model.safetensors").write_bytes(data[:int(len(data) * keep)])
+  with pytest.raises(models.CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"):
+    models.from_pretrained(path)

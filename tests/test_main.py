@@ -207,3 +207,61 @@ def test_resume_after_sigkill_is_exact(runs):
              for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference.params))]
     assert max(diffs) <= 1e-6, max(diffs)
     assert int(resumed.step) == int(reference.step)
+
+
+def _main(args, **kw):
+    return subprocess.run([sys.executable, "-m", "delta_jax.main", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_config_errors_are_one_short_message(tmp_path):
+    tiny = f"--config={REPO / 'experiments' / 'tiny.py'}"
+    bad_file = tmp_path / "bad.py"
+    bad_file.write_text("def get_config(:\n")
+    cases = [
+        ([tiny, "--config.rl.epochz=1"], r"--config\.rl\.epochz: unknown config field"),
+        ([tiny, "--config.foo=1"], r"--config\.foo: unknown config field"),
+        ([f"--config={bad_file}"], r"SyntaxError: .*bad\.py, line 1"),
+        ([f"--config={tmp_path / 'missing.py'}"], r"No such file or directory"),
+        ([tiny, "--config.train.log_every=0"], r"train\.log_every: must be >= 1"),
+    ]
+    import re
+    for args, pattern in cases:
+        out = _main([*args, f"--workdir={tmp_path / 'w'}"])
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) <= 2 and "Traceback" not in out.stderr, (args, out.stderr[-2000:])
+        assert re.search(pattern, lines[0]), (args, lines)
+
+
+def test_a_second_process_on_the_same_workdir_is_refused(tmp_path):
+    from delta_jax.train.workdir_lock import WorkdirLock
+
+    workdir = tmp_path / "w"
+    with WorkdirLock(str(workdir)):  # this process holds it, as a running trainer would
+        out = _main([f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={workdir}"])
+    assert out.returncode == 1
+    assert f"is in use by another run (pid {os.getpid()} on" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_resume_with_a_changed_config_lists_the_changes(tmp_path):
+    from delta_jax import main as main_lib
+    from delta_jax.train.config import ConfigError
+
+    cfg = load_config(REPO / "experiments" / "tiny.py")
+    cfg = validate_config(cfg)
+    workdir = tmp_path / "w"
+    (workdir / "checkpoints" / "3").mkdir(parents=True)  # a run that has checkpoints
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict()))
+    main_lib.check_resume_config(cfg, str(workdir))  # same config: fine
+    changed = cfg.copy_and_resolve_references()
+    with changed.unlocked():
+        changed.optim.lr = 3e-3
+        changed.train.steps = 500
+    with pytest.raises(ConfigError, match=r"(?s)^train\.allow_config_change: .*optim\.lr: "
+                                          r"0\.0001 -> 0\.003"):
+        main_lib.check_resume_config(changed, str(workdir))
+    with changed.unlocked():
+        changed.train.allow_config_change = True
+    main_lib.check_resume_config(changed, str(workdir))  # explicitly allowed

@@ -225,10 +225,18 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
   mapping = {}
   for f in files:
-    with safe_open(str(f), framework="numpy") as handle:
+    with _open_safetensors(f) as handle:
       for name in handle.keys():
         mapping[name] = f
   return mapping
+
+
+def _open_safetensors(file):
+  try:
+    return safe_open(str(file), framework="numpy")
+  except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+    raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
+                          f"{e}); truncated or corrupted?") from e
 
 
 class _TensorReader:
@@ -241,7 +249,7 @@ class _TensorReader:
 
   def _handle(self, file):
     if file not in self._handles:
-      self._handles[file] = safe_open(str(file), framework="numpy")
+      self._handles[file] = _open_safetensors(file)
     return self._handles[file]
 
   def read(self, name: str, shape: tuple[int, ...], where: pathlib.Path) -> np.ndarray:
@@ -255,7 +263,11 @@ class _TensorReader:
     if got != tuple(shape):
       raise CheckpointError(f"{file}: tensor {name!r} has shape {got}, expected {tuple(shape)}")
     self.used.add(name)
-    return handle.get_tensor(name)
+    try:
+      return handle.get_tensor(name)
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+      raise CheckpointError(f"{file}: tensor {name!r} does not read back ({type(e).__name__}: "
+                            f"{e}); truncated or corrupted file?") from e
 
 
 def _to_ours(name: str, hf: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:

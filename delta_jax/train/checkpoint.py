@@ -6,11 +6,18 @@ so the metadata's seed plus the step reproduce it exactly after a resume.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger("delta_jax.train")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not read back; the message names its directory and the cause."""
 
 
 class Checkpointer:
@@ -51,12 +58,65 @@ class Checkpointer:
         """Returns (state, data_state, meta); `target_state` gives the structure, shapes, dtypes
         and shardings (real arrays or jax.ShapeDtypeStruct)."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract),
-            data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
-        return out["state"], out["data"], out["meta"]
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore()))
+            state, data, meta = out["state"], out["data"], out["meta"]
+        except Exception as e:  # noqa: BLE001 -- orbax / tensorstore / json raise many kinds
+            raise CheckpointError(f"{os.path.join(self.directory, str(step))}: does not read "
+                                  f"back ({_first_line(e)})") from e
+        for name, value in (("data", data), ("meta", meta)):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{os.path.join(self.directory, str(step), name)}: expected "
+                                      f"a JSON object, got {type(value).__name__}")
+        return state, data, meta
+
+    def restore_latest(self, target_state: Any):
+        """(step, state, data_state, meta) of the newest checkpoint that reads back, or None when
+        there is none. Newer ones that do not read back are skipped with a warning naming them
+        and why; if every checkpoint fails, CheckpointError lists them all."""
+        failures = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                state, data, meta = self.restore(step, target_state)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %d: %s", step, e)
+                failures.append(str(e))
+                continue
+            if failures:
+                log.warning("resuming from checkpoint %d, the newest that reads back; the newer "
+                            "ones are kept aside as %s/unreadable-<step>", step, self.directory)
+                self._set_aside([s for s in self.all_steps() if s > step])
+            return step, state, data, meta
+        if failures:
+            raise CheckpointError("no checkpoint in " + self.directory + " reads back:\n  "
+                                  + "\n  ".join(failures))
+        return None
+
+    def _set_aside(self, steps):
+        """Renames unreadable checkpoints out of the step sequence (a resumed run saves those
+        steps again); nothing is deleted. Process 0 renames; every process waits for it."""
+        if jax.process_index() == 0:
+            for step in steps:
+                src = os.path.join(self.directory, str(step))
+                dst = os.path.join(self.directory, f"unreadable-{step}")
+                k = 1
+                while os.path.exists(dst):
+                    k += 1
+                    dst = os.path.join(self.directory, f"unreadable-{step}.{k}")
+                os.rename(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("checkpoint set-aside")
+        self._manager.reload()
 
     def close(self):
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]

@@ -175,6 +175,9 @@ def default_config() -> config_dict.ConfigDict:
     c.train.eval_after = True
     c.train.export_final = True   # write the final policy as a HF directory in workdir/final
     c.train.progress_bar = True
+    # Resuming a run whose results-changing fields differ from its config.json is refused
+    # (the differences are listed) unless this is True.
+    c.train.allow_config_change = False
 
     c.sft = config_dict.ConfigDict()
     c.sft.steps = 0               # > 0 in train mode: a supervised warm start before RL
@@ -320,7 +323,8 @@ def _check_combinations(c):
                  "'synthetic')")
     if c.mode == "eval":
         _require(c.data.eval, "data.eval", "eval mode needs benchmark files")
-    for name in ("rollout.batch_prompts", "rollout.group_size", "rollout.max_new_tokens",
+    for name in ("train.log_every", "rollout.batch_prompts", "rollout.group_size",
+                 "rollout.max_new_tokens",
                  "rollout.max_batch_size", "rl.mini_batch_prompts", "rl.epochs",
                  "data.max_prompt_len", "train.keep", "eval.k", "eval.max_new_tokens",
                  "sft.batch_size", "sft.max_len", "model.logprob_chunk", "delta.recompute_chunk"):
@@ -336,8 +340,9 @@ def _check_combinations(c):
     _require(c.rl.micro_batch_size == 0 or mini_seqs % c.rl.micro_batch_size == 0,
              "rl.micro_batch_size", f"{c.rl.micro_batch_size} does not divide the mini-batch of "
              f"{mini_seqs} sequences (rl.mini_batch_prompts x rollout.group_size)")
-    _require(c.rl.advantage == "drgrpo" or c.rl.advantage == "rloo" or c.rollout.group_size >= 2,
-             "rollout.group_size", "GRPO advantages need at least 2 responses per prompt")
+    _require(c.rollout.group_size >= 2, "rollout.group_size",
+             f"rl.advantage={c.rl.advantage} compares the responses of a prompt with each other: "
+             "with 1 response per prompt every advantage is 0 and nothing is trained; use >= 2")
     _require(c.rl.eps_low >= 0 and c.rl.eps_high >= 0, "rl.eps_low", "clip ranges must be >= 0")
     _require(c.rl.dual_clip == 0 or c.rl.dual_clip > 1 + c.rl.eps_high, "rl.dual_clip",
              f"must be 0 (off) or > 1 + rl.eps_high, got {c.rl.dual_clip}")
@@ -345,6 +350,16 @@ def _check_combinations(c):
              "RL needs sampling (temperature > 0)")
     _require(0 < c.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _require(c.rollout.top_k == -1 or c.rollout.top_k >= 1, "rollout.top_k", "-1 or >= 1")
+    _require(c.eval.temperature >= 0, "eval.temperature",
+             f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
+    _require(0 < c.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {c.eval.top_p}")
+    from delta_jax.rl import rewards as rewards_lib
+    _require(c.rewards.name in rewards_lib.REWARD_FNS, "rewards.name",
+             f"{c.rewards.name!r} is not one of {sorted(rewards_lib.REWARD_FNS)}")
+    _require(c.rewards.num_workers >= 1, "rewards.num_workers",
+             f"must be >= 1, got {c.rewards.num_workers}")
+    _require(c.rewards.timeout_s > 0, "rewards.timeout_s",
+             f"must be > 0, got {c.rewards.timeout_s}")
     _require(0 < c.delta.lam_min <= c.delta.lam_max, "delta.lam_min",
              "need 0 < lam_min <= lam_max")
     _require(c.delta.topk >= 1, "delta.topk", f"must be >= 1, got {c.delta.topk}")
@@ -368,6 +383,40 @@ def _check_combinations(c):
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
+
+
+# Fields that may change when a run resumes: how long it runs, how it logs, saves, evaluates and
+# where it runs; none of them changes what a step computes.
+RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every", "train.keep",
+                    "train.eval_every", "train.eval_before", "train.eval_after",
+                    "train.export_final", "train.progress_bar", "train.allow_config_change",
+                    "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size")
+RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
+
+
+def resume_changes(saved: dict, new: dict) -> list[str]:
+    """The fields that differ between a run's saved config (config.json, nested dicts) and the
+    config it is resumed with, as "field: old -> new" lines, leaving out RESUMABLE_FIELDS and
+    RESUMABLE_SECTIONS. A field one of them lacks shows as <absent>."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    old, cur = flat(saved), flat(new)
+    lines = []
+    for name in sorted(set(old) | set(cur)):
+        if name in RESUMABLE_FIELDS or name.startswith(RESUMABLE_SECTIONS):
+            continue
+        a, b = old.get(name, "<absent>"), cur.get(name, "<absent>")
+        if a != b and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                           and not isinstance(a, bool) and float(a) == float(b)):
+            lines.append(f"{name}: {a!r} -> {b!r}")
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,8 @@ import logging
 import os
 import time
 
+import jax
+
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.run import Run
 
@@ -14,11 +16,14 @@ log = logging.getLogger("delta_jax.train")
 
 _EVAL_SALT = 11
 
-def evaluate_policy(run: Run, params, step: int) -> dict:
-    """avg@k / pass@k on the eval benchmarks with the eval sampling settings."""
+def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None,
+                    return_result: bool = False):
+    """avg@k / pass@k on the eval benchmarks with the eval sampling settings; writes
+    eval/<file_stem>.json (default step_<step>) and returns the flat metrics (and the
+    evaluation result when return_result)."""
     cfg = run.cfg
     if not run.assets["eval"]:
-        return {}
+        return ({}, None) if return_result else {}
     from delta_jax import evaluation
     from delta_jax.rl.rewards import RewardScorer
 
@@ -41,11 +46,13 @@ def evaluate_policy(run: Run, params, step: int) -> dict:
     metrics = _flatten_eval(result)
     metrics["time/eval_s"] = time.perf_counter() - t0
     os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
-    with open(os.path.join(run.workdir, "eval", f"step_{step}.json"), "w") as f:
-        f.write(result.to_json() if hasattr(result, "to_json") else str(result))
-    if hasattr(result, "to_markdown"):
+    stem = file_stem or f"step_{step}"
+    if jax.process_index() == 0:
+        with open(os.path.join(run.workdir, "eval", f"{stem}.json"), "w") as f:
+            f.write(result.to_json() if hasattr(result, "to_json") else str(result))
+    if hasattr(result, "to_markdown") and file_stem is None:
         run.writer.write_text(step, "eval", result.to_markdown())
-    return metrics
+    return (metrics, result) if return_result else metrics
 
 
 def _flatten_eval(result) -> dict:

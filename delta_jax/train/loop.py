@@ -19,7 +19,8 @@ from delta_jax import models
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
-from delta_jax.train.rl_step import StepOutput, rl_step
+from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
+from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
 from delta_jax.train.run import (Run, build_run, copy_tree, place_state, restore_reference,
                                  save_reference)
 from delta_jax.train.state import TrainState, init_train_state
@@ -34,8 +35,10 @@ class NonFiniteError(RuntimeError):
 # ----------------------------------------------------------------------------- drivers
 
 
-def run_sft(run: Run, params, log_every: int = 10):
-    """Supervised warm start; returns the new params (the RL optimizer starts fresh after)."""
+def run_sft(run: Run, params, log_every: int = 10,
+            should_stop: Callable[[], bool] = lambda: False):
+    """Supervised warm start; returns the new params (the RL optimizer starts fresh after), or
+    None when should_stop() turned true (checked after every step; nothing is saved)."""
     from delta_jax.data import records as records_lib
     from delta_jax.train.state import learning_rate_schedule, make_optimizer
 
@@ -57,9 +60,11 @@ def run_sft(run: Run, params, log_every: int = 10):
         if step % log_every == 0 or step == cfg.sft.steps:
             scalars = run.writer.write(step, jax.device_get(m))
             _bar_update(bar, step, f"sft loss {scalars['sft/loss']:.3f}")
+        if should_stop():
+            break
     if bar is not None:
         bar.close()
-    return state.params
+    return None if should_stop() else state.params
 
 
 def _progress(cfg, total, desc):
@@ -96,36 +101,67 @@ def train(cfg, workdir: str, *, run: Run | None = None,
           ) -> tuple[TrainState, Run]:
     """RL training (mode train); returns the final state and the run (caller closes it).
 
+    Resumes from the newest checkpoint that reads back (metrics.jsonl cut back to what that
+    checkpoint had written, so every step appears once). SIGINT / SIGTERM stop it cleanly: the
+    step in hand is abandoned if its updates have not begun, else finished; a checkpoint is saved,
+    the run closed and TrainingInterrupted raised (delta_jax.main exits 130 / 143).
+
     step_hooks: called as hook(run, step, StepOutput) after each RL step's metrics are written and
     before its checkpoint (default: the DelTA weight histograms)."""
     run = run or build_run(cfg, workdir)
+    with StopOnSignal() as stop:
+        try:
+            return _train(cfg, workdir, run, step_hooks, stop), run
+        except TrainingInterrupted:
+            run.close()  # the reward workers go with the run
+            raise
+
+
+def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> TrainState:
     init_state = place_state(run, init_train_state(run.initial_params, run.optimizer))
-    latest = run.ckpt.latest_step()
+    found = run.ckpt.restore_latest(init_state)
     nonfinite_streak = 0
-    if latest is not None:
-        state, data_state, meta = run.ckpt.restore(latest, init_state)
+
+    def save(step, state, data_state, force=False):
+        meta = _meta(cfg, step, nonfinite_streak, run.writer.position())
+        run.ckpt.save(step, state, data_state, meta, force=force)
+
+    def interrupted(step):
+        return TrainingInterrupted(stop.signum, step, run.ckpt.directory)
+
+    if found is not None:
+        start, state, data_state, meta = found
         run.data_iter.set_state(data_state)
+        run.writer.truncate(int(meta.get("metrics_offset", -1)))
         nonfinite_streak = int(meta.get("nonfinite_streak", 0))
-        start = latest
         if run.ref_pass is not None and cfg.sft.steps > 0:
             run.ref_params = restore_reference(run, state.params)
-        log.info("resumed from %s at step %d", run.ckpt.directory, latest)
+        log.info("resumed from %s at step %d", run.ckpt.directory, start)
     else:
         state = init_state
         if cfg.sft.steps > 0:
-            state = place_state(run, init_train_state(run_sft(run, state.params),
-                                                      run.optimizer))
+            params = run_sft(run, state.params, should_stop=stop.requested)
+            if params is None:
+                raise interrupted(None)
+            state = place_state(run, init_train_state(params, run.optimizer))
             if run.ref_pass is not None:  # the KL reference is the policy after the warm start
                 run.ref_params = copy_tree(state.params)
                 save_reference(run, run.ref_params)
-        run.ckpt.save(0, state, run.data_iter.get_state(), _meta(cfg, 0), force=True)
-        if cfg.train.eval_before:
+        if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
             write_eval(run, state.params, 0)
+        save(0, state, run.data_iter.get_state(), force=True)
         start = 0
+    if stop.requested():
+        raise interrupted(start)
 
     bar = _progress(cfg, cfg.train.steps, f"rl ({cfg.method})")
     for step in range(start + 1, cfg.train.steps + 1):
-        out = rl_step(run, state, step)
+        data_before = run.data_iter.get_state()
+        try:
+            out = rl_step(run, state, step, should_stop=stop.requested)
+        except StepAbandoned:  # the state is still that of step - 1
+            save(step - 1, state, data_before, force=True)
+            raise interrupted(step - 1) from None
         state, metrics = out.state, out.metrics
         skipped = metrics.get("policy/skipped_updates", 0.0)
         nonfinite_streak = nonfinite_streak + 1 if skipped > 0 else 0
@@ -140,24 +176,27 @@ def train(cfg, workdir: str, *, run: Run | None = None,
         if step % cfg.train.log_every == 0:  # the one-line summary (once, with or without a bar)
             log.info(line)
         if nonfinite_streak > cfg.rl.max_nonfinite:
-            run.ckpt.save(step, state, run.data_iter.get_state(),
-                          _meta(cfg, step, nonfinite_streak), force=True)
+            save(step, state, run.data_iter.get_state(), force=True)
             raise NonFiniteError(
                 f"step {step}: {nonfinite_streak} consecutive steps with non-finite loss or "
                 f"gradients (rl.max_nonfinite={cfg.rl.max_nonfinite}); parameters were left "
                 f"unchanged by those updates; the last checkpoint in {run.ckpt.directory} "
                 "is usable")
-        run.ckpt.save(step, state, run.data_iter.get_state(), _meta(cfg, step, nonfinite_streak),
-                      force=step == cfg.train.steps)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+        if (cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps
+                and not stop.requested()):  # before the checkpoint, whose offset includes it
             write_eval(run, state.params, step)
+        save(step, state, run.data_iter.get_state(),
+             force=step == cfg.train.steps or stop.requested())
+        if stop.requested():
+            raise interrupted(step)
     if bar is not None:
         bar.close()
     if cfg.train.eval_after and start < cfg.train.steps:
         write_eval(run, state.params, cfg.train.steps)
     if cfg.train.export_final:
         export_policy(run, state.params, os.path.join(workdir, "final"))
-    return state, run
+    return state
+
 
 def export_policy(run: Run, params, path: str):
     """The policy as a Hugging Face directory (weights + tokenizer). Collective: every process
@@ -167,16 +206,19 @@ def export_policy(run: Run, params, path: str):
         run.tokenizer.hf.save_pretrained(path)
 
 
-def _meta(cfg, step, nonfinite_streak=0) -> dict:
+def _meta(cfg, step, nonfinite_streak=0, metrics_offset=0) -> dict:
     return {"seed": int(cfg.seed), "step": int(step), "method": cfg.method,
-            "nonfinite_streak": int(nonfinite_streak)}
+            "nonfinite_streak": int(nonfinite_streak), "metrics_offset": int(metrics_offset)}
 
 
 def sft_only(cfg, workdir: str):
     """Mode sft: the warm start alone, exported as a HF directory (workdir/sft)."""
     run = build_run(cfg, workdir, need_scorer=False)
     try:
-        params = run_sft(run, run.initial_params)
+        with StopOnSignal() as stop:
+            params = run_sft(run, run.initial_params, should_stop=stop.requested)
+            if params is None:
+                raise TrainingInterrupted(stop.signum, None, run.ckpt.directory)
         export_policy(run, params, os.path.join(workdir, "sft"))
         return params
     finally:
@@ -184,18 +226,24 @@ def sft_only(cfg, workdir: str):
 
 
 def eval_only(cfg, workdir: str) -> dict:
-    """Mode eval: evaluate model.path (or the latest checkpoint in workdir if there is one)."""
+    """Mode eval: evaluate model.path (or the newest readable checkpoint in workdir if there is
+    one); prints the results and writes eval/standalone_step_<n>.json (training's own
+    eval/step_<n>.json files and metrics.jsonl are left as they are)."""
     run = build_run(cfg, workdir, need_data=False)
     try:
-        params = run.initial_params
-        latest = run.ckpt.latest_step()
-        if latest is not None:
-            optimizer = run.optimizer
-            state, _, _ = run.ckpt.restore(latest, place_state(
-                run, init_train_state(params, optimizer)))
+        params, step = run.initial_params, 0
+        found = run.ckpt.restore_latest(place_state(run, init_train_state(params,
+                                                                          run.optimizer)))
+        if found is not None:
+            step, state, _, _ = found
             params = state.params
-        metrics = evaluate_policy(run, params, latest or 0)
-        run.writer.write(latest or 0, metrics)
+        metrics, result = evaluate_policy(run, params, step, file_stem=f"standalone_step_{step}",
+                                          return_result=True)
+        if jax.process_index() == 0:
+            source = (f"checkpoint {step} of {run.ckpt.directory}" if found is not None
+                      else cfg.model.path or f"random init ({cfg.model.preset})")
+            print(f"eval of {source}:\n{result.to_markdown() if result is not None else '-'}",
+                  flush=True)
         return metrics
     finally:
         run.close()

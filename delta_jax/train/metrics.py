@@ -66,6 +66,18 @@ class MetricsWriter:
             self._tb.flush()
         return scalars
 
+    def position(self) -> int:
+        """Bytes of metrics.jsonl written so far (saved with each checkpoint)."""
+        self._jsonl.flush()
+        return os.path.getsize(self.jsonl_path)
+
+    def truncate(self, position: int):
+        """Drops what metrics.jsonl holds past `position` (a resumed run rewrites those steps).
+        TensorBoard event files are append-only: they keep the old rows of those steps too."""
+        self._jsonl.flush()
+        if 0 <= position < os.path.getsize(self.jsonl_path):
+            os.truncate(self.jsonl_path, position)
+
     def write_text(self, step: int, tag: str, text: str):
         if self._tb is not None:
             self._tb.add_text(tag, text, global_step=int(step))

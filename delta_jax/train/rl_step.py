@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -183,11 +184,20 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
                          delta_diagnostics=diag, metrics=metrics)
 
 
-def rl_step(run: Run, state: TrainState, step: int) -> StepOutput:
-    """One RL step: prepare_batch, then the mini-batch updates over permuted prompt groups."""
+class StepAbandoned(Exception):
+    """rl_step was asked to stop before its updates began: the state is unchanged."""
+
+
+def rl_step(run: Run, state: TrainState, step: int,
+            should_stop: Callable[[], bool] = lambda: False) -> StepOutput:
+    """One RL step: prepare_batch, then the mini-batch updates over permuted prompt groups.
+    If should_stop() is true once the batch is prepared, the step is abandoned (StepAbandoned)
+    before any update, so the caller can save the unchanged state."""
     cfg = run.cfg
     t_start = time.perf_counter()
     prep = prepare_batch(run, state.params, step)
+    if should_stop():
+        raise StepAbandoned(f"step {step} abandoned before its updates")
     metrics = prep.metrics
 
     t0 = time.perf_counter()

@@ -229,6 +229,12 @@ class _NullWriter:
     def write_text(self, step, tag, text):
         pass
 
+    def position(self) -> int:
+        return 0
+
+    def truncate(self, position: int):
+        pass
+
     def close(self):
         pass
 
