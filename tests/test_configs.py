@@ -169,5 +169,7 @@ def test_resume_changes_lists_fields_that_change_results():
     assert not any(c.startswith(("train.steps", "eval.", "rollout.max_batch_size"))
                    for c in changes)
     assert resume_changes(old, old) == []
-    del old["rl"]["epochs"]
-    assert "rl.epochs: '<absent>' -> 1" in resume_changes(old, new.to_dict())
+    # A field a run's config.json predates: fine at its default, listed otherwise.
+    del old["rl"]["epochs"], old["optim"]["lr"]
+    listed = resume_changes(old, new.to_dict())
+    assert "optim.lr: '<absent>' -> 0.5" in listed and not any("rl.epochs" in c for c in listed)

@@ -50,6 +50,7 @@ CHOICES = {
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
     "data.template": ("qwen_math", "base", "chat", "plain"),  # delta_jax.data.templates.KINDS
+    "data.on_error": ("raise", "skip"),
 }
 
 # Placeholders: None means "the method decides" (see METHOD_DEFAULTS).
@@ -100,6 +101,11 @@ def default_config() -> config_dict.ConfigDict:
     c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
     c.data.template = "qwen_math"   # delta_jax.data.templates.KINDS
     c.data.max_prompt_len = 2048
+    # Reading data.train (data/records.py): "auto" detects the layout; or a preset name, or a
+    # JSON object string {"problem": "<column>", "answer": "<column>"}. on_error: raise | skip
+    # (malformed rows are counted and left out).
+    c.data.fields = "auto"
+    c.data.on_error = "raise"
     c.data.synthetic_train = 4096  # synthetic task sizes (data.train == "synthetic")
     c.data.synthetic_test = 64
     c.data.synthetic_levels = "1,2"
@@ -397,7 +403,8 @@ RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 def resume_changes(saved: dict, new: dict) -> list[str]:
     """The fields that differ between a run's saved config (config.json, nested dicts) and the
     config it is resumed with, as "field: old -> new" lines, leaving out RESUMABLE_FIELDS and
-    RESUMABLE_SECTIONS. A field one of them lacks shows as <absent>."""
+    RESUMABLE_SECTIONS. A field one of them lacks shows as <absent>, except a field added to the
+    schema after the run started that the new config leaves at its default."""
     def flat(d, prefix=""):
         out = {}
         for k, v in d.items():
@@ -408,11 +415,14 @@ def resume_changes(saved: dict, new: dict) -> list[str]:
         return out
 
     old, cur = flat(saved), flat(new)
+    defaults = flat(default_config().to_dict())
     lines = []
     for name in sorted(set(old) | set(cur)):
         if name in RESUMABLE_FIELDS or name.startswith(RESUMABLE_SECTIONS):
             continue
         a, b = old.get(name, "<absent>"), cur.get(name, "<absent>")
+        if name not in old and name in defaults and b == defaults[name]:
+            continue
         if a != b and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
                            and not isinstance(a, bool) and float(a) == float(b)):
             lines.append(f"{name}: {a!r} -> {b!r}")

@@ -43,7 +43,8 @@ def run_sft(run: Run, params, log_every: int = 10,
     from delta_jax.train.state import learning_rate_schedule, make_optimizer
 
     cfg = run.cfg
-    recs, _ = records_lib.load_records(run.assets["train"])
+    recs, _ = records_lib.load_records(run.assets["train"], fields=cfg.data.fields,
+                                       on_error=cfg.data.on_error)
     examples = sft_lib.tokenize_examples(recs, run.tokenizer, run.template, cfg.sft.max_len)
     schedule = learning_rate_schedule(cfg.sft.lr, "cosine", cfg.sft.warmup_steps, cfg.sft.steps,
                                       0.1)

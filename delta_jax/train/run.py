@@ -205,7 +205,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     if need_data and cfg.mode == "train":
         from delta_jax.data import builders, pipeline
         source = builders.build_tfds_source(assets["train"],
-                                            data_dir=os.path.join(workdir, "tfds"))
+                                            data_dir=os.path.join(workdir, "tfds"),
+                                            fields=cfg.data.fields, on_error=cfg.data.on_error)
         run.data_iter = pipeline.make_prompt_pipeline(
             source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
             template=template, encode_fn=tokenizer.encode)
