@@ -1,6 +1,8 @@
 """Attention implementations: blockwise (flash-style, custom VJP) and the cuDNN path's packing
 against the materialised-scores reference and an independent NumPy attention; peak memory from the
 compiled program; the model with attention="blockwise" against attention="xla"."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,9 +201,8 @@ def test_impl_resolution_and_errors():
 
 def test_model_blockwise_matches_xla():
   """Padded forward (logits) and a cache prefill + decode step: attention="blockwise" with
-  blocks smaller than the sequence equals attention="xla". The 11-token prefill and the decode
-  step run the live-prefix path with key blocks of 3 over a 16-slot cache; "xla" attends the
-  whole cache."""
+  blocks smaller than the sequence (key blocks of 3 over a 16-slot cache) equals
+  attention="xla"."""
   cfg = models.get_preset("tiny", attention="xla")
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -260,121 +261,163 @@ def test_model_gradients_blockwise_under_remat_match_xla():
 
 
 # ---------------------------------------------------------------------------------------------
-# Live-prefix decode
+# Paged decode
 
 
-def full_cache_reference(q, k, v, q_offset, kv_valid):
-  """attend_xla over the whole cache with the decode mask (the path the live prefix replaces)."""
-  return A.attend_xla(q, k, v, A.attention_mask(q.shape[1], jnp.asarray(kv_valid), q_offset))
+def paged_case(seed, B=4, K=2, G=2, D=16, page_size=4, pages_per_seq=8, lengths=(0, 1, 13, 32),
+               dtype=jnp.float32, pages_per_block=1):
+  """A pool with sequences on scrambled pages, their contiguous [B, S, K, D] view and a query
+  per sequence. Table entries past a sequence's pages point at the scratch page 0 (finite
+  garbage, masked), except those past the longest sequence's last block of `pages_per_block`
+  pages, which point at a NaN page: any read of it would poison the output."""
+  rng = np.random.RandomState(seed)
+  num_pages = 2 + B * pages_per_seq
+  nan_page = num_pages - 1
+  k_pages = rng.randn(K, num_pages, page_size, D)
+  v_pages = rng.randn(K, num_pages, page_size, D)
+  k_pages[:, nan_page] = v_pages[:, nan_page] = np.nan
+  tables = (1 + rng.permutation(B * pages_per_seq)).reshape(B, pages_per_seq).astype(np.int32)
+  lengths = np.asarray(lengths, np.int32)
+  live_pages = -(-int(lengths.max()) // (page_size * pages_per_block)) * pages_per_block
+  for b in range(B):
+    tables[b, -(-lengths[b] // page_size):] = 0
+    tables[b, live_pages:] = nan_page
+  S = pages_per_seq * page_size
+  gather = lambda x: x[:, tables].reshape(K, B, S, D).transpose(1, 2, 0, 3)  # noqa: E731
+  q = jnp.asarray(rng.randn(B, K * G, D), dtype)
+  return (q, jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype), jnp.asarray(tables),
+          jnp.asarray(lengths), gather(k_pages), gather(v_pages))
 
 
-@pytest.mark.parametrize("groups,S", [(1, 32), (2, 29), (4, 32)])
-def test_live_prefix_decode_matches_full_cache_reference(groups, S):
-  """One- and three-token queries at live lengths 1, block, block + 1, 2 blocks + 1 and S (S = 29
-  is not a multiple of the block of 8), from a layer-stacked cache; rows with left padding in the
-  prompt slots, a hole, and a row with no valid slot at all."""
-  B, K, D, L, block = 4, 2, 8, 3, 8
-  rng = np.random.RandomState(groups)
-  k = jnp.asarray(rng.randn(L, B, S, K, D), jnp.float32)
-  v = jnp.asarray(rng.randn(L, B, S, K, D), jnp.float32)
-  valid = padded_valid(B, S, left=(0, 5, 9), empty=(3,))
-  valid[0, 3] = False
-
-  @jax.jit
-  def live(q, q_offset, valid):
-    return A.attend_live_prefix(q, k, v, layer=jnp.int32(1), q_offset=q_offset, kv_valid=valid,
-                                block_kv=block)
-
-  for T in (1, 3):
-    for live_len in sorted({T, block, block + 1, 2 * block + 1, S}):
-      if live_len < T:
-        continue
-      q_offset = live_len - T
-      q = jnp.asarray(rng.randn(B, T, K * groups, D), jnp.float32)
-      got = live(q, jnp.int32(q_offset), jnp.asarray(valid))
-      want = full_cache_reference(q, k[1], v[1], q_offset, valid)
-      np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
-                                 err_msg=f"T={T} live={live_len}")
-      assert np.all(np.asarray(got)[3] == 0)  # no valid key: exactly 0
-  np.testing.assert_allclose(  # and the independent float64 reference, once
-      got, numpy_attention(q, k[1], v[1], q_offset, valid), atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("groups,pages_per_block,lengths", [
+    (1, 1, (0, 1, 13, 32)), (2, 3, (0, 1, 13, 32)), (4, 8, (0, 1, 13, 32)),
+    (2, 1, (0, 1, 5, 13)), (1, 3, (2, 1, 5, 11))])
+def test_paged_decode_reference_matches_numpy(groups, pages_per_block, lengths):
+  """Scrambled pages, lengths 0 / 1 / mid-page / a full table, blocks of 1, 3 (not dividing the
+  table) and 8 pages; pages past the longest length's last block hold NaN, so a finite result
+  shows they are never read."""
+  q, kp, vp, tables, lengths, k, v = paged_case(groups, G=groups, lengths=lengths,
+                                                pages_per_block=pages_per_block)
+  got = A.paged_decode_reference(q, kp, vp, tables, lengths, pages_per_block=pages_per_block)
+  valid = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
+  want = numpy_attention(np.asarray(q)[:, None], np.nan_to_num(k), np.nan_to_num(v),
+                         k.shape[1], valid, causal=False)[:, 0]
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  if lengths[0] == 0:
+    assert np.all(np.asarray(got)[0] == 0)  # length 0: exactly 0
 
 
-def test_live_prefix_never_reads_the_dead_tail():
-  """Values past the last live block are NaN: any read of them would poison the output (0 * NaN
-  is NaN), so a finite result equal to the reference shows those blocks are never read. The
-  unstacked [B, S, K, D] form and a static offset take the same path."""
-  B, S, K, G, D, block = 2, 40, 1, 2, 8, 8
-  q, k, v = random_qkv(7, B, 1, S, K * G, K, D)
-  valid = padded_valid(B, S, left=(0, 3))
-  for q_offset in (0, 9, 15, 23):
-    live_end = -(-(q_offset + 1) // block) * block
-    poisoned_k = k.at[:, live_end:].set(jnp.nan)
-    poisoned_v = v.at[:, live_end:].set(jnp.nan)
-    got = A.attend_live_prefix(q, poisoned_k, poisoned_v, q_offset=q_offset,
-                               kv_valid=jnp.asarray(valid), block_kv=block)
-    assert np.isfinite(np.asarray(got)).all(), f"q_offset={q_offset}"
-    np.testing.assert_allclose(got, full_cache_reference(q, k, v, q_offset, valid), atol=1e-5)
+def test_paged_decode_pallas_kernel_matches_reference():
+  """The Pallas GPU kernel (interpreted on CPU) on the same pools and tables."""
+  q, kp, vp, tables, lengths, _, _ = paged_case(5, G=2, page_size=16, pages_per_seq=4,
+                                                lengths=(0, 1, 17, 64))
+  kp, vp = jnp.nan_to_num(kp), jnp.nan_to_num(vp)
+  ref = A.paged_decode_reference(q, kp, vp, tables, lengths)
+  got = A.paged_decode_attention(q, kp, vp, tables, lengths, impl="pallas_interpret")
+  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+  assert A.resolve_decode_impl("reference") == "reference"
+  with pytest.raises(ValueError, match="impl"):
+    A.paged_decode_attention(q, kp, vp, tables, lengths, impl="flash")
+  with pytest.raises(ValueError, match="power of two"):
+    A.paged_decode_pallas(q, kp, vp, tables[:, :3], lengths)
 
 
-def test_live_prefix_bfloat16_cache_and_bad_input():
-  q, k, v = random_qkv(8, 2, 1, 24, 4, 2, 16, jnp.bfloat16)
-  valid = padded_valid(2, 24, left=(4, 0))
-  out = A.attend_live_prefix(q, k, v, q_offset=jnp.int32(17), kv_valid=jnp.asarray(valid),
-                             block_kv=8)
+def test_paged_decode_bfloat16_and_bad_input():
+  q, kp, vp, tables, lengths, k, v = paged_case(6, dtype=jnp.bfloat16)
+  kp, vp = jnp.nan_to_num(kp), jnp.nan_to_num(vp)
+  out = A.paged_decode_reference(q, kp, vp, tables, lengths)
   assert out.dtype == jnp.bfloat16
-  ref = numpy_attention(q, k, v, 17, valid)
-  assert np.abs(np.asarray(out, np.float32) - ref).max() < 2e-2
-  with pytest.raises(ValueError, match="layer"):
-    A.attend_live_prefix(q, k[None], v[None], q_offset=0)  # stacked cache without layer=
-  with pytest.raises(ValueError, match="kv_valid"):
-    A.attend_live_prefix(q, k, v, q_offset=0, kv_valid=jnp.ones((2, 5), bool))
-  assert A.decode_uses_live_prefix("auto", 1) and A.decode_uses_live_prefix("blockwise", 1)
-  assert not A.decode_uses_live_prefix("xla", 1)  # the full-cache reference path
-  assert not A.decode_uses_live_prefix("auto", A.DECODE_MAX_QUERIES + 1)  # prefill
+  valid = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
+  ref = numpy_attention(np.asarray(q, np.float32)[:, None], np.nan_to_num(k), np.nan_to_num(v),
+                        k.shape[1], valid, causal=False)[:, 0]
+  assert np.abs(np.asarray(out, np.float32) - ref).max() < 3e-2
+  with pytest.raises(ValueError, match="block_tables"):
+    A.paged_decode_reference(q, kp, vp, tables[:2], lengths)
+  with pytest.raises(ValueError, match="k_pages"):
+    A.paged_decode_reference(q, kp[:, :, :, :8], vp, tables, lengths)
+
+
+def _op(result: str) -> str:
+  """The op name of an HLO instruction's right-hand side ("f32[2]{0} scatter(...)" -> scatter)."""
+  match = re.search(r"\s([a-z][\w\-.]*)\(", " " + result)
+  return match.group(1) if match else ""
 
 
 def materialised_results(hlo: str) -> list[str]:
   """Result descriptions of the compiled HLO instructions that get buffers of their own: those
   outside fused computations (whose insides are computed in place), leaving out parameters,
-  tuple elements and bitcasts (no new data)."""
-  results, fused = [], False
+  tuple elements, tuples and bitcasts (no new data). A fusion's description ends with its fused
+  computation's root op (" root=<op>")."""
+  roots, results, fused, comp = {}, [], False, ""
   for line in hlo.splitlines():
     if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      name = line.split("(")[0]
-      fused = "fused" in name or "wrapped" in name
-    elif " = " in line and not fused:
+      comp = line.split("(")[0].split()[-1].lstrip("%")
+      fused = "fused" in comp or "wrapped" in comp
+    elif " = " in line:
       result = line.split(" = ", 1)[1]
-      if not any(f" {op}(" in result for op in ("parameter", "get-tuple-element", "bitcast")):
+      if fused:
+        if line.lstrip().startswith("ROOT"):
+          roots[comp] = _op(result)
+      elif _op(result) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
         results.append(result)
-  return results
+  out = []
+  for result in results:
+    if _op(result) == "fusion" and "calls=" in result:
+      callee = result.split("calls=", 1)[1].split(",")[0].split()[0].strip("%")
+      result += f" root={roots.get(callee, '?')}"
+    out.append(result)
+  return out
 
 
-def test_model_decode_step_copies_no_layer_of_the_cache():
-  """The compiled decode step of the live path materialises no [B, S, K, D] slice of a cache
-  layer and no copy of the cache, with several key blocks (S = 512) or one (S = 64). (A one-block
-  while loop did: XLA hoisted the loop-invariant layer slice out of it.)"""
+def cache_sized(hlo: str, shapes) -> list[str]:
+  """Materialised results of one of `shapes` (e.g. "f32[2,41,4,32]") that are not in-place
+  updates of the cache (a scatter or dynamic-update-slice, or a fusion rooted in one)."""
+  in_place = ("scatter", "dynamic-update-slice")
+  bad = []
+  for result in materialised_results(hlo):
+    if not result.startswith(tuple(shapes)):
+      continue
+    if _op(result) in in_place + ("while",) or any(f"root={r}" in result for r in in_place):
+      continue
+    bad.append(result[:200])
+  return bad
+
+
+def test_paged_decode_program_copies_no_cache():
+  """The compiled decode program of the rollout engine (the while loop over decode steps, every
+  layer writing and reading its own page pool) materialises no copy, transpose, slice or gather
+  of a layer's pool (or of anything as large) per step or at entry: the only pool-sized buffers
+  are the in-place scatters of the new keys/values. The pool is donated (aliased to the
+  output)."""
+  from delta_jax.sampling import programs
+
   cfg = models.get_preset("tiny")
-  B, K, D = 3, cfg.num_kv_heads, cfg.head_dim  # B = 3: no weight has a cache-like shape
+  K, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+  S, page_size, pages_per_seq = 3, 4, 16  # 3 slots: no weight has a pool-like shape
+  num_pages = 1 + S * pages_per_seq
+  pool = f"f32[{K},{num_pages},{page_size},{D}]"
+  # What a sequence-major view of the slots' caches would look like (a gather of all pages).
+  gathered = (f"f32[{K},{S},{pages_per_seq},{page_size},{D}]",
+              f"f32[{K},{S},{pages_per_seq * page_size},{D}]",
+              f"f32[{S},{pages_per_seq * page_size},{K},{D}]")
 
-  def cache_buffers(hlo, S):
-    return [r for r in materialised_results(hlo)
-            if r.startswith((f"f32[{B},{S},{K},{D}]", f"f32[1,{B},{S},{K},{D}]"))
-            or (r.startswith(f"f32[{cfg.num_layers},{B},{S},{K},{D}]") and " copy(" in r)]
-
-  # The check sees a materialised layer where there is one.
-  layer_twice = jax.jit(lambda k, i: k[i] * 2).lower(
-      models.init_cache(cfg, B, 64).k, jnp.int32(1)).compile().as_text()
-  assert cache_buffers(layer_twice, 64)
+  # The check sees a pool copy where there is one.
+  pool_twice = jax.jit(lambda p: jnp.swapaxes(p, 1, 2) * 2).lower(
+      jnp.zeros((K, num_pages, page_size, D))).compile().as_text()
+  assert cache_sized(pool_twice, [f"f32[{K},{page_size},{num_pages},{D}]"])
 
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
-
-  def step(state, cache, token, index, kv_mask):
-    return nnx.merge(graphdef, state)(token, cache=cache, cache_index=index,
-                                      kv_mask=kv_mask).cache
-
-  for S in (512, 64):
-    hlo = jax.jit(step, donate_argnums=1).lower(
-        state, models.init_cache(cfg, B, S), jnp.zeros((B, 1), jnp.int32), jnp.int32(5),
-        jnp.ones((B, S), bool)).compile().as_text()
-    assert cache_buffers(hlo, S) == [], f"S={S}"
+  cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, num_pages, page_size))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  compiled = programs.decode.lower(
+      graphdef, state, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
+      jax.ShapeDtypeStruct((S,), bool), i32(S), i32(S), np.uint32(0),
+      jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), np.int32(8), np.int32(0),
+      np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
+      attention_impl="reference", pages_per_block=2).compile()
+  hlo = compiled.as_text()
+  assert cache_sized(hlo, [pool] + list(gathered)) == []
+  # Every layer's K and V pool is aliased input -> output (updated in place, never copied).
+  header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
+  assert header.count("-alias)") >= 2 * L, header

@@ -176,6 +176,60 @@ def test_kv_cache_decoding_matches_full_forward(model):
   assert step._cache_size() == 2  # one prefill + one decode program
 
 
+def test_paged_decoding_matches_full_forward(model):
+  """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
+  by token with decode_paged (rows of different lengths, a padding row on the scratch page):
+  the logits of a full forward pass."""
+  rng = np.random.RandomState(5)
+  B, G, page_size, pages_per_seq = 3, 6, 4, 4
+  prompt_lens = [5, 2, 7]
+  seqs = [rng.randint(0, CFG.vocab_size, n + G).tolist() for n in prompt_lens]
+  graphdef, state = nnx.split(model)
+  num_pages = 1 + B * pages_per_seq
+  tables = (1 + rng.permutation(B * pages_per_seq)).reshape(B, pages_per_seq).astype(np.int32)
+  cache = models.init_paged_cache(CFG, num_pages, page_size)
+
+  @jax.jit
+  def step(state, cache, tokens, positions, lengths, page, offset):
+    m = nnx.merge(graphdef, state)
+    return m.decode_paged(tokens, positions, cache, jnp.asarray(tables), lengths, page, offset)
+
+  # Prefill every prompt but its last token (the engine's convention), one row at a time.
+  for b, n in enumerate(prompt_lens):
+    kv = model(jnp.asarray([seqs[b][:n - 1]], jnp.int32), return_kv=True).cache
+    assert kv.k.shape == (CFG.num_layers, 1, n - 1, CFG.num_kv_heads, CFG.head_dim)
+    t = np.arange(n - 1)
+    pages, offsets = tables[b, t // page_size], t % page_size
+    cache = models.PagedKVCache(
+        k=tuple(c.at[:, pages, offsets].set(jnp.swapaxes(kv.k[i, 0], 0, 1))
+                for i, c in enumerate(cache.k)),
+        v=tuple(c.at[:, pages, offsets].set(jnp.swapaxes(kv.v[i, 0], 0, 1))
+                for i, c in enumerate(cache.v)))
+  fulls = [np.asarray(model(jnp.asarray([s], jnp.int32)).logits[0]) for s in seqs]
+  for g in range(G + 1):
+    pos = np.asarray([n - 1 + g for n in prompt_lens], np.int32)
+    tokens = np.asarray([s[p] for s, p in zip(seqs, pos)], np.int32)
+    page = tables[np.arange(B), pos // page_size]
+    active = pos < np.asarray([len(s) for s in seqs])
+    pad = ~active | (np.arange(B) == 1) & (g % 2 == 1)  # row 1 idles every other step
+    logits, new_cache = step(state, cache, jnp.asarray(np.where(pad, 0, tokens)),
+                             jnp.asarray(pos), jnp.asarray(np.where(pad, 0, pos + 1)),
+                             jnp.asarray(np.where(pad, 0, page)),
+                             jnp.asarray(np.where(pad, 0, pos % page_size)))
+    cache = new_cache
+    for b in range(B):
+      if not pad[b]:
+        np.testing.assert_allclose(logits[b], fulls[b][pos[b]], atol=1e-5)
+      elif b == 1 and active[b]:  # repeat the idle step for real
+        logits1, cache = step(state, cache, jnp.asarray(tokens), jnp.asarray(pos),
+                              jnp.asarray(np.where(np.arange(B) == 1, pos + 1, 0)),
+                              jnp.asarray(np.where(np.arange(B) == 1, page, 0)),
+                              jnp.asarray(np.where(np.arange(B) == 1, pos % page_size, 0)))
+        np.testing.assert_allclose(logits1[1], fulls[1][pos[1]], atol=1e-5)
+  assert len(cache.k) == CFG.num_layers and cache.k[0].shape == (
+      CFG.num_kv_heads, num_pages, page_size, CFG.head_dim)
+
+
 def test_bfloat16_policy_close_to_float32(model):
   bf16 = models.Transformer(CFG.replace(dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
   nnx.update(bf16, nnx.state(model))

@@ -1,5 +1,6 @@
 """The rollout engine (delta_jax.sampling) on tiny models: transformers parity, log-prob
-consistency with a teacher-forced pass, batching invariances, sharding, bad input."""
+consistency with a teacher-forced pass, continuous batching and its invariances (slots, pages,
+preemption, mesh), the KV budget, bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax import sampling_utils as su
-from delta_jax.sampling import GenerationOutput, Sampler, _decode, bucket_size
+from delta_jax.sampling import GenerationOutput, Sampler, bucket_size, plan_kv, programs
 
 PROMPTS = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99], [20, 21, 22, 23, 24]]
 
@@ -118,17 +119,65 @@ def test_logprobs_match_teacher_forced_pass(tiny_model, sampler, temperature, to
 # Batching, stopping and parameter swaps
 
 
-def test_results_do_not_depend_on_chunking(tiny_model, sampler):
+def test_results_do_not_depend_on_scheduling(tiny_model, sampler):
+    """Two slots (n > slots: a prompt's samples run at different times), pages of 4 tokens,
+    3 decode steps per call, and a KV budget so small that samples are preempted and restarted:
+    the same tokens as 16 slots."""
     kwargs = dict(n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(7,), seed=11)
     ref = sampler.generate(PROMPTS, **kwargs)
-    small = Sampler(tiny_model, max_batch_size=2).generate(PROMPTS, **kwargs)  # n > batch
-    assert small.stats["chunks"] == len(PROMPTS)
+    small = Sampler(tiny_model, max_batch_size=2, page_size=4,
+                    decode_steps_per_call=3).generate(PROMPTS, **kwargs)
+    # Each prompt prefilled once (a 1-token prompt has no KV to share: its token is decoded).
+    assert small.stats["slots"] == 2 and small.stats["prefilled_prompts"] == 3
     assert small.response_ids == ref.response_ids
     np.testing.assert_allclose(np.concatenate(sum(small.logprobs, [])),
                                np.concatenate(sum(ref.logprobs, [])), atol=1e-5)
+    page = models.page_bytes(tiny_model.cfg, 4)
+    tight = Sampler(tiny_model, max_batch_size=8, page_size=4, decode_steps_per_call=2,
+                    kv_budget_bytes=12 * page).generate(PROMPTS, **kwargs)
+    assert tight.stats["kv_pages"] == 12 and tight.stats["preemptions"] > 0
+    assert tight.response_ids == ref.response_ids
     # The n samples of a prompt are different draws; another seed gives other samples.
     assert all(len({tuple(r) for r in ref.response_ids[i]}) == 3 for i in range(len(PROMPTS)))
     assert sampler.generate(PROMPTS, **{**kwargs, "seed": 12}).response_ids != ref.response_ids
+
+
+def test_continuous_batching_keeps_slots_full(tiny_model):
+    """The issue's case: 48 prompts x 4 samples, stop ids 1..20 (long-tailed lengths), 96 new
+    tokens at most, 16 slots: at most 1.25 x generated / 16 + 96 decode steps (static batches
+    took 486), the same outputs as 64 slots, and each prompt prefilled once."""
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(48)]
+    kwargs = dict(n=4, temperature=1.0, max_new_tokens=96, stop_token_ids=tuple(range(1, 21)),
+                  seed=0)
+    out = Sampler(tiny_model, max_batch_size=16).generate(prompts, **kwargs)
+    stats = out.stats
+    generated = stats["generated_tokens"]
+    assert generated == sum(map(sum, out.response_lengths))
+    assert max(map(max, out.response_lengths)) > 3 * generated / 192  # long-tailed
+    assert stats["decode_steps"] <= 1.25 * generated / 16 + 96, stats
+    assert stats["slot_utilization"] == pytest.approx(generated / (16 * stats["decode_steps"]))
+    assert stats["slot_utilization"] > 0.8 and stats["prefilled_prompts"] == 48
+    wide = Sampler(tiny_model, max_batch_size=64).generate(prompts, **kwargs)
+    assert wide.response_ids == out.response_ids and wide.truncated == out.truncated
+
+
+def test_kv_budget_is_checked_before_generating(tiny_model):
+    cfg = tiny_model.cfg
+    plan = plan_kv(cfg, slots=4, prompt_len=30, max_new_tokens=40, page_size=8)
+    assert plan.num_pages == plan.worst_case_pages and plan.bytes == plan.num_pages * \
+        models.page_bytes(cfg, 8)
+    # One sample of a 30-token prompt with 40 new tokens: 4 shared + 6 own pages + scratch.
+    assert plan_kv(cfg, slots=4, prompt_len=30, max_new_tokens=40, page_size=8,
+                   kv_budget_bytes=11 * models.page_bytes(cfg, 8)).num_pages == 11
+    with pytest.raises(ValueError, match="KV budget"):
+        plan_kv(cfg, slots=4, prompt_len=30, max_new_tokens=40, page_size=8,
+                kv_budget_bytes=10 * models.page_bytes(cfg, 8))
+    small = Sampler(tiny_model, page_size=8, kv_budget_bytes=10 * models.page_bytes(cfg, 8))
+    with pytest.raises(ValueError, match="KV budget"):
+        small.generate([list(range(3, 33))], max_new_tokens=40)
+    with pytest.raises(ValueError, match="page_size"):
+        Sampler(tiny_model, page_size=0)
 
 
 def test_stop_tokens_and_truncation(tiny_model, sampler):
@@ -157,21 +206,14 @@ def test_stop_tokens_and_truncation(tiny_model, sampler):
     assert one.response_ids == [[[first]]] and one.stats["decode_steps"] == 1
 
 
-def test_live_prefix_decode_matches_full_cache_path(tiny_model):
-    """The decode loop reading only the live cache prefix (key blocks of 4 here, so the 16 prompt
-    + 16 response slots span 8 blocks and the live length crosses block boundaries) gives the
-    same greedy tokens and log-probs as attending the whole cache (attention="xla")."""
-    state = nnx.split(tiny_model)[1]
-    outs = []
-    for cfg in (tiny_model.cfg.replace(attention="auto", attention_block_kv=4),
-                tiny_model.cfg.replace(attention="xla")):
-        model = models.Transformer(cfg, rngs=nnx.Rngs(0))
-        nnx.update(model, state)
-        outs.append(Sampler(model, max_batch_size=16).generate(PROMPTS, max_new_tokens=13))
-    live, full = outs
-    assert live.response_ids == full.response_ids
-    np.testing.assert_allclose(np.concatenate(sum(live.logprobs, [])),
-                               np.concatenate(sum(full.logprobs, [])), atol=1e-5)
+def test_pallas_decode_kernel_matches_reference_path(tiny_model):
+    """The sampler with the Pallas GPU paged-attention kernel (interpreted on CPU) decodes the
+    same greedy tokens and log-probs as the jnp reference path."""
+    outs = [Sampler(tiny_model, max_batch_size=4, page_size=16, decode_attention=impl).generate(
+        PROMPTS, max_new_tokens=13) for impl in ("reference", "pallas_interpret")]
+    assert outs[0].response_ids == outs[1].response_ids
+    np.testing.assert_allclose(np.concatenate(sum(outs[0].logprobs, [])),
+                               np.concatenate(sum(outs[1].logprobs, [])), atol=1e-5)
 
 
 def test_update_params_swaps_weights_without_recompiling(tiny_model, sampler):
@@ -179,10 +221,10 @@ def test_update_params_swaps_weights_without_recompiling(tiny_model, sampler):
     kwargs = dict(n=2, temperature=1.0, max_new_tokens=8, seed=0)
     swapped = Sampler(tiny_model, max_batch_size=16)
     before = swapped.generate(PROMPTS, **kwargs)
-    compiled = _decode._cache_size()
+    compiled = programs.decode._cache_size()
     swapped.update_params(other)
     after = swapped.generate(PROMPTS, **kwargs)
-    assert _decode._cache_size() == compiled
+    assert programs.decode._cache_size() == compiled
     assert after.response_ids != before.response_ids
     assert after.response_ids == Sampler(other, max_batch_size=16).generate(
         PROMPTS, **kwargs).response_ids

@@ -8,7 +8,8 @@
     models.save_pretrained(model, path)
     tok = models.load_tokenizer(path)
 """
-from delta_jax.models.cache import CACHE_AXES, KVCache, init_cache
+from delta_jax.models.cache import (CACHE_AXES, PAGE_AXES, KVCache, PagedKVCache, init_cache,
+                                    init_paged_cache, page_bytes)
 from delta_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
 from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, config_from_hf,
                                     from_pretrained, hf_config_dict, read_config_json,
@@ -19,8 +20,8 @@ from delta_jax.models.transformer import LAYER_AXES, ModelOutput, Transformer
 
 __all__ = [
     "CACHE_AXES", "CheckpointError", "KVCache", "LAYER_AXES", "ModelConfig", "ModelOutput",
-    "PRESETS", "REMAT_POLICIES", "Tokenizer", "Transformer", "UnsupportedModelError",
-    "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict", "init_cache",
-    "load_tokenizer", "logprobs_from_logits", "map_sequence_chunks", "read_config_json",
-    "save_pretrained", "token_logprobs",
+    "PAGE_AXES", "PRESETS", "PagedKVCache", "REMAT_POLICIES", "Tokenizer", "Transformer",
+    "UnsupportedModelError", "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict",
+    "init_cache", "init_paged_cache", "load_tokenizer", "logprobs_from_logits",
+    "map_sequence_chunks", "page_bytes", "read_config_json", "save_pretrained", "token_logprobs",
 ]

@@ -31,12 +31,11 @@ Implementations (`impl`):
   "auto"       "cudnn" where supported, else "blockwise" when T * S > AUTO_BLOCKWISE_MIN_SCORES,
                else "xla" (short sequences and single-token decoding).
 
-Decode against a cache (attend_live_prefix; the model picks it for queries of at most
-DECODE_MAX_QUERIES tokens with a cache unless impl is "xla", see decode_uses_live_prefix): all rows
-of a decode step write at the same slot, so only slots [0, q_offset + T) can be valid. It loops
-over key blocks [0, ceil((q_offset + T) / block_kv)) with a traced trip count, slicing each block
-straight out of the (layer-stacked) cache, so the dead tail of the cache is never read; online
-softmax in float32. Forward only.
+Decode against a page pool (paged_decode_attention; the rollout engine's decode step): one query
+per sequence, keys/values in one layer's pool [K, P, page_size, D] addressed through a block table
+and attended up to each sequence's length, read in place. "reference" is a jnp loop over blocks of
+pages (CPU, CI, TPU); "pallas" is jax.experimental.pallas.ops.gpu.paged_attention (NVIDIA GPUs);
+"auto" picks the kernel on CUDA. Forward only.
 
 Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
 float32, probabilities cast to v.dtype for the value product (float32 accumulation).
@@ -51,10 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
-# Cache calls with at most this many queries (decode steps) read only the live cache prefix.
-DECODE_MAX_QUERIES = 16
-# Key block of the live-prefix decode: a step reads at most one block of dead slots per row.
-DECODE_BLOCK_KV = 256
+# Paged decode attention (the rollout engine's decode): implementations and block sizes.
+DECODE_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+# Pages gathered per step of the reference loop (x page_size keys).
+DECODE_PAGES_PER_BLOCK = 8
+# The Pallas GPU kernel's split of a sequence's pages over programs, and pages per inner block.
+PALLAS_K_SPLITS = 16
+PALLAS_PAGES_PER_COMPUTE_BLOCK = 8
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
 # 2048 x 2048 float32 scores are 16 MiB per head per row.
 AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
@@ -316,92 +318,112 @@ def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
 
 
 # ---------------------------------------------------------------------------------------------
-# Live-prefix decode: read only the cache blocks that can hold valid keys
+# Paged decode: one query per sequence against a page pool, read in place
 
 
-def decode_uses_live_prefix(impl: str, q_len: int) -> bool:
-  """Whether a cache call with q_len queries runs attend_live_prefix (else the full cache is
-  attended through attend()). impl "xla" keeps the full-cache reference path."""
-  return impl != "xla" and q_len <= DECODE_MAX_QUERIES
+def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, lengths: jax.Array, *,
+                           pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
+  """Decode attention of one query per sequence over its pages (the jnp path: CPU, CI, TPU).
 
-
-def attend_live_prefix(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset,
-                       kv_valid: Optional[jax.Array] = None, layer=None,
-                       block_kv: int = DECODE_BLOCK_KV) -> jax.Array:
-  """Causal attention of T queries at cache slots q_offset .. q_offset + T - 1, reading only key
-  blocks [0, ceil((q_offset + T) / block_kv)) of the cache (a lax.while_loop with a traced trip
-  count; slots >= q_offset + T are never read). Same mask and numerics as attend(): query t
-  attends slot s iff kv_valid[b, s] and s <= q_offset + t; float32 scores and softmax, the
-  probabilities cast to the value dtype; a query with no allowed key gets 0.
-
-  q [B, T, N, D]; k, v [B, S, K, D], or the layer-stacked cache [L, B, S, K, D] with `layer`
-  (int or int32 scalar): blocks are then sliced straight out of it, so no [B, S, K, D] copy of the
-  layer is made. Cache blocks are cast to q.dtype. q_offset: int or int32 scalar;
-  kv_valid: bool [B, S] (None = all valid); block_kv: static, clipped to S (the last block is
-  moved back to end at S and its already-seen slots masked, so S need not be a multiple).
-  Returns [B, T, N, D] in q.dtype. Forward only (decoding needs no gradient).
+  q [B, N, D]; k_pages, v_pages [K, P, page_size, D] (one layer's page pool, the layout the
+  Pallas GPU kernel reads); block_tables int32 [B, pages_per_seq]: sequence b's token t lives at
+  page block_tables[b, t // page_size], offset t % page_size; lengths int32 [B]: sequence b
+  attends its tokens [0, lengths[b]) (0 = none: output 0).
+  A lax.fori_loop over blocks of `pages_per_block` pages with a traced trip count (the longest
+  length): each step gathers one block of pages per sequence straight out of the pool (no copy
+  of the pool, no page past the longest live length is read) and updates an online softmax.
+  Numerics as attend(): scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
+  float32, probabilities cast to v's dtype for the value product (float32 accumulation).
+  Returns [B, N, D] in q.dtype.
   """
-  stacked = layer is not None
-  if k.ndim != (5 if stacked else 4) or k.shape != v.shape:
-    raise ValueError(f"attend_live_prefix: k {k.shape} and v {v.shape} must be [B, S, K, D] "
-                     f"(or [L, B, S, K, D] with layer=)")
-  layer_shape = jax.ShapeDtypeStruct(k.shape[1:] if stacked else k.shape, k.dtype)
-  _check_inputs(q, layer_shape, layer_shape, kv_valid)
-  B, T, N, D = q.shape
-  S, K = k.shape[-3], k.shape[-2]
+  B, N, D = q.shape
+  K, _, page_size, _ = k_pages.shape
+  if k_pages.shape != v_pages.shape or k_pages.shape[-1] != D or N % K:
+    raise ValueError(f"paged_decode: q {q.shape}, k_pages {k_pages.shape}, v_pages "
+                     f"{v_pages.shape} must be [B, N, D], [K, P, page_size, D] with N % K == 0")
+  if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
+    raise ValueError(f"paged_decode: block_tables {block_tables.shape} must be [B={B}, pages] "
+                     f"and lengths {lengths.shape} [B]")
   G = N // K
-  bkv = min(int(block_kv), S)
-  q_offset = jnp.asarray(q_offset, jnp.int32)
-  live = jnp.minimum(q_offset + T, S)
-  num_blocks = (live + bkv - 1) // bkv
-  valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid.astype(bool)
-  # [B, K, G, T, D] in float32: the block contractions below are multiply + reduce over D (or
-  # over the block), which XLA fuses with the block's slice and cast, so each cache block is read
-  # once in its stored layout (a dot would first transpose it to put (b, k) batch-major).
-  qg = jnp.moveaxis(q.reshape(B, T, K, G, D), 1, 3).astype(jnp.float32)
-  q_slot = q_offset + jnp.arange(T, dtype=jnp.int32)
-  layer_start = () if not stacked else (jnp.asarray(layer, jnp.int32),)
-
-  def cache_block(x, start):
-    zero = jnp.int32(0)
-    idx = layer_start + (zero, start, zero, zero)
-    block = jax.lax.dynamic_slice(x, idx, ((1,) if stacked else ()) + (B, bkv, K, D))
-    block = block[0] if stacked else block
-    return jnp.swapaxes(block, 1, 2).astype(q.dtype)                     # [B, K, bkv, D]
+  ppb = max(1, min(int(pages_per_block), block_tables.shape[1]))
+  num_blocks = -(-block_tables.shape[1] // ppb)
+  tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks * ppb - block_tables.shape[1])))
+  lengths = lengths.astype(jnp.int32)
+  block_len = ppb * page_size
+  trips = jnp.minimum((jnp.max(lengths) + block_len - 1) // block_len, num_blocks)
+  qg = q.reshape(B, K, G, D)
 
   def step(j, carry):
     m, l, acc = carry
-    first = j * bkv
-    start = jnp.minimum(first, S - bkv)  # the last block may overlap the one before it
-    kj, vj = cache_block(k, start), cache_block(v, start)
-    slot = start + jnp.arange(bkv, dtype=jnp.int32)
-    allowed = (jax.lax.dynamic_slice(valid, (jnp.int32(0), start), (B, bkv))[:, None, :]
-               & (slot >= first)[None, None, :]
-               & (slot[None, :] <= q_slot[:, None])[None])                # [B, T, bkv]
-    s = jnp.sum(qg[:, :, :, :, None, :] * kj[:, :, None, None].astype(jnp.float32), axis=-1)
-    s = s * (D ** -0.5)
-    s = jnp.where(allowed[:, None, None], s, -jnp.inf)                    # [B, K, G, T, bkv]
+    pages = jax.lax.dynamic_slice_in_dim(tables, j * ppb, ppb, axis=1)          # [B, ppb]
+    kj = k_pages[:, pages].reshape(K, B, block_len, D).astype(q.dtype)       # [K, B, s, D]
+    vj = v_pages[:, pages].reshape(K, B, block_len, D)
+    s = jnp.einsum("bkgd,kbsd->bkgs", qg, kj, preferred_element_type=jnp.float32)
+    slot = j * block_len + jnp.arange(block_len, dtype=jnp.int32)
+    allowed = (slot[None, :] < lengths[:, None])[:, None, None, :]               # [B, 1, 1, s]
+    s = jnp.where(allowed, s * (D ** -0.5), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    # Finite where the row has seen no allowed key yet: no (-inf) - (-inf) below.
-    m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)
+    m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)  # no (-inf) - (-inf)
     p = jnp.exp(s - m_safe[..., None])
     correction = jnp.exp(m - m_safe)
     l = l * correction + jnp.sum(p, axis=-1)
-    p = p.astype(vj.dtype).astype(jnp.float32)
-    pv = jnp.sum(p[..., None] * vj[:, :, None, None].astype(jnp.float32), axis=-2)
+    pv = jnp.einsum("bkgs,kbsd->bkgd", p.astype(vj.dtype), vj,
+                    preferred_element_type=jnp.float32)
     return m_new, l, acc * correction[..., None] + pv
 
-  init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-          jnp.zeros((B, K, G, T, D), jnp.float32))
-  if bkv == S:
-    # One block: no loop. (In a loop XLA hoists the loop-invariant slice of the layer out of it,
-    # copying the whole cache once per layer.)
-    _, l, acc = step(jnp.int32(0), init)
-  else:
-    _, l, acc = jax.lax.fori_loop(jnp.int32(0), num_blocks, step, init)
+  init = (jnp.full((B, K, G), -jnp.inf, jnp.float32), jnp.zeros((B, K, G), jnp.float32),
+          jnp.zeros((B, K, G, D), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(jnp.int32(0), trips, step, init)
   nonempty = l > 0
   out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
-  return jnp.moveaxis(out, 3, 1).reshape(B, T, N, D).astype(q.dtype)
+  return out.reshape(B, N, D).astype(q.dtype)
+
+
+def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                        block_tables: jax.Array, lengths: jax.Array, *,
+                        interpret: bool = False) -> jax.Array:
+  """The same contract through jax.experimental.pallas.ops.gpu.paged_attention (Triton, NVIDIA
+  GPUs; interpret=True runs it anywhere, slowly, for tests). pages_per_seq (block_tables'
+  width) must be a power of two (the sampler buckets it). Rows with length 0 give 0."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+  pages_per_seq = block_tables.shape[1]
+  if pages_per_seq & (pages_per_seq - 1):
+    raise ValueError(f"paged_decode_pallas: block_tables width {pages_per_seq} must be a power "
+                     f"of two")
+  k_splits = min(PALLAS_K_SPLITS, pages_per_seq)
+  per_block = min(PALLAS_PAGES_PER_COMPUTE_BLOCK, pages_per_seq // k_splits)
+  lengths = lengths.astype(jnp.int32)
+  # The kernel computes softmax(q.k) without the 1 / sqrt(D) scale: fold it into q.
+  q = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+  out = pallas_paged.paged_attention(
+      q, k_pages.astype(q.dtype), v_pages.astype(q.dtype), block_tables.astype(jnp.int32),
+      jnp.maximum(lengths, 1), k_splits=k_splits, pages_per_compute_block=per_block,
+      interpret=interpret)
+  return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def resolve_decode_impl(impl: str) -> str:
+  """"auto" -> "pallas" on CUDA GPUs, else "reference"."""
+  if impl not in DECODE_IMPLS:
+    raise ValueError(f"paged decode attention impl must be one of {DECODE_IMPLS}, got {impl!r}")
+  if impl == "auto":
+    return "pallas" if _cuda_backend() else "reference"
+  return impl
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: str = "auto",
+                           pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
+  """Decode attention over a page pool (see paged_decode_reference for the contract).
+  impl: "auto" | "reference" | "pallas" | "pallas_interpret" (the Pallas kernel interpreted:
+  tests on CPU)."""
+  chosen = resolve_decode_impl(impl)
+  if chosen == "reference":
+    return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths,
+                                  pages_per_block=pages_per_block)
+  return paged_decode_pallas(q, k_pages, v_pages, block_tables, lengths,
+                             interpret=chosen == "pallas_interpret")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,17 @@
-"""The key/value cache used for prefill + decode.
+"""Key/value caches.
 
-KVCache(k, v) holds arrays [layers, batch, max_len, num_kv_heads, head_dim]. The model writes
-new entries with lax.dynamic_update_slice at `cache_index` and returns a new cache; callers
-should donate the old one (jax.jit(..., donate_argnums=...)) so XLA updates it in place.
+KVCache(k, v): the layer-stacked contiguous cache [layers, batch, max_len, num_kv_heads,
+head_dim] of the model's generic cache path (Transformer.__call__(..., cache=, cache_index=)):
+simple prefill + decode loops and tests. The model writes new entries with
+lax.dynamic_update_slice at `cache_index` and returns a new cache; callers should donate the old
+one so XLA updates it in place.
+
+PagedKVCache(k, v): the rollout engine's cache (Transformer.decode_paged). One page pool per
+layer, k[l] and v[l] of shape [num_kv_heads, num_pages, page_size, head_dim]: separate arrays, so
+a layer's decode attention reads its own pool in place (no slice of a layer-stacked array), in
+the layout the Pallas GPU paged-attention kernel reads. Which pages hold a sequence's tokens is
+a block table owned by the caller (delta_jax.sampling); page 0 is by convention a scratch page
+that padding rows write to and no sequence attends.
 """
 from __future__ import annotations
 
@@ -16,6 +25,8 @@ from delta_jax.models.config import ModelConfig
 
 # Logical axis names of the cache arrays, for the sharding module.
 CACHE_AXES = ("layers", "cache_batch", "cache_sequence", "kv_heads", "head_dim")
+# Logical axis names of one layer's page pool.
+PAGE_AXES = ("kv_heads", "cache_pages", "cache_page_slot", "head_dim")
 
 
 @flax.struct.dataclass
@@ -39,3 +50,36 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   dtype = cfg.dtype if dtype is None else dtype
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  k: tuple  # num_layers arrays [num_kv_heads, num_pages, page_size, head_dim]
+  v: tuple
+  logical_axes: ClassVar[tuple] = PAGE_AXES  # of each array
+
+  @property
+  def num_pages(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k[0].shape[2]
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype=None) -> int:
+  """Bytes of one page in all layers, K and V."""
+  dtype = cfg.dtype if dtype is None else dtype
+  return (2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim
+          * jnp.dtype(dtype).itemsize)
+
+
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
+                     sharding=None) -> PagedKVCache:
+  """A zero page pool per layer (dtype defaults to cfg.dtype); `sharding`: an optional
+  jax.sharding.Sharding for each [K, P, page_size, D] array."""
+  shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+  dtype = cfg.dtype if dtype is None else dtype
+  make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+  return PagedKVCache(k=tuple(make() for _ in range(cfg.num_layers)),
+                      v=tuple(make() for _ in range(cfg.num_layers)))

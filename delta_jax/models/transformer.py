@@ -22,10 +22,13 @@ axes). Shapes use L=layers, V=vocab, H=hidden, N=heads, K=kv heads, D=head_dim, 
 Numerics: RMSNorm, RoPE and softmax in float32; matmuls in cfg.dtype with float32 accumulation
 for the scores and logits; logits are returned in float32. Attention runs through
 delta_jax.models.attention.attend with cfg.attention ("auto" never materialises the [T, S] scores
-of long sequences). Cache calls with at most attention.DECODE_MAX_QUERIES tokens (decode steps)
-use attention.attend_live_prefix, which reads only the cache blocks below cache_index + T (key
-block min(cfg.attention_block_kv, attention.DECODE_BLOCK_KV)), unless cfg.attention == "xla",
-which keeps the full-cache reference path.
+of long sequences).
+
+Two cache paths: __call__(..., cache=KVCache, cache_index=...) writes into and attends a
+layer-stacked contiguous cache (simple loops, tests); decode_paged(...) is the rollout engine's
+decode step over a PagedKVCache (one page pool per layer, read in place by
+attention.paged_decode_attention). decode_paged runs the layers as a Python loop, so every
+layer's pool is its own array (a scan would carry a layer-stacked cache and slice it per layer).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from delta_jax.models import attention
-from delta_jax.models.cache import KVCache
+from delta_jax.models.cache import KVCache, PagedKVCache
 from delta_jax.models.config import ModelConfig
 
 LAYER_AXES = {
@@ -79,7 +82,7 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 class ModelOutput:
   logits: Optional[jax.Array]  # float32 [B, T, V], or None when return_logits=False
   hidden: jax.Array            # [B, T, H], after the final RMSNorm
-  cache: Optional[KVCache]     # updated cache, or None without one
+  cache: Optional[KVCache]     # updated cache; with return_kv the input's keys/values; or None
 
 
 def _param(value, axes):
@@ -224,7 +227,7 @@ class Transformer(nnx.Module):
   def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                attention_mask: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
                cache_index=None, kv_mask: Optional[jax.Array] = None,
-               return_logits: bool = True) -> ModelOutput:
+               return_logits: bool = True, return_kv: bool = False) -> ModelOutput:
     """Forward pass.
 
     input_ids: int32 [B, T].
@@ -236,6 +239,8 @@ class Transformer(nnx.Module):
       values are written at slots cache_index .. cache_index + T - 1.
     kv_mask: bool [B, S], the valid cache slots after this write (default: all). The query at
       slot cache_index + t attends to slots s <= cache_index + t with kv_mask[b, s].
+    return_kv: without a cache, also return the keys/values the layers computed for the input
+      as ModelOutput.cache = KVCache(k, v) of [layers, B, T, K, D] (the rollout prefill).
     Returns ModelOutput(logits float32 [B, T, V] or None, hidden [B, T, H], cache or None).
     """
     cfg = self.cfg
@@ -258,10 +263,11 @@ class Transformer(nnx.Module):
       def layer(x, p):
         p = _cast_layer(cfg, p)
         q, k, v = _project_qkv(cfg, p, x, cos, sin)
-        return _finish_layer(cfg, p, x, _attend(cfg, q, k, v, 0, key_valid)), None
+        x = _finish_layer(cfg, p, x, _attend(cfg, q, k, v, 0, key_valid))
+        return x, ((k, v) if return_kv else None)
 
-      x, _ = jax.lax.scan(_maybe_remat(cfg, layer), x, layer_params)
-      new_cache = None
+      x, kv = jax.lax.scan(_maybe_remat(cfg, layer), x, layer_params)
+      new_cache = KVCache(k=kv[0], v=kv[1]) if return_kv else None
     else:
       S = cache.max_len
       # dynamic_update_slice clamps out-of-range writes silently; catch what can be seen here.
@@ -273,10 +279,6 @@ class Transformer(nnx.Module):
       q_offset = cache_index if static_start else jnp.asarray(cache_index, jnp.int32)
       cache_index = jnp.asarray(cache_index, jnp.int32)
       kv_valid = None if kv_mask is None else kv_mask.astype(bool)
-      # Short queries (decode steps) attend only the live cache prefix; prefill (and
-      # attention="xla", the full-cache reference) attend the whole cache through attend().
-      live_prefix = attention.decode_uses_live_prefix(cfg.attention, T)
-      decode_block = min(cfg.attention_block_kv, attention.DECODE_BLOCK_KV)
 
       # The whole cache rides in the carry and is updated slice-wise, so a donated cache
       # buffer can be updated in place.
@@ -288,13 +290,9 @@ class Transformer(nnx.Module):
         start = (i, 0, cache_index, 0, 0)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
-        if live_prefix:  # decode: read only the cache blocks below cache_index + T
-          attn = attention.attend_live_prefix(q, k_cache, v_cache, layer=i, q_offset=q_offset,
-                                              kv_valid=kv_valid, block_kv=decode_block)
-        else:
-          k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
-          v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
-          attn = _attend(cfg, q, k_all, v_all, q_offset, kv_valid)
+        k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
+        v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
+        attn = _attend(cfg, q, k_all, v_all, q_offset, kv_valid)
         x = _finish_layer(cfg, p, x, attn)
         return (x, k_cache, v_cache), None
 
@@ -306,3 +304,42 @@ class Transformer(nnx.Module):
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     logits = self.logits(hidden) if return_logits else None
     return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
+
+  def decode_paged(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
+                   block_tables: jax.Array, lengths: jax.Array, write_page: jax.Array,
+                   write_offset: jax.Array, *, attention_impl: str = "auto",
+                   pages_per_block: int = attention.DECODE_PAGES_PER_BLOCK):
+    """One decode step of B sequences against a paged cache.
+
+    tokens, positions: int32 [B], each sequence's input token and its position (RoPE).
+    Every layer first writes the token's key/value at page write_page[b], offset
+    write_offset[b] of its pool, then sequence b attends its tokens [0, lengths[b]) through
+    block_tables [B, pages_per_seq] (so lengths[b] counts the token just written; padding rows
+    write to the scratch page 0 and use length 0). attention_impl: see
+    attention.paged_decode_attention.
+    Returns (logits float32 [B, V], the updated PagedKVCache); donate the cache to the jitted
+    caller so every write happens in place.
+    """
+    cfg = self.cfg
+    B = tokens.shape[0]
+    if len(cache.k) != cfg.num_layers:
+      raise ValueError(f"decode_paged: the cache has {len(cache.k)} layers, the model "
+                       f"{cfg.num_layers}")
+    cos, sin = rope_cos_sin(positions.reshape(B, 1), cfg.head_dim, cfg.rope_theta)
+    x = jnp.take(self.embed[...], tokens.reshape(B, 1), axis=0).astype(cfg.dtype)
+    layer_params = self.layers.arrays()
+    new_k, new_v = list(cache.k), list(cache.v)
+    for i in range(cfg.num_layers):
+      p = _cast_layer(cfg, {name: w[i] for name, w in layer_params.items()})
+      q, k, v = _project_qkv(cfg, p, x, cos, sin)          # [B, 1, N, D], [B, 1, K, D]
+      # [K, B, D] written at (page, offset) of each row: a scatter into the layer's pool.
+      new_k[i] = new_k[i].at[:, write_page, write_offset].set(
+          jnp.swapaxes(k[:, 0], 0, 1).astype(new_k[i].dtype))
+      new_v[i] = new_v[i].at[:, write_page, write_offset].set(
+          jnp.swapaxes(v[:, 0], 0, 1).astype(new_v[i].dtype))
+      attn = attention.paged_decode_attention(q[:, 0], new_k[i], new_v[i], block_tables,
+                                              lengths, impl=attention_impl,
+                                              pages_per_block=pages_per_block)
+      x = _finish_layer(cfg, p, x, attn[:, None])
+    hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    return self.logits(hidden)[:, 0], PagedKVCache(k=tuple(new_k), v=tuple(new_v))

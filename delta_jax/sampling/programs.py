@@ -1,0 +1,123 @@
+"""The rollout engine's jitted programs: prefill prompts into pages, copy pages, decode a few
+steps for all slots. Static shapes (the scheduler buckets them); the page pool is donated to
+every program, so it is updated in place and exists once.
+
+Parameters are an argument (the nnx state), so new weights need no recompile.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from delta_jax import models
+from delta_jax import sharding as sharding_lib
+from delta_jax.sampling_utils import sample_tokens
+
+
+def _scatter_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, values: jax.Array):
+    """pool [K, P, page_size, D] with values [N, K, D] written at (pages[n], offsets[n])."""
+    return pool.at[:, pages, offsets].set(jnp.swapaxes(values, 0, 1).astype(pool.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "batch_spec"),
+                   donate_argnames=("cache",))
+def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, dest_offset, *,
+            batch_spec=None):
+    """Run B prompts (left-aligned, right-padded: ids, mask int32 [B, T]) and write every
+    layer's keys/values of token t of row b at page dest_page[b, t], offset dest_offset[b, t]
+    (padding: the scratch page 0). Returns the updated cache."""
+    model = nnx.merge(graphdef, state)
+    mesh, batch_axes = batch_spec or (None, None)
+    ids, mask = sharding_lib.constrain_batch((ids, mask), mesh, batch_axes=batch_axes)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    out = model(ids, positions=positions, attention_mask=mask, return_logits=False,
+                return_kv=True)
+    L, B, T, K, D = out.cache.k.shape
+    pages, offsets = dest_page.reshape(B * T), dest_offset.reshape(B * T)
+    k = tuple(_scatter_pages(cache.k[i], pages, offsets, out.cache.k[i].reshape(B * T, K, D))
+              for i in range(L))
+    v = tuple(_scatter_pages(cache.v[i], pages, offsets, out.cache.v[i].reshape(B * T, K, D))
+              for i in range(L))
+    return models.PagedKVCache(k=k, v=v)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_pages(cache: models.PagedKVCache, src, dst):
+    """Copy page src[c] to page dst[c] in every layer (int32 [C]; padding copies 0 -> 0)."""
+    def one(pool):
+        return pool.at[:, dst].set(pool[:, src])
+    return models.PagedKVCache(k=tuple(one(p) for p in cache.k), v=tuple(one(p) for p in cache.v))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "use_top_p",
+                                             "greedy", "attention_impl", "pages_per_block",
+                                             "batch_spec"),
+                   donate_argnames=("cache",))
+def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, length, generated,
+           active, prompt_index, sample_index, seed, stop_ids, temperature, top_p,
+           max_new_tokens, pad_id, exit_after, *, num_steps, top_k, use_top_p, greedy,
+           attention_impl="auto", pages_per_block=8, batch_spec=None):
+    """Up to num_steps decode steps for all S slots; returns early once `exit_after` slots have
+    finished (so the scheduler can refill them) or none is live.
+
+    block_tables int32 [S, pages_per_seq]: pages of each slot (covering length + num_steps).
+    token: int32 [S], each slot's next input token; length: int32 [S], its KV tokens so far (=
+    the input token's position); generated: int32 [S], response tokens so far; active: bool [S]
+    (False: a free slot); prompt_index, sample_index: int32 [S], the random stream of a slot's
+    sample: response token r draws with fold_in(fold_in(fold_in(key(seed), i), j), r), whatever
+    the slot or step. seed: uint32; stop_ids: int32 [num_stop] (-1 = unused); temperature,
+    top_p, max_new_tokens, pad_id, exit_after: traced scalars.
+    Returns (cache, tokens int32 [S, num_steps], logprobs, tempered_logprobs float32
+    [S, num_steps], generated int32 [S], stopped bool [S] (emitted a stop token), steps int32).
+    A slot live at entry produced tokens[:, :generated_out - generated_in] in this call.
+    """
+    model = nnx.merge(graphdef, state)
+    num_slots = token.shape[0]
+    page_size = cache.page_size
+    mesh, batch_axes = batch_spec or (None, None)
+    base_key = jax.random.key(seed)
+    row_keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base_key, i), j))(
+        prompt_index, sample_index)
+
+    def fresh(dtype):
+        return sharding_lib.constrain_batch(jnp.zeros((num_slots, num_steps), dtype), mesh,
+                                            batch_axes=batch_axes,
+                                            others=PartitionSpec.UNCONSTRAINED)
+
+    def cond(carry):
+        step, _, _, _, _, active, _, finished, _ = carry
+        return (step < num_steps) & jnp.any(active) & (finished < exit_after)
+
+    def body(carry):
+        step, cache, token, length, generated, active, stopped, finished, bufs = carry
+        tokens_buf, logp_buf, tlogp_buf = bufs
+        page = jnp.take_along_axis(block_tables, (length // page_size)[:, None], axis=1)[:, 0]
+        page = jnp.where(active, page, 0)
+        offset = jnp.where(active, length % page_size, 0)
+        logits, cache = model.decode_paged(
+            token, length, cache, block_tables, jnp.where(active, length + 1, 0), page, offset,
+            attention_impl=attention_impl, pages_per_block=pages_per_block)
+        keys = jax.vmap(jax.random.fold_in)(row_keys, generated)
+        new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,
+                                         use_top_p=use_top_p, greedy=greedy)
+        new = jnp.where(active, new, pad_id)
+        tokens_buf = tokens_buf.at[:, step].set(new)
+        logp_buf = logp_buf.at[:, step].set(jnp.where(active, logp, 0.0))
+        tlogp_buf = tlogp_buf.at[:, step].set(jnp.where(active, tlogp, 0.0))
+        live = active.astype(jnp.int32)
+        generated, length = generated + live, length + live
+        hit = active & jnp.any(new[:, None] == stop_ids[None, :], axis=1)
+        done = active & (hit | (generated >= max_new_tokens))
+        return (step + 1, cache, jnp.where(active, new, token), length, generated,
+                active & ~done, stopped | hit, finished + jnp.sum(done, dtype=jnp.int32),
+                (tokens_buf, logp_buf, tlogp_buf))
+
+    bufs = (fresh(jnp.int32), fresh(jnp.float32), fresh(jnp.float32))
+    carry = (jnp.int32(0), cache, token, length, generated, active,
+             jnp.zeros_like(active), jnp.int32(0), bufs)
+    step, cache, _, _, generated, _, stopped, _, bufs = jax.lax.while_loop(cond, body, carry)
+    return (cache,) + bufs + (generated, stopped, step)

@@ -1,0 +1,491 @@
+"""Continuous-batching scheduler over a paged KV cache: the Sampler.
+
+    sampler = Sampler(model, tokenizer=None, max_batch_size=256)
+    out = sampler.generate(prompt_ids, n=1, temperature=0.0, top_p=1.0, top_k=-1,
+                           max_new_tokens=32, stop_token_ids=(eos_id,), seed=0)
+
+How a call runs (a host loop over three jitted programs, delta_jax.sampling.programs):
+* There are `max_batch_size` slots. Samples (prompt i, sample j) wait in order; when a slot is
+  free the next sample takes it at once. Its prompt is prefilled once, when its first sample is
+  admitted: the KV of all prompt tokens but the last is written into pages shared by the prompt's
+  n samples (a sample copies only the partial last page); the last prompt token is the sample's
+  first decode input.
+* `decode` runs up to `decode_steps_per_call` steps for all slots in one lax.while_loop and
+  returns as soon as enough slots have finished to refill (max(1, slots // 32), or fewer when
+  fewer samples wait), so slots stay full until the work runs out; the host then appends the new
+  tokens, frees the finished samples' pages, admits waiting samples, and gives live samples the
+  pages the next call may write (no host sync per token).
+* KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
+  worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
+  samples are preempted and restarted later.
+* Results do not depend on scheduling: response token r of sample j of prompt i is drawn with
+  fold_in(fold_in(fold_in(key(seed), i), j), r), so max_batch_size, refill order, preemption and
+  the mesh change nothing.
+* Shapes are bucketed (slots, pages per sequence, prefill batch and length, pages copied), so a
+  run compiles a handful of programs. Multi-host: every process runs the same host loop on the
+  same all-gathered results (fetch_global).
+
+See delta_jax/sampling_utils.py for the exact temperature / top-k / top-p / greedy definitions.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from delta_jax import models
+from delta_jax import sharding as sharding_lib
+from delta_jax.models import attention
+from delta_jax.sampling import programs
+from delta_jax.sampling.kv_cache import PageAllocator, pages_for, plan_kv
+from delta_jax.sampling.output import GenerationOutput, bucket_size, fetch_global
+from delta_jax.sampling_utils import SamplingParams
+
+DEFAULT_BATCH_AXES = tuple(sharding_lib.DEFAULT_RULES["batch"])  # ("data", "fsdp")
+
+
+@dataclasses.dataclass
+class _Prompt:
+    ids: list
+    kv_len: int                 # prompt tokens whose KV is shared (all but the last)
+    unfinished: int             # samples not finished yet (live or waiting)
+    pages: Optional[list] = None  # shared pages while prefilled
+    live: int = 0               # samples in slots
+
+
+@dataclasses.dataclass
+class _Sample:
+    prompt: int
+    index: int
+    admitted: int               # admission order (preemption takes the newest)
+    length: int = 0             # KV tokens cached
+    own: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    tempered: list = dataclasses.field(default_factory=list)
+    next_token: int = 0
+    stopped: bool = False
+
+
+class Sampler:
+    """Continuous-batching generation for a delta_jax.models.Transformer.
+
+    model: the nnx Transformer (its parameters are captured now; swap with update_params).
+    tokenizer: optional; lets generate() take strings and return texts (needs encode/decode).
+    max_batch_size: decode slots (sequences decoded at once).
+    max_prompt_len: longest accepted prompt (default: max_position_embeddings - max_new_tokens).
+    truncate_prompts: "error" (default) raises on longer prompts; "left" keeps their last tokens.
+    mesh / batch_axes: optional jax Mesh; slots are sharded over the mesh axes among batch_axes
+      (default ("data", "fsdp")); the page pool's kv heads over "tensor" when it divides them.
+      Parameters keep whatever sharding they have.
+    min_prompt_bucket / min_response_bucket: smallest bucketed prompt / response lengths.
+    pad_id: the token used for padding (never attended to; default 0).
+    page_size: tokens per KV page. kv_budget_bytes: the page pool's size (None: the worst case).
+    decode_steps_per_call: most decode steps per decode program call (pages are handed out that
+      far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Pallas kernel on CUDA
+      GPUs, the jnp reference elsewhere).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
+                 max_prompt_len: Optional[int] = None, truncate_prompts: str = "error",
+                 mesh: Optional[jax.sharding.Mesh] = None,
+                 batch_axes: Sequence[str] = DEFAULT_BATCH_AXES, min_prompt_bucket: int = 16,
+                 min_response_bucket: int = 16, pad_id: int = 0, page_size: int = 32,
+                 kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
+                 decode_attention: str = "auto"):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if truncate_prompts not in ("error", "left"):
+            raise ValueError(f"truncate_prompts must be 'error' or 'left', got {truncate_prompts!r}")
+        if max_prompt_len is not None and (not isinstance(max_prompt_len, int)
+                                           or max_prompt_len < 1):
+            raise ValueError(f"max_prompt_len must be an int >= 1, got {max_prompt_len!r}")
+        for name, value in (("page_size", page_size),
+                            ("decode_steps_per_call", decode_steps_per_call)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if kv_budget_bytes is not None and not kv_budget_bytes > 0:
+            raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
+        attention.resolve_decode_impl(decode_attention)  # validates the name
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_prompt_len = max_prompt_len
+        self.truncate_prompts = truncate_prompts
+        self.min_prompt_bucket = min_prompt_bucket
+        self.min_response_bucket = min_response_bucket
+        self.pad_id = int(pad_id)
+        self.page_size = page_size
+        self.kv_budget_bytes = kv_budget_bytes
+        self.decode_steps_per_call = decode_steps_per_call
+        self.decode_attention = decode_attention
+        self.mesh = mesh
+        axes = tuple(a for a in batch_axes if mesh is not None and a in mesh.axis_names)
+        self._batch_axes = axes
+        self._batch_spec = (mesh, axes) if axes else None  # static argument of the jitted code
+        self._batch_shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+        self.num_slots = bucket_size(max_batch_size, 1, self._batch_shards) \
+            if max_batch_size % self._batch_shards else max_batch_size
+
+    # ---------------------------------------------------------------------------------------
+    def update_params(self, model_or_state) -> None:
+        """Use new parameters from an nnx model or its state (same structure: no recompile)."""
+        if isinstance(model_or_state, nnx.Module):
+            graphdef, state = nnx.split(model_or_state)
+            if graphdef != self.graphdef:
+                raise ValueError("update_params: the model's structure differs from the sampler's")
+            self.state = state
+        else:
+            self.state = model_or_state
+
+    # ---------------------------------------------------------------------------------------
+    def _put(self, x):
+        """Place a host array on the device(s): rows over the sampler's batch axes with a mesh
+        (every process of a multi-host mesh holds the same host value)."""
+        return sharding_lib.put_rows(x, self.mesh, batch_axes=self._batch_axes)
+
+    def _prepare_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of prompts (lists of token ids or strings)")
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty")
+        limit = self.max_prompt_len
+        if limit is None:
+            limit = self.cfg.max_position_embeddings - max_new_tokens
+            if limit < 1:
+                raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
+                                 f"(max_position_embeddings={self.cfg.max_position_embeddings})")
+        out = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompts[{i}] is a string but the Sampler has no tokenizer")
+                prompt = self.tokenizer.encode(prompt)
+            prompt = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty")
+            bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {self.cfg.vocab_size}): "
+                                 f"{bad[:5]}")
+            if len(prompt) > limit:
+                if self.truncate_prompts == "error":
+                    raise ValueError(f"prompts[{i}] has {len(prompt)} tokens, more than the limit "
+                                     f"max_prompt_len={limit} (use truncate_prompts='left')")
+                prompt = prompt[-limit:]
+            out.append(prompt)
+        return out
+
+    def _pool_sharding(self):
+        if self.mesh is None:
+            return None
+        tensor = "tensor" if ("tensor" in self.mesh.axis_names
+                              and self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0) else None
+        return NamedSharding(self.mesh, PartitionSpec(tensor, None, None, None))
+
+    def kv_plan(self, prompt_len: int, max_new_tokens: int):
+        """The page pool generate() would use for prompts up to prompt_len tokens
+        (kv_cache.KVPlan: num_pages, page_bytes, bytes, worst_case_bytes)."""
+        return plan_kv(self.cfg, slots=self.num_slots, prompt_len=prompt_len,
+                       max_new_tokens=max_new_tokens, page_size=self.page_size,
+                       kv_budget_bytes=self.kv_budget_bytes,
+                       min_prompt_bucket=self.min_prompt_bucket,
+                       min_response_bucket=self.min_response_bucket)
+
+    # ---------------------------------------------------------------------------------------
+    def generate(self, prompts, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = -1, max_new_tokens: int = 32,
+                 stop_token_ids: Optional[Sequence[int]] = None, seed: int = 0,
+                 state: Any = None) -> GenerationOutput:
+        """Generate n samples for each prompt.
+
+        prompts: list of prompts, each a list of token ids (ragged) or a string (needs a
+          tokenizer). n: samples per prompt (>= 1). temperature (0 = greedy), top_p, top_k: see
+          delta_jax.sampling_utils. max_new_tokens: response length limit (>= 1).
+        stop_token_ids: generation of a sample stops after it emits one of these (kept in the
+          response). Default: the tokenizer's eos_token_id when there is a tokenizer, else none.
+        seed: int; results are reproducible for a given seed whatever the batching.
+        state: optional nnx state to use instead of the sampler's current parameters.
+        Raises ValueError before any work when the KV budget cannot hold one sample.
+        """
+        start_time = time.perf_counter()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        params = SamplingParams(temperature, top_p, top_k)
+        stop_ids = self._stop_ids(stop_token_ids)
+        prompt_ids = self._prepare_prompts(prompts, max_new_tokens)
+        state = self.state if state is None else state
+        plan = self.kv_plan(max(len(p) for p in prompt_ids), max_new_tokens)
+        run = _Run(self, state, plan, prompt_ids, n, max_new_tokens, params, stop_ids, seed)
+        run.loop()
+
+        lengths = [[len(run.results[i][j].tokens) for j in range(n)]
+                   for i in range(len(prompt_ids))]
+        response_ids = [[run.results[i][j].tokens for j in range(n)]
+                        for i in range(len(prompt_ids))]
+        stopped = [[run.results[i][j].stopped for j in range(n)] for i in range(len(prompt_ids))]
+        texts = None
+        if self.tokenizer is not None:
+            texts = [[self.tokenizer.decode(r[:-1] if stopped[i][j] else r)
+                      for j, r in enumerate(response_ids[i])] for i in range(len(prompt_ids))]
+        generated = sum(map(sum, lengths))
+        return GenerationOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=[[run.results[i][j].logprobs for j in range(n)]
+                      for i in range(len(prompt_ids))],
+            tempered_logprobs=[[run.results[i][j].tempered for j in range(n)]
+                               for i in range(len(prompt_ids))],
+            response_lengths=lengths,
+            truncated=[[not s for s in row] for row in stopped],
+            texts=texts,
+            stats={"decode_steps": run.decode_steps, "generated_tokens": generated,
+                   "slot_utilization": generated / max(1, run.decode_steps * self.num_slots),
+                   "slots": self.num_slots, "decode_calls": run.decode_calls,
+                   "prefill_calls": run.prefill_calls, "prefilled_prompts": run.prefilled,
+                   "preemptions": run.preemptions, "kv_pages": plan.num_pages,
+                   "kv_page_size": plan.page_size, "kv_bytes": plan.bytes,
+                   "seconds": time.perf_counter() - start_time},
+        )
+
+    def _stop_ids(self, stop_token_ids) -> np.ndarray:
+        if stop_token_ids is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else None
+            stop_token_ids = () if eos is None else (eos,)
+        if isinstance(stop_token_ids, int):
+            stop_token_ids = (stop_token_ids,)
+        ids = [int(t) for t in stop_token_ids]
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids has ids outside [0, {self.cfg.vocab_size}): {bad}")
+        # Fixed small length (padded with -1, which no token equals) so the set is not a shape.
+        width = bucket_size(len(ids), 4)
+        return np.asarray(ids + [-1] * (width - len(ids)), np.int32)
+
+
+class _Run:
+    """The state of one generate() call: slots, waiting samples, pages, results."""
+
+    def __init__(self, sampler: Sampler, state, plan, prompt_ids, n, max_new_tokens, params,
+                 stop_ids, seed):
+        self.s, self.state, self.plan = sampler, state, plan
+        self.n, self.max_new = n, max_new_tokens
+        self.params, self.seed = params, np.uint32(seed % 2**32)
+        self.stop_ids = stop_ids
+        self.ps = plan.page_size
+        self.prompts = [_Prompt(ids=p, kv_len=len(p) - 1, unfinished=n) for p in prompt_ids]
+        self.waiting = collections.deque((i, j) for i in range(len(prompt_ids)) for j in range(n))
+        self.slots: list[Optional[_Sample]] = [None] * sampler.num_slots
+        self.results = [[None] * n for _ in prompt_ids]
+        self.alloc = PageAllocator(plan.num_pages)
+        self.cache = models.init_paged_cache(sampler.cfg, plan.num_pages, self.ps,
+                                             sharding=sampler._pool_sharding())
+        self.admissions = 0
+        self.decode_steps = self.decode_calls = self.prefill_calls = 0
+        self.prefilled = self.preemptions = 0
+        self.refill_at = max(1, sampler.num_slots // 32)
+
+    # ---------------------------------------------------------------------------------------
+    def loop(self):
+        while self.waiting or any(self.slots):
+            self.admit()
+            self.reserve()
+            self.decode()
+
+    def _need(self, sample: _Sample) -> int:
+        """Own pages the sample needs to run one more decode call."""
+        prompt = self.prompts[sample.prompt]
+        tokens = min(sample.length + self.s.decode_steps_per_call, prompt.kv_len + self.max_new)
+        return pages_for(tokens, self.ps) - prompt.kv_len // self.ps - len(sample.own)
+
+    def admit(self):
+        """Waiting samples into free slots, in order, while their pages fit."""
+        to_prefill, copies = [], []
+        for slot in range(len(self.slots)):
+            if not self.waiting:
+                break
+            if self.slots[slot] is not None:
+                continue
+            i, j = self.waiting[0]
+            prompt = self.prompts[i]
+            shared = 0 if prompt.pages is not None else pages_for(prompt.kv_len, self.ps)
+            sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len,
+                             next_token=prompt.ids[-1])
+            own = self._need(sample)
+            if not any(self.slots):  # nothing will free pages: drop idle prompts' pages
+                while self.alloc.num_free < shared + own and self._evict_prompt(keep=i):
+                    pass
+            if self.alloc.num_free < shared + own:
+                break
+            self.waiting.popleft()
+            self.admissions += 1
+            if prompt.pages is None:
+                prompt.pages = self.alloc.take(shared)
+                if shared:
+                    to_prefill.append(i)
+            sample.own = self.alloc.take(own)
+            if prompt.kv_len % self.ps:  # a private copy of the partial last prompt page
+                copies.append((prompt.pages[-1], sample.own[0]))
+            prompt.live += 1
+            self.slots[slot] = sample
+        self._prefill(to_prefill)
+        self._copy(copies)
+
+    def _prefill(self, prompt_list):
+        s = self.s
+        if not prompt_list:
+            return
+        per_call = max(s._batch_shards, 1 << int(math.floor(math.log2(
+            max(1, s.num_slots // self.n)))))
+        for first in range(0, len(prompt_list), per_call):
+            group = prompt_list[first:first + per_call]
+            rows = bucket_size(len(group), 1, s._batch_shards)
+            width = bucket_size(max(self.prompts[i].kv_len for i in group), s.min_prompt_bucket)
+            ids = np.full((rows, width), s.pad_id, np.int32)
+            mask = np.zeros((rows, width), np.int32)
+            page = np.zeros((rows, width), np.int32)
+            offset = np.zeros((rows, width), np.int32)
+            for r, i in enumerate(group):
+                prompt = self.prompts[i]
+                t = np.arange(prompt.kv_len)
+                ids[r, :prompt.kv_len] = prompt.ids[:-1]
+                mask[r, :prompt.kv_len] = 1
+                page[r, :prompt.kv_len] = np.asarray(prompt.pages)[t // self.ps]
+                offset[r, :prompt.kv_len] = t % self.ps
+            self.cache = programs.prefill(
+                s.graphdef, self.state, self.cache, *(s._put(x) for x in (ids, mask, page, offset)),
+                batch_spec=s._batch_spec)
+            self.prefill_calls += 1
+            self.prefilled += len(group)
+
+    def _copy(self, copies):
+        if not copies:
+            return
+        width = bucket_size(len(copies), 4)
+        src = np.zeros(width, np.int32)
+        dst = np.zeros(width, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self.cache = programs.copy_pages(self.cache, jax.numpy.asarray(src),
+                                         jax.numpy.asarray(dst))
+
+    def reserve(self):
+        """Pages for the next decode call of every live sample, oldest first; when the pool runs
+        dry, the newest live samples go back to the front of the queue (restarted later: the
+        same tokens, since randomness is per sample and position) and prompts with no live
+        sample give back their shared pages (prefilled again when needed)."""
+        for slot in sorted((k for k, x in enumerate(self.slots) if x is not None),
+                           key=lambda k: self.slots[k].admitted):
+            sample = self.slots[slot]
+            if sample is None:  # preempted below for an older one
+                continue
+            need = self._need(sample)
+            while need > self.alloc.num_free:
+                if not (self._preempt_newest(older_than=sample) or self._evict_prompt()):
+                    break
+            if need <= self.alloc.num_free:
+                sample.own += self.alloc.take(need)
+            elif any(x is not None and x is not sample for x in self.slots):
+                self._preempt(slot)  # older samples hold the rest: wait for them
+            else:
+                raise RuntimeError("rollout KV pool exhausted by one sample (the budget check "
+                                   "of plan_kv should have caught this)")
+
+    def _preempt_newest(self, older_than: _Sample) -> bool:
+        live = [k for k, x in enumerate(self.slots)
+                if x is not None and x.admitted > older_than.admitted]
+        if not live:
+            return False
+        self._preempt(max(live, key=lambda k: self.slots[k].admitted))
+        return True
+
+    def _preempt(self, slot):
+        sample = self.slots[slot]
+        self.slots[slot] = None
+        self.alloc.give(sample.own)
+        self.prompts[sample.prompt].live -= 1
+        self.waiting.appendleft((sample.prompt, sample.index))
+        self.preemptions += 1
+
+    def _evict_prompt(self, keep: int = -1) -> bool:
+        for i, prompt in enumerate(self.prompts):
+            if prompt.pages and prompt.live == 0 and i != keep:
+                self.alloc.give(prompt.pages)
+                prompt.pages = None
+                return True
+        return False
+
+    def decode(self):
+        s = self.s
+        S = len(self.slots)
+        tables = np.zeros((S, self.plan.pages_per_seq), np.int32)
+        token, length, generated = (np.zeros(S, np.int32) for _ in range(3))
+        active = np.zeros(S, bool)
+        prompt_index, sample_index = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        for k, sample in enumerate(self.slots):
+            if sample is None:
+                continue
+            prompt = self.prompts[sample.prompt]
+            pages = prompt.pages[:prompt.kv_len // self.ps] + sample.own
+            tables[k, :len(pages)] = pages
+            token[k], length[k], generated[k] = (sample.next_token, sample.length,
+                                                 len(sample.tokens))
+            active[k] = True
+            prompt_index[k], sample_index[k] = sample.prompt, sample.index
+        if not active.any():
+            return
+        exit_after = (min(self.refill_at, len(self.waiting)) if self.waiting else S + 1)
+        out = programs.decode(
+            s.graphdef, self.state, self.cache, *(s._put(x) for x in (
+                tables, token, length, generated, active, prompt_index, sample_index)),
+            self.seed, jax.numpy.asarray(self.stop_ids), np.float32(self.params.temperature),
+            np.float32(self.params.top_p), np.int32(self.max_new), np.int32(s.pad_id),
+            np.int32(max(1, exit_after)),
+            num_steps=s.decode_steps_per_call,
+            top_k=self.params.effective_top_k(s.cfg.vocab_size),
+            use_top_p=self.params.use_top_p, greedy=self.params.greedy,
+            attention_impl=s.decode_attention, pages_per_block=self._pages_per_block(),
+            batch_spec=s._batch_spec)
+        self.cache = out[0]
+        toks, logp, tlogp, gen_out, stopped, steps = fetch_global(out[1:])
+        self.decode_steps += int(steps)
+        self.decode_calls += 1
+        for k, sample in enumerate(self.slots):
+            if sample is None:
+                continue
+            count = int(gen_out[k]) - int(generated[k])
+            sample.tokens += toks[k, :count].tolist()
+            sample.logprobs += logp[k, :count].tolist()
+            sample.tempered += tlogp[k, :count].tolist()
+            sample.length += count
+            if count:
+                sample.next_token = int(toks[k, count - 1])
+            if stopped[k] or len(sample.tokens) >= self.max_new:
+                sample.stopped = bool(stopped[k])
+                self._finish(k)
+
+    def _pages_per_block(self) -> int:
+        # About 256 keys per step of the reference decode attention's page loop.
+        return max(1, min(self.plan.pages_per_seq, 256 // self.ps))
+
+    def _finish(self, slot):
+        sample = self.slots[slot]
+        self.slots[slot] = None
+        self.results[sample.prompt][sample.index] = sample
+        self.alloc.give(sample.own)
+        prompt = self.prompts[sample.prompt]
+        prompt.live -= 1
+        prompt.unfinished -= 1
+        if prompt.unfinished == 0 and prompt.pages:
+            self.alloc.give(prompt.pages)
+            prompt.pages = None
