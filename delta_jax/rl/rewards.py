@@ -17,12 +17,16 @@ overlong penalty can be added on top of any of them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import re
 import signal
 import threading
 import time
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -241,6 +245,13 @@ def math_pm1_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
     return (2.0 * accuracy - 1.0).astype(np.float32)
 
 
+@register_reward("code")
+def code_accuracy_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
+    """Code: 1 when every unit test passes, else 0 (the fraction passed with pass_fraction)."""
+    del num_boxes
+    return accuracy.astype(np.float32)
+
+
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:
     """DAPO soft overlong punishment (Yu et al. 2025, eq. 13; verl's overlong_buffer), fp32 [N].
 
@@ -285,8 +296,12 @@ class RewardScorer:
                  overlong_penalty_factor: float = 1.0, reward_kwargs: dict | None = None,
                  cache_size: int = 200_000, start_method: str = "spawn",
                  chunk_size: int | None = None, pool: vp.VerifyPool | None = None,
-                 max_answer_chars: int = 1000):
+                 max_answer_chars: int = 1000, code_sandbox: str = "local",
+                 code_sandbox_url: str = "", code_isolation: bool = True,
+                 code_memory_mb: int = 1024, code_max_processes: int = 16,
+                 pass_fraction: bool = False):
         self.name = name
+        self._code = None
         self.reward_fn = get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
         if overlong_buffer_len > 0 and not max_response_len:
@@ -301,6 +316,14 @@ class RewardScorer:
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
+        if name == "code":
+            self._owns_pool = True
+            self._code = CodeRunner(code_sandbox, num_workers=num_workers, timeout_s=timeout_s,
+                                    url=code_sandbox_url, isolate=code_isolation,
+                                    memory_mb=code_memory_mb, max_processes=code_max_processes,
+                                    pass_fraction=pass_fraction)
+            self.pool = self._code.pool
+            return
         if pool is not None and pool.fn != _GRADE_FN:
             raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {_GRADE_FN!r}")
         self._owns_pool = pool is None
@@ -322,8 +345,14 @@ class RewardScorer:
                    overlong_penalty_factor=get("overlong_penalty_factor", 1.0))
 
     def close(self) -> None:
-        if self._owns_pool:
+        if self._code is not None:
+            self._code.close()
+        elif self._owns_pool:
             self.pool.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._code.closed if self._code is not None else self.pool._closed
 
     def __enter__(self) -> "RewardScorer":
         return self
@@ -406,9 +435,19 @@ class RewardScorer:
         n = len(responses)
         if len(golds) != n:
             raise ValueError(f"score: {n} responses but {len(golds)} golds")
-        answers = [extract_last_boxed(r) for r in responses]
-        num_boxes = np.array([count_boxes(r) for r in responses], np.int32)
-        accuracy, timed_out, errored, hits = self.correctness(answers, golds)
+        extra = {}
+        if self._code is not None:
+            with self._lock:
+                accuracy, timed_out, errored, hits, extra = self._code.score(
+                    responses, golds, self._cache, self._cache_size)
+            # num_no_box counts responses without a fenced code block (the whole response
+            # is run then).
+            answers = ["program" if b else None for b in extra["has_code_block"]]
+            num_boxes = extra.pop("has_code_block").astype(np.int32)
+        else:
+            answers = [extract_last_boxed(r) for r in responses]
+            num_boxes = np.array([count_boxes(r) for r in responses], np.int32)
+            accuracy, timed_out, errored, hits = self.correctness(answers, golds)
         rewards = np.asarray(self.reward_fn(accuracy, num_boxes, **self.reward_kwargs),
                              np.float32)
         penalty = np.zeros(n, np.float32)
@@ -435,8 +474,143 @@ class RewardScorer:
             "num_truncated": int(np.asarray(truncated).sum()) if truncated is not None else 0,
             "cache_hits": hits,
             "seconds": time.perf_counter() - t0,
+            **extra,
         }
         return rewards.astype(np.float32), info
+
+
+# ---------------------------------------------------------------------------------------------
+# Code: programs run against unit tests (rl/sandbox.py locally, or a SandboxFusion service)
+# ---------------------------------------------------------------------------------------------
+
+CODE_SANDBOXES = ("local", "sandbox_fusion")
+_SANDBOX_FN = "delta_jax.rl.sandbox:worker_entry"
+log = logging.getLogger("delta_jax.rewards")
+
+
+class IsolationUnavailable(RuntimeError):
+    """The host cannot isolate model-written programs (the message says why and how to opt out)."""
+
+
+class CodeRunner:
+    """The code half of RewardScorer(name="code"): programs from responses, verdicts per batch.
+
+    local: a VerifyPool of sandbox workers (each forks one sandbox per program; see
+    rl/sandbox.py). At start one worker probes the isolation; without it the runner refuses to
+    start unless isolate=False, which warns on every start. sandbox_fusion: an HTTP client.
+    """
+
+    def __init__(self, sandbox: str = "local", num_workers: int = 2, timeout_s: float = 10.0,
+                 url: str = "", isolate: bool = True, memory_mb: int = 1024,
+                 max_processes: int = 16, pass_fraction: bool = False):
+        from delta_jax.rl import sandbox as sb
+        if sandbox not in CODE_SANDBOXES:
+            raise ValueError(f"rewards.code_sandbox: {sandbox!r} is not one of {CODE_SANDBOXES}")
+        self.kind = sandbox
+        self.limits = sb.Limits(timeout_s=timeout_s, memory_mb=memory_mb,
+                                max_processes=max_processes)
+        self.isolate = bool(isolate)
+        self.pass_fraction = bool(pass_fraction)
+        self.pool = None
+        self.client = None
+        self.closed = False
+        if sandbox == "sandbox_fusion":
+            from delta_jax.rl.sandbox_fusion import SandboxFusionClient
+            self.client = SandboxFusionClient(url, timeout_s=timeout_s,
+                                              concurrency=max(1, num_workers))
+            return
+        # The sandbox enforces timeout_s itself; the pool's hard limit is only a backstop.
+        self.pool = vp.VerifyPool(_SANDBOX_FN, num_workers=num_workers,
+                                  timeout_s=timeout_s + 15.0)
+        if self.isolate:
+            probe = self.pool.map([({"op": "probe"},)])[0]
+            ok = probe.status == vp.OK and probe.value["ok"]
+            if not ok:
+                why = probe.value["why"] if probe.status == vp.OK else probe.value
+                self.close()
+                raise IsolationUnavailable(
+                    f"rewards.code_isolation: this host cannot isolate model-written programs "
+                    f"({why}). Run where user namespaces are allowed, use "
+                    f"--config.rewards.code_sandbox=sandbox_fusion, or accept running them "
+                    f"unisolated with --config.rewards.code_isolation=False")
+        else:
+            message = ("rewards.code_isolation=False: model-written programs run WITHOUT "
+                       "namespaces (no network, filesystem or process isolation; only rlimits, "
+                       "a scratch directory and a process-group kill)")
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            log.warning(message)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.pool is not None:
+            self.pool.close()
+        if self.client is not None:
+            self.client.close()
+
+    def score(self, responses, golds, cache, cache_size):
+        """(accuracy f32 [N], timed_out [N], errored [N], cache hits, extra info)."""
+        from delta_jax.rl import sandbox as sb
+        n = len(responses)
+        programs = [sb.extract_program(r) for r in responses]
+        has_block = np.array([p is not r for p, r in zip(programs, responses)], bool)
+        specs = []
+        for i, gold in enumerate(golds):
+            try:
+                specs.append(sb.parse_spec(gold))
+            except sb.SpecError as e:
+                raise sb.SpecError(f"score: gold {i}: {e}") from None
+        accuracy = np.zeros(n, np.float32)
+        timed_out = np.zeros(n, bool)
+        errored = np.zeros(n, bool)
+        passed = np.zeros(n, np.int32)
+        total = np.array([sb.num_tests(sp) for sp in specs], np.int32)
+        todo: dict[tuple, list[int]] = {}
+        hits = 0
+        for i, (program, spec) in enumerate(zip(programs, specs)):
+            key = ("code", self.pass_fraction,
+                   hashlib.sha256(program.encode("utf-8", "surrogatepass")).hexdigest(),
+                   json.dumps(spec, sort_keys=True))
+            if key in cache:
+                cache.move_to_end(key)
+                accuracy[i], passed[i] = cache[key]
+                hits += 1
+                continue
+            todo.setdefault(key, []).append(i)
+        keys = list(todo)
+        firsts = [todo[k][0] for k in keys]
+        if self.client is not None:
+            verdicts = self.client.run_many([programs[i] for i in firsts],
+                                            [specs[i] for i in firsts], self.pass_fraction)
+        else:
+            limits = dataclasses.asdict(self.limits)
+            results = self.pool.map([({"op": "run", "program": programs[i], "spec": specs[i],
+                                       "limits": limits, "isolate": self.isolate,
+                                       "pass_fraction": self.pass_fraction},) for i in firsts])
+            verdicts = [r.value if r.status == vp.OK else
+                        {"status": sb.TIMEOUT if r.status == vp.TIMEOUT else sb.ERROR,
+                         "passed": 0, "total": 0, "message": str(r.value)} for r in results]
+        statuses = collections.Counter()
+        for key, verdict in zip(keys, verdicts):
+            status = verdict["status"]
+            statuses[status] += 1
+            n_total = max(int(verdict.get("total") or 0), 1)
+            n_passed = int(verdict.get("passed") or 0)
+            if status == sb.OK:
+                acc = (n_passed / n_total) if self.pass_fraction else float(n_passed >= n_total)
+                # Real verdicts only: timeouts, crashes and sandbox errors are checked again.
+                cache[key] = (acc, n_passed)
+            else:
+                acc = 0.0
+            for i in todo[key]:
+                accuracy[i], passed[i] = acc, n_passed
+                timed_out[i] = status == sb.TIMEOUT
+                errored[i] = status in (sb.CRASH, sb.ERROR)
+        while len(cache) > cache_size:
+            cache.popitem(last=False)
+        extra = {"has_code_block": has_block, "tests_passed": passed, "tests_total": total,
+                 "num_crashes": int(statuses[sb.CRASH]),
+                 "num_sandbox_errors": int(statuses[sb.ERROR]), "num_programs_run": len(keys)}
+        return accuracy, timed_out, errored, hits, extra
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +624,7 @@ _default_lock = threading.Lock()
 def _get_default_scorer() -> RewardScorer:
     global _default_scorer
     with _default_lock:
-        if _default_scorer is None or _default_scorer.pool._closed:
+        if _default_scorer is None or _default_scorer.closed:
             # One worker started on first use; closed at exit by the pool's atexit hook.
             _default_scorer = RewardScorer("math", num_workers=1)
         return _default_scorer
@@ -467,3 +641,23 @@ def math_reward(response_text: str, gold_answer: str) -> float:
         return 0.0
     accuracy, _, _, _ = _get_default_scorer().correctness([answer], [gold_answer])
     return float(accuracy[0])
+
+
+_default_code_scorers: dict[bool, RewardScorer] = {}
+
+
+def code_reward(response_text: str, spec, pass_fraction: bool = False) -> float:
+    """1.0 if the program in `response_text` passes every test of `spec` (a dict or its JSON
+    string; layouts in rl/sandbox.py), else 0.0; with pass_fraction, the fraction passed.
+
+    The program is the last fenced ```python block (the whole response when there is none). Runs
+    in a shared one-worker sandbox pool started on first use (safe from any thread); a timeout
+    or crash scores 0.0. Raises IsolationUnavailable where the host cannot isolate programs.
+    """
+    with _default_lock:
+        scorer = _default_code_scorers.get(pass_fraction)
+        if scorer is None or scorer.closed:
+            scorer = RewardScorer("code", num_workers=1, pass_fraction=pass_fraction)
+            _default_code_scorers[pass_fraction] = scorer
+    rewards, _ = scorer.score([response_text], [spec])
+    return float(rewards[0])
