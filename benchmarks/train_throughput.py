@@ -208,7 +208,9 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--remat", default="full", choices=list(models.REMAT_POLICIES))
     parser.add_argument("--attention", default="auto")
-    parser.add_argument("--logprob-chunk", type=int, default=512)
+    parser.add_argument("--logprob-chunk", type=int, default=4096,
+                        help="tokens (rows x positions) per LM-head chunk "
+                             "(model.logprob_chunk_tokens)")
     parser.add_argument("--logprob-impls", nargs="+", default=["chunked", "fused"],
                         choices=["chunked", "fused"])
     parser.add_argument("--warmup", type=int, default=2)

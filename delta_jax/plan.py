@@ -34,6 +34,7 @@ from jax.sharding import AbstractMesh
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
+from delta_jax.models.logprobs import positions_per_chunk
 from delta_jax.sampling import bucket_size
 
 GB = 1e9
@@ -214,7 +215,7 @@ class MemoryPlan:
 def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, int],
                 device_memory_gb: float, rollout_rows: int, prompt_len: int, response_len: int,
                 sampler_rows: int, group_size: int, mini_batch_rows: int, micro_batch_rows: int,
-                logprob_chunk: int, recompute_chunk: int, num_refine: int = 1,
+                logprob_chunk_tokens: int, recompute_chunk: int, num_refine: int = 1,
                 feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
                 devices_per_host: int = 8,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
@@ -268,8 +269,10 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
 
     layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor)
     act_none, act_full, act_cfg = activations(layer)
-    # LM head: float32 logits of one sequence chunk, their softmax and cotangent.
-    lp_chunk = m_rows * min(logprob_chunk, response_len) * _div(V, tensor) * 4 * 3
+    # LM head: float32 logits of one chunk of logprob_chunk_tokens tokens (positions =
+    # tokens // rows, models.positions_per_chunk), their softmax and cotangent.
+    lp_chunk = (m_rows * min(positions_per_chunk(logprob_chunk_tokens, micro), response_len)
+                * _div(V, tensor) * 4 * 3)
 
     # Rollout: the KV cache of one sampler call, and the prefill's attention scores.
     s_rows = rows_per_device(sampler_rows)
@@ -289,8 +292,10 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     prefill = prefill_bytes(prefill_kind)
 
     # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
-    o_rows = rows_per_device(min(rollout_rows, sampler_rows))
-    lp_old = o_rows * min(logprob_chunk, response_len) * _div(V, tensor) * 4 * 2
+    o_global = min(rollout_rows, sampler_rows)
+    o_rows = rows_per_device(o_global)
+    lp_old = (o_rows * min(positions_per_chunk(logprob_chunk_tokens, o_global), response_len)
+              * _div(V, tensor) * 4 * 2)
 
     def old_pass_bytes(o_layer):
         return o_layer["linear"] + o_layer["scores"] + o_layer["attn_transient"] + lp_old
@@ -387,7 +392,7 @@ def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
         rollout_rows=cfg.rollout.batch_prompts * G, prompt_len=cfg.data.max_prompt_len,
         response_len=cfg.rollout.max_new_tokens, sampler_rows=cfg.rollout.max_batch_size,
         group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
-        micro_batch_rows=cfg.rl.micro_batch_size, logprob_chunk=cfg.model.logprob_chunk,
+        micro_batch_rows=cfg.rl.micro_batch_size, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
         recompute_chunk=cfg.delta.recompute_chunk, num_refine=cfg.delta.num_refine,
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb,

@@ -38,7 +38,7 @@ def get_config():
     c.model.num_heads = 4
     c.model.num_kv_heads = 2
     c.model.head_dim = 32
-    c.model.logprob_chunk = 64
+    c.model.logprob_chunk_tokens = 4096
     c.tokenizer.path = "synthetic"
     c.data.train = "synthetic"
     c.data.eval = "synthetic"

@@ -20,7 +20,7 @@ from delta_jax.train.state import init_train_state
 
 # The tiny model's shape (model.* fields), shared with test_main's config file.
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                  num_kv_heads=1, head_dim=16, logprob_chunk=8)
+                  num_kv_heads=1, head_dim=16, logprob_chunk_tokens=32)
 
 # train.* fields that keep loop.train() to the RL steps (and checkpoints) a test looks at.
 LOOP_WITHOUT_EVAL = dict(eval_before=False, eval_after=False, export_final=False)

@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SHORT = {
     "model.hidden_size": 32, "model.intermediate_size": 64, "model.num_layers": 2,
     "model.num_heads": 2, "model.num_kv_heads": 1, "model.head_dim": 16,
-    "model.logprob_chunk": 16,
+    "model.logprob_chunk_tokens": 64,
     "data.synthetic_train": 200, "data.synthetic_test": 8, "data.synthetic_levels": "1",
     "rollout.batch_prompts": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
     "rewards.num_workers": 1, "rewards.overlong_buffer": 4, "rl.mini_batch_prompts": 2,

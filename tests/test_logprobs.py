@@ -204,3 +204,30 @@ def test_map_sequence_chunks_equals_the_unchunked_function(chunk_size):
   np.testing.assert_allclose(got["outer"], x[..., :, None] * y[..., None, None], rtol=1e-6)
   assert got["outer"].shape == (B, T, 3, 1)
   assert seen_lengths == [min(chunk_size, T)]  # one traced chunk, never the whole sequence
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_logit_memory_is_a_token_budget_whatever_the_rows(impl):
+  """chunk_size is a budget in tokens (rows x positions): the compiled fwd+bwd's temporaries stay
+  near a few chunks of [chunk_size, V] fp32 logits at 8 and at 64 rows (a chunk of chunk_size
+  POSITIONS would be 64 x 256 x V x 4 B = 256 MiB at 64 rows)."""
+  V, H, T, budget = 4096, 16, 256, 256
+  w = jnp.zeros((H, V), jnp.float32)
+  chunk_bytes = budget * V * 4
+
+  def temp_bytes(rows):
+    h = jax.ShapeDtypeStruct((rows, T, H), jnp.float32)
+    y = jax.ShapeDtypeStruct((rows, T), jnp.int32)
+
+    def loss(h, w, y):
+      logp, ent = models.token_logprobs(w, h, y, chunk_size=budget, impl=impl,
+                                        kernel_impl="reference")
+      return jnp.sum(logp) + jnp.sum(ent)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+        h, jax.ShapeDtypeStruct(w.shape, w.dtype), y).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  for rows in (8, 64):
+    got = temp_bytes(rows)
+    assert got < 8 * chunk_bytes, (rows, got / 2**20, chunk_bytes / 2**20)

@@ -34,7 +34,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # experiments/tiny.py (the default job) shrunk: the shared tiny model, 4 prompts x 4 samples,
 # 16 new tokens, 2 updates per step, 6 steps checkpointed every 3, a 2-step SFT warm start.
 TEST_OVERRIDES = {
-    "model": dict(TINY_MODEL, logprob_chunk=16),
+    "model": dict(TINY_MODEL, logprob_chunk_tokens=64),
     "data": dict(synthetic_train=200, synthetic_test=8, synthetic_levels="1"),
     "rollout": dict(batch_prompts=4, group_size=4, max_new_tokens=16),
     "rewards": dict(num_workers=1, overlong_buffer=4),

@@ -42,7 +42,7 @@ def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype):
     want_params, want_opt = real_device0_bytes(mcfg, mesh_shape, optimizer)
     p = plan.plan_memory(mcfg, mesh_shape=mesh_shape, device_memory_gb=1.0, rollout_rows=16,
                          prompt_len=8, response_len=8, sampler_rows=16, group_size=4,
-                         mini_batch_rows=8, micro_batch_rows=0, logprob_chunk=4,
+                         mini_batch_rows=8, micro_batch_rows=0, logprob_chunk_tokens=32,
                          recompute_chunk=4, optimizer=optimizer)
     assert p.params == want_params
     assert p.optimizer == want_opt
@@ -56,7 +56,7 @@ def test_figures_follow_the_shapes():
                            remat="full")
     p = plan.plan_memory(mc, mesh_shape=(1, 8, 4), device_memory_gb=95.0, rollout_rows=2048,
                          prompt_len=2048, response_len=20480, sampler_rows=256, group_size=16,
-                         mini_batch_rows=512, micro_batch_rows=8, logprob_chunk=512,
+                         mini_batch_rows=512, micro_batch_rows=8, logprob_chunk_tokens=4096,
                          recompute_chunk=64)
     # Every parameter dimension of Qwen3-8B divides by fsdp=8 / tensor=4 except the norms
     # (replicated): params = (total - norms) / 32 + norms, in bf16.
@@ -96,7 +96,7 @@ def _plan_for(mc, prompt_len, response_len):
     return plan.plan_memory(mc, mesh_shape=(1, 4, 2), device_memory_gb=1.0, rollout_rows=16,
                             prompt_len=prompt_len, response_len=response_len, sampler_rows=16,
                             group_size=4, mini_batch_rows=8, micro_batch_rows=0,
-                            logprob_chunk=4, recompute_chunk=4)
+                            logprob_chunk_tokens=32, recompute_chunk=4)
 
 
 def test_activation_estimate_follows_the_configured_attention():
@@ -164,7 +164,7 @@ def test_old_pass_peak_follows_the_configured_feature_cache():
         return plan.plan_memory(SMALL, mesh_shape=(1, 4, 2), device_memory_gb=memory_gb,
                                 rollout_rows=16, prompt_len=8, response_len=8, sampler_rows=16,
                                 group_size=4, mini_batch_rows=8, micro_batch_rows=0,
-                                logprob_chunk=4, recompute_chunk=4, feature_cache=mode)
+                                logprob_chunk_tokens=32, recompute_chunk=4, feature_cache=mode)
 
     plans = {mode: plan_with(mode) for mode in want}
     name = "old-policy pass + DelTA"

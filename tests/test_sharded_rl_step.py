@@ -29,7 +29,7 @@ MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
 def make_config():
     return tiny_rl_config(
         "delta",
-        model=dict(num_heads=4, num_kv_heads=2, logprob_chunk=16),
+        model=dict(num_heads=4, num_kv_heads=2, logprob_chunk_tokens=64),
         rl=dict(mini_batch_prompts=2,    # 2 updates of 8 rows
                 micro_batch_size=4),     # 2 micro-batches per update
         optim=dict(weight_decay=0.0))

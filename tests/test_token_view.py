@@ -53,7 +53,7 @@ def _tiny_cfg(**delta):
     spec.loader.exec_module(module)
     c = module.get_config()
     c.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                        num_kv_heads=1, head_dim=16, logprob_chunk=16))
+                        num_kv_heads=1, head_dim=16, logprob_chunk_tokens=64))
     c.data.update(dict(synthetic_train=200, synthetic_test=8, synthetic_levels="1"))
     c.rollout.update(dict(batch_prompts=4, group_size=4, max_new_tokens=16))
     c.rewards.update(dict(num_workers=1, overlong_buffer=4))

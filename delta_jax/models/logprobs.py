@@ -1,15 +1,16 @@
 """Per-token log-probs and entropies without materialising the full [B, T, V] logits.
 
 Two implementations (`impl=`), same results:
-  "chunked"  the sequence is cut into chunks; each chunk's logits [B, C, V] are computed, reduced
-             and dropped (lax.map), and rematerialised in the backward pass (jax.checkpoint), so
-             peak memory is one chunk of logits instead of all of them.
+  "chunked"  the sequence is cut into chunks of C = chunk_size // B positions (chunk_size is a
+             budget in TOKENS, rows x positions, so the memory does not grow with the batch);
+             each chunk's logits [B, C, V] are computed, reduced and dropped (lax.map), and
+             rematerialised in the backward pass (jax.checkpoint), so peak memory is one chunk
+             of logits instead of all of them.
   "fused"    delta_jax.kernels.lm_head_logprob_auto: all B*T tokens at once, tiled over the
              VOCABULARY with an online log-sum-exp and a custom VJP that recomputes each logits
              tile in the backward (the Pallas kernel on GPU, its chunked-jnp reference elsewhere).
              The vocabulary tile is chosen so that one [B*T, tile] fp32 tile holds as many
-             elements as the chunked path's [B, chunk_size, V] chunk: `chunk_size` sets the same
-             memory budget for both.
+             elements as chunk_size tokens' logits [chunk_size, V]: the same budget for both.
 Qwen3's vocabulary has 151,936 entries.
 """
 from __future__ import annotations
@@ -49,8 +50,10 @@ def token_logprobs(model_or_weight, hidden: jax.Array, labels: jax.Array, temper
   model_or_weight: a Transformer (uses model.lm_head_weight()) or the head weight [H, V].
   hidden: [B, T, H] final hidden states (after the final norm); labels: int [B, T] in [0, V).
   temperature: python float or scalar array (traceable).
-  impl: "chunked" (sequence chunks of `chunk_size`) or "fused" (vocabulary tiles, see the module
-    docstring). kernel_impl (fused only): kernels backend override ("auto" | "pallas" |
+  chunk_size: the memory budget in tokens (rows x positions) whose fp32 logits exist at once
+    (config model.logprob_chunk_tokens).
+  impl: "chunked" (sequence chunks of chunk_size // B positions) or "fused" (vocabulary tiles,
+    see the module docstring). kernel_impl (fused only): kernels backend override ("auto" | "pallas" |
     "interpret" | "reference"; None = $DELTA_JAX_KERNELS or auto). mesh (fused only): with a
     delta_jax.sharding mesh and the Pallas kernel, the kernel runs per batch shard (shard_map over
     the batch axes; XLA cannot partition a Pallas call itself).
@@ -70,10 +73,15 @@ def token_logprobs(model_or_weight, hidden: jax.Array, labels: jax.Array, temper
                                  chunk_size)
 
 
-def fused_vocab_chunk(chunk_size: int, seq_len: int, vocab: int) -> int:
-  """Vocabulary tile of the fused path with the chunked path's memory: [N, c] ~ [B, chunk, V],
-  i.e. c = chunk * V / T, rounded down to a multiple of 128 (at least 128, at most V)."""
-  c = (max(1, int(chunk_size)) * vocab) // max(1, seq_len)
+def positions_per_chunk(chunk_tokens: int, rows: int) -> int:
+  """Sequence positions per chunk under a budget of `chunk_tokens` tokens over `rows` rows."""
+  return max(1, int(chunk_tokens) // max(1, int(rows)))
+
+
+def fused_vocab_chunk(chunk_tokens: int, num_tokens: int, vocab: int) -> int:
+  """Vocabulary tile of the fused path with the chunked path's memory: [N, c] ~ [chunk, V],
+  i.e. c = chunk_tokens * V / N, rounded down to a multiple of 128 (at least 128, at most V)."""
+  c = (max(1, int(chunk_tokens)) * vocab) // max(1, num_tokens)
   if c >= 128:
     c = (c // 128) * 128
   return int(max(1, min(vocab, max(c, 128))))
@@ -83,7 +91,7 @@ def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_imp
   from delta_jax import kernels
 
   B, T, H = hidden.shape
-  vocab_chunk = fused_vocab_chunk(chunk_size, T, w.shape[1])
+  vocab_chunk = fused_vocab_chunk(chunk_size, B * T, w.shape[1])
   if isinstance(temperature, (int, float)):
     static_t = float(temperature)
   else:
@@ -148,4 +156,5 @@ def _chunked_token_logprobs(w, hidden, labels, temperature, chunk_size):
     logits = jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32)
     return logprobs_from_logits(logits, y, temperature)
 
-  return map_sequence_chunks(one_chunk, (hidden, labels), chunk_size)
+  return map_sequence_chunks(one_chunk, (hidden, labels),
+                             positions_per_chunk(chunk_size, hidden.shape[0]))

@@ -86,8 +86,11 @@ def default_config() -> config_dict.ConfigDict:
     c.model.num_heads = 0
     c.model.num_kv_heads = 0
     c.model.head_dim = 0
-    c.model.logprob_chunk = 256  # sequence chunk of models.token_logprobs
-    # Per-token log-probs of the LM head: "chunked" = logits of logprob_chunk positions at a
+    # Tokens (rows x positions) whose fp32 [tokens, vocab] logits exist at once in the LM-head
+    # log-prob passes (train step, old-policy / reference passes, SFT): a budget in tokens, so
+    # the memory does not grow with the micro-batch (4096 x 151936 x 4 B = 2.5 GB per buffer).
+    c.model.logprob_chunk_tokens = 4096
+    # Per-token log-probs of the LM head: "chunked" = logits of logprob_chunk_tokens tokens at a
     # time (models.token_logprobs); "fused" = kernels.lm_head_logprob_auto (tiled over the
     # vocabulary with an online log-sum-exp and a custom VJP, never materialising [T, V] logits;
     # the Pallas kernel on GPU, its jnp reference elsewhere; DELTA_JAX_KERNELS overrides).
@@ -333,7 +336,7 @@ def _check_combinations(c):
                  "rollout.max_new_tokens",
                  "rollout.max_batch_size", "rl.mini_batch_prompts", "rl.epochs",
                  "data.max_prompt_len", "train.keep", "eval.k", "eval.max_new_tokens",
-                 "sft.batch_size", "sft.max_len", "model.logprob_chunk", "delta.recompute_chunk"):
+                 "sft.batch_size", "sft.max_len", "model.logprob_chunk_tokens", "delta.recompute_chunk"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     for name in ("train.steps", "sft.steps", "train.save_every", "train.eval_every",
                  "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",

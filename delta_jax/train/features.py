@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import models
+from delta_jax.models.logprobs import positions_per_chunk
 
 
 def response_forward(model, input_ids, attention_mask, response_len: int, *, temperature: float,
@@ -71,7 +72,8 @@ def logprobs_and_topk(head, hidden, labels, *, temperature: float, chunk_size: i
         top_logp, top_ids = jax.lax.top_k(logp_all, topk)
         return logp, entropy, top_ids.astype(jnp.int32), jnp.exp(top_logp)
 
-    return models.map_sequence_chunks(one_chunk, (hidden, labels), chunk_size)
+    return models.map_sequence_chunks(one_chunk, (hidden, labels),
+                                      positions_per_chunk(chunk_size, hidden.shape[0]))
 
 
 def topk_proxy_features(head, labels, topk_ids, topk_probs, *, chunk_size: int,
@@ -80,7 +82,8 @@ def topk_proxy_features(head, labels, topk_ids, topk_probs, *, chunk_size: int,
     via rl.delta.hidden_topk_proxy_from_head, chunked over the sequence.
 
     head [H, V], labels int [B, T], topk_ids int [B, T, K], topk_probs [B, T, K] -> v [B, T, H]
-    in `dtype` (computed in fp32). At most [B, chunk_size, K, H] gathered head rows exist at once.
+    in `dtype` (computed in fp32). At most [chunk_size tokens, K, H] gathered head rows exist at
+    once (chunk_size: a token budget, rows x positions).
     """
     from delta_jax.rl import delta as delta_lib
 
@@ -88,13 +91,15 @@ def topk_proxy_features(head, labels, topk_ids, topk_probs, *, chunk_size: int,
         y, ids, probs = args
         return delta_lib.hidden_topk_proxy_from_head(head, y, ids, probs).astype(dtype)
 
-    return models.map_sequence_chunks(one_chunk, (labels, topk_ids, topk_probs), chunk_size)
+    return models.map_sequence_chunks(one_chunk, (labels, topk_ids, topk_probs),
+                                      positions_per_chunk(chunk_size, labels.shape[0]))
 
 
-def proxy_token_chunk(logprob_chunk: int, vocab_size: int, topk: int, hidden_size: int) -> int:
-    """Sequence chunk for `topk_proxy_features` whose gathered rows [b, c, K, H] take no more
-    memory than the old-policy pass's logits chunk [b, logprob_chunk, V]."""
-    return max(1, (logprob_chunk * vocab_size) // max(topk * hidden_size, 1))
+def proxy_token_chunk(logprob_chunk_tokens: int, vocab_size: int, topk: int,
+                      hidden_size: int) -> int:
+    """Token budget for `topk_proxy_features` whose gathered rows [tokens, K, H] take no more
+    memory than the old-policy pass's logits chunk [logprob_chunk_tokens, V]."""
+    return max(1, (logprob_chunk_tokens * vocab_size) // max(topk * hidden_size, 1))
 
 
 def response_hidden(model, input_ids, attention_mask, response_len: int):

@@ -51,7 +51,7 @@ def run_sft(run: Run, params, log_every: int = 10,
     optimizer = make_optimizer(schedule, weight_decay=cfg.sft.weight_decay,
                                max_grad_norm=cfg.optim.max_grad_norm)
     step_fn = sft_lib.make_sft_step(run.graphdef, run.rest, optimizer, schedule,
-                                    chunk_size=cfg.model.logprob_chunk,
+                                    chunk_size=cfg.model.logprob_chunk_tokens,
                                     logprob_impl=cfg.model.logprob_impl)
     state = init_train_state(params, optimizer)
     bar = _progress(cfg, cfg.sft.steps, "sft")

@@ -14,7 +14,7 @@ def paper_config(preset: str, steps: int):
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
     c.model.remat = "full"
-    c.model.logprob_chunk = 512
+    c.model.logprob_chunk_tokens = 4096  # = 512 positions x the micro-batch of 8 rows
     c.data.train = ""                 # required: --config.data.train=/path/to/deepmath.jsonl
     c.data.template = "qwen_math"
     c.data.max_prompt_len = 2048

@@ -175,7 +175,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     if cfg.mode == "train":
         run.train_step = make_train_step(
             graphdef, rest, optimizer, make_loss_fn(cfg), temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk, micro_batch_size=cfg.rl.micro_batch_size,
+            chunk_size=cfg.model.logprob_chunk_tokens, micro_batch_size=cfg.rl.micro_batch_size,
             schedule=schedule, mesh=mesh, state_shardings=state_shardings,
             logprob_impl=cfg.model.logprob_impl)
         topk = cfg.delta.topk if run.with_delta and cfg.delta.proxy == "hidden_topk" else 0
@@ -184,7 +184,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         # does not count.
         run.old_pass = features_lib.make_old_policy_pass(
             graphdef, rest, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk, mesh=mesh, topk=topk,
+            chunk_size=cfg.model.logprob_chunk_tokens, mesh=mesh, topk=topk,
             with_hidden=feature_cache_mode(cfg, run.with_delta) != "drop",
             logprob_impl=cfg.model.logprob_impl)
         if run.with_delta and not topk and cfg.delta.feature_cache == "recompute":
@@ -193,11 +193,11 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
             mcfg = model.cfg
             run.topk_proxy_pass = features_lib.make_topk_proxy_pass(
                 graphdef, rest, mesh=mesh, chunk_size=features_lib.proxy_token_chunk(
-                    cfg.model.logprob_chunk, mcfg.vocab_size, topk, mcfg.hidden_size))
+                    cfg.model.logprob_chunk_tokens, mcfg.vocab_size, topk, mcfg.hidden_size))
         if cfg.rl.kl_coef > 0:
             run.ref_pass = features_lib.make_old_policy_pass(
                 graphdef, rest, temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.logprob_chunk, mesh=mesh, with_hidden=False,
+                chunk_size=cfg.model.logprob_chunk_tokens, mesh=mesh, with_hidden=False,
                 logprob_impl=cfg.model.logprob_impl)
             # A copy: the train step donates (and so frees) the buffers of the live parameters.
             # train() replaces it with the post-SFT parameters when there is a warm start.
