@@ -68,8 +68,10 @@ class TokenView:
 # ----------------------------------------------------------------------------- computing
 
 
-# Config sections of earlier versions that no longer exist (and never changed a run's results).
-_RETIRED_SECTIONS = ("debug",)
+# Config sections / fields of earlier versions that no longer exist: skipped when a run's
+# config.json is read (debug only held test hooks; model.logprob_chunk became
+# model.logprob_chunk_tokens, a memory budget that changes no result).
+_RETIRED = ("debug", "model.logprob_chunk")
 
 
 def load_run_config(workdir: str):
@@ -88,7 +90,7 @@ def load_run_config(workdir: str):
 
     def merge(node, values, prefix):
         for key, value in values.items():
-            if not prefix and key in _RETIRED_SECTIONS:
+            if prefix + key in _RETIRED:
                 continue
             if key not in node:
                 raise ValueError(f"{path}: unknown config field {prefix}{key}")

@@ -173,3 +173,5 @@ def test_resume_changes_lists_fields_that_change_results():
     del old["rl"]["epochs"], old["optim"]["lr"]
     listed = resume_changes(old, new.to_dict())
     assert "optim.lr: '<absent>' -> 0.5" in listed and not any("rl.epochs" in c for c in listed)
+    old["model"]["logprob_chunk"] = 256  # a field retired from the schema since
+    assert not any("logprob_chunk" in c for c in resume_changes(old, new.to_dict()))

@@ -426,6 +426,8 @@ def resume_changes(saved: dict, new: dict) -> list[str]:
         a, b = old.get(name, "<absent>"), cur.get(name, "<absent>")
         if name not in old and name in defaults and b == defaults[name]:
             continue
+        if name not in cur and name not in defaults:  # retired from the schema since
+            continue
         if a != b and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
                            and not isinstance(a, bool) and float(a) == float(b)):
             lines.append(f"{name}: {a!r} -> {b!r}")
