@@ -1,4 +1,4 @@
-"""Evaluation: avg@k and unbiased pass@k over math benchmarks.
+"""Evaluation: avg@k and unbiased pass@k over math and code benchmarks.
 
 The policy is anything with `generate_fn(prompts: list[str], n: int) -> list[list[str]]` (n
 response texts per prompt): `sampler_generate_fn` wraps a delta_jax Sampler with the paper's eval
@@ -7,6 +7,10 @@ settings (T = 1.0, top-p = 0.7, k = 16 samples); tests use fake policies.
     rows = load_benchmark("data/aime24.jsonl")            # [{"id", "problem", "answer"}, ...]
     result = evaluate(generate_fn, {"aime24": path, "amc23": rows}, k=16)
     print(result.to_markdown()); result.save(workdir)     # eval.json + eval.md
+
+Code benchmarks (HumanEval, e.g. ../shared/data/humaneval.jsonl; MBPP / TACO / CodeContests
+layouts; see data/records.py) are recognised by their rows and scored by RewardScorer("code"):
+unit tests in the sandbox, pass@k over the k programs per problem.
 
 Per benchmark: avg@k (mean accuracy over all k samples of all questions) and pass@k' for each k'
 in pass_ks (Chen et al. 2021's unbiased estimator from the k samples). The summary row is the
@@ -24,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from delta_jax.data.templates import BOXED_INSTRUCTION
+from delta_jax.data.templates import BOXED_INSTRUCTION, CODE_INSTRUCTION
 
 # The paper's evaluation sampling (k samples per question at these settings).
 EVAL_TEMPERATURE = 1.0
@@ -84,7 +88,8 @@ def avg_at_k(correct) -> float:
 
 
 def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """Rows {"id", "problem", "answer"} (answer as str) from a JSONL file; the first `limit`."""
+    """Rows {"id", "problem", "answer", "kind"} from a JSONL file (the first `limit`): "math" rows
+    (answer as str) or "code" rows (answer = the test spec as JSON; see _code_row)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
@@ -110,9 +115,49 @@ def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[di
     return rows
 
 
+def default_code_prompt(problem: str) -> str:
+    """The problem followed by the code instruction (one ```python block)."""
+    return f"{problem}\n{CODE_INSTRUCTION}"
+
+
+def _code_row(row: Mapping, where: str, index: int) -> dict | None:
+    """A code benchmark row (HumanEval, MBPP, TACO/APPS, CodeContests layouts, or
+    {"problem", "answer": test spec}) as {"id", "problem", "answer": spec JSON, "kind": "code"};
+    None for a math row."""
+    from delta_jax.data import records
+    from delta_jax.rl import sandbox
+
+    answer = row.get("answer")
+    if "problem" in row and isinstance(answer, (str, Mapping)):
+        if isinstance(answer, str) and not answer.lstrip().startswith("{"):
+            return None
+        try:
+            sandbox.parse_spec(answer)
+        except sandbox.SpecError:
+            return None
+        spec = answer if isinstance(answer, str) else json.dumps(answer, sort_keys=True)
+        return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": spec,
+                "kind": "code"}
+    try:
+        layout = records.detect_layout(row)
+    except ValueError:
+        return None
+    if layout not in records.CODE_PRESETS:
+        return None
+    try:
+        rec = records.PRESETS[layout](row)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {layout} row: {e}") from None
+    return {"id": str(rec["id"] if rec["id"] not in (None, "") else index),
+            "problem": rec["problem"], "answer": rec["answer"], "kind": "code"}
+
+
 def _check_row(row: Any, where: str, index: int) -> dict:
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: row must be an object, got {type(row).__name__}")
+    code = _code_row(row, where, index)
+    if code is not None:
+        return code
     for field in ("problem", "answer"):
         if field not in row:
             raise ValueError(f"{where}: row has no {field!r} field (keys: {sorted(row)})")
@@ -123,7 +168,8 @@ def _check_row(row: Any, where: str, index: int) -> dict:
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
         raise ValueError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
-    return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": answer}
+    return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": answer,
+            "kind": "math"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,9 +316,11 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
       benchmarks: name -> JSONL path or a list of {"id", "problem", "answer"} rows.
       k: samples per question (avg@k is over these).
       pass_ks: k' values for pass@k' (each <= k); default 1, 2, 4, ... up to k, and k.
-      format_prompt: problem -> prompt text.
-      scorer: a delta_jax.rl.rewards.RewardScorer to use (its accuracy, not its shaped reward);
-        default: a 2-worker "math" scorer created here and closed at the end.
+      format_prompt: problem -> prompt text (default: the boxed-answer instruction for math, the
+        code instruction for code benchmarks).
+      scorer: a delta_jax.rl.rewards.RewardScorer to use for every benchmark (its accuracy, not
+        its shaped reward); default: a 2-worker "math" or "code" scorer per kind of benchmark,
+        created here and closed at the end.
       limit: first `limit` questions of each benchmark (quick runs).
       prompts_per_call: prompts per generate_fn call (default: a whole benchmark at once).
       settings: recorded in the result (e.g. temperature, top_p, checkpoint step).
@@ -293,8 +341,15 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
     if not benchmarks:
         raise ValueError("evaluate: no benchmarks given")
 
-    own_scorer = scorer is None
-    scorer = scorer or RewardScorer("math", num_workers=2)
+    own_scorers: dict[str, Any] = {}
+
+    def scorer_for(kind: str):
+        if scorer is not None:
+            return scorer
+        if kind not in own_scorers:
+            own_scorers[kind] = RewardScorer(kind, num_workers=2)
+        return own_scorers[kind]
+
     t0 = time.perf_counter()
     results = {}
     try:
@@ -304,14 +359,20 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             else:
                 rows = [_check_row(r, f"benchmark {name!r} row {i}", i)
                         for i, r in enumerate(source)][:limit]
-            prompts = [format_prompt(r["problem"]) for r in rows]
+            kinds = {r["kind"] for r in rows}
+            if len(kinds) > 1:
+                raise ValueError(f"{name}: mixes math and code rows; split it in two benchmarks")
+            kind = kinds.pop()
+            fmt = default_code_prompt if (kind == "code" and format_prompt is
+                                          default_format_prompt) else format_prompt
+            prompts = [fmt(r["problem"]) for r in rows]
             step = prompts_per_call or len(prompts)
             responses = []
             for start in range(0, len(prompts), step):
                 responses += _generate_checked(generate_fn, prompts[start:start + step], k, name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
-            _, info = scorer.score(flat, golds)
+            _, info = scorer_for(kind).score(flat, golds)
             num_correct = info["accuracy"].reshape(len(rows), k).sum(axis=1).round().astype(int)
             results[name] = BenchmarkResult(
                 name=name, ids=[r["id"] for r in rows], num_correct=num_correct, k=k,
@@ -321,8 +382,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                 log(f"eval {name}: {len(rows)} questions, avg@{k} = "
                     f"{100 * results[name].avg_at_k:.1f}")
     finally:
-        if own_scorer:
-            scorer.close()
+        for own in own_scorers.values():
+            own.close()
     return EvalResult(results, k=k, pass_ks=pass_ks, settings=dict(settings or {}),
                       seconds=time.perf_counter() - t0)
 

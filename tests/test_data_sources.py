@@ -259,3 +259,56 @@ def test_data_errors_name_options_the_config_has(tmp_path):
     assert recs[0]["problem"] == "q" and recs[0]["answer"] == "1"
     with pytest.raises(ValueError, match=r"data\.fields: not a preset name or a JSON object"):
         records.load_records(unknown, fields="{problem: question}")
+
+
+# ------------------------------------------------------------------ code layouts (#18)
+
+
+CODE_ROWS = {
+    "humaneval": {"id": "HE/0", "prompt": "def add(a, b):\n    \"\"\"a + b\"\"\"\n",
+                  "entry_point": "add", "canonical_solution": "    return a + b\n",
+                  "test": "def check(c):\n    assert c(1, 2) == 3\n"},
+    "mbpp": {"task_id": 7, "text": "Write a function to double x.", "code": "def d(x): return 2*x",
+             "test_list": ["assert d(1) == 2", "assert d(3) == 6"], "test_setup_code": ""},
+    "taco": {"question": "Read a and b, print a + b.",
+             "input_output": json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}),
+             "difficulty": "EASY"},
+    "codecontests": {"name": "1A", "description": "Print the sum.",
+                     "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+                     "private_tests": {"input": ["5 5\n"], "output": ["10\n"]},
+                     "generated_tests": {"input": [], "output": []}},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(CODE_ROWS))
+def test_code_layouts_load_with_a_test_spec_answer(tmp_path, layout):
+    from delta_jax.rl import sandbox
+
+    path = write_jsonl(tmp_path / f"{layout}.jsonl", [CODE_ROWS[layout]])
+    recs, stats = records.load_records(path)
+    assert stats.layouts[str(path)] == layout
+    spec = sandbox.parse_spec(recs[0]["answer"])  # the gold the code reward reads
+    assert spec["kind"] == {"humaneval": "function", "mbpp": "assert", "taco": "stdio",
+                            "codecontests": "stdio"}[layout]
+    assert recs[0]["problem"].strip()
+    if layout == "codecontests":
+        assert spec["inputs"] == ["1 2\n", "5 5\n"]
+
+
+def test_taco_call_based_and_bad_code_rows(tmp_path):
+    from delta_jax.rl import sandbox
+
+    row = {"question": "Implement add.", "starter_code": "class Solution:\n    def add(self, a, b):",
+           "input_output": {"fn_name": "add", "inputs": [[1, 2]], "outputs": [[3]]}}
+    recs, _ = records.load_records(write_jsonl(tmp_path / "t.jsonl", [row]))
+    assert sandbox.parse_spec(recs[0]["answer"])["kind"] == "call"
+    assert "class Solution" in recs[0]["problem"]
+    bad = dict(row, input_output="{broken")
+    with pytest.raises(records.MalformedRecordError, match=r"t2\.jsonl:line 1: field 'input_output' is not JSON"):
+        records.load_records(write_jsonl(tmp_path / "t2.jsonl", [bad]))
+
+
+def test_code_records_through_the_tfds_builder(tmp_path):
+    path = write_jsonl(tmp_path / "mbpp.jsonl", [CODE_ROWS["mbpp"]] * 3)
+    src = builders.build_tfds_source(path, name="mbpp", data_dir=tmp_path / "tfds")
+    assert len(src) == 3 and json.loads(src[0]["answer"])["tests"][0] == "assert d(1) == 2"

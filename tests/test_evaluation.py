@@ -215,3 +215,47 @@ def test_sampler_generate_fn_uses_eval_settings():
     no_tok = SimpleNamespace(generate=lambda prompts, n, **kw: SimpleNamespace(texts=None))
     with pytest.raises(ValueError, match="tokenizer"):
         ev.sampler_generate_fn(no_tok)(["a"], 1)
+
+
+# --- code benchmarks -----------------------------------------------------------------------
+
+
+def _code_isolation_or_skip():
+    from delta_jax.rl import verify_pool as vp
+    from delta_jax.rl.rewards import _SANDBOX_FN
+
+    with vp.VerifyPool(_SANDBOX_FN, num_workers=1, timeout_s=60) as pool:
+        probe = pool.map([({"op": "probe"},)])[0].value
+    if not probe["ok"]:
+        pytest.skip(f"this host cannot isolate programs: {probe['why']}")
+
+
+def test_humaneval_pass_at_k(shared_dir):
+    path = shared_dir / "data" / "humaneval.jsonl"
+    if not path.is_file():
+        pytest.skip("humaneval.jsonl is not present in ../shared/data")
+    _code_isolation_or_skip()
+    rows = ev.load_benchmark(path, limit=12)
+    assert all(r["kind"] == "code" for r in rows) and rows[0]["id"] == "HumanEval/0"
+    solutions = {json.loads(line)["id"]: json.loads(line)["canonical_solution"]
+                 for line in path.open(encoding="utf-8")}
+    by_prompt = {}
+
+    def generate_fn(prompts, n):
+        out = []
+        for p in prompts:
+            q, row = by_prompt[p]
+            out.append([f"```python\n{solutions[row['id']]}```" if j < q % 3 else
+                        "```python\n    pass\n```" for j in range(n)])
+        return out
+
+    for q, row in enumerate(rows):
+        by_prompt[ev.default_code_prompt(row["problem"])] = (q, row)
+    result = ev.evaluate(generate_fn, {"humaneval": rows}, k=4, pass_ks=(1, 4))
+    counts = [q % 3 for q in range(len(rows))]
+    exp = _expected_metrics(counts, 4, (1, 4))
+    got = result.benchmarks["humaneval"]
+    assert got.num_correct.tolist() == counts
+    assert got.avg_at_k == pytest.approx(exp["avg@4"])
+    assert got.pass_at[4] == pytest.approx(exp["pass@4"])
+    assert "```python" in next(iter(by_prompt))  # the code instruction, not \boxed{}

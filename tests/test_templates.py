@@ -61,3 +61,12 @@ def test_chat_template_with_tiny_tokenizer(tmp_path):
     ids = tok.encode(prompt)
     assert ids[0] == tok.token_to_id("<|im_start|>") == 2
     assert tok.decode(ids) == prompt
+
+
+def test_code_template():
+    prompt = templates.make_template("code")("Add two numbers.")
+    assert prompt == (
+        "<|im_start|>system\n" + templates.CODE_INSTRUCTION + "<|im_end|>\n<|im_start|>user\n"
+        "Add two numbers.<|im_end|>\n<|im_start|>assistant\n")
+    assert "```python" in templates.CODE_INSTRUCTION
+    assert templates.PromptTemplate("code", instruction="Custom.")("x").count("Custom.") == 1

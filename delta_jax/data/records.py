@@ -1,4 +1,4 @@
-"""Read math problem records from local JSONL / parquet files (or a Hugging Face hub data set).
+"""Read math and code problem records from local JSONL / parquet files (or a hub data set).
 
 Every record comes out in the project's layout::
 
@@ -12,6 +12,14 @@ mapping picks the keys; the presets cover the data sets we train on:
     dapo       DAPO-Math-17k: "prompt" (a chat list; the last user turn, with DAPO's
                "Answer:" instruction stripped) / "reward_model"."ground_truth"
     math       MATH: "problem" / the last \\boxed{} of "solution" (or an "answer" field)
+
+Code sets (the "answer" is the unit-test spec as a JSON string, rl/sandbox.py's layouts, scored by
+RewardScorer(name="code")):
+
+    humaneval     "prompt", "entry_point", "test" (HumanEval, ../shared/data/humaneval.jsonl)
+    mbpp          "text", "test_list"[, "test_setup_code"] (MBPP-style assert lists)
+    taco          "question", "input_output" (TACO / APPS: stdin/stdout or fn_name call tests)
+    codecontests  "description", "public_tests" / "private_tests" {"input", "output"}
 
 `fields="auto"` picks a preset per file from the keys of its first row. A custom mapping is a dict
 {"problem": key, "answer": key, ["id": key], ["solution": key], ["level": key]} where a key may be
@@ -204,17 +212,138 @@ def _map_math(row):
     }
 
 
+# --------------------------------------------------------------------------------------------
+# Code layouts: the record's "answer" is the test spec as a JSON string (see rl/sandbox.py), so
+# code records travel through the same tfds/grain path and reach RewardScorer(name="code") as
+# the gold.
+
+
+def _spec_json(spec: dict) -> str:
+    from delta_jax.rl import sandbox  # stdlib only; checks the layout
+
+    try:
+        sandbox.parse_spec(spec)
+        return json.dumps(spec, sort_keys=True)
+    except sandbox.SpecError as e:
+        raise ValueError(str(e)) from None
+
+
+def _json_field(value: Any, key: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"field {key!r} is not JSON ({e.msg} at column {e.colno})") from None
+    return value
+
+
+def _map_humaneval(row):
+    prompt = _text(_get(row, "prompt"), "prompt")
+    spec = {"prompt": prompt, "entry_point": _text(_get(row, "entry_point"), "entry_point"),
+            "test": _text(_get(row, "test"), "test")}
+    return {
+        "id": row.get("id") or row.get("task_id"),
+        "problem": f"Complete the following Python function.\n\n```python\n{prompt}```",
+        "answer": _spec_json(spec),
+        "solution": row.get("canonical_solution") or "",
+        "level": -1,
+    }
+
+
+def _map_mbpp(row):
+    tests = _get(row, "test_list")
+    if hasattr(tests, "tolist"):
+        tests = tests.tolist()
+    if not isinstance(tests, (list, tuple)) or not tests:
+        raise ValueError("field 'test_list' is not a non-empty list of asserts")
+    text = _text(row.get("text") or row.get("prompt"), "text")
+    spec = {"tests": list(tests), "setup": row.get("test_setup_code") or ""}
+    return {
+        "id": None if row.get("task_id") is None else str(row["task_id"]),
+        "problem": f"{text}\nYour code should pass these tests:\n\n" + "\n".join(tests),
+        "answer": _spec_json(spec),
+        "solution": row.get("code") or "",
+        "level": -1,
+    }
+
+
+def _stdio_lines(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "\n".join(str(v) for v in value) + "\n"
+    return str(value)
+
+
+def _map_taco(row):
+    """TACO / APPS: "question", "input_output" (JSON {"inputs", "outputs"[, "fn_name"]}),
+    optional "starter_code"."""
+    io = _json_field(_get(row, "input_output"), "input_output")
+    if not isinstance(io, Mapping) or not io.get("inputs"):
+        raise ValueError("field 'input_output' has no test inputs")
+    if io.get("fn_name"):
+        spec = {"fn_name": io["fn_name"], "inputs": list(io["inputs"]),
+                "outputs": list(io["outputs"])}
+    else:
+        spec = {"inputs": [_stdio_lines(v) for v in io["inputs"]],
+                "outputs": [_stdio_lines(v) for v in io["outputs"]]}
+    question = _text(_get(row, "question"), "question")
+    starter = row.get("starter_code") or ""
+    if starter:
+        question += f"\n\nStart from:\n```python\n{starter}\n```"
+    return {
+        "id": row.get("id") or row.get("problem_id"),
+        "problem": question,
+        "answer": _spec_json(spec),
+        "solution": "",
+        "level": _level(row.get("difficulty")),
+    }
+
+
+def _map_codecontests(row):
+    """CodeContests: "description" and public/private/generated test dicts {"input", "output"}
+    (public and private tests are used; generated ones only when there are no others)."""
+    inputs, outputs = [], []
+    for key in ("public_tests", "private_tests"):
+        tests = row.get(key) or {}
+        inputs += list(tests.get("input") or [])
+        outputs += list(tests.get("output") or [])
+    if not inputs:
+        tests = row.get("generated_tests") or {}
+        inputs, outputs = list(tests.get("input") or []), list(tests.get("output") or [])
+    if not inputs:
+        raise ValueError("the row has no test cases (public_tests / private_tests)")
+    return {
+        "id": row.get("name") or row.get("id"),
+        "problem": _text(_get(row, "description"), "description"),
+        "answer": _spec_json({"inputs": inputs, "outputs": outputs}),
+        "solution": "",
+        "level": _level(row.get("difficulty")),
+    }
+
+
 PRESETS: dict[str, RowMapper] = {
     "deltajax": _map_deltajax,
     "deepmath": _map_deepmath,
     "dapo": _map_dapo,
     "math": _map_math,
+    "humaneval": _map_humaneval,
+    "mbpp": _map_mbpp,
+    "taco": _map_taco,
+    "codecontests": _map_codecontests,
 }
+CODE_PRESETS = ("humaneval", "mbpp", "taco", "codecontests")
 
 
 def detect_layout(row: Mapping[str, Any]) -> str:
     """The preset whose keys the row has; raises ValueError when none fits."""
     keys = set(row)
+    if {"prompt", "entry_point", "test"} <= keys:
+        return "humaneval"
+    if "test_list" in keys:
+        return "mbpp"
+    if "question" in keys and "input_output" in keys:
+        return "taco"
+    if "description" in keys and ({"public_tests", "private_tests"} & keys):
+        return "codecontests"
     if "question" in keys and "final_answer" in keys:
         return "deepmath"
     if "prompt" in keys and "reward_model" in keys:

@@ -10,6 +10,8 @@ Kinds:
                the instruction form the user turn. Extra keywords (e.g. enable_thinking=False for
                Qwen3) go through chat_template_kwargs.
   "plain"      The problem text alone (plus the instruction when one is given).
+  "code"       The same chat layout as "qwen_math" with a code instruction (CODE_INSTRUCTION: one
+               complete program in a ```python block, which the code reward runs).
 
 Every template is a callable `str -> str`; the pipeline adds its output as record["prompt"].
 """
@@ -20,7 +22,10 @@ from typing import Any, Callable, Mapping
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
-KINDS = ("qwen_math", "base", "chat", "plain")
+CODE_INSTRUCTION = ("Write a correct and efficient Python 3 solution. Put the complete program "
+                    "in a single ```python code block at the end of your response.")
+
+KINDS = ("qwen_math", "base", "chat", "plain", "code")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,8 @@ class PromptTemplate:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown prompt template kind {self.kind!r}; known: {KINDS}")
+        if self.kind == "code" and self.instruction == BOXED_INSTRUCTION:
+            object.__setattr__(self, "instruction", CODE_INSTRUCTION)  # the kind's default
         if self.kind == "chat":
             if self.tokenizer is None or not hasattr(self.tokenizer, "apply_chat_template"):
                 raise ValueError("template kind 'chat' needs a tokenizer with apply_chat_template")
@@ -43,7 +50,7 @@ class PromptTemplate:
     def __call__(self, problem: str) -> str:
         if not isinstance(problem, str):
             raise TypeError(f"problem must be a str, got {type(problem).__name__}")
-        if self.kind == "qwen_math":
+        if self.kind in ("qwen_math", "code"):
             system = self.instruction or ""
             return (
                 f"<|im_start|>system\n{system}<|im_end|>\n"
