@@ -1,44 +1,45 @@
-"""Decode throughput of delta_jax.sampling.Sampler next to its memory-bandwidth limit and to
-transformers' PyTorch generate on the same device.
+"""Decode throughput of the rollout engine (delta_jax.sampling.Sampler: continuous batching over
+a paged KV cache) next to the memory-bandwidth limit, to static batching on a long-tailed length
+workload, and to transformers' PyTorch generate on the same device.
 
-    # On an accelerator (the reference configuration; both attention paths):
+    # The GPU measurement of issue 15 (one command; Qwen3-0.6B shape, bf16, prompt 512,
+    # 1024 new tokens, T = 1; the Pallas paged-attention kernel and the jnp reference path;
+    # fixed-length and long-tailed workloads at batch 64 and 256):
     python benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 \
-        --batch 64 256 --prompt-len 512 --new-tokens 1024 --decode-attention live full \
-        --output decode_throughput.json
-    # A quick CPU smoke run:
-    python benchmarks/decode_throughput.py --preset tiny --batch 4 --prompt-len 32 \
-        --new-tokens 32 --dtype float32 --hf always --repeats 1 --copy-mib 64
-    # The CPU recording (Qwen3-0.6B shape, reduced batch/lengths; ~3-4 min on an idle 2-core
-    # machine). float32: XLA:CPU has no fast bf16 matmuls, so bf16 would time the emulation.
-    # With 64 + 32 cache slots (< one 256-slot key block) "live" and "full" read the same bytes.
-    python benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype float32 --batch 4 16 \
-        --prompt-len 64 --new-tokens 32 --hf always --repeats 2 --copy-mib 512 \
-        --output decode_throughput_cpu.json
+        --batch 64 256 --prompt-len 512 --new-tokens 1024 --decode-attention pallas reference \
+        --workload fixed longtail --output decode_throughput.json
+    # A CPU smoke run:
+    python benchmarks/decode_throughput.py --preset tiny --dtype float32 --batch 4 \
+        --prompt-len 32 --new-tokens 32 --hf never --repeats 1 --copy-mib 64 \
+        --workload fixed longtail --tail-samples 16
 
-Per batch size and decode attention path it reports:
-* decode tokens/s of the sampler: B * (new_tokens - 1) / decode-loop time (the tokens produced
-  by decode forward passes; the first token comes from the prefill's logits). Prefill is timed
-  separately, compile is excluded, and no stop token is set, so every sequence generates exactly
-  --new-tokens tokens. Paths (--decode-attention): "live" = the default model, whose decode
-  attention reads only the cache blocks below the live length (attention.attend_live_prefix);
-  "full" = the same weights with attention="xla" for decode, which attends the whole bucketed
-  cache (prompt slots + response slots) every step. Both decode from the same prefill.
-* bytes read per decode step: parameters (every matmul weight once; the embedding table counted
-  once, as the LM head, since the token gather reads B rows) + the K and V cache. The ideal cache
-  read is at the live length (prompt_len + s at decode step s, averaged over the steps); each
-  path's own read is reported next to it (live: rounded up to whole key blocks; full: every slot).
-* the bandwidth limit: B / (ideal bytes per step / copy bandwidth). The copy bandwidth is
-  measured in the same run (a jitted device-to-device copy: bytes read + bytes written / time).
-  "% limit" = measured / limit. Logits, activations and sampling traffic are not counted.
-* transformers generate (greedy or the same sampling settings, same model shape and dtype, random
-  weights, sdpa, --hf-cache dynamic or static) on the same device when torch has CUDA (or with
-  --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process per batch size,
-  before JAX takes the device, so each framework has the whole GPU memory in turn; a failure
-  (e.g. out of memory) is reported in the table and the JSON, and the run goes on. Its decode
-  time = a full generate minus a 1-new-token generate (the prefill), each the best of --repeats;
-  both totals are reported too.
-  "x HF" compares decode tokens/s with decode tokens/s.
-Results are printed as a table and written as JSON (--output).
+Workloads (--workload):
+* fixed: B prompts of --prompt-len random tokens, one sample each, no stop token, so every
+  sequence generates exactly --new-tokens tokens in B slots. Decode tokens/s = generated tokens /
+  time in the decode program (the engine's stats["decode_seconds"]: every response token, the
+  first included, comes from a decode step; prefill is timed apart, compile excluded by a first
+  untimed run, best of --repeats). Per decode attention path (--decode-attention: "pallas" = the
+  Pallas GPU paged-attention kernel, "reference" = the jnp page loop, "auto").
+  Bytes per decode step: parameters (every matmul weight once; of the embedding table and the LM
+  head only the LM head) + K and V at the live length (prompt_len + s at step s, averaged). The
+  bandwidth limit: B x copy bandwidth / those bytes; the copy bandwidth is measured in the same
+  run (a jitted copy: bytes read + written / time). "% limit" = measured / limit. Logits,
+  activations and sampling traffic are not counted.
+* longtail: --tail-samples prompts (default 4 x B), one sample each, with a length schedule
+  (per-prompt max_new_tokens; no stop token): geometric lengths of mean --new-tokens /
+  --tail-mean-div, clipped to [1, --new-tokens], so a few samples run --new-tokens long and most
+  stop early, as RL responses do. Run in B slots with continuous batching and with static
+  batching (Sampler(continuous=False): a batch decodes until its longest sample stops; the same
+  programs otherwise). Useful tokens/s = generated tokens / wall time of generate() (prefill
+  included), best of --repeats after an untimed run; "x static" = continuous / static.
+* transformers generate (fixed workload; greedy or the same sampling settings, same model shape
+  and dtype, random weights, sdpa, --hf-cache dynamic or static) on the same device when torch
+  has CUDA (or with --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process
+  per batch size, before JAX takes the device; a failure (e.g. out of memory) is recorded and the
+  run goes on. Its decode time = a full generate minus a 1-new-token generate, best of --repeats.
+A failure of one engine configuration (e.g. out of memory, or a kernel that does not compile) is
+recorded in the table and the JSON, and the run goes on. Results are written as JSON after every
+configuration (--output).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -59,26 +61,33 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.models import attention
-from delta_jax.sampling import Sampler, _decode, _prefill, bucket_size, left_pad
-from delta_jax.sampling_utils import SamplingParams
+from delta_jax.sampling import Sampler
 
-PATHS = ("live", "full")
+WORKLOADS = ("fixed", "longtail")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-0.6b", help="models.get_preset name")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype")
-    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256],
+                   help="slots (Sampler max_batch_size)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--decode-attention", nargs="+", choices=PATHS, default=["live"],
-                   help="live: read only the live cache prefix (the default model); full: "
-                        "attend the whole cache every step (attention='xla'), for comparison")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per batch (best is kept)")
+    p.add_argument("--decode-attention", nargs="+", default=["auto"],
+                   choices=[i for i in attention.DECODE_IMPLS if i != "pallas_interpret"],
+                   help="paged decode attention: pallas (GPU kernel), reference (jnp), auto")
+    p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=["fixed", "longtail"])
+    p.add_argument("--tail-samples", type=int, default=0, help="longtail prompts (0 = 4 x B)")
+    p.add_argument("--tail-mean-div", type=float, default=8.0,
+                   help="longtail mean length = new_tokens / this")
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--steps-per-call", type=int, default=32, help="decode steps per call")
+    p.add_argument("--kv-budget-gb", type=float, default=0.0, help="0 = the worst case")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs (best is kept)")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     p.add_argument("--hf", choices=["auto", "always", "never"], default="auto",
                    help="transformers baseline: auto = only when torch has CUDA")
@@ -87,8 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default="decode_throughput.json")
     p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch) < 1:
-        p.error("--new-tokens must be >= 2, --prompt-len and --batch >= 1")
+    if args.new_tokens < 2 or args.prompt_len < 2 or min(args.batch) < 1:
+        p.error("--new-tokens and --prompt-len must be >= 2, --batch >= 1")
     return args
 
 
@@ -117,100 +126,6 @@ def cache_bytes(cfg: models.ModelConfig, batch: int, length: float) -> float:
     """Bytes of K and V for `batch` sequences of `length` cached tokens."""
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     return batch * length * per_token * jnp.dtype(cfg.dtype).itemsize
-
-
-def cache_slots_read(cfg: models.ModelConfig, path: str, prompt_len: int, prompt_slots: int,
-                     new_tokens: int, cache_slots: int) -> dict:
-    """Mean cache slots per row read by one decode step (steps s = 1 .. new_tokens - 1 write
-    slot prompt_slots + s - 1): the ideal (live length, unpadded prompt) and this path's."""
-    steps = np.arange(1, new_tokens)
-    ideal = float(np.mean(prompt_len + steps))
-    if path == "full":
-        actual = float(cache_slots)
-    else:
-        block = min(cfg.attention_block_kv, attention.DECODE_BLOCK_KV, cache_slots)
-        live = prompt_slots + steps
-        actual = float(np.mean(np.minimum(-(-live // block) * block, cache_slots)))
-    return {"ideal": ideal, "actual": actual}
-
-
-def graphdef_for(model, path: str):
-    """The model's graphdef whose decode attention is the given path (same parameter tree)."""
-    if path == "live":
-        return nnx.graphdef(model)
-    cfg = model.cfg
-    model.cfg = cfg.replace(attention="xla")
-    try:
-        return nnx.graphdef(model)
-    finally:
-        model.cfg = cfg
-
-
-def time_sampler(sampler: Sampler, decode_graphdefs: dict, batch: int, args) -> dict:
-    """Prefill and decode timings (per decode path) for one batch of random prompts; every
-    path decodes from the same prefill; compile excluded (a first untimed run)."""
-    cfg = sampler.cfg
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(1, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
-    params = SamplingParams(args.temperature, args.top_p, args.top_k)
-    prompt_slots = bucket_size(args.prompt_len, sampler.min_prompt_bucket)
-    response_slots = bucket_size(args.new_tokens, sampler.min_response_bucket)
-    ids, mask = left_pad(prompts, prompt_slots, sampler.pad_id)
-    ids, mask = sampler._put(ids), sampler._put(mask)
-    rows = np.arange(batch, dtype=np.int32)
-    stop_ids = jnp.asarray(sampler._stop_ids(()))
-    paths = list(decode_graphdefs)
-
-    def decode(graphdef, cache, logits, kv_mask, next_pos):
-        start = time.perf_counter()
-        out = _decode(graphdef, sampler.state, cache, logits, kv_mask, next_pos,
-                      jnp.ones(batch, bool), jnp.asarray(rows), jnp.zeros(batch, jnp.int32),
-                      np.uint32(0), stop_ids, np.float32(args.temperature),
-                      np.float32(args.top_p), np.int32(args.new_tokens),
-                      np.int32(sampler.pad_id), top_k=params.effective_top_k(cfg.vocab_size),
-                      use_top_p=params.use_top_p, greedy=params.greedy,
-                      response_slots=response_slots, batch_spec=sampler._batch_spec)
-        lengths = np.asarray(out[3])
-        seconds = time.perf_counter() - start
-        tokens = np.asarray(out[0])
-        del out
-        return seconds, int(lengths.sum()), tokens
-
-    def run():
-        prefill_s, decodes = math.inf, {}
-        for path in paths:
-            # A fresh prefill per path (the cache is donated to decode): one cache alive at a
-            # time, where a copy per path would double the largest buffer (45 GB of bf16 K/V at
-            # batch 256 x 1536 slots for Qwen3-0.6B). The prefill is deterministic.
-            start = time.perf_counter()
-            cache, logits, kv_mask, next_pos = _prefill(
-                sampler.graphdef, sampler.state, ids, mask, num_copies=1,
-                response_slots=response_slots, batch_spec=sampler._batch_spec)
-            jax.block_until_ready(logits)
-            prefill_s = min(prefill_s, time.perf_counter() - start)
-            decodes[path] = decode(decode_graphdefs[path], cache, logits, kv_mask, next_pos)
-            del cache
-        return prefill_s, decodes
-
-    start = time.perf_counter()
-    _, first = run()  # compile the programs
-    compile_s = time.perf_counter() - start
-    timings = [run() for _ in range(args.repeats)]
-    out = {"compile_and_first_run_s": compile_s,
-           "prefill_s": min(t[0] for t in timings),
-           "prompt_slots": prompt_slots, "cache_slots": prompt_slots + response_slots}
-    out["prefill_tokens_per_s"] = batch * args.prompt_len / out["prefill_s"]
-    for path in paths:
-        decode_s = min(t[1][path][0] for t in timings)
-        tokens = first[path][1]
-        if tokens != batch * args.new_tokens:
-            raise RuntimeError(f"{path}: generated {tokens} tokens, expected "
-                               f"{batch * args.new_tokens} (no stop token is set)")
-        out[path] = {"decode_s": decode_s, "decode_tokens": batch * (args.new_tokens - 1),
-                     "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s}
-    if len(paths) == 2 and args.temperature == 0:  # greedy: both paths should agree
-        out["paths_same_tokens"] = bool(np.array_equal(first["live"][2], first["full"][2]))
-    return out
 
 
 def time_transformers(cfg: models.ModelConfig, batch: int, args, device: str) -> dict:
@@ -295,6 +210,90 @@ def model_config(args) -> models.ModelConfig:
                                                    args.prompt_len + args.new_tokens))
 
 
+def make_sampler(model, batch: int, impl: str, args, continuous: bool = True) -> Sampler:
+    budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb > 0 else None
+    return Sampler(model, max_batch_size=batch, page_size=args.page_size,
+                   decode_steps_per_call=args.steps_per_call, decode_attention=impl,
+                   kv_budget_bytes=budget, continuous=continuous)
+
+
+def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, cfg.vocab_size, size=(count, length)).tolist()
+
+
+def timed_generate(sampler: Sampler, prompts, max_new_tokens, args) -> dict:
+    """An untimed generate (compiles), then the best of --repeats by wall time."""
+    kwargs = dict(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  max_new_tokens=max_new_tokens, stop_token_ids=(), seed=0)
+    start = time.perf_counter()
+    sampler.generate(prompts, **kwargs)
+    first = time.perf_counter() - start
+    best = None
+    for _ in range(max(1, args.repeats)):
+        stats = sampler.generate(prompts, **kwargs).stats
+        if best is None or stats["seconds"] < best["seconds"]:
+            best = stats
+    return {"compile_and_first_run_s": first, **best}
+
+
+def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict:
+    cfg = model.cfg
+    stats = timed_generate(make_sampler(model, batch, impl, args),
+                           random_prompts(cfg, batch, args.prompt_len), args.new_tokens, args)
+    expected = batch * args.new_tokens
+    if stats["generated_tokens"] != expected:
+        raise RuntimeError(f"generated {stats['generated_tokens']} tokens, expected {expected}")
+    # Step s (0-based) attends prompt_len + s cached tokens.
+    live = float(np.mean(args.prompt_len + np.arange(args.new_tokens)))
+    step_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, live)
+    out = {
+        "decode_tokens_per_s": stats["generated_tokens"] / stats["decode_seconds"],
+        "bandwidth_limit_tokens_per_s": batch * bandwidth / step_bytes,
+        "step_read_ideal_gb": step_bytes / 1e9,
+        "cache_read_ideal_gb": cache_bytes(cfg, batch, live) / 1e9,
+        "stats": stats,
+    }
+    out["fraction_of_limit"] = out["decode_tokens_per_s"] / out["bandwidth_limit_tokens_per_s"]
+    return out
+
+
+def longtail_lengths(args, count: int) -> list:
+    """Geometric lengths of mean new_tokens / tail_mean_div, clipped to [1, new_tokens]."""
+    rng = np.random.default_rng(1)
+    mean = max(1.0, args.new_tokens / args.tail_mean_div)
+    lengths = np.minimum(rng.geometric(min(1.0, 1.0 / mean), size=count), args.new_tokens)
+    lengths[0] = args.new_tokens  # the tail: at least one sample runs the whole length
+    return [int(x) for x in lengths]
+
+
+def longtail_workload(model, batch: int, impl: str, args) -> dict:
+    count = args.tail_samples or 4 * batch
+    prompts = random_prompts(model.cfg, count, args.prompt_len, seed=2)
+    lengths = longtail_lengths(args, count)
+    out = {"samples": count, "mean_length": float(np.mean(lengths)),
+           "max_length": int(max(lengths))}
+    for mode, continuous in (("continuous", True), ("static", False)):
+        stats = timed_generate(make_sampler(model, batch, impl, args, continuous), prompts,
+                               lengths, args)
+        if stats["generated_tokens"] != sum(lengths):
+            raise RuntimeError(f"{mode}: generated {stats['generated_tokens']} tokens, "
+                               f"expected {sum(lengths)}")
+        out[mode] = {"useful_tokens_per_s": stats["generated_tokens"] / stats["seconds"],
+                     "stats": stats}
+    out["speedup_vs_static"] = (out["continuous"]["useful_tokens_per_s"]
+                                / out["static"]["useful_tokens_per_s"])
+    return out
+
+
+def attempt(fn, *a):
+    try:
+        return fn(*a)
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -308,7 +307,7 @@ def main(argv=None):
 
     # transformers first, before JAX takes the device (see time_transformers_in_subprocess).
     hf_results = {}
-    if args.hf != "never":
+    if args.hf != "never" and "fixed" in args.workload:
         for batch in args.batch:
             print(f"transformers generate (--hf {args.hf}): batch {batch}", flush=True)
             hf_results[batch] = time_transformers_in_subprocess(batch, argv)
@@ -316,62 +315,62 @@ def main(argv=None):
                 break
 
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
-    decode_graphdefs = {path: graphdef_for(model, path) for path in args.decode_attention}
     bandwidth = copy_bandwidth(args.copy_mib)
     device = jax.devices()[0]
-
     results = []
     for batch in args.batch:
-        sampler = Sampler(model, max_batch_size=batch)
-        row = {"preset": args.preset, "dtype": args.dtype, "batch": batch,
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "device": f"{device.platform}:{device.device_kind}",
-               "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9}
-        row.update(time_sampler(sampler, decode_graphdefs, batch, args))
-        for path in args.decode_attention:
-            slots = cache_slots_read(cfg, path, args.prompt_len, row["prompt_slots"],
-                                     args.new_tokens, row["cache_slots"])
-            ideal_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, slots["ideal"])
-            path_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, slots["actual"])
-            r = row[path]
-            r.update({
-                "cache_read_ideal_gb": cache_bytes(cfg, batch, slots["ideal"]) / 1e9,
-                "cache_read_actual_gb": cache_bytes(cfg, batch, slots["actual"]) / 1e9,
-                "step_read_ideal_gb": ideal_bytes / 1e9,
-                "step_read_actual_gb": path_bytes / 1e9,
-                "bandwidth_limit_tokens_per_s": batch * bandwidth / ideal_bytes,
-                "path_bandwidth_limit_tokens_per_s": batch * bandwidth / path_bytes,
-            })
-            r["fraction_of_limit"] = r["decode_tokens_per_s"] / r["bandwidth_limit_tokens_per_s"]
-        row.update(hf_results.get(batch, {}))
-        if "hf_decode_tokens_per_s" in row:
-            for path in args.decode_attention:
-                row[path]["speedup_vs_hf"] = (row[path]["decode_tokens_per_s"]
-                                              / row["hf_decode_tokens_per_s"])
-        results.append(row)
-        write_results(args, results)  # after every batch: a later failure keeps these
-        del sampler
+        for impl in args.decode_attention:
+            row = {"preset": args.preset, "dtype": args.dtype, "batch": batch,
+                   "decode_attention": impl,
+                   "resolved_attention": attention.resolve_decode_impl(impl),
+                   "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                   "page_size": args.page_size, "steps_per_call": args.steps_per_call,
+                   "device": f"{device.platform}:{device.device_kind}",
+                   "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9}
+            if "fixed" in args.workload:
+                print(f"fixed: batch {batch}, {impl}", flush=True)
+                row["fixed"] = attempt(fixed_workload, model, batch, impl, args, bandwidth)
+                row.update(hf_results.get(batch, {}))
+                if "hf_decode_tokens_per_s" in row and "error" not in row["fixed"]:
+                    row["fixed"]["speedup_vs_hf"] = (row["fixed"]["decode_tokens_per_s"]
+                                                     / row["hf_decode_tokens_per_s"])
+            if "longtail" in args.workload:
+                print(f"longtail: batch {batch}, {impl}", flush=True)
+                row["longtail"] = attempt(longtail_workload, model, batch, impl, args)
+            results.append(row)
+            write_results(args, results)  # after every configuration
 
-    header = ["batch", "path", "decode tok/s", "limit tok/s", "% limit", "read GB/step",
-              "ideal GB/step", "prefill s", "HF tok/s", "x HF", "copy GB/s"]
-    print(" | ".join(f"{h:>13}" for h in header))
-    for r in results:
-        for path in args.decode_attention:
-            p = r[path]
-            hf = "hf_decode_tokens_per_s" in r
-            hf_cell = "error" if "hf_error" in r else "skip"
-            cells = [r["batch"], path, f"{p['decode_tokens_per_s']:.1f}",
-                     f"{p['bandwidth_limit_tokens_per_s']:.1f}",
-                     f"{100 * p['fraction_of_limit']:.1f}", f"{p['step_read_actual_gb']:.4g}",
-                     f"{p['step_read_ideal_gb']:.4g}", f"{r['prefill_s']:.3f}",
-                     f"{r['hf_decode_tokens_per_s']:.1f}" if hf else hf_cell,
-                     f"{p['speedup_vs_hf']:.2f}" if hf else "-",
-                     f"{r['copy_bandwidth_gb_s']:.1f}"]
-            print(" | ".join(f"{c:>13}" for c in cells))
-    print("decode tok/s = B * (new_tokens - 1) / decode time (prefill excluded); HF: the same "
-          "over (generate total - 1-token generate); limit = B * copy bandwidth / ideal bytes "
-          "per step (params + K/V at the live length)")
+    print_table(results)
     print(f"wrote {args.output}")
+
+
+def print_table(results):
+    header = ["batch", "attention", "decode tok/s", "limit tok/s", "% limit", "KV GB",
+              "HF tok/s", "tail cont tok/s", "tail static", "x static", "tail util"]
+    print(" | ".join(f"{h:>15}" for h in header))
+    for r in results:
+        f, t = r.get("fixed", {}), r.get("longtail", {})
+        cells = [r["batch"], r["resolved_attention"]]
+        if f and "error" not in f:
+            cells += [f"{f['decode_tokens_per_s']:.1f}", f"{f['bandwidth_limit_tokens_per_s']:.1f}",
+                      f"{100 * f['fraction_of_limit']:.1f}", f"{f['stats']['kv_bytes'] / 1e9:.3g}"]
+        else:
+            cells += ["error" if f else "-"] + ["-"] * 3
+        cells.append(f"{r['hf_decode_tokens_per_s']:.1f}" if "hf_decode_tokens_per_s" in r
+                     else ("error" if "hf_error" in r else "skip"))
+        if t and "error" not in t:
+            cells += [f"{t['continuous']['useful_tokens_per_s']:.1f}",
+                      f"{t['static']['useful_tokens_per_s']:.1f}",
+                      f"{t['speedup_vs_static']:.2f}",
+                      f"{t['continuous']['stats']['slot_utilization']:.2f}/"
+                      f"{t['static']['stats']['slot_utilization']:.2f}"]
+        else:
+            cells += ["error" if t else "-"] + ["-"] * 3
+        print(" | ".join(f"{c:>15}" for c in cells))
+    print("decode tok/s = generated / time in decode calls (fixed lengths, no stop); limit = B x "
+          "copy bandwidth / (params + K/V at the live length); tail = long-tailed length "
+          "schedule, useful tok/s = generated / generate() wall time, continuous vs static "
+          "batching; util = slot utilization")
 
 
 def write_results(args, results):

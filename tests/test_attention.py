@@ -413,7 +413,7 @@ def test_paged_decode_program_copies_no_cache():
   compiled = programs.decode.lower(
       graphdef, state, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
       jax.ShapeDtypeStruct((S,), bool), i32(S), i32(S), np.uint32(0),
-      jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), np.int32(8), np.int32(0),
+      jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), i32(S), np.int32(0),
       np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
       attention_impl="reference", pages_per_block=2).compile()
   hlo = compiled.as_text()

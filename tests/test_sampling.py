@@ -137,6 +137,15 @@ def test_results_do_not_depend_on_scheduling(tiny_model, sampler):
                     kv_budget_bytes=12 * page).generate(PROMPTS, **kwargs)
     assert tight.stats["kv_pages"] == 12 and tight.stats["preemptions"] > 0
     assert tight.response_ids == ref.response_ids
+    static = Sampler(tiny_model, max_batch_size=4, continuous=False).generate(PROMPTS, **kwargs)
+    assert static.response_ids == ref.response_ids
+    # A length schedule (one max_new_tokens per prompt) cuts the same samples short.
+    limits = [8, 3, 1, 5]
+    cut = sampler.generate(PROMPTS, **{**kwargs, "max_new_tokens": limits})
+    assert cut.response_ids == [[r[:limit] for r in rows]
+                                for rows, limit in zip(ref.response_ids, limits)]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sampler.generate(PROMPTS, max_new_tokens=[8, 3])
     # The n samples of a prompt are different draws; another seed gives other samples.
     assert all(len({tuple(r) for r in ref.response_ids[i]}) == 3 for i in range(len(PROMPTS)))
     assert sampler.generate(PROMPTS, **{**kwargs, "seed": 12}).response_ids != ref.response_ids

@@ -62,7 +62,8 @@ class GenerationOutput:
       generated_tokens, slot_utilization (mean fraction of slots holding a live sample per
       decode step = generated_tokens / (decode_steps * slots)), slots, decode_calls,
       prefill_calls, prefilled_prompts, preemptions, kv_pages / kv_page_size / kv_bytes (the page
-      pool), seconds.
+      pool), prefill_seconds / decode_seconds (wall time in those programs, synchronised),
+      seconds.
     """
 
     prompt_ids: list

@@ -59,7 +59,7 @@ def copy_pages(cache: models.PagedKVCache, src, dst):
                    donate_argnames=("cache",))
 def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, length, generated,
            active, prompt_index, sample_index, seed, stop_ids, temperature, top_p,
-           max_new_tokens, pad_id, exit_after, *, num_steps, top_k, use_top_p, greedy,
+           limit, pad_id, exit_after, *, num_steps, top_k, use_top_p, greedy,
            attention_impl="auto", pages_per_block=8, batch_spec=None):
     """Up to num_steps decode steps for all S slots; returns early once `exit_after` slots have
     finished (so the scheduler can refill them) or none is live.
@@ -69,8 +69,8 @@ def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, len
     the input token's position); generated: int32 [S], response tokens so far; active: bool [S]
     (False: a free slot); prompt_index, sample_index: int32 [S], the random stream of a slot's
     sample: response token r draws with fold_in(fold_in(fold_in(key(seed), i), j), r), whatever
-    the slot or step. seed: uint32; stop_ids: int32 [num_stop] (-1 = unused); temperature,
-    top_p, max_new_tokens, pad_id, exit_after: traced scalars.
+    the slot or step. limit: int32 [S], each slot's max_new_tokens. seed: uint32; stop_ids:
+    int32 [num_stop] (-1 = unused); temperature, top_p, pad_id, exit_after: traced scalars.
     Returns (cache, tokens int32 [S, num_steps], logprobs, tempered_logprobs float32
     [S, num_steps], generated int32 [S], stopped bool [S] (emitted a stop token), steps int32).
     A slot live at entry produced tokens[:, :generated_out - generated_in] in this call.
@@ -111,7 +111,7 @@ def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, len
         live = active.astype(jnp.int32)
         generated, length = generated + live, length + live
         hit = active & jnp.any(new[:, None] == stop_ids[None, :], axis=1)
-        done = active & (hit | (generated >= max_new_tokens))
+        done = active & (hit | (generated >= limit))
         return (step + 1, cache, jnp.where(active, new, token), length, generated,
                 active & ~done, stopped | hit, finished + jnp.sum(done, dtype=jnp.int32),
                 (tokens_buf, logp_buf, tlogp_buf))

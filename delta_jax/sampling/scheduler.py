@@ -91,6 +91,9 @@ class Sampler:
     decode_steps_per_call: most decode steps per decode program call (pages are handed out that
       far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Pallas kernel on CUDA
       GPUs, the jnp reference elsewhere).
+    continuous: True (default) refills a slot as soon as its sample stops; False decodes static
+      batches (new samples only once every slot is free: the baseline that benchmarks compare
+      against).
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -99,7 +102,7 @@ class Sampler:
                  batch_axes: Sequence[str] = DEFAULT_BATCH_AXES, min_prompt_bucket: int = 16,
                  min_response_bucket: int = 16, pad_id: int = 0, page_size: int = 32,
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
-                 decode_attention: str = "auto"):
+                 decode_attention: str = "auto", continuous: bool = True):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -127,6 +130,7 @@ class Sampler:
         self.kv_budget_bytes = kv_budget_bytes
         self.decode_steps_per_call = decode_steps_per_call
         self.decode_attention = decode_attention
+        self.continuous = bool(continuous)
         self.mesh = mesh
         axes = tuple(a for a in batch_axes if mesh is not None and a in mesh.axis_names)
         self._batch_axes = axes
@@ -209,7 +213,8 @@ class Sampler:
 
         prompts: list of prompts, each a list of token ids (ragged) or a string (needs a
           tokenizer). n: samples per prompt (>= 1). temperature (0 = greedy), top_p, top_k: see
-          delta_jax.sampling_utils. max_new_tokens: response length limit (>= 1).
+          delta_jax.sampling_utils. max_new_tokens: response length limit (>= 1), or one limit
+          per prompt (a list of ints: a length schedule, e.g. for benchmarks).
         stop_token_ids: generation of a sample stops after it emits one of these (kept in the
           response). Default: the tokenizer's eos_token_id when there is a tokenizer, else none.
         seed: int; results are reproducible for a given seed whatever the batching.
@@ -219,15 +224,27 @@ class Sampler:
         start_time = time.perf_counter()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+        limits = None
+        if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, str):
+            limits = list(max_new_tokens)
+            if len(limits) != len(prompts) or not all(
+                    isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+                    for x in limits):
+                raise ValueError(f"max_new_tokens must be an int >= 1 or one such int per "
+                                 f"prompt ({len(prompts)}), got {max_new_tokens!r}")
+            limits = [int(x) for x in limits]
+            max_new_tokens = max(limits)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         params = SamplingParams(temperature, top_p, top_k)
         stop_ids = self._stop_ids(stop_token_ids)
         prompt_ids = self._prepare_prompts(prompts, max_new_tokens)
         state = self.state if state is None else state
         plan = self.kv_plan(max(len(p) for p in prompt_ids), max_new_tokens)
-        run = _Run(self, state, plan, prompt_ids, n, max_new_tokens, params, stop_ids, seed)
+        limits = limits or [max_new_tokens] * len(prompt_ids)
+        run = _Run(self, state, plan, prompt_ids, n, limits, params, stop_ids, seed)
         run.loop()
 
         lengths = [[len(run.results[i][j].tokens) for j in range(n)]
@@ -256,6 +273,7 @@ class Sampler:
                    "prefill_calls": run.prefill_calls, "prefilled_prompts": run.prefilled,
                    "preemptions": run.preemptions, "kv_pages": plan.num_pages,
                    "kv_page_size": plan.page_size, "kv_bytes": plan.bytes,
+                   "prefill_seconds": run.prefill_seconds, "decode_seconds": run.decode_seconds,
                    "seconds": time.perf_counter() - start_time},
         )
 
@@ -277,10 +295,10 @@ class Sampler:
 class _Run:
     """The state of one generate() call: slots, waiting samples, pages, results."""
 
-    def __init__(self, sampler: Sampler, state, plan, prompt_ids, n, max_new_tokens, params,
+    def __init__(self, sampler: Sampler, state, plan, prompt_ids, n, limits, params,
                  stop_ids, seed):
         self.s, self.state, self.plan = sampler, state, plan
-        self.n, self.max_new = n, max_new_tokens
+        self.n, self.limits = n, limits
         self.params, self.seed = params, np.uint32(seed % 2**32)
         self.stop_ids = stop_ids
         self.ps = plan.page_size
@@ -294,6 +312,7 @@ class _Run:
         self.admissions = 0
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = 0
+        self.prefill_seconds = self.decode_seconds = 0.0
         self.refill_at = max(1, sampler.num_slots // 32)
 
     # ---------------------------------------------------------------------------------------
@@ -306,12 +325,15 @@ class _Run:
     def _need(self, sample: _Sample) -> int:
         """Own pages the sample needs to run one more decode call."""
         prompt = self.prompts[sample.prompt]
-        tokens = min(sample.length + self.s.decode_steps_per_call, prompt.kv_len + self.max_new)
+        tokens = min(sample.length + self.s.decode_steps_per_call,
+                     prompt.kv_len + self.limits[sample.prompt])
         return pages_for(tokens, self.ps) - prompt.kv_len // self.ps - len(sample.own)
 
     def admit(self):
         """Waiting samples into free slots, in order, while their pages fit."""
         to_prefill, copies = [], []
+        if not self.s.continuous and any(self.slots):
+            return  # static batching: the batch runs until its last sample stops
         for slot in range(len(self.slots)):
             if not self.waiting:
                 break
@@ -339,8 +361,12 @@ class _Run:
                 copies.append((prompt.pages[-1], sample.own[0]))
             prompt.live += 1
             self.slots[slot] = sample
+        start = time.perf_counter()
         self._prefill(to_prefill)
         self._copy(copies)
+        if to_prefill or copies:
+            jax.block_until_ready(self.cache)
+            self.prefill_seconds += time.perf_counter() - start
 
     def _prefill(self, prompt_list):
         s = self.s
@@ -432,6 +458,7 @@ class _Run:
         token, length, generated = (np.zeros(S, np.int32) for _ in range(3))
         active = np.zeros(S, bool)
         prompt_index, sample_index = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        limit = np.ones(S, np.int32)
         for k, sample in enumerate(self.slots):
             if sample is None:
                 continue
@@ -442,14 +469,17 @@ class _Run:
                                                  len(sample.tokens))
             active[k] = True
             prompt_index[k], sample_index[k] = sample.prompt, sample.index
+            limit[k] = self.limits[sample.prompt]
         if not active.any():
             return
-        exit_after = (min(self.refill_at, len(self.waiting)) if self.waiting else S + 1)
+        refill = self.waiting and self.s.continuous
+        exit_after = min(self.refill_at, len(self.waiting)) if refill else S + 1
+        start = time.perf_counter()
         out = programs.decode(
             s.graphdef, self.state, self.cache, *(s._put(x) for x in (
                 tables, token, length, generated, active, prompt_index, sample_index)),
             self.seed, jax.numpy.asarray(self.stop_ids), np.float32(self.params.temperature),
-            np.float32(self.params.top_p), np.int32(self.max_new), np.int32(s.pad_id),
+            np.float32(self.params.top_p), s._put(limit), np.int32(s.pad_id),
             np.int32(max(1, exit_after)),
             num_steps=s.decode_steps_per_call,
             top_k=self.params.effective_top_k(s.cfg.vocab_size),
@@ -458,6 +488,7 @@ class _Run:
             batch_spec=s._batch_spec)
         self.cache = out[0]
         toks, logp, tlogp, gen_out, stopped, steps = fetch_global(out[1:])
+        self.decode_seconds += time.perf_counter() - start
         self.decode_steps += int(steps)
         self.decode_calls += 1
         for k, sample in enumerate(self.slots):
@@ -470,7 +501,7 @@ class _Run:
             sample.length += count
             if count:
                 sample.next_token = int(toks[k, count - 1])
-            if stopped[k] or len(sample.tokens) >= self.max_new:
+            if stopped[k] or len(sample.tokens) >= self.limits[sample.prompt]:
                 sample.stopped = bool(stopped[k])
                 self._finish(k)
 
