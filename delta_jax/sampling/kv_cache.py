@@ -63,7 +63,8 @@ def plan_kv(cfg: models.ModelConfig, *, slots: int, prompt_len: int, max_new_tok
     responses up to `max_new_tokens`.
 
     Without a budget the pool is the worst case (no sample ever waits for memory); its size is
-    a function of the bucketed lengths, so calls of similar shapes share compiled programs.
+    a function of the bucketed prompt length and max_new_tokens, so calls of similar shapes
+    share compiled programs.
     With kv_budget_bytes the pool is min(worst case, budget): samples then take pages as they
     grow, and when the pool runs dry the newest samples are preempted and restarted later (same
     tokens: the randomness is per sample and token position). Raises ValueError when the budget
@@ -78,7 +79,8 @@ def plan_kv(cfg: models.ModelConfig, *, slots: int, prompt_len: int, max_new_tok
     prompt_pages = pages_for(prompt_bucket, page_size)
     # Every slot may hold a distinct prompt's shared pages and its own response pages; one more
     # prompt (the next one, partly admitted) may hold its shared pages; + the scratch page.
-    worst = 1 + slots * (prompt_pages + pages_for(response_bucket, page_size) + 1) + prompt_pages
+    # (max_new_tokens exact: callers such as the trainer keep it fixed, so the pool's shape is.)
+    worst = 1 + slots * (prompt_pages + pages_for(max_new_tokens, page_size) + 1) + prompt_pages
     num_pages = worst
     if kv_budget_bytes is not None:
         budget_pages = int(kv_budget_bytes) // per_page

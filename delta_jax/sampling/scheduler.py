@@ -49,6 +49,8 @@ from delta_jax.sampling.output import GenerationOutput, bucket_size, fetch_globa
 from delta_jax.sampling_utils import SamplingParams
 
 DEFAULT_BATCH_AXES = tuple(sharding_lib.DEFAULT_RULES["batch"])  # ("data", "fsdp")
+# Tokens (rows x bucketed length) per prefill call, at most (one prompt at least).
+MAX_PREFILL_TOKENS = 32768
 
 
 @dataclasses.dataclass
@@ -372,8 +374,11 @@ class _Run:
         s = self.s
         if not prompt_list:
             return
-        per_call = max(s._batch_shards, 1 << int(math.floor(math.log2(
-            max(1, s.num_slots // self.n)))))
+        # At most slots / n prompts and about MAX_PREFILL_TOKENS tokens per call: the
+        # prefill's keys/values of every layer are a transient [L, rows, width, K, D] pair.
+        width = bucket_size(max(self.prompts[i].kv_len for i in prompt_list), s.min_prompt_bucket)
+        rows = min(max(1, s.num_slots // self.n), max(1, MAX_PREFILL_TOKENS // width))
+        per_call = max(s._batch_shards, 1 << int(math.floor(math.log2(rows))))
         for first in range(0, len(prompt_list), per_call):
             group = prompt_list[first:first + per_call]
             rows = bucket_size(len(group), 1, s._batch_shards)
