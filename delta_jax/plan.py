@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
 from delta_jax.models.logprobs import positions_per_chunk
-from delta_jax.sampling import bucket_size
+from delta_jax.sampling import bucket_size, plan_kv
 
 GB = 1e9
 FEATURE_CACHE_MODES = ("device", "host", "recompute")  # config.delta.feature_cache
@@ -177,8 +177,9 @@ class MemoryPlan:
             f"  mesh data={s['mesh'][0]} fsdp={s['mesh'][1]} tensor={s['mesh'][2]} "
             f"({s['num_devices']} devices of {s['device_memory_gb']:g} GB)",
             f"  rollout {s['rollout_rows']} rows x (prompt {s['prompt_len']} + response "
-            f"{s['response_len']}), sampler batch {s['sampler_rows']}; update micro-batch "
-            f"{s['micro_rows']} rows; remat={s['remat']}",
+            f"{s['response_len']}), sampler slots {s['sampler_rows']} (KV pages of "
+            f"{s['page_size']} tokens); update micro-batch {s['micro_rows']} rows; "
+            f"remat={s['remat']}",
             f"  attention={s['attention']} (update / old-policy pass: {s['attention_train']}, "
             f"rollout prefill: {s['attention_prefill']})",
             "per device:",
@@ -217,6 +218,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 sampler_rows: int, group_size: int, mini_batch_rows: int, micro_batch_rows: int,
                 logprob_chunk_tokens: int, recompute_chunk: int, num_refine: int = 1,
                 feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
+                page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "") -> MemoryPlan:
@@ -274,12 +276,15 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     lp_chunk = (m_rows * min(positions_per_chunk(logprob_chunk_tokens, micro), response_len)
                 * _div(V, tensor) * 4 * 3)
 
-    # Rollout: the KV cache of one sampler call, and the prefill's attention scores.
+    # Rollout: the sampler's KV page pool (sampling.plan_kv: sampler_rows slots, worst case or
+    # the budget; replicated over the batch axes, KV heads split over tensor when they divide),
+    # and the prefill's attention scores.
     s_rows = rows_per_device(sampler_rows)
-    # The sampler's power-of-two length buckets (its default minimum of 16).
-    slots = bucket_size(prompt_len, 16) + bucket_size(response_len, 16)
-    K_loc = _div(model_cfg.num_kv_heads, tensor)
-    kv = 2 * L * s_rows * slots * K_loc * model_cfg.head_dim * a
+    pool = plan_kv(model_cfg, slots=sampler_rows, prompt_len=prompt_len,
+                   max_new_tokens=response_len, page_size=page_size,
+                   kv_budget_bytes=kv_budget_bytes)
+    kv_split = tensor if model_cfg.num_kv_heads % tensor == 0 else 1
+    kv = pool.bytes // kv_split
     prefill_prompts = max(1, sampler_rows // group_size)
     p_rows = rows_per_device(prefill_prompts)
     P = bucket_size(prompt_len, 16)
@@ -343,7 +348,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
-        "feature_cache": feature_cache,
+        "feature_cache": feature_cache, "page_size": page_size,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
         "attention_prefill": prefill_kind,
     }
@@ -377,6 +382,20 @@ def model_config_from_run_config(cfg) -> models.ModelConfig:
                                  ).replace(attention=cfg.model.attention)
 
 
+def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):
+    """The sampler's KV page pool for a run config (sampling.plan_kv); a rollout.kv_budget_gb
+    that cannot hold one sample is a ConfigError naming the field, before anything runs."""
+    try:
+        return plan_kv(model_cfg, slots=cfg.rollout.max_batch_size,
+                       prompt_len=cfg.data.max_prompt_len,
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       page_size=cfg.rollout.page_size,
+                       kv_budget_bytes=int(cfg.rollout.kv_budget_gb * 2**30) or None)
+    except ValueError as e:
+        from delta_jax.train.config import ConfigError
+        raise ConfigError(f"rollout.kv_budget_gb: {e}") from None
+
+
 def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
     """plan_memory for a validated run config: the mesh from config.mesh over
     config.plan.num_devices devices (0 = the devices present)."""
@@ -387,13 +406,17 @@ def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
     mc = model_config_from_run_config(cfg)
     G = cfg.rollout.group_size
     optimizer, _ = optimizer_from_config(cfg.optim, max(cfg.train.steps, 1))
+    kv_plan_from_config(cfg, mc)  # a budget that cannot hold one sample: ConfigError first
+    budget = int(cfg.rollout.kv_budget_gb * 2**30) or None
     return plan_memory(
         mc, mesh_shape=mesh_shape, device_memory_gb=cfg.plan.device_memory_gb,
         rollout_rows=cfg.rollout.batch_prompts * G, prompt_len=cfg.data.max_prompt_len,
         response_len=cfg.rollout.max_new_tokens, sampler_rows=cfg.rollout.max_batch_size,
         group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
-        micro_batch_rows=cfg.rl.micro_batch_size, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+        micro_batch_rows=cfg.rl.micro_batch_size,
+        logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
         recompute_chunk=cfg.delta.recompute_chunk, num_refine=cfg.delta.num_refine,
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
-        host_memory_gb=cfg.plan.host_memory_gb,
+        host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
+        kv_budget_bytes=budget,
         devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path)

@@ -11,7 +11,8 @@ from delta_jax.train.config import (METHOD_DEFAULTS, ConfigError, default_config
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 CONFIG_FILES = sorted(EXPERIMENTS.glob("*.py"))
-REAL_MODEL_CONFIGS = ("qwen3_8b.py", "qwen3_14b.py", "qwen3_0_6b.py", "qwen3_1_7b.py")
+REAL_MODEL_CONFIGS = ("qwen3_8b.py", "qwen3_14b.py", "qwen3_0_6b.py", "qwen3_1_7b.py",
+                      "qwen3_8b_code.py")
 
 
 def load(path):

@@ -67,8 +67,11 @@ def test_figures_follow_the_shapes():
     # scale_by_adam's int32 step counter (replicated).
     assert p.optimizer == 2 * p.params + 4
     assert p.gradients == 2 * p.params  # micro-batches: accumulator + one micro-batch's grads
-    # KV cache: 256 rows over 8 batch shards, 2048 + 32768 slots, 8 kv heads over tensor=4.
-    assert p.kv_cache == 2 * L * (256 // 8) * (2048 + 32768) * (8 // 4) * D * 2
+    # KV page pool (worst case, 32-token pages): the scratch page, per slot of 256 the prompt's
+    # 64 pages + the response's 640 + one partial, and the next prompt's 64; replicated over the
+    # batch axes, 8 kv heads over tensor=4; a page holds K and V of 32 tokens of every layer.
+    pages = 1 + 256 * (2048 // 32 + 20480 // 32 + 1) + 2048 // 32
+    assert p.kv_cache == pages * 2 * L * (8 // 4) * 32 * D * 2
     # Device feature cache: 2048 rows over 8 batch shards x 20480 tokens x H, bf16.
     assert p.features_device == (2048 // 8) * 20480 * H * 2
     assert p.features_host_chunk == (64 // 8) * 20480 * H * 2
@@ -204,3 +207,19 @@ def test_plan_from_config_uses_delta_feature_cache():
         "device": "device", "host": "host"}
     peak = {m: p.phases["old-policy pass + DelTA"] for m, p in plans.items()}
     assert peak["device"] - peak["host"] == (16 - 4) * 8 * 32 * 2
+
+
+def test_a_kv_budget_that_cannot_hold_one_sample_fails_before_anything_runs(tmp_path):
+    """rollout.kv_budget_gb below one sample's pages: plan mode and build_run both stop with a
+    ConfigError naming the field (the sampler would otherwise fail at its first call)."""
+    from delta_jax.train import run as run_lib
+    from delta_jax.train.config import ConfigError
+    from tests.rl_fixtures import tiny_rl_config
+
+    cfg = tiny_rl_config("dapo", rollout=dict(kv_budget_gb=1e-6))
+    with pytest.raises(ConfigError, match=r"^rollout\.kv_budget_gb: .* needs \d+ "):
+        plan.plan_from_config(cfg, num_devices=1)
+    with pytest.raises(ConfigError, match=r"^rollout\.kv_budget_gb"):
+        run_lib.build_run(cfg, str(tmp_path), need_scorer=False)
+    ok = tiny_rl_config("dapo", rollout=dict(kv_budget_gb=0.01))
+    assert plan.plan_from_config(ok, num_devices=1).kv_cache <= 0.01 * 2**30

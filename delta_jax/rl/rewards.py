@@ -333,17 +333,6 @@ class RewardScorer:
         # Soft in-worker limit below the hard kill, so a slow sympy call usually keeps its worker.
         self._soft_timeout_s = 0.8 * self.pool.timeout_s
 
-    @classmethod
-    def from_config(cls, reward_cfg, max_response_len: int | None = None) -> "RewardScorer":
-        """Builds from a config block with fields name, num_workers, timeout_s,
-        overlong_buffer_len, overlong_penalty_factor (all optional)."""
-        get = lambda k, d: reward_cfg.get(k, d) if hasattr(reward_cfg, "get") else getattr(
-            reward_cfg, k, d)
-        return cls(name=get("name", "math"), num_workers=get("num_workers", 2),
-                   timeout_s=get("timeout_s", 10.0), max_response_len=max_response_len,
-                   overlong_buffer_len=get("overlong_buffer_len", 0),
-                   overlong_penalty_factor=get("overlong_penalty_factor", 1.0))
-
     def close(self) -> None:
         if self._code is not None:
             self._code.close()

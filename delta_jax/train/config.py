@@ -49,8 +49,10 @@ CHOICES = {
     "rl.kl_type": ("k1", "k2", "k3"),
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
-    "data.template": ("qwen_math", "base", "chat", "plain"),  # delta_jax.data.templates.KINDS
+    "data.template": ("qwen_math", "base", "chat", "plain", "code"),  # data.templates.KINDS
     "data.on_error": ("raise", "skip"),
+    "rewards.code_sandbox": ("local", "sandbox_fusion"),
+    "rollout.decode_attention": ("auto", "reference", "pallas"),  # models.attention.DECODE_IMPLS
 }
 
 # Placeholders: None means "the method decides" (see METHOD_DEFAULTS).
@@ -120,7 +122,16 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1
     c.rollout.max_new_tokens = 20480
-    c.rollout.max_batch_size = 256  # sequences per sampler call
+    c.rollout.max_batch_size = 256  # decode slots of the sampler (continuous batching)
+    # The sampler's paged KV cache (delta_jax/sampling): tokens per page; the page pool's size
+    # in GiB (0 = the worst case of max_batch_size slots at full length, so nothing ever waits;
+    # a smaller budget preempts and later restarts the newest samples, same tokens); decode
+    # steps per jitted call; decode attention (auto = the Pallas paged kernel on GPU, the jnp
+    # reference elsewhere).
+    c.rollout.page_size = 32
+    c.rollout.kv_budget_gb = 0.0
+    c.rollout.decode_steps_per_call = 32
+    c.rollout.decode_attention = "auto"
 
     c.rewards = config_dict.ConfigDict()
     c.rewards.name = "math"
@@ -129,6 +140,17 @@ def default_config() -> config_dict.ConfigDict:
     c.rewards.overlong = _P(bool)
     c.rewards.overlong_buffer = 4096
     c.rewards.overlong_factor = 1.0
+    # rewards.name = "code" (rl/rewards.py, rl/sandbox.py): where model-written programs run
+    # ("local": a namespace sandbox per program; "sandbox_fusion": an HTTP SandboxFusion service
+    # at code_sandbox_url), whether the local sandbox must isolate (False runs programs without
+    # namespaces, with a warning on every start), its per-program limits, and partial credit
+    # (fraction of tests passed instead of all-or-nothing).
+    c.rewards.code_sandbox = "local"
+    c.rewards.code_sandbox_url = ""
+    c.rewards.code_isolation = True
+    c.rewards.code_memory_mb = 1024
+    c.rewards.code_max_processes = 8
+    c.rewards.code_pass_fraction = False
 
     c.rl = config_dict.ConfigDict()
     c.rl.advantage = _P(str)
@@ -359,6 +381,10 @@ def _check_combinations(c):
              "RL needs sampling (temperature > 0)")
     _require(0 < c.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _require(c.rollout.top_k == -1 or c.rollout.top_k >= 1, "rollout.top_k", "-1 or >= 1")
+    for name in ("rollout.page_size", "rollout.decode_steps_per_call"):
+        _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
+    _require(c.rollout.kv_budget_gb >= 0, "rollout.kv_budget_gb",
+             f"must be >= 0 (0 = the worst case), got {c.rollout.kv_budget_gb}")
     _require(c.eval.temperature >= 0, "eval.temperature",
              f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
     _require(0 < c.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {c.eval.top_p}")
@@ -369,6 +395,11 @@ def _check_combinations(c):
              f"must be >= 1, got {c.rewards.num_workers}")
     _require(c.rewards.timeout_s > 0, "rewards.timeout_s",
              f"must be > 0, got {c.rewards.timeout_s}")
+    for name in ("rewards.code_memory_mb", "rewards.code_max_processes"):
+        _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
+    _require(c.rewards.code_sandbox != "sandbox_fusion" or c.rewards.code_sandbox_url,
+             "rewards.code_sandbox_url", "code_sandbox='sandbox_fusion' needs the service's "
+             "URL (http(s)://host:port)")
     _require(0 < c.delta.lam_min <= c.delta.lam_max, "delta.lam_min",
              "need 0 < lam_min <= lam_max")
     _require(c.delta.topk >= 1, "delta.topk", f"must be >= 1, got {c.delta.topk}")
@@ -399,7 +430,9 @@ def _check_combinations(c):
 RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every", "train.keep",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.allow_config_change",
-                    "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size")
+                    "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
+                    "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
+                    "rollout.decode_attention")
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 

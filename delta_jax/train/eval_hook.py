@@ -25,11 +25,10 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     if not run.assets["eval"]:
         return ({}, None) if return_result else {}
     from delta_jax import evaluation
-    from delta_jax.rl.rewards import RewardScorer
+    from delta_jax.train.run import make_scorer
 
-    if run.eval_scorer is None:
-        run.eval_scorer = RewardScorer(name="math", num_workers=cfg.rewards.num_workers,
-                                       timeout_s=cfg.rewards.timeout_s)
+    if run.eval_scorer is None:  # the run's reward (math or code), accuracy only
+        run.eval_scorer = make_scorer(cfg, shaped=False)
     run.sampler.update_params(run.model(params))
     generate_fn = evaluation.sampler_generate_fn(
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,

@@ -154,6 +154,9 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     tokenizer = models.load_tokenizer(assets["tokenizer"])
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
+    if cfg.mode in ("train", "eval"):
+        from delta_jax import plan
+        plan.kv_plan_from_config(cfg, model.cfg)  # a KV budget too small fails here, named
     graphdef, params, rest = split_model(model)
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
     state_shardings = sharding_lib.tree_shardings(
@@ -162,7 +165,10 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
                       max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
                       pad_id=tokenizer.pad_token_id, mesh=mesh,
-                      batch_axes=sharding_lib.batch_axes(mesh))
+                      batch_axes=sharding_lib.batch_axes(mesh), page_size=cfg.rollout.page_size,
+                      kv_budget_bytes=int(cfg.rollout.kv_budget_gb * 2**30) or None,
+                      decode_steps_per_call=cfg.rollout.decode_steps_per_call,
+                      decode_attention=cfg.rollout.decode_attention)
     run = Run(
         cfg=cfg, workdir=workdir, assets=assets, tokenizer=tokenizer, graphdef=graphdef,
         rest=rest, template=template, sampler=sampler, optimizer=optimizer, schedule=schedule,
@@ -211,14 +217,25 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
             source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
             template=template, encode_fn=tokenizer.encode)
     if need_scorer and cfg.mode == "train":
-        from delta_jax.rl.rewards import RewardScorer
-        overlong = cfg.rewards.overlong
-        run.scorer = RewardScorer(
-            name=cfg.rewards.name, num_workers=cfg.rewards.num_workers,
-            timeout_s=cfg.rewards.timeout_s, max_response_len=cfg.rollout.max_new_tokens,
-            overlong_buffer_len=cfg.rewards.overlong_buffer if overlong else 0,
-            overlong_penalty_factor=cfg.rewards.overlong_factor)
+        run.scorer = make_scorer(cfg, shaped=True)
     return run
+
+
+def make_scorer(cfg, *, shaped: bool):
+    """The run's RewardScorer from rewards.*: shaped=True adds the method's DAPO overlong
+    penalty (training rewards); shaped=False grades accuracy only (evaluation)."""
+    from delta_jax.rl.rewards import RewardScorer
+
+    r = cfg.rewards
+    overlong = shaped and r.overlong
+    return RewardScorer(
+        name=r.name, num_workers=r.num_workers, timeout_s=r.timeout_s,
+        max_response_len=cfg.rollout.max_new_tokens if shaped else None,
+        overlong_buffer_len=r.overlong_buffer if overlong else 0,
+        overlong_penalty_factor=r.overlong_factor, code_sandbox=r.code_sandbox,
+        code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
+        code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
+        pass_fraction=r.code_pass_fraction)
 
 
 class _NullWriter:
