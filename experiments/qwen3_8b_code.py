@@ -20,12 +20,8 @@ def get_config():
     c.rewards.name = "code"
     c.rewards.num_workers = 16          # sandbox workers (one program each at a time)
     c.rewards.timeout_s = 10.0          # wall-clock seconds per program, all its tests
-    c.rewards.code_sandbox = "local"
-    c.rewards.code_sandbox_url = ""
-    c.rewards.code_isolation = True
-    c.rewards.code_memory_mb = 1024
-    c.rewards.code_max_processes = 8
-    c.rewards.code_pass_fraction = False
+    # rewards.code_* keep their defaults (train/config.py): the local sandbox with isolation,
+    # 1 GB and 8 processes per program, all-or-nothing rewards.
     # Code answers are shorter than math chains of thought.
     c.rollout.max_new_tokens = 8192
     c.rewards.overlong_buffer = 2048

@@ -651,22 +651,30 @@ def _fork_t(body, deadline: float):
     return _collect_t(pid, r, nonce, deadline)
 
 
+def _read_until(r: int, deadline: float, limit: int | None = None) -> bytes:
+    """What a pipe delivers until it closes or the deadline passes (at most about `limit`
+    bytes are kept; the rest is read and dropped so the writer never blocks)."""
+    chunks, size = [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([r], [], [], left)
+        if not ready:
+            break
+        data = os.read(r, 65536)
+        if not data:
+            break
+        if limit is None or size < limit:
+            chunks.append(data)
+            size += len(data)
+    return b"".join(chunks)
+
+
 def _collect_t(pid: int, r: int, nonce: str, deadline: float):
-    chunks, size, status = [], 0, None
+    status = None
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, _, _ = select.select([r], [], [], left)
-            if not ready:
-                break
-            data = os.read(r, 65536)
-            if not data:
-                break
-            if size < (1 << 20):
-                chunks.append(data)
-                size += len(data)
+        out = _read_until(r, deadline, limit=1 << 20)
         if time.monotonic() < deadline:
             status = _wait_deadline(pid, deadline)
     finally:
@@ -674,7 +682,7 @@ def _collect_t(pid: int, r: int, nonce: str, deadline: float):
         if status is None:
             _kill_and_reap(pid)
     lines = []
-    for raw in b"".join(chunks).decode("utf-8", "replace").splitlines():
+    for raw in out.decode("utf-8", "replace").splitlines():
         tag, _, rest = raw.partition(" ")
         if tag == nonce:
             lines.append(rest)
@@ -819,20 +827,10 @@ def run_program(program: str, spec: Mapping[str, Any] | str, limits: Limits | No
         os.close(r)
         _s_main(spec, program, limits, deadline, w, workdir, isolate, pass_fraction, parent)
     os.close(w)
-    chunks = []
+    out = b""
     try:
         hard_deadline = deadline + 3.0
-        while True:
-            left = hard_deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, _, _ = select.select([r], [], [], left)
-            if not ready:
-                break
-            data = os.read(r, 65536)
-            if not data:
-                break
-            chunks.append(data)
+        out = _read_until(r, hard_deadline)
     finally:
         os.close(r)
         # S reaps P (pid 1 of the namespace, which takes every process in it down) and exits;
@@ -856,7 +854,7 @@ def run_program(program: str, spec: Mapping[str, Any] | str, limits: Limits | No
             shutil.rmtree(host_dir, ignore_errors=True)
     seconds = time.monotonic() - t0
     try:
-        verdict = json.loads(b"".join(chunks).decode())
+        verdict = json.loads(out.decode())
     except ValueError:
         verdict = {"status": TIMEOUT if seconds >= limits.timeout_s else ERROR, "passed": 0,
                    "total": num_tests(spec), "message": "the sandbox returned no verdict"}
