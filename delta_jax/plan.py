@@ -276,15 +276,19 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     lp_chunk = (m_rows * min(positions_per_chunk(logprob_chunk_tokens, micro), response_len)
                 * _div(V, tensor) * 4 * 3)
 
-    # Rollout: the sampler's KV page pool (sampling.plan_kv: sampler_rows slots, worst case or
-    # the budget; replicated over the batch axes, KV heads split over tensor when they divide),
-    # and the prefill's attention scores.
+    # Rollout: the sampler's KV page pool (sampling.plan_kv: sampler_rows slots split over the
+    # batch shards, each shard's pages sized for its own slots, worst case or the budget per
+    # shard; pages over the batch axes, KV heads over tensor when they divide), and the
+    # prefill's attention scores.
     s_rows = rows_per_device(sampler_rows)
-    pool = plan_kv(model_cfg, slots=sampler_rows, prompt_len=prompt_len,
-                   max_new_tokens=response_len, page_size=page_size,
+    batch_shards = math.prod(mesh.shape[a] for a in sharding_lib._as_tuple(rules.get("batch"))
+                             if a in mesh.axis_names)
+    pool = plan_kv(model_cfg, slots=bucket_size(sampler_rows, 1, batch_shards)
+                   if sampler_rows % batch_shards else sampler_rows, shards=batch_shards,
+                   prompt_len=prompt_len, max_new_tokens=response_len, page_size=page_size,
                    kv_budget_bytes=kv_budget_bytes)
     kv_split = tensor if model_cfg.num_kv_heads % tensor == 0 else 1
-    kv = pool.bytes // kv_split
+    kv = pool.shard_bytes // kv_split
     prefill_prompts = max(1, sampler_rows // group_size)
     p_rows = rows_per_device(prefill_prompts)
     P = bucket_size(prompt_len, 16)

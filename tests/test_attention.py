@@ -421,3 +421,73 @@ def test_paged_decode_program_copies_no_cache():
   # Every layer's K and V pool is aliased input -> output (updated in place, never copied).
   header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
   assert header.count("-alias)") >= 2 * L, header
+
+
+def _decode_hlo(cfg, cache, num_slots, pages_per_seq, *, batch_spec=None, row_sharding=None):
+  from delta_jax.sampling import programs
+
+  graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=row_sharding)  # noqa: E731
+  S = num_slots
+  return programs.decode.lower(
+      graphdef, state, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
+      jax.ShapeDtypeStruct((S,), bool, sharding=row_sharding), i32(S), i32(S), np.uint32(0),
+      jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), i32(S), np.int32(0),
+      np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
+      attention_impl="reference", pages_per_block=2, batch_spec=batch_spec).compile().as_text()
+
+
+COLLECTIVES = ("all-gather", "collective-permute", "all-to-all", "all-reduce", "reduce-scatter")
+
+
+def test_sharded_paged_decode_program_keeps_pages_on_their_shard():
+  """On an 8-device (data=4, fsdp=2) mesh the rollout engine's page pool is split over the 8
+  batch shards (each device holds 1/8 of every layer's pool: its shard's pages), and the compiled
+  decode program reads and writes each shard's pages where they are: no all-gather,
+  collective-permute or copy of a pool-sized or shard-pool-sized buffer (or of a sequence-major
+  gather of the slots' pages), the pools aliased input -> output."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (simulated) devices")
+  from jax.sharding import NamedSharding, PartitionSpec
+  from delta_jax import sharding as sharding_lib
+  from delta_jax.sampling import Sampler
+
+  cfg = models.get_preset("tiny")
+  K, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+  mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  shards, per_shard, page_size, pages_per_seq = 8, 3, 4, 16
+  num_slots = shards * per_shard
+  local_pages = 1 + per_shard * pages_per_seq   # the shard's scratch page + its slots' pages
+  num_pages = shards * local_pages
+  sampler = Sampler(models.Transformer(cfg, rngs=nnx.Rngs(0)), max_batch_size=num_slots,
+                    mesh=mesh)
+  pool_sharding = sampler._pool_sharding()
+  cache = models.init_paged_cache(cfg, num_pages, page_size, sharding=pool_sharding)
+  for pool in cache.k + cache.v:
+    assert pool.sharding.shard_shape(pool.shape) == (K, num_pages // 8, page_size, D)
+    assert {s.data.shape for s in pool.addressable_shards} == {(K, local_pages, page_size, D)}
+  cache = jax.eval_shape(lambda: cache)
+  cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool_sharding),
+                       cache)
+  rows = sharding_lib.batch_sharding((num_slots,), mesh)
+  assert rows.spec == PartitionSpec(("data", "fsdp"))
+  hlo = _decode_hlo(cfg, cache, num_slots, pages_per_seq, batch_spec=sampler._batch_spec,
+                    row_sharding=rows)
+  pools = [f"f32[{K},{n},{page_size},{D}]" for n in (num_pages, local_pages)]
+  gathered = [f"f32[{K},{s},{pages_per_seq},{page_size},{D}]" for s in (num_slots, per_shard)] \
+      + [f"f32[{K},{s},{pages_per_seq * page_size},{D}]" for s in (num_slots, per_shard)] \
+      + [f"f32[{s},{pages_per_seq * page_size},{K},{D}]" for s in (num_slots, per_shard)]
+  assert cache_sized(hlo, pools + gathered) == []
+  # No collective moves pages: none has a result of (or containing) a pool-like shape.
+  moved = [r for r in materialised_results(hlo) if _op(r).split(".")[0] in COLLECTIVES
+           and (any(p in r for p in pools + gathered) or f",{page_size},{D}]" in r)]
+  assert moved == []
+  header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
+  assert header.count("-alias)") >= 2 * L, header
+  # The check sees a pool all-gather where there is one (a replicated pool read by rows).
+  spread = jax.jit(lambda p: p * 2, out_shardings=NamedSharding(mesh, PartitionSpec())).lower(
+      jax.ShapeDtypeStruct((K, num_pages, page_size, D), jnp.float32, sharding=pool_sharding)
+  ).compile().as_text()
+  assert [r for r in materialised_results(spread) if _op(r).split(".")[0] in COLLECTIVES
+          and any(p in r for p in pools)]

@@ -67,10 +67,11 @@ def test_figures_follow_the_shapes():
     # scale_by_adam's int32 step counter (replicated).
     assert p.optimizer == 2 * p.params + 4
     assert p.gradients == 2 * p.params  # micro-batches: accumulator + one micro-batch's grads
-    # KV page pool (worst case, 32-token pages): the scratch page, per slot of 256 the prompt's
-    # 64 pages + the response's 640 + one partial, and the next prompt's 64; replicated over the
-    # batch axes, 8 kv heads over tensor=4; a page holds K and V of 32 tokens of every layer.
-    pages = 1 + 256 * (2048 // 32 + 20480 // 32 + 1) + 2048 // 32
+    # KV page pool (worst case, 32-token pages), split over the 1 x 8 batch shards: a device
+    # holds its shard's pages: the shard's scratch page, per slot of its 256 / 8 = 32 the
+    # prompt's 64 pages + the response's 640 + one partial, and the next prompt's 64; 8 kv
+    # heads over tensor=4; a page holds K and V of 32 tokens of every layer.
+    pages = 1 + (256 // 8) * (2048 // 32 + 20480 // 32 + 1) + 2048 // 32
     assert p.kv_cache == pages * 2 * L * (8 // 4) * 32 * D * 2
     # Device feature cache: 2048 rows over 8 batch shards x 20480 tokens x H, bf16.
     assert p.features_device == (2048 // 8) * 20480 * H * 2

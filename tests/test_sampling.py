@@ -271,6 +271,30 @@ def test_sharded_batch_matches_single_device(tiny_model, sampler):
     assert sharded.response_ids == ref.response_ids
     np.testing.assert_allclose(np.concatenate(sum(sharded.logprobs, [])),
                                np.concatenate(sum(ref.logprobs, [])), atol=1e-5)
+    # The page pool is split over the 8 batch shards (2 slots each): each shard's pages are
+    # sized for its own slots, and a prompt's 2 samples share its pages on one shard.
+    stats = sharded.stats
+    # (32-token pages; per shard: its scratch page, per slot 1 prompt + 1 response + 1 partial
+    # page, and the next prompt's page: 8 pages; one pool for 16 slots would be 50.)
+    assert stats["kv_shards"] == 8 and stats["kv_pages"] == 8 * 8
+    assert stats["kv_bytes_per_shard"] == 8 * models.page_bytes(tiny_model.cfg, 32)
+    assert ref.stats["kv_pages"] == 50
+    assert stats["prefilled_prompts"] == 3  # the 1-token prompt has no KV to prefill
+    # One slot per shard (a prompt's samples on several shards: prefilled on each), 4-token
+    # pages, 2 steps per call and 6 pages per shard (samples preempted and restarted), KV heads
+    # over tensor=2: the same tokens.
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    page = models.page_bytes(tiny_model.cfg, 4)
+    kwargs = dict(n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(7,), seed=11)
+    tight = Sampler(tiny_model, max_batch_size=8, mesh=mesh, page_size=4,
+                    decode_steps_per_call=2, kv_budget_bytes=6 * page).generate(PROMPTS, **kwargs)
+    assert tight.stats["kv_shards"] == 4 and tight.stats["kv_pages"] == 4 * 6
+    assert tight.stats["preemptions"] > 0 and tight.stats["prefilled_prompts"] > 3
+    ref = sampler.generate(PROMPTS, **kwargs)
+    assert tight.response_ids == ref.response_ids
+    np.testing.assert_allclose(np.concatenate(sum(tight.logprobs, [])),
+                               np.concatenate(sum(ref.logprobs, [])), atol=1e-5)
 
 
 class CharTokenizer:

@@ -426,6 +426,76 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: 
                              interpret=chosen == "pallas_interpret")
 
 
+def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array,
+                values: jax.Array) -> jax.Array:
+  """pool [K, P, page_size, D] with values [N, K, D] written at (pages[n], offsets[n])."""
+  return pool.at[:, pages, offsets].set(jnp.swapaxes(values, 0, 1).astype(pool.dtype))
+
+
+def pool_specs(mesh, batch_axes, num_kv_heads: int):
+  """(page pool spec, kv head mesh axis or None) of a pool split over the batch shards: the
+  page axis over `batch_axes`, the KV heads over "tensor" when it divides them."""
+  from jax.sharding import PartitionSpec
+  head = None
+  if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 \
+      and num_kv_heads % mesh.shape["tensor"] == 0:
+    head = "tensor"
+  return PartitionSpec(head, tuple(batch_axes), None, None), head
+
+
+def shard_pages(fn, mesh, batch_axes, num_kv_heads: int, in_kinds, out_kinds):
+  """fn run per batch shard (jax.shard_map over the whole mesh) on a page pool split over the
+  batch shards: fn sees its shard's pages (LOCAL page ids) and its shard's rows, so no page
+  leaves its device. Kinds name each argument / result's layout: "pool" [K, P, ps, D] (pages
+  over the batch axes, heads over "tensor" where it divides them), "rows" (dim 0 over the batch
+  axes), "heads" ([B, heads, D]: rows over the batch axes, heads like the pool's),
+  "stack" ([L, B, T, K, D]: rows over the batch axes, K like the pool's); a tuple of kinds
+  for a tuple argument."""
+  from jax.sharding import PartitionSpec as P
+  pool, head = pool_specs(mesh, batch_axes, num_kv_heads)
+  rows = tuple(batch_axes)
+  specs = {"pool": pool, "rows": P(rows), "heads": P(rows, head, None),
+           "stack": P(None, rows, None, head, None)}
+
+  def spec(kind):
+    if isinstance(kind, (tuple, list)):
+      return tuple(spec(k) for k in kind)
+    return specs[kind]
+
+  # check_vma=False: a Pallas call's outputs carry no varying-axes annotation (every input and
+  # output here is split over the batch axes or replicated where it is the same everywhere).
+  return jax.shard_map(fn, mesh=mesh, in_specs=spec(tuple(in_kinds)),
+                       out_specs=spec(out_kinds), check_vma=False)
+
+
+def paged_write_attend(q, k_new, v_new, k_pages, v_pages, write_page, write_offset,
+                       block_tables, lengths, *, impl: str = "auto",
+                       pages_per_block: int = DECODE_PAGES_PER_BLOCK, mesh=None,
+                       batch_axes=()):
+  """One decode step of one layer: write each row's new key/value (k_new, v_new [B, K, D]) at
+  (write_page[b], write_offset[b]) of the layer's pools, then paged_decode_attention of q
+  [B, N, D] over block_tables / lengths. Returns (out [B, N, D], k_pages, v_pages).
+
+  With a mesh and batch_axes, the pools' page axis is split over the batch axes (shard j owns
+  pages [j * P / S, (j + 1) * P / S)), the rows are split the same way, and write_page /
+  block_tables hold LOCAL page ids: the write and the attention run per shard (shard_map), so
+  no pool page is gathered or moved across devices."""
+  def local(q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths):
+    k_pages = write_pages(k_pages, write_page, write_offset, k_new)
+    v_pages = write_pages(v_pages, write_page, write_offset, v_new)
+    out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, impl=impl,
+                                 pages_per_block=pages_per_block)
+    return out, k_pages, v_pages
+
+  if mesh is None or not batch_axes:
+    return local(q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables,
+                 lengths)
+  return shard_pages(local, mesh, batch_axes, k_pages.shape[0],
+                     ("heads", "heads", "heads", "pool", "pool", "rows", "rows", "rows", "rows"),
+                     ("heads", "pool", "pool"))(
+      q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths)
+
+
 # ---------------------------------------------------------------------------------------------
 # "cudnn"
 

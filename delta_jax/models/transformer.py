@@ -308,7 +308,8 @@ class Transformer(nnx.Module):
   def decode_paged(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
                    block_tables: jax.Array, lengths: jax.Array, write_page: jax.Array,
                    write_offset: jax.Array, *, attention_impl: str = "auto",
-                   pages_per_block: int = attention.DECODE_PAGES_PER_BLOCK):
+                   pages_per_block: int = attention.DECODE_PAGES_PER_BLOCK, mesh=None,
+                   batch_axes=()):
     """One decode step of B sequences against a paged cache.
 
     tokens, positions: int32 [B], each sequence's input token and its position (RoPE).
@@ -317,6 +318,8 @@ class Transformer(nnx.Module):
     block_tables [B, pages_per_seq] (so lengths[b] counts the token just written; padding rows
     write to the scratch page 0 and use length 0). attention_impl: see
     attention.paged_decode_attention.
+    mesh / batch_axes: a pool whose page axis is split over these mesh axes (write_page and
+    block_tables then hold each row's shard-LOCAL page ids; attention.paged_write_attend).
     Returns (logits float32 [B, V], the updated PagedKVCache); donate the cache to the jitted
     caller so every write happens in place.
     """
@@ -332,14 +335,12 @@ class Transformer(nnx.Module):
     for i in range(cfg.num_layers):
       p = _cast_layer(cfg, {name: w[i] for name, w in layer_params.items()})
       q, k, v = _project_qkv(cfg, p, x, cos, sin)          # [B, 1, N, D], [B, 1, K, D]
-      # [K, B, D] written at (page, offset) of each row: a scatter into the layer's pool.
-      new_k[i] = new_k[i].at[:, write_page, write_offset].set(
-          jnp.swapaxes(k[:, 0], 0, 1).astype(new_k[i].dtype))
-      new_v[i] = new_v[i].at[:, write_page, write_offset].set(
-          jnp.swapaxes(v[:, 0], 0, 1).astype(new_v[i].dtype))
-      attn = attention.paged_decode_attention(q[:, 0], new_k[i], new_v[i], block_tables,
-                                              lengths, impl=attention_impl,
-                                              pages_per_block=pages_per_block)
+      # [K, B, D] written at (page, offset) of each row (a scatter into the layer's pool), then
+      # attention over the pool, read in place.
+      attn, new_k[i], new_v[i] = attention.paged_write_attend(
+          q[:, 0], k[:, 0], v[:, 0], new_k[i], new_v[i], write_page, write_offset, block_tables,
+          lengths, impl=attention_impl, pages_per_block=pages_per_block, mesh=mesh,
+          batch_axes=batch_axes)
       x = _finish_layer(cfg, p, x, attn[:, None])
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return self.logits(hidden)[:, 0], PagedKVCache(k=tuple(new_k), v=tuple(new_v))

@@ -3,6 +3,11 @@ steps for all slots. Static shapes (the scheduler buckets them); the page pool i
 every program, so it is updated in place and exists once.
 
 Parameters are an argument (the nnx state), so new weights need no recompile.
+
+With a mesh (batch_spec = (mesh, batch axes)) the pool's page axis is split over the batch
+shards and every page index these programs get is shard-LOCAL: row / slot / copy entry r of a
+call belongs to shard r // (rows / S) and addresses that shard's pages only. The page writes,
+copies and the decode attention run per shard (jax.shard_map), so no page crosses devices.
 """
 from __future__ import annotations
 
@@ -15,12 +20,20 @@ from jax.sharding import PartitionSpec
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
+from delta_jax.models import attention
 from delta_jax.sampling_utils import sample_tokens
 
 
-def _scatter_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, values: jax.Array):
-    """pool [K, P, page_size, D] with values [N, K, D] written at (pages[n], offsets[n])."""
-    return pool.at[:, pages, offsets].set(jnp.swapaxes(values, 0, 1).astype(pool.dtype))
+_scatter_pages = attention.write_pages
+
+
+def _per_shard(fn, batch_spec, num_kv_heads, in_kinds, out_kinds):
+    """fn as is without a mesh (batch_spec None), else per batch shard on its own pages
+    (attention.shard_pages: the pool's page axis over the batch axes, LOCAL page ids)."""
+    if batch_spec is None:
+        return fn
+    mesh, batch_axes = batch_spec
+    return attention.shard_pages(fn, mesh, batch_axes, num_kv_heads, in_kinds, out_kinds)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "batch_spec"),
@@ -29,28 +42,45 @@ def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, d
             batch_spec=None):
     """Run B prompts (left-aligned, right-padded: ids, mask int32 [B, T]) and write every
     layer's keys/values of token t of row b at page dest_page[b, t], offset dest_offset[b, t]
-    (padding: the scratch page 0). Returns the updated cache."""
+    (padding: the scratch page 0; with a mesh, row b's shard-local pages). Returns the updated
+    cache."""
     model = nnx.merge(graphdef, state)
     mesh, batch_axes = batch_spec or (None, None)
     ids, mask = sharding_lib.constrain_batch((ids, mask), mesh, batch_axes=batch_axes)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     out = model(ids, positions=positions, attention_mask=mask, return_logits=False,
                 return_kv=True)
-    L, B, T, K, D = out.cache.k.shape
-    pages, offsets = dest_page.reshape(B * T), dest_offset.reshape(B * T)
-    k = tuple(_scatter_pages(cache.k[i], pages, offsets, out.cache.k[i].reshape(B * T, K, D))
-              for i in range(L))
-    v = tuple(_scatter_pages(cache.v[i], pages, offsets, out.cache.v[i].reshape(B * T, K, D))
-              for i in range(L))
-    return models.PagedKVCache(k=k, v=v)
+    L = out.cache.k.shape[0]
+
+    def write(k_pools, v_pools, new_k, new_v, dest_page, dest_offset):
+        _, B, T, K, D = new_k.shape
+        pages, offsets = dest_page.reshape(B * T), dest_offset.reshape(B * T)
+        k = tuple(_scatter_pages(k_pools[i], pages, offsets, new_k[i].reshape(B * T, K, D))
+                  for i in range(L))
+        v = tuple(_scatter_pages(v_pools[i], pages, offsets, new_v[i].reshape(B * T, K, D))
+                  for i in range(L))
+        return k, v
+
+    pools = ("pool",) * L
+    k, v = _per_shard(write, batch_spec, cache.k[0].shape[0],
+                      (pools, pools, "stack", "stack", "rows", "rows"), (pools, pools))(
+        cache.k, cache.v, out.cache.k, out.cache.v, dest_page, dest_offset)
+    return models.PagedKVCache(k=tuple(k), v=tuple(v))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def copy_pages(cache: models.PagedKVCache, src, dst):
-    """Copy page src[c] to page dst[c] in every layer (int32 [C]; padding copies 0 -> 0)."""
-    def one(pool):
-        return pool.at[:, dst].set(pool[:, src])
-    return models.PagedKVCache(k=tuple(one(p) for p in cache.k), v=tuple(one(p) for p in cache.v))
+@functools.partial(jax.jit, static_argnames=("batch_spec",), donate_argnames=("cache",))
+def copy_pages(cache: models.PagedKVCache, src, dst, *, batch_spec=None):
+    """Copy page src[c] to page dst[c] in every layer (int32 [C]; padding copies 0 -> 0). With a
+    mesh, entry c belongs to shard c // (C / S) and its ids are that shard's local pages."""
+    def copy(k_pools, v_pools, src, dst):
+        def one(pool):
+            return pool.at[:, dst].set(pool[:, src])
+        return tuple(one(p) for p in k_pools), tuple(one(p) for p in v_pools)
+
+    pools = ("pool",) * len(cache.k)
+    k, v = _per_shard(copy, batch_spec, cache.k[0].shape[0], (pools, pools, "rows", "rows"),
+                      (pools, pools))(cache.k, cache.v, src, dst)
+    return models.PagedKVCache(k=tuple(k), v=tuple(v))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "use_top_p",
@@ -64,7 +94,8 @@ def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, len
     """Up to num_steps decode steps for all S slots; returns early once `exit_after` slots have
     finished (so the scheduler can refill them) or none is live.
 
-    block_tables int32 [S, pages_per_seq]: pages of each slot (covering length + num_steps).
+    block_tables int32 [S, pages_per_seq]: pages of each slot (covering length + num_steps;
+    with a mesh, the slot's shard-local pages).
     token: int32 [S], each slot's next input token; length: int32 [S], its KV tokens so far (=
     the input token's position); generated: int32 [S], response tokens so far; active: bool [S]
     (False: a free slot); prompt_index, sample_index: int32 [S], the random stream of a slot's
@@ -100,7 +131,8 @@ def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, len
         offset = jnp.where(active, length % page_size, 0)
         logits, cache = model.decode_paged(
             token, length, cache, block_tables, jnp.where(active, length + 1, 0), page, offset,
-            attention_impl=attention_impl, pages_per_block=pages_per_block)
+            attention_impl=attention_impl, pages_per_block=pages_per_block,
+            mesh=mesh, batch_axes=batch_axes or ())
         keys = jax.vmap(jax.random.fold_in)(row_keys, generated)
         new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,
                                          use_top_p=use_top_p, greedy=greedy)

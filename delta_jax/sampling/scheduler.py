@@ -18,6 +18,13 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted and restarted later.
+* On a mesh the slots and the pool are split over the S batch shards: slot s belongs to shard
+  s // (slots / S), which owns a contiguous range of the pool's pages (its own scratch page
+  included) and a free list of its own; a sample's pages (and its prompt's shared pages) come
+  from its slot's shard, and the programs read and write them there (shard-local page ids, no
+  page crosses devices). A prompt's samples go to the shard that already holds its prompt pages
+  when it has a free slot, else to the shard with the most free slots (the prompt is then
+  prefilled there too). kv_budget_bytes is one shard's pool: the KV bytes each device holds.
 * Results do not depend on scheduling: response token r of sample j of prompt i is drawn with
   fold_in(fold_in(fold_in(key(seed), i), j), r), so max_batch_size, refill order, preemption and
   the mesh change nothing.
@@ -58,8 +65,10 @@ class _Prompt:
     ids: list
     kv_len: int                 # prompt tokens whose KV is shared (all but the last)
     unfinished: int             # samples not finished yet (live or waiting)
-    pages: Optional[list] = None  # shared pages while prefilled
-    live: int = 0               # samples in slots
+    # shard -> its shared pages there (shard-local ids) while prefilled on that shard
+    pages: dict = dataclasses.field(default_factory=dict)
+    # shard -> samples of this prompt in that shard's slots
+    live: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 @dataclasses.dataclass
@@ -89,7 +98,9 @@ class Sampler:
       Parameters keep whatever sharding they have.
     min_prompt_bucket / min_response_bucket: smallest bucketed prompt / response lengths.
     pad_id: the token used for padding (never attended to; default 0).
-    page_size: tokens per KV page. kv_budget_bytes: the page pool's size (None: the worst case).
+    page_size: tokens per KV page. kv_budget_bytes: the page pool's size (None: the worst case);
+      with a mesh, the size of each batch shard's part of the pool (what each device holds,
+      before any split of the KV heads over "tensor").
     decode_steps_per_call: most decode steps per decode program call (pages are handed out that
       far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Pallas kernel on CUDA
       GPUs, the jnp reference elsewhere).
@@ -193,14 +204,19 @@ class Sampler:
     def _pool_sharding(self):
         if self.mesh is None:
             return None
+        if self._batch_spec is not None:  # pages over the batch shards, heads over "tensor"
+            return NamedSharding(self.mesh, attention.pool_specs(
+                self.mesh, self._batch_axes, self.cfg.num_kv_heads)[0])
         tensor = "tensor" if ("tensor" in self.mesh.axis_names
                               and self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0) else None
         return NamedSharding(self.mesh, PartitionSpec(tensor, None, None, None))
 
     def kv_plan(self, prompt_len: int, max_new_tokens: int):
         """The page pool generate() would use for prompts up to prompt_len tokens
-        (kv_cache.KVPlan: num_pages, page_bytes, bytes, worst_case_bytes)."""
-        return plan_kv(self.cfg, slots=self.num_slots, prompt_len=prompt_len,
+        (kv_cache.KVPlan: num_pages, page_bytes, bytes, worst_case_bytes, shards,
+        shard_bytes)."""
+        return plan_kv(self.cfg, slots=self.num_slots, shards=self._batch_shards,
+                       prompt_len=prompt_len,
                        max_new_tokens=max_new_tokens, page_size=self.page_size,
                        kv_budget_bytes=self.kv_budget_bytes,
                        min_prompt_bucket=self.min_prompt_bucket,
@@ -275,6 +291,7 @@ class Sampler:
                    "prefill_calls": run.prefill_calls, "prefilled_prompts": run.prefilled,
                    "preemptions": run.preemptions, "kv_pages": plan.num_pages,
                    "kv_page_size": plan.page_size, "kv_bytes": plan.bytes,
+                   "kv_shards": plan.shards, "kv_bytes_per_shard": plan.shard_bytes,
                    "prefill_seconds": run.prefill_seconds, "decode_seconds": run.decode_seconds,
                    "seconds": time.perf_counter() - start_time},
         )
@@ -308,7 +325,9 @@ class _Run:
         self.waiting = collections.deque((i, j) for i in range(len(prompt_ids)) for j in range(n))
         self.slots: list[Optional[_Sample]] = [None] * sampler.num_slots
         self.results = [[None] * n for _ in prompt_ids]
-        self.alloc = PageAllocator(plan.num_pages)
+        self.num_shards = plan.shards
+        self.per_shard = sampler.num_slots // plan.shards  # slots per batch shard
+        self.allocs = [PageAllocator(plan.pages_per_shard) for _ in range(plan.shards)]
         self.cache = models.init_paged_cache(sampler.cfg, plan.num_pages, self.ps,
                                              sharding=sampler._pool_sharding())
         self.admissions = 0
@@ -331,37 +350,44 @@ class _Run:
                      prompt.kv_len + self.limits[sample.prompt])
         return pages_for(tokens, self.ps) - prompt.kv_len // self.ps - len(sample.own)
 
+    def shard_of(self, slot: int) -> int:
+        return slot // self.per_shard
+
+    def _shard_slots(self, shard: int) -> range:
+        return range(shard * self.per_shard, (shard + 1) * self.per_shard)
+
+    def _live_on(self, shard: int) -> bool:
+        return any(self.slots[k] is not None for k in self._shard_slots(shard))
+
     def admit(self):
         """Waiting samples into free slots, in order, while their pages fit."""
         to_prefill, copies = [], []
         if not self.s.continuous and any(self.slots):
             return  # static batching: the batch runs until its last sample stops
-        for slot in range(len(self.slots)):
-            if not self.waiting:
-                break
-            if self.slots[slot] is not None:
-                continue
+        free = [collections.deque(k for k in self._shard_slots(sh) if self.slots[k] is None)
+                for sh in range(self.num_shards)]
+        while self.waiting and any(free):
             i, j = self.waiting[0]
             prompt = self.prompts[i]
-            shared = 0 if prompt.pages is not None else pages_for(prompt.kv_len, self.ps)
             sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len,
                              next_token=prompt.ids[-1])
             own = self._need(sample)
-            if not any(self.slots):  # nothing will free pages: drop idle prompts' pages
-                while self.alloc.num_free < shared + own and self._evict_prompt(keep=i):
-                    pass
-            if self.alloc.num_free < shared + own:
+            shard = self._place(i, own, free)
+            if shard is None:
                 break
+            slot = free[shard].popleft()
+            alloc = self.allocs[shard]
             self.waiting.popleft()
             self.admissions += 1
-            if prompt.pages is None:
-                prompt.pages = self.alloc.take(shared)
+            if shard not in prompt.pages:
+                shared = pages_for(prompt.kv_len, self.ps)
+                prompt.pages[shard] = alloc.take(shared)
                 if shared:
-                    to_prefill.append(i)
-            sample.own = self.alloc.take(own)
+                    to_prefill.append((i, shard))
+            sample.own = alloc.take(own)
             if prompt.kv_len % self.ps:  # a private copy of the partial last prompt page
-                copies.append((prompt.pages[-1], sample.own[0]))
-            prompt.live += 1
+                copies.append((shard, prompt.pages[shard][-1], sample.own[0]))
+            prompt.live[shard] += 1
             self.slots[slot] = sample
         start = time.perf_counter()
         self._prefill(to_prefill)
@@ -370,45 +396,78 @@ class _Run:
             jax.block_until_ready(self.cache)
             self.prefill_seconds += time.perf_counter() - start
 
-    def _prefill(self, prompt_list):
+    def _place(self, i: int, own: int, free) -> Optional[int]:
+        """The shard whose next free slot takes a sample of prompt i needing `own` pages: the
+        shards holding the prompt's pages first, then those with the most free slots (lowest
+        index on ties); None when none has the pages."""
+        prompt = self.prompts[i]
+        order = sorted((sh for sh in range(self.num_shards) if free[sh]),
+                       key=lambda sh: (sh not in prompt.pages, -len(free[sh]), sh))
+        for shard in order:
+            alloc = self.allocs[shard]
+            shared = 0 if shard in prompt.pages else pages_for(prompt.kv_len, self.ps)
+            if not self._live_on(shard):  # nothing will free pages: drop idle prompts' pages
+                while alloc.num_free < shared + own and self._evict_prompt(shard, keep=i):
+                    pass
+            if alloc.num_free >= shared + own:
+                return shard
+        return None
+
+    def _prefill(self, jobs):
+        """Prefill prompt i's shared pages on shard sh for every (i, sh) in jobs: rows of a call
+        are split evenly over the shards (row r on shard r // (rows / S)), each shard's rows
+        writing its own pages."""
         s = self.s
-        if not prompt_list:
+        if not jobs:
             return
+        S = self.num_shards
         # At most slots / n prompts and about MAX_PREFILL_TOKENS tokens per call: the
         # prefill's keys/values of every layer are a transient [L, rows, width, K, D] pair.
-        width = bucket_size(max(self.prompts[i].kv_len for i in prompt_list), s.min_prompt_bucket)
+        width = bucket_size(max(self.prompts[i].kv_len for i, _ in jobs), s.min_prompt_bucket)
         rows = min(max(1, s.num_slots // self.n), max(1, MAX_PREFILL_TOKENS // width))
-        per_call = max(s._batch_shards, 1 << int(math.floor(math.log2(rows))))
-        for first in range(0, len(prompt_list), per_call):
-            group = prompt_list[first:first + per_call]
-            rows = bucket_size(len(group), 1, s._batch_shards)
-            width = bucket_size(max(self.prompts[i].kv_len for i in group), s.min_prompt_bucket)
+        per_call = max(S, 1 << int(math.floor(math.log2(rows))))
+        cap = max(1, per_call // S)  # rows per shard per call
+        queues = [[i for i, sh in jobs if sh == shard] for shard in range(S)]
+        while any(queues):
+            groups = [q[:cap] for q in queues]
+            queues = [q[cap:] for q in queues]
+            per = bucket_size(max(len(g) for g in groups), 1)
+            rows = S * per
+            width = bucket_size(max(self.prompts[i].kv_len for g in groups for i in g),
+                                s.min_prompt_bucket)
             ids = np.full((rows, width), s.pad_id, np.int32)
             mask = np.zeros((rows, width), np.int32)
             page = np.zeros((rows, width), np.int32)
             offset = np.zeros((rows, width), np.int32)
-            for r, i in enumerate(group):
-                prompt = self.prompts[i]
-                t = np.arange(prompt.kv_len)
-                ids[r, :prompt.kv_len] = prompt.ids[:-1]
-                mask[r, :prompt.kv_len] = 1
-                page[r, :prompt.kv_len] = np.asarray(prompt.pages)[t // self.ps]
-                offset[r, :prompt.kv_len] = t % self.ps
+            for shard, group in enumerate(groups):
+                for r, i in enumerate(group, start=shard * per):
+                    prompt = self.prompts[i]
+                    t = np.arange(prompt.kv_len)
+                    ids[r, :prompt.kv_len] = prompt.ids[:-1]
+                    mask[r, :prompt.kv_len] = 1
+                    page[r, :prompt.kv_len] = np.asarray(prompt.pages[shard])[t // self.ps]
+                    offset[r, :prompt.kv_len] = t % self.ps
             self.cache = programs.prefill(
                 s.graphdef, self.state, self.cache, *(s._put(x) for x in (ids, mask, page, offset)),
                 batch_spec=s._batch_spec)
             self.prefill_calls += 1
-            self.prefilled += len(group)
+            self.prefilled += sum(map(len, groups))
 
     def _copy(self, copies):
+        """(shard, src, dst) copies of shard-local pages: entries split evenly over the shards."""
         if not copies:
             return
-        width = bucket_size(len(copies), 4)
-        src = np.zeros(width, np.int32)
-        dst = np.zeros(width, np.int32)
-        src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.cache = programs.copy_pages(self.cache, jax.numpy.asarray(src),
-                                         jax.numpy.asarray(dst))
+        S = self.num_shards
+        per = [[(a, b) for sh, a, b in copies if sh == shard] for shard in range(S)]
+        width = bucket_size(max(map(len, per)), 4)
+        src = np.zeros(S * width, np.int32)
+        dst = np.zeros(S * width, np.int32)
+        for shard, pairs in enumerate(per):
+            if pairs:
+                at = shard * width
+                src[at:at + len(pairs)], dst[at:at + len(pairs)] = zip(*pairs)
+        self.cache = programs.copy_pages(self.cache, self.s._put(src), self.s._put(dst),
+                                         batch_spec=self.s._batch_spec)
 
     def reserve(self):
         """Pages for the next decode call of every live sample, oldest first; when the pool runs
@@ -420,21 +479,25 @@ class _Run:
             sample = self.slots[slot]
             if sample is None:  # preempted below for an older one
                 continue
+            shard = self.shard_of(slot)
+            alloc = self.allocs[shard]
             need = self._need(sample)
-            while need > self.alloc.num_free:
-                if not (self._preempt_newest(older_than=sample) or self._evict_prompt()):
+            while need > alloc.num_free:
+                if not (self._preempt_newest(shard, older_than=sample)
+                        or self._evict_prompt(shard)):
                     break
-            if need <= self.alloc.num_free:
-                sample.own += self.alloc.take(need)
-            elif any(x is not None and x is not sample for x in self.slots):
+            if need <= alloc.num_free:
+                sample.own += alloc.take(need)
+            elif any(self.slots[k] is not None and self.slots[k] is not sample
+                     for k in self._shard_slots(shard)):
                 self._preempt(slot)  # older samples hold the rest: wait for them
             else:
                 raise RuntimeError("rollout KV pool exhausted by one sample (the budget check "
                                    "of plan_kv should have caught this)")
 
-    def _preempt_newest(self, older_than: _Sample) -> bool:
-        live = [k for k, x in enumerate(self.slots)
-                if x is not None and x.admitted > older_than.admitted]
+    def _preempt_newest(self, shard: int, older_than: _Sample) -> bool:
+        live = [k for k in self._shard_slots(shard)
+                if self.slots[k] is not None and self.slots[k].admitted > older_than.admitted]
         if not live:
             return False
         self._preempt(max(live, key=lambda k: self.slots[k].admitted))
@@ -442,17 +505,18 @@ class _Run:
 
     def _preempt(self, slot):
         sample = self.slots[slot]
+        shard = self.shard_of(slot)
         self.slots[slot] = None
-        self.alloc.give(sample.own)
-        self.prompts[sample.prompt].live -= 1
+        self.allocs[shard].give(sample.own)
+        self.prompts[sample.prompt].live[shard] -= 1
         self.waiting.appendleft((sample.prompt, sample.index))
         self.preemptions += 1
 
-    def _evict_prompt(self, keep: int = -1) -> bool:
+    def _evict_prompt(self, shard: int, keep: int = -1) -> bool:
+        """Give back the shared pages on `shard` of one prompt with no live sample there."""
         for i, prompt in enumerate(self.prompts):
-            if prompt.pages and prompt.live == 0 and i != keep:
-                self.alloc.give(prompt.pages)
-                prompt.pages = None
+            if prompt.pages.get(shard) and prompt.live[shard] == 0 and i != keep:
+                self.allocs[shard].give(prompt.pages.pop(shard))
                 return True
         return False
 
@@ -468,7 +532,7 @@ class _Run:
             if sample is None:
                 continue
             prompt = self.prompts[sample.prompt]
-            pages = prompt.pages[:prompt.kv_len // self.ps] + sample.own
+            pages = prompt.pages[self.shard_of(k)][:prompt.kv_len // self.ps] + sample.own
             tables[k, :len(pages)] = pages
             token[k], length[k], generated[k] = (sample.next_token, sample.length,
                                                  len(sample.tokens))
@@ -516,12 +580,13 @@ class _Run:
 
     def _finish(self, slot):
         sample = self.slots[slot]
+        shard = self.shard_of(slot)
         self.slots[slot] = None
         self.results[sample.prompt][sample.index] = sample
-        self.alloc.give(sample.own)
+        self.allocs[shard].give(sample.own)
         prompt = self.prompts[sample.prompt]
-        prompt.live -= 1
+        prompt.live[shard] -= 1
         prompt.unfinished -= 1
-        if prompt.unfinished == 0 and prompt.pages:
-            self.alloc.give(prompt.pages)
-            prompt.pages = None
+        if prompt.unfinished == sum(prompt.live.values()):  # none of its samples waits:
+            for sh in [sh for sh in prompt.pages if prompt.live[sh] == 0]:  # idle copies go
+                self.allocs[sh].give(prompt.pages.pop(sh))
