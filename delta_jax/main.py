@@ -28,7 +28,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from delta_jax.train.config import ConfigError, default_config, resume_changes, validate_config
+from delta_jax.train.config import ConfigError, field_names, resume_changes, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (get_config())",
                                           lock_config=True)
@@ -102,17 +102,6 @@ def check_resume_config(cfg, workdir: str):
                                                "\n  ".join(changes))
 
 
-def _config_fields() -> set:
-    names, stack = set(), [("", default_config())]
-    while stack:
-        prefix, node = stack.pop()
-        for key in node.keys():
-            names.add(prefix + key)
-            if hasattr(node[key], "keys"):
-                stack.append((prefix + key + ".", node[key]))
-    return names
-
-
 def parse_flags(argv):
     """absl's flag parsing with short messages for the config's errors: an unknown
     --config.field, or a config file that does not load (exit code 2, no traceback)."""
@@ -127,7 +116,7 @@ def parse_flags(argv):
               file=sys.stderr)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 -- raised by loading or overriding the config
-        known = _config_fields()
+        known = field_names()
         for arg in argv[1:]:
             if arg.startswith("--config."):
                 field = arg[len("--config."):].split("=", 1)[0]

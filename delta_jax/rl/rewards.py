@@ -223,7 +223,7 @@ def get_reward_fn(name: str) -> RewardFn:
 
 @register_reward("math")
 def math_accuracy_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
-    """Binary: 1 if the last \\boxed{} answer is correct, else 0."""
+    """The accuracy as the reward: math 1 if the last \\boxed{} answer is correct, else 0."""
     del num_boxes
     return accuracy.astype(np.float32)
 
@@ -245,11 +245,9 @@ def math_pm1_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
     return (2.0 * accuracy - 1.0).astype(np.float32)
 
 
-@register_reward("code")
-def code_accuracy_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
-    """Code: 1 when every unit test passes, else 0 (the fraction passed with pass_fraction)."""
-    del num_boxes
-    return accuracy.astype(np.float32)
+# Code: the accuracy itself, 1 when every unit test passes, else 0 (the fraction passed with
+# pass_fraction); the same function as "math".
+register_reward("code")(math_accuracy_reward)
 
 
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:

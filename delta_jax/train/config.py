@@ -250,11 +250,12 @@ def default_config() -> config_dict.ConfigDict:
 
 
 def _flatten(cfg, prefix=""):
+    """{dotted field name: value} of a ConfigDict or of its to_dict() / config.json form."""
     out = {}
     for key in cfg.keys():
         value = cfg[key]
         name = f"{prefix}{key}"
-        if isinstance(value, config_dict.ConfigDict):
+        if isinstance(value, (config_dict.ConfigDict, dict)):
             out.update(_flatten(value, name + "."))
         else:
             out[name] = value
@@ -436,22 +437,19 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 
+def field_names() -> set[str]:
+    """Every dotted field name of the schema, and every section name ("rl", "rl.epochs", ...)."""
+    fields = set(_flatten(default_config()))
+    return fields | {name.rsplit(".", 1)[0] for name in fields if "." in name}
+
+
 def resume_changes(saved: dict, new: dict) -> list[str]:
     """The fields that differ between a run's saved config (config.json, nested dicts) and the
     config it is resumed with, as "field: old -> new" lines, leaving out RESUMABLE_FIELDS and
     RESUMABLE_SECTIONS. A field one of them lacks shows as <absent>, except a field added to the
     schema after the run started that the new config leaves at its default."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    old, cur = flat(saved), flat(new)
-    defaults = flat(default_config().to_dict())
+    old, cur = _flatten(saved), _flatten(new)
+    defaults = _flatten(default_config())
     lines = []
     for name in sorted(set(old) | set(cur)):
         if name in RESUMABLE_FIELDS or name.startswith(RESUMABLE_SECTIONS):

@@ -16,14 +16,13 @@ log = logging.getLogger("delta_jax.train")
 
 _EVAL_SALT = 11
 
-def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None,
-                    return_result: bool = False):
+def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None):
     """avg@k / pass@k on the eval benchmarks with the eval sampling settings; writes
-    eval/<file_stem>.json (default step_<step>) and returns the flat metrics (and the
-    evaluation result when return_result)."""
+    eval/<file_stem>.json (default step_<step>) and returns (flat metrics, the evaluation
+    result), ({}, None) without eval benchmarks."""
     cfg = run.cfg
     if not run.assets["eval"]:
-        return ({}, None) if return_result else {}
+        return {}, None
     from delta_jax import evaluation
     from delta_jax.train.run import make_scorer
 
@@ -51,7 +50,7 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
             f.write(result.to_json() if hasattr(result, "to_json") else str(result))
     if hasattr(result, "to_markdown") and file_stem is None:
         run.writer.write_text(step, "eval", result.to_markdown())
-    return (metrics, result) if return_result else metrics
+    return metrics, result
 
 
 def _flatten_eval(result) -> dict:
@@ -73,7 +72,7 @@ def _flatten_eval(result) -> dict:
 
 
 def write_eval(run: Run, params, step: int):
-    metrics = evaluate_policy(run, params, step)
+    metrics, _ = evaluate_policy(run, params, step)
     if metrics:
         run.writer.write(step, metrics)
         log.info("eval step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))

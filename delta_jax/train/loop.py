@@ -238,8 +238,7 @@ def eval_only(cfg, workdir: str) -> dict:
         if found is not None:
             step, state, _, _ = found
             params = state.params
-        metrics, result = evaluate_policy(run, params, step, file_stem=f"standalone_step_{step}",
-                                          return_result=True)
+        metrics, result = evaluate_policy(run, params, step, file_stem=f"standalone_step_{step}")
         if jax.process_index() == 0:
             source = (f"checkpoint {step} of {run.ckpt.directory}" if found is not None
                       else cfg.model.path or f"random init ({cfg.model.preset})")
