@@ -49,6 +49,8 @@ CHOICES = {
     "rl.kl_type": ("k1", "k2", "k3"),
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
+    "delta.assignment": ("soft", "hard"),
+    "delta.weight": ("lambda", "alpha"),
     "data.template": ("qwen_math", "base", "chat", "plain", "code"),  # data.templates.KINDS
     "data.on_error": ("raise", "skip"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
@@ -114,6 +116,9 @@ def default_config() -> config_dict.ConfigDict:
     c.data.synthetic_train = 4096  # synthetic task sizes (data.train == "synthetic")
     c.data.synthetic_test = 64
     c.data.synthetic_levels = "1,2"
+    c.data.synthetic_steps = 0         # > 0: every problem has this many operations (else the level's)
+    c.data.synthetic_digits = 2        # every value along the way stays below 10**digits
+    c.data.synthetic_distractors = 0   # irrelevant clauses (word) / facts (expression) per problem
 
     c.rollout = config_dict.ConfigDict()
     c.rollout.batch_prompts = 128
@@ -184,6 +189,12 @@ def default_config() -> config_dict.ConfigDict:
     # Refinement passes over the cached features: "jnp" = rl/delta.py's XLA code; "kernel" =
     # kernels.delta_pass_auto (the fused Pallas pass on GPU, its jnp reference elsewhere).
     c.delta.pass_impl = "jnp"
+    # The paper's ablation rows (DELTA_SPEC section 4); the defaults are the full method.
+    c.delta.fixed_gamma = 0.0         # > 0: both temperatures fixed to this value (spec 2.4 off)
+    c.delta.assignment = "soft"       # soft: alpha = sigmoid(Delta / gamma); hard: alpha = 1[Delta > 0]
+    c.delta.normalize = True          # False: w = lambda (spec 2.7's normaliser c = 1)
+    c.delta.weight = "lambda"         # lambda: spec 2.6; alpha: the raw alpha* as lambda (P/N), 0 on Z
+    c.delta.random_lambda = False     # True: lambda ~ U[lam_min, lam_max] per P/N token (a control)
 
     c.optim = config_dict.ConfigDict()
     c.optim.lr = 1e-6
@@ -404,6 +415,14 @@ def _check_combinations(c):
     _require(0 < c.delta.lam_min <= c.delta.lam_max, "delta.lam_min",
              "need 0 < lam_min <= lam_max")
     _require(c.delta.topk >= 1, "delta.topk", f"must be >= 1, got {c.delta.topk}")
+    _require(c.delta.fixed_gamma >= 0, "delta.fixed_gamma",
+             f"must be >= 0 (0 = the adaptive temperatures of spec 2.4), got {c.delta.fixed_gamma}")
+    _require(c.data.synthetic_steps >= 0, "data.synthetic_steps",
+             f"must be >= 0 (0 = each level's own), got {c.data.synthetic_steps}")
+    _require(1 <= c.data.synthetic_digits <= 6, "data.synthetic_digits",
+             f"must be in 1..6, got {c.data.synthetic_digits}")
+    _require(c.data.synthetic_distractors >= 0, "data.synthetic_distractors",
+             f"must be >= 0, got {c.data.synthetic_distractors}")
     _require(c.delta.stats_mode == "global" or c.delta.feature_cache == "device",
              "delta.stats_mode", "per_shard statistics need delta.feature_cache='device' (the "
              "streaming host/recompute modes compute global statistics only)")
