@@ -79,12 +79,12 @@ DEFAULT_SEEDS = "0,1,2,3,4"
 
 # The per-run credit values shown (keys of delta_jax.rl.credit.summarize), with their headers.
 CREDIT_COLUMNS = (
-    ("weight_first_error_neg", "w first_error (A<0)"),
-    ("weight_boilerplate_neg", "w boilerplate (A<0)"),
-    ("weight_step_pos", "w step (A>0)"),
-    ("weight_boilerplate_pos", "w boilerplate (A>0)"),
-    ("auc_first_error_neg", "AUC first_error vs rest (A<0)"),
-    ("auc_step_pos", "AUC step vs rest (A>0)"),
+    ("credit/weight_first_error_neg", "w first_error (A<0)"),
+    ("credit/weight_boilerplate_neg", "w boilerplate (A<0)"),
+    ("credit/weight_step_pos", "w step (A>0)"),
+    ("credit/weight_boilerplate_pos", "w boilerplate (A>0)"),
+    ("credit/auc_first_error_neg", "AUC first_error vs other tokens (A<0)"),
+    ("credit/auc_step_pos", "AUC step vs boilerplate (A>0)"),
 )
 
 
@@ -275,13 +275,15 @@ def to_markdown(table, meta: dict, baseline: str = BASELINE) -> str:
     if credit_rows:
         lines += [
             "",
-            "Ground-truth token credit (delta_jax.rl.credit, synthetic task): mean DelTA token "
-            "weight of a class over the run's RL steps, per side, and the AUC of the weight "
-            "separating the class from the other tokens of that side (0.5 = no separation), "
-            "averaged over seeds. Classes: first_error = the first token where a wrong response "
-            "departs from a correct solution, step = tokens of a correct worked step, "
-            "boilerplate = the formatting every response shares. A non-DelTA method trains with "
-            "weight 1; its columns show what DelTA would have given, when logged.",
+            "Ground-truth token credit (delta_jax.rl.credit.summarize, synthetic task): mean "
+            "token weight of a class over the run's RL steps (weighted by token counts), per "
+            "side, and the per-response AUC of the weight ranking first_error tokens above the "
+            "response's other tokens (A<0) or step tokens above its boilerplate (A>0), 0.5 = no "
+            "separation; each averaged over seeds. Classes: first_error = where a wrong response "
+            "first departs from the reference solution, step = the digits of correct "
+            "intermediate results and of the answer, boilerplate = the text the problem "
+            "determines (operands, operators, '=', '.', \\boxed{}). grpo / dapo train with "
+            "weight 1 on every token (weights 1, AUC 0.5 when logged).",
             "",
             "| variant | " + " | ".join(h for _, h in CREDIT_COLUMNS)
             + " | first_error / boilerplate (A<0) |",
@@ -289,8 +291,8 @@ def to_markdown(table, meta: dict, baseline: str = BASELINE) -> str:
         ]
         for row in credit_rows:
             c = row["credit"]
-            fe, bp = c.get("weight_first_error_neg", math.nan), c.get("weight_boilerplate_neg",
-                                                                      math.nan)
+            fe = c.get("credit/weight_first_error_neg", math.nan)
+            bp = c.get("credit/weight_boilerplate_neg", math.nan)
             ratio = fe / bp if fe == fe and bp == bp and bp > 0 else math.nan
             lines.append(f"| {row['variant']} | "
                          + " | ".join(_num(c.get(k, math.nan)) for k, _ in CREDIT_COLUMNS)
@@ -397,7 +399,7 @@ def warm_start(config: str, seed_dir: str, seed: int, extra: dict, log=print) ->
 
 def credit_summary(rows) -> dict:
     """delta_jax.rl.credit.summarize of a run's metrics rows when it logged credit/* metrics
-    (the synthetic task); {} otherwise or before that module exists."""
+    (the synthetic task): its numeric values, keys "credit/..."; {} otherwise."""
     if not any(k.startswith("credit/") for r in rows for k in r):
         return {}
     try:

@@ -97,10 +97,11 @@ def hand_results():
         for s, acc in per_seed.items():
             r = {"before": before[s], "after": acc, "seconds": 10.0, "workdir": f"/x/{v}"}
             if v.startswith("delta"):
-                r["credit"] = {"weight_first_error_neg": 1.10 + 0.02 * s,
-                               "weight_boilerplate_neg": 0.90,
-                               "weight_step_pos": 1.05, "weight_boilerplate_pos": 0.95,
-                               "auc_first_error_neg": 0.7, "auc_step_pos": 0.6}
+                r["credit"] = {"credit/weight_first_error_neg": 1.10 + 0.02 * s,
+                               "credit/weight_boilerplate_neg": 0.90,
+                               "credit/weight_step_pos": 1.05,
+                               "credit/weight_boilerplate_pos": 0.95,
+                               "credit/auc_first_error_neg": 0.7, "credit/auc_step_pos": 0.6}
             res[(s, v)] = r
     res[(2, "delta")] = {"error": "exit 1"}
     return res
@@ -122,7 +123,7 @@ def test_summarize_on_hand_made_results():
     assert c["seeds"] == [0, 1] and c["n"] == 2
     assert c["per_seed_diff"] == pytest.approx([0.03, -0.01])
     assert (c["wins"], c["losses"]) == (1, 1)
-    assert delta["credit"]["weight_first_error_neg"] == pytest.approx(1.11)  # mean of seeds 0, 1
+    assert delta["credit"]["credit/weight_first_error_neg"] == pytest.approx(1.11)  # mean of seeds 0, 1
     assert k0["vs_baseline"]["n"] == 3 and k0["overrides"] == {"delta.num_refine": 0}
     assert k0["improved"] == 3
 
@@ -230,3 +231,18 @@ def test_run_all_runs_every_variant_after_its_seeds_warm_start(monkeypatch, caps
     out = capsys.readouterr().out
     assert "(9/9)" in out and "seed 0 dapo: held-out 40.0% -> 50.0% (2 s)" in out
     assert "seed 2 sft: FAILED (boom)" in out
+
+
+def test_credit_summary_is_credit_summarize_of_the_rows():
+    from delta_jax.rl import credit
+    rows = [{"step": 0, "eval/average/avg@4": 0.3}]
+    assert cm.credit_summary(rows) == {}
+    for s, (n, w) in enumerate([(10, 1.2), (30, 1.0)], start=1):
+        rows.append({"step": s, "credit/tokens_first_error_neg": float(n),
+                     "credit/weight_first_error_neg": w, "credit/tokens_boilerplate_neg": 20.0,
+                     "credit/weight_boilerplate_neg": 0.9, "credit/auc_first_error_neg": 0.7,
+                     "credit/auc_first_error_neg_responses": 2.0})
+    got = cm.credit_summary(rows)
+    assert got == credit.summarize(rows)
+    assert got["credit/weight_first_error_neg"] == pytest.approx((10 * 1.2 + 30 * 1.0) / 40)
+    assert got["credit/auc_first_error_neg"] == pytest.approx(0.7)

@@ -1,5 +1,6 @@
 """delta_jax.train.plots: metric series, before/after eval, weight histograms (vs NumPy), PNGs."""
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +117,82 @@ def test_write_report_writes_pngs_and_prints_before_after(tmp_path, with_delta):
     for name in names:
         data = (tmp_path / "plots" / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+CLASSES = ("boilerplate", "step", "first_error", "after_error")
+
+
+def credit_rows(rl_steps=6):
+    """fake_rows plus the ground-truth credit metrics of the synthetic task on the RL rows, with
+    gaps: step 2 has no first_error token (count 0, weight absent), step 3 no AUC on A < 0."""
+    rows = fake_rows(rl_steps=rl_steps)
+    for row in rows:
+        if "rollout/accuracy" not in row:
+            continue
+        s = row["step"]
+        for side in ("pos", "neg"):
+            for i, cls in enumerate(CLASSES):
+                n = 0 if (cls == "first_error" and s == 2) else 10 + i
+                row[f"credit/tokens_{cls}_{side}"] = float(n)
+                if n:
+                    row[f"credit/weight_{cls}_{side}"] = 0.9 + 0.05 * i + 0.01 * s
+        if s != 3:
+            row["credit/auc_first_error_neg"] = 0.6 + 0.01 * s
+            row["credit/auc_first_error_neg_responses"] = 4.0
+        else:
+            row["credit/auc_first_error_neg_responses"] = 0.0
+        row["credit/auc_step_pos"] = 0.55
+        row["credit/auc_step_pos_responses"] = 3.0
+    return rows
+
+
+def test_credit_plot_and_report_lines(tmp_path):
+    write_rows(tmp_path, credit_rows())
+    text = plots.write_report(str(tmp_path), rl_steps=6)
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["credit.png", "delta_weights.png", "training.png"]
+    data = (tmp_path / "plots" / "credit.png").read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    # Token-count-weighted means over the steps: first_error on A < 0 has 12 tokens at steps
+    # 1, 3, 4, 5, 6 (weight 1.0 + 0.01 s), boilerplate 10 tokens at every step (0.9 + 0.01 s).
+    fe = np.mean([1.0 + 0.01 * s for s in (1, 3, 4, 5, 6)])
+    bp = np.mean([0.9 + 0.01 * s for s in range(1, 7)])
+    want = (f"credit: in wrong-leaning responses DelTA weights first-error tokens more than "
+            f"boilerplate ({fe:.3f} vs {bp:.3f}, ratio {fe / bp:.3f})")
+    assert want in text
+    assert "credit, mean DelTA token weight per class (A < 0): boilerplate " in text
+    assert f"first_error {fe:.3f} (60 tokens)" in text
+    auc = np.mean([0.6 + 0.01 * s for s in (1, 2, 4, 5, 6)])
+    assert (f"credit, AUC of the weight: first_error vs other tokens, A < 0 {auc:.3f}; "
+            "step vs boilerplate, A > 0 0.550") in text
+
+
+def test_credit_plot_with_missing_keys(tmp_path):
+    """Partial credit series (only counts; only one AUC; a class absent) draw without error and
+    the report says what it cannot compare."""
+    rows = fake_rows(rl_steps=4, with_delta=False)
+    for row in rows:
+        if "rollout/accuracy" in row:
+            row["credit/tokens_step_pos"] = 5.0
+            row["credit/weight_step_pos"] = 1.1
+            row["credit/auc_step_pos"] = "nan"  # the JSON writer's non-finite value
+    write_rows(tmp_path, rows)
+    text = plots.write_report(str(tmp_path), rl_steps=4)
+    assert (tmp_path / "plots" / "credit.png").read_bytes().startswith(PNG_MAGIC)
+    assert "no first-error vs boilerplate comparison" in text
+    assert "(A > 0): step 1.100 (20 tokens)" in text
+    path = plots.plot_credit([{"step": 1, "credit/auc_step_pos": 0.5}], str(tmp_path / "a.png"))
+    assert pathlib.Path(path).read_bytes().startswith(PNG_MAGIC)
+    assert plots.credit_classes(credit_rows()) == list(CLASSES)
+    (tmp_path / "config.json").write_text(json.dumps({"method": "dapo"}))
+    text = plots.write_report(str(tmp_path), rl_steps=4)
+    assert "credit, mean token weight per class (A > 0): step 1.100" in text
+    lines = plots.credit_report_lines(credit_rows(), method="grpo")
+    assert lines[-1].startswith("credit: in wrong-leaning responses the grpo loss weights")
+
+
+def test_report_without_credit_metrics_has_no_credit_lines(tmp_path):
+    write_rows(tmp_path, fake_rows(rl_steps=6))
+    text = plots.write_report(str(tmp_path), rl_steps=6)
+    assert "credit," not in text and "credit:" not in text
+    assert not (tmp_path / "plots" / "credit.png").exists()

@@ -1,13 +1,20 @@
 """Run plots and the end-of-run report, drawn from a run's own files (matplotlib, Agg, no pyplot).
 
     append_weight_histogram(workdir, step, weights, advantages, mask, lam_min, lam_max)  # loop
-    paths = write_plots(workdir)        # <workdir>/plots/training.png (+ delta_weights.png)
+    paths = write_plots(workdir)        # <workdir>/plots/training.png (+ delta_weights.png,
+                                        #   + credit.png on the synthetic task)
     print(write_report(workdir))        # the plots + held-out accuracy before and after RL
+                                        #   (+ the ground-truth credit summary)
 
 Inputs:
   <workdir>/metrics.jsonl        every scalar the run wrote (SFT, RL steps, evals); see metrics.py
   <workdir>/delta_weights.jsonl  per RL step, histograms of the DelTA token weights per side
                                  (written by `append_weight_histogram` when the method is delta)
+
+On the synthetic task the RL rows also hold the ground-truth credit metrics of delta_jax.rl.credit:
+credit/weight_{class}_{side} (mean DelTA weight of the tokens of that class, side pos / neg),
+credit/tokens_{class}_{side} and the AUCs credit/auc_first_error_neg, credit/auc_step_pos;
+plots/credit.png draws them and the report summarises them (credit.summarize).
 
 The SFT, RL and eval rows share the step counter (SFT step 300 and RL step 300 are different rows),
 so series are picked by the keys a row holds, never by its step alone.
@@ -25,6 +32,12 @@ import numpy as np
 from delta_jax.train.metrics import read_jsonl
 
 SIDES = ("pos", "neg", "zero")  # the sides of rl.delta: A > 0, A < 0, A = 0
+# delta_jax.rl.credit.CLASS_NAMES (code 0 = "none": no class, e.g. padding; not drawn).
+CREDIT_CLASSES = ("none", "boilerplate", "step", "first_error", "after_error")
+CREDIT_AUCS = (("credit/auc_first_error_neg", "first_error vs other tokens, A < 0"),
+               ("credit/auc_step_pos", "step vs boilerplate, A > 0"))
+_CLASS_COLORS = {"boilerplate": "tab:gray", "step": "tab:blue", "first_error": "tab:red",
+                 "after_error": "tab:orange"}
 HISTOGRAM_FILE = "delta_weights.jsonl"
 HISTOGRAM_BINS = 48
 _SIDE_COLORS = {"pos": "tab:green", "neg": "tab:red", "zero": "tab:gray"}
@@ -239,6 +252,73 @@ def plot_delta_weights(rows: Sequence[dict], histograms: Sequence[dict], path: s
     return _save(fig, path)
 
 
+def credit_classes(rows: Sequence[dict]) -> list[str]:
+    """The classes (not "none") with a credit/weight_{class}_{side} series in the rows, in
+    CLASS_NAMES order (classes unknown to this module after them, sorted)."""
+    found = set()
+    for row in rows:
+        for key in row:
+            if key.startswith("credit/weight_"):
+                name = key[len("credit/weight_"):]
+                for side in ("_pos", "_neg"):
+                    if name.endswith(side):
+                        found.add(name[:-len(side)])
+    found.discard("none")
+    known = [c for c in _class_names() if c in found]
+    return known + sorted(found - set(known))
+
+
+def has_credit(rows: Sequence[dict]) -> bool:
+    return any(k.startswith("credit/") for row in rows for k in row)
+
+
+def _class_names() -> tuple:
+    try:
+        from delta_jax.rl import credit
+        return tuple(credit.CLASS_NAMES)
+    except ImportError:  # the module predates rl.credit's presence in this checkout
+        return CREDIT_CLASSES
+
+
+def plot_credit(rows: Sequence[dict], path: str) -> str:
+    """Ground-truth token credit on the synthetic task: per side (A > 0, A < 0) the mean DelTA
+    weight of each token class over the RL steps, and the AUC series; a PNG. Steps where a class
+    has no token (credit/tokens_{class}_{side} == 0, or no finite weight) are left out."""
+    fig, (ax_pos, ax_neg, ax_auc) = _figure(1, 3, (15, 4.2))
+    for side, ax, title in (("pos", ax_pos, "A > 0 (correct-leaning)"),
+                            ("neg", ax_neg, "A < 0 (wrong-leaning)")):
+        for cls in credit_classes(rows):
+            s, w = series(rows, f"credit/weight_{cls}_{side}")
+            s_tok, tokens = series(rows, f"credit/tokens_{cls}_{side}")
+            if len(s_tok):
+                has_tokens = set(s_tok[tokens > 0].tolist())
+                keep = np.asarray([int(x) in has_tokens for x in s], bool)
+                s, w = s[keep], w[keep]
+            if not len(s):
+                continue
+            color = _CLASS_COLORS.get(cls)
+            ax.plot(s, w, color=color, alpha=0.3, lw=0.8)
+            ax.plot(s, moving_average(w, 5), color=color, label=f"{cls}, 5-step mean")
+        ax.axhline(1.0, color="black", lw=0.6)
+        ax.set(title=f"weight per token class, {title}", xlabel="RL step",
+               ylabel="mean DelTA weight")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    for (key, label), color in zip(CREDIT_AUCS, ("tab:red", "tab:blue")):
+        s, v = series(rows, key)
+        if len(s):
+            ax_auc.plot(s, v, color=color, alpha=0.3, lw=0.8)
+            ax_auc.plot(s, moving_average(v, 5), color=color, label=f"{label}, 5-step mean")
+    ax_auc.axhline(0.5, color="black", lw=0.6, ls="--")
+    ax_auc.set(title="AUC of the weight (0.5 = no separation)", xlabel="RL step", ylabel="AUC",
+               ylim=(0, 1))
+    ax_auc.grid(alpha=0.3)
+    if ax_auc.get_legend_handles_labels()[0]:
+        ax_auc.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def _save(fig, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -246,7 +326,8 @@ def _save(fig, path: str) -> str:
 
 
 def write_plots(workdir: str) -> list[str]:
-    """<workdir>/plots/training.png, and delta_weights.png when the run has DelTA weights."""
+    """<workdir>/plots/training.png, delta_weights.png when the run has DelTA weights, and
+    credit.png when it has ground-truth credit metrics (the synthetic task)."""
     rows = read_metrics(workdir)
     out_dir = os.path.join(workdir, "plots")
     paths = [plot_training(rows, os.path.join(out_dir, "training.png"))]
@@ -254,6 +335,8 @@ def write_plots(workdir: str) -> list[str]:
     if histograms or any("delta/weight_mean_pos" in r for r in rows):
         paths.append(plot_delta_weights(rows, histograms, os.path.join(out_dir,
                                                                        "delta_weights.png")))
+    if has_credit(rows):
+        paths.append(plot_credit(rows, os.path.join(out_dir, "credit.png")))
     return paths
 
 
@@ -271,9 +354,61 @@ def write_report(workdir: str, rl_steps: int | None = None) -> str:
                      f"(step {result['before_step']}) -> after RL {100 * result['after']:.1f}% "
                      f"(step {result['after_step']}), "
                      f"{100 * (result['after'] - result['before']):+.1f} points")
+    if has_credit(rows):
+        lines += credit_report_lines(rows, _run_method(workdir))
     lines.append("plots: " + ", ".join(paths))
     lines.append("metrics: " + os.path.join(workdir, "metrics.jsonl"))
     return "\n".join(lines)
+
+
+def credit_summary(rows: Sequence[dict]) -> dict:
+    """delta_jax.rl.credit.summarize(rows): the run's per-class weights and AUCs, keys
+    "credit/..." ({} when the rows hold no credit metrics)."""
+    if not has_credit(rows):
+        return {}
+    from delta_jax.rl import credit
+    return dict(credit.summarize(rows))
+
+
+def credit_report_lines(rows: Sequence[dict], method: str | None = None) -> list[str]:
+    """The report's credit lines: mean token weight per class and side, the AUCs, and one line on
+    how first-error tokens are weighted against boilerplate in wrong-leaning responses. method:
+    the run's (None = delta); a grpo / dapo run's loss weights every token 1, so its lines name
+    the method rather than DelTA."""
+    who = "DelTA" if method in (None, "delta") else f"the {method} loss"
+    summary = credit_summary(rows)
+    fmt = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) and x == x else "n/a"  # noqa: E731
+    classes = [c for c in _class_names() if c != "none"]
+    lines = []
+    for side, name in (("neg", "A < 0"), ("pos", "A > 0")):
+        parts = [f"{c} {fmt(summary[f'credit/weight_{c}_{side}'])} "
+                 f"({int(summary.get(f'credit/tokens_{c}_{side}', 0))} tokens)" for c in classes
+                 if f"credit/weight_{c}_{side}" in summary]
+        if parts:
+            lines.append(f"credit, mean {'DelTA ' if who == 'DelTA' else ''}token weight per "
+                         f"class ({name}): "
+                         + ", ".join(parts))
+    aucs = [f"{label} {fmt(summary[key])}" for key, label in CREDIT_AUCS if key in summary]
+    if aucs:
+        lines.append("credit, AUC of the weight: " + "; ".join(aucs) + " (0.5 = no separation)")
+    fe = summary.get("credit/weight_first_error_neg")
+    bp = summary.get("credit/weight_boilerplate_neg")
+    if all(isinstance(x, (int, float)) and x == x for x in (fe, bp)) and bp > 0:
+        verdict = ("more than" if fe > bp else "less than" if fe < bp else "the same as")
+        lines.append(f"credit: in wrong-leaning responses {who} weights first-error tokens "
+                     f"{verdict} boilerplate ({fe:.3f} vs {bp:.3f}, ratio {fe / bp:.3f})")
+    else:
+        lines.append("credit: no first-error vs boilerplate comparison (a class had no "
+                     "tokens on the A < 0 side)")
+    return lines
+
+
+def _run_method(workdir: str) -> str | None:
+    try:
+        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("method")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _eval_questions(workdir: str, step: int) -> int | None:
