@@ -20,7 +20,15 @@ WORD_OPS = [
 
 
 def solve_word(problem):
-    head, *clauses = problem.split(". How many")[0].split(", then ")
+    # The question names the person and item; other "X has N Y[, then ...]." sentences are
+    # distractors (data.synthetic_distractors) about someone or something else.
+    m = re.fullmatch(r"(.*) How many (\w+) does (\w+) have\?", problem)
+    story, item, name = m.groups()
+    sentences = [x for x in re.split(r"(?<=\.) ", story)]
+    main = [x for x in sentences if x.startswith(f"{name} has ") and
+            re.match(rf"{name} has \d+ {item}\b", x)]
+    assert len(main) == 1, problem
+    head, *clauses = main[0][:-1].split(", then ")
     count = int(re.fullmatch(r"\w+ has (\d+) \w+", head).group(1))
     for clause in clauses:
         for pattern, fn in WORD_OPS:
@@ -34,7 +42,9 @@ def solve_word(problem):
 
 
 def solve_expression(problem):
-    expr = re.fullmatch(r"What is ([\d +\-*]+)\?", problem).group(1)
+    facts, expr = re.fullmatch(r"((?:[\d +\-*]+ is \d+\. )*)What is ([\d +\-*]+)\?", problem).groups()
+    for a, op, b, c in re.findall(r"(\d+) ([+\-*]) (\d+) is (\d+)\.", facts):  # distractors: true
+        assert {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](int(a), int(b)) == int(c)
     tree = ast.parse(expr, mode="eval")  # Python's own precedence rules
     assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult))
                for n in ast.walk(tree))
@@ -42,7 +52,22 @@ def solve_expression(problem):
 
 
 def solve(problem):
-    return solve_expression(problem) if problem.startswith("What is") else solve_word(problem)
+    return solve_word(problem) if "How many" in problem else solve_expression(problem)
+
+
+def check_record(rec, num_ops, digits=2):
+    """The record's answer and worked solution are right, with num_ops steps, every value of
+    the solution below 10**digits."""
+    answer, ops = solve(rec["problem"])
+    assert rec["answer"] == str(answer), rec
+    assert ops == num_ops, rec
+    steps = re.findall(r"(\d+) ([+\-*]) (\d+) = (\d+)\.", rec["solution"])
+    assert len(steps) == num_ops, rec
+    for a, op, b, c in steps:
+        assert {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](int(a), int(b)) == int(c)
+        assert max(int(a), int(b), int(c)) < 10 ** digits, rec
+    assert rec["solution"].endswith(f"\\boxed{{{answer}}}")
+    assert records.last_boxed(rec["solution"]) == rec["answer"]
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +89,8 @@ def all_records(splits):
 
 def test_answers_are_right_and_steps_match_level(splits):
     for rec in all_records(splits):
-        answer, num_ops = solve(rec["problem"])
-        assert rec["answer"] == str(answer), rec
-        assert num_ops == synthetic.LEVELS[rec["level"]].steps, rec
-        # The worked solution: one "a op b = c." per operation, each step correct, answer boxed.
-        steps = re.findall(r"(\d+) ([+\-*]) (\d+) = (\d+)\.", rec["solution"])
-        assert len(steps) == num_ops, rec
-        for a, op, b, c in steps:
-            assert {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](int(a), int(b)) == int(c)
-        assert rec["solution"].endswith(f"\\boxed{{{answer}}}")
-        assert records.last_boxed(rec["solution"]) == rec["answer"]
+        check_record(rec, synthetic.LEVELS[rec["level"]].steps)
+        assert rec["problem"].startswith("What is") or "How many" in rec["problem"]
 
 
 def test_levels_and_kinds_are_all_present(splits):
@@ -160,3 +177,153 @@ def test_synthetic_assets_are_made_once_and_remade_when_their_settings_change(tm
     mtime = os.path.getmtime(os.path.join(tok, "tokenizer.json"))
     assert tiny_task.prepare_tiny_tokenizer(str(tmp_path / "tok")) == tok
     assert os.path.getmtime(os.path.join(tok, "tokenizer.json")) == mtime
+
+
+# ----------------------------------------------------------------------------- pinned output
+# Records of seed 0 as the generator wrote them before the difficulty knobs (steps, digits,
+# distractors) existed: the default knobs must keep generating exactly these problems (the
+# default run's data and the tiny tokenizer's training corpus depend on them).
+
+PINNED_SEED0_TRAIN = [
+    {"id": "synth-train-0", "problem": "What is 5 + 4 * 4 + 18 - 5?", "answer": "34",
+     "solution": "4 * 4 = 16. 5 + 16 = 21. 21 + 18 = 39. 39 - 5 = 34. \\boxed{34}", "level": 4},
+    {"id": "synth-train-1", "problem": "What is 3 + 11 * 5 - 4 + 10?", "answer": "64",
+     "solution": "11 * 5 = 55. 3 + 55 = 58. 58 - 4 = 54. 54 + 10 = 64. \\boxed{64}", "level": 4},
+    {"id": "synth-train-2", "problem": "Ben has 19 books, then gets 18 more, then gives away 15, "
+     "then triples them. How many books does Ben have?", "answer": "66",
+     "solution": "19 + 18 = 37. 37 - 15 = 22. 22 * 3 = 66. \\boxed{66}", "level": 3},
+    {"id": "synth-train-3", "problem": "Sam has 8 pens, then gets 2 more, then triples them, then "
+     "gives away 3. How many pens does Sam have?", "answer": "27",
+     "solution": "8 + 2 = 10. 10 * 3 = 30. 30 - 3 = 27. \\boxed{27}", "level": 3},
+]
+PINNED_SEED0_TEST0 = {
+    "id": "synth-test-0", "problem": "Eva has 12 apples, then gives away 9, then loses 2, then "
+    "doubles them. How many apples does Eva have?", "answer": "2",
+    "solution": "12 - 9 = 3. 3 - 2 = 1. 1 * 2 = 2. \\boxed{2}", "level": 3}
+# sha256 of json.dumps(..., sort_keys=True) of these outputs of the pre-knob code.
+PINNED_HASHES = {
+    "splits_300_60_seed0": "0680d3ca9027388b313ed0977776584750d4337d8189379bfc55138a37722806",
+    "stream_4000_seed0": "ae30080c3ad4b89381ff53fa2c61ba51140fc11e467ecbc16aebc7a9ff4756b7",
+    "splits_200_20_seed3_levels12": "a69dbb83b5e02fc2efac799cb62cd2b6aff83474ef71236120f1e35de0483603",
+    "splits_4096_64_seed0_levels12": "4b5015f653158ac7da425204ffaacf8f764a904443cfacd96ea2e78f39df79ca",
+    "splits_4000_256_seed0_levels12": "1df09f205fdaaae0753eb15edfc684a3c7c851bf381c107ac3b42480c90dd9ab",
+}
+
+
+def _digest(obj):
+    import hashlib
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def test_default_knobs_generate_the_pinned_problems(splits):
+    assert splits["train"][:4] == PINNED_SEED0_TRAIN
+    assert splits["test"][0] == PINNED_SEED0_TEST0
+    assert _digest(splits) == PINNED_HASHES["splits_300_60_seed0"]
+    stream = synthetic.iter_problems(0)
+    assert _digest([next(stream) for _ in range(4000)]) == PINNED_HASHES["stream_4000_seed0"]
+    assert _digest(synthetic.generate_splits(200, 20, seed=3, levels=(1, 2))) == \
+        PINNED_HASHES["splits_200_20_seed3_levels12"]
+    # The config default (4096 + 64) and the default job's data (experiments/tiny.py: 4000 + 256
+    # problems of levels 1, 2), with the knobs spelled out at their defaults.
+    assert _digest(synthetic.generate_splits(4096, 64, seed=0, levels=(1, 2), steps=0, digits=2,
+                                             distractors=0)) == \
+        PINNED_HASHES["splits_4096_64_seed0_levels12"]
+    assert _digest(synthetic.generate_splits(4000, 256, seed=0, levels=(1, 2), steps=0, digits=2,
+                                             distractors=0)) == \
+        PINNED_HASHES["splits_4000_256_seed0_levels12"]
+
+
+
+# ----------------------------------------------------------------------------- difficulty knobs
+
+
+def test_level_spec_defaults_are_the_levels_and_ranges_scale_with_digits():
+    for lv, level in synthetic.LEVELS.items():
+        assert synthetic.level_spec(lv) == level and level.max_value == synthetic.MAX_VALUE
+        assert synthetic.level_spec(lv, steps=7).steps == 7
+        previous = None
+        for digits in range(1, synthetic.MAX_DIGITS + 1):
+            spec = synthetic.level_spec(lv, digits=digits)
+            assert spec.max_value == 10 ** digits - 1 and spec.steps == level.steps
+            assert 2 <= spec.max_operand <= spec.max_value and 2 <= spec.max_multiplier <= 9
+            if previous is not None:
+                assert spec.max_operand > previous.max_operand
+            previous = spec
+    for bad in (dict(digits=0), dict(digits=7), dict(steps=-1)):
+        with pytest.raises(ValueError):
+            synthetic.level_spec(1, **bad)
+    with pytest.raises(ValueError, match="distractors"):
+        synthetic.make_problem(synthetic.random.Random(0), 1, "word", distractors=-1)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(steps=30, digits=3),                    # the long GPU-scale problems
+    dict(steps=12, digits=1, distractors=1),     # tight value range: the expressions are built
+    dict(digits=6, distractors=3),
+    dict(steps=1, digits=2, distractors=2),
+])
+def test_knobs_make_right_problems_of_the_asked_shape(knobs):
+    out = synthetic.generate_splits(120, 12, seed=5, **knobs)
+    recs = out["train"] + out["test"]
+    assert len({r["problem"] for r in recs}) == len(recs) == 132
+    kinds = set()
+    for rec in recs:
+        check_record(rec, knobs.get("steps") or synthetic.LEVELS[rec["level"]].steps,
+                     knobs.get("digits", 2))
+        kinds.add("How many" in rec["problem"])
+        # Distractors: that many extra statements (word: sentences besides the story; expression:
+        # facts before the question); only the tokenizer corpus's words.
+        d = knobs.get("distractors", 0)
+        if "How many" in rec["problem"]:
+            assert rec["problem"].count(" has ") == 1 + d
+        else:
+            assert rec["problem"].count(" is ") == 1 + d
+        words = set(re.findall(r"[A-Za-z]+", rec["problem"]))
+        assert words <= set(synthetic.VOCABULARY), words - set(synthetic.VOCABULARY)
+    assert kinds == {True, False}
+    # Deterministic, and the knobs change the problems.
+    assert synthetic.generate_splits(120, 12, seed=5, **knobs) == out
+    assert out != synthetic.generate_splits(120, 12, seed=5)
+
+
+def test_built_expressions_stay_in_range():
+    # The left-to-right construction (what long expressions fall back on) on its own.
+    rng = synthetic.random.Random(0)
+    for digits in (1, 2, 3):
+        for lv in synthetic.LEVELS:
+            spec = synthetic.level_spec(lv, steps=40, digits=digits)
+            for _ in range(20):
+                operands, ops = synthetic._build_expression(rng, spec)
+                assert len(ops) == 40 and len(operands) == 41
+                steps, answer = synthetic._expression_steps(operands, ops, spec.max_value)
+                assert steps is not None and 0 <= answer <= spec.max_value
+                assert answer == eval(synthetic._expression_text(operands, ops)[8:-1])
+
+
+def test_long_problems_tokenize_to_a_few_hundred_tokens(tok):
+    recs = synthetic.generate_splits(40, 4, seed=0, steps=30, digits=3, distractors=2)["train"]
+    lengths = [len(tok.encode(r["solution"], add_special_tokens=False)) for r in recs]
+    assert 250 < max(lengths) < 600, lengths
+    assert all(tok.decode(tok.encode(r["problem"], add_special_tokens=False)) == r["problem"]
+               for r in recs)
+
+
+def test_cli_and_assets_take_the_knobs(tmp_path):
+    from delta_jax.data import tiny_task
+
+    synthetic.main(["--out_dir", str(tmp_path / "cli"), "--num_train", "20", "--num_test", "2",
+                    "--steps", "6", "--digits", "3", "--distractors", "1"])
+    recs, _ = records.load_records(str(tmp_path / "cli" / "train.jsonl"))
+    assert len(recs) == 20 and all(r["solution"].count(" = ") == 6 for r in recs)
+    base = dict(num_train=30, num_test=4, seed=1)
+    paths = tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), **base)
+    default = records.load_records(paths["train"])[0]
+    # Other knob values give other files (the manifest records them) ...
+    tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), **base, steps=5)
+    assert all(r["solution"].count(" = ") == 5 for r in records.load_records(paths["train"])[0])
+    tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), **base, digits=4, distractors=2)
+    assert records.load_records(paths["train"])[0] != default
+    # ... and the defaults give the old ones back.
+    tiny_task.prepare_synthetic_splits(str(tmp_path / "s"), **base, steps=0, digits=2,
+                                       distractors=0)
+    assert records.load_records(paths["train"])[0] == default

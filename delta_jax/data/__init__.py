@@ -4,7 +4,8 @@
     builders.py       build_tfds_source(paths, name, data_dir) -> random-access ArrayRecord source
     pipeline.py       make_prompt_pipeline(source, batch_size, seed, ...) -> resumable batch iterator
     templates.py      PromptTemplate / make_template: "qwen_math" | "base" | "chat" | "plain"
-    synthetic.py      the built-in arithmetic task (JSONL train/test splits)
+    synthetic.py      the built-in arithmetic task (JSONL train/test splits; difficulty knobs;
+                      token_classes: ground-truth token credit of a sampled response)
     tiny_tokenizer.py a <512-token byte-level BPE tokenizer for the synthetic task
     tiny_task.py      prepare_synthetic_splits / prepare_tiny_tokenizer: both of the above, made
                       once per workdir (what train.run.prepare_assets uses)

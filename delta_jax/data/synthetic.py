@@ -19,10 +19,30 @@ deterministic from the seed. Train and test splits are disjoint by construction:
 the test split iff a hash of its text says so, whatever the seed or split sizes, so no test problem
 ever appears in any training file made by this module.
 
+Difficulty knobs (config data.synthetic_*; the defaults give exactly the problems of the
+generator before the knobs existed):
+
+  steps        0: each level's own number of operations; > 0: every problem has exactly this
+               many (the level still sets the operand ranges). Any number works: expressions are
+               rejection-sampled as before and, when that keeps failing (long problems), built
+               left to right choosing only operations that keep every value in range.
+  digits       1..6 (default 2): every value along the way stays below 10**digits; the operand
+               ranges scale with it (level_spec): 2 digits = LEVELS as written, 3 digits = operands
+               up to 99 / 199, ...; multipliers grow slowly (at most 9).
+  distractors  that many irrelevant statements per problem, placed before or after the story
+               (word: "Ann has 7 pens." or "Ann has 7 pens, then loses 2." about another person or
+               item) or before the question (expression: a true fact "6 + 7 is 13."). They use
+               only VOCABULARY words (the tiny tokenizer is unchanged) and never enter the solution.
+
+Token-level ground truth for credit assignment (token_classes): which tokens of a sampled response
+are the decisive ones (intermediate results, the boxed answer), which are boilerplate, and where
+the response first departs from the reference solution (the class codes are rl.credit's).
+
 Files are JSON Lines in the project's {"id","problem","answer","solution","level"} layout, so the
 ordinary pipeline (records.load_records / builders.build_tfds_source) serves them.
 
-    python -m delta_jax.data.synthetic --out_dir /tmp/synth --num_train 20000 --num_test 500
+    python -m delta_jax.data.synthetic --out_dir /tmp/synth --num_train 20000 --num_test 500 \\
+        [--steps 30 --digits 3 --distractors 2]
 """
 from __future__ import annotations
 
@@ -32,7 +52,12 @@ import hashlib
 import json
 import os
 import random
+import re
 from typing import Iterator, Sequence
+
+import numpy as np
+
+from delta_jax.rl import credit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +65,7 @@ class Level:
     steps: int  # operations per problem
     max_operand: int  # operands are drawn from 1..max_operand
     max_multiplier: int  # right operand of "*" (expressions) is 2..max_multiplier
+    max_value: int = 99  # every value along the way stays in 0..max_value (MAX_VALUE)
 
 
 LEVELS: dict[int, Level] = {
@@ -56,6 +82,12 @@ ADD_PHRASES = ("buys {n} more", "finds {n} more", "gets {n} more")
 SUB_PHRASES = ("gives away {n}", "loses {n}", "sells {n}")
 MUL_PHRASES = {2: "doubles them", 3: "triples them"}
 MAX_VALUE = 99  # every intermediate value stays in 0..99: solutions stay < 48 tokens
+DEFAULT_DIGITS = 2  # = MAX_VALUE's 2 digits
+MAX_DIGITS = 6
+_MAX_MULTIPLIER = 9
+# Expressions: rejection-sampling tries before the left-to-right construction takes over. The
+# levels' acceptance rates are >= 45%, so the default problems never get near it (0.55**100).
+_REJECTION_TRIES = 100
 
 # Every word the generator can write (besides digits and punctuation); the tiny tokenizer's corpus.
 VOCABULARY = sorted(
@@ -66,6 +98,29 @@ VOCABULARY = sorted(
 )
 
 
+def level_spec(level: int, steps: int = 0, digits: int = DEFAULT_DIGITS) -> Level:
+    """The Level a problem of `level` is made with under the difficulty knobs (see the module
+    docstring): LEVELS[level] itself for steps=0, digits=2."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level}; known: {sorted(LEVELS)}")
+    if int(steps) < 0:
+        raise ValueError(f"steps must be >= 0 (0 = the level's own), got {steps}")
+    if not 1 <= int(digits) <= MAX_DIGITS:
+        raise ValueError(f"digits must be in 1..{MAX_DIGITS}, got {digits}")
+    base = LEVELS[level]
+    spec = dataclasses.replace(base, steps=int(steps) or base.steps)
+    if digits == DEFAULT_DIGITS:
+        return spec
+    if digits == 1:
+        max_operand = base.max_operand // 2  # 4 (levels 1, 2), 9 (levels 3, 4)
+    else:  # 9 -> 99 -> 999 ..., 19 -> 199 -> 1999 ...
+        max_operand = (base.max_operand + 1) * 10 ** (digits - DEFAULT_DIGITS) - 1
+    max_multiplier = min(_MAX_MULTIPLIER,
+                         max(2, base.max_multiplier + 2 * (digits - DEFAULT_DIGITS)))
+    return dataclasses.replace(spec, max_operand=max_operand, max_multiplier=max_multiplier,
+                               max_value=10 ** digits - 1)
+
+
 def _apply(op: str, a: int, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
@@ -74,17 +129,19 @@ def _step_text(a: int, op: str, b: int) -> str:
     return f"{a} {op} {b} = {_apply(op, a, b)}."
 
 
-def _word_problem(rng: random.Random, level: Level) -> tuple[str, list[str], int]:
+def _word_story(rng: random.Random, level: Level) -> tuple[str, list[str], int, tuple[str, str]]:
+    """(problem text, worked steps, answer, (name, item))."""
+    max_value = level.max_value
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     start = count = rng.randint(2, level.max_operand)  # plural nouns read right
     clauses, steps = [], []
     for _ in range(level.steps):
-        options = (["+"] if count < MAX_VALUE else []) + (["-"] if count > 0 else [])
-        if count * 2 <= MAX_VALUE:
+        options = (["+"] if count < max_value else []) + (["-"] if count > 0 else [])
+        if count * 2 <= max_value:
             options.append("*")
         op = rng.choice(options)
         if op == "*":
-            factor = 2 if count * 3 > MAX_VALUE else rng.choice((2, 3))
+            factor = 2 if count * 3 > max_value else rng.choice((2, 3))
             clauses.append(MUL_PHRASES[factor])
             steps.append(_step_text(count, "*", factor))
             count *= factor
@@ -93,37 +150,78 @@ def _word_problem(rng: random.Random, level: Level) -> tuple[str, list[str], int
             n = rng.randint(1, min(count, level.max_operand))
             clauses.append(rng.choice(SUB_PHRASES).format(n=n))
         else:
-            n = rng.randint(1, min(level.max_operand, MAX_VALUE - count))
+            n = rng.randint(1, min(level.max_operand, max_value - count))
             clauses.append(rng.choice(ADD_PHRASES).format(n=n))
         steps.append(_step_text(count, op, n))
         count = _apply(op, count, n)
     text = f"{name} has {start} {item}"
     text += "".join(f", then {c}" for c in clauses)
     text += f". How many {item} does {name} have?"
-    return text, steps, count
+    return text, steps, count, (name, item)
 
 
 def _expression_problem(rng: random.Random, level: Level) -> tuple[str, list[str], int]:
-    # Rejection sampling keeps every intermediate value in 0..MAX_VALUE (short solutions).
-    for _ in range(10_000):
+    # Rejection sampling keeps every intermediate value in 0..max_value (short solutions); long
+    # problems, which it rarely finds, are built left to right instead (_build_expression).
+    for _ in range(_REJECTION_TRIES):
         ops = [rng.choice("+-*") for _ in range(level.steps)]
         operands = [rng.randint(1, level.max_operand)]
         for op in ops:
             hi = level.max_multiplier if op == "*" else level.max_operand
             operands.append(rng.randint(2 if op == "*" else 1, hi))
-        steps, answer = _expression_steps(operands, ops)
+        steps, answer = _expression_steps(operands, ops, level.max_value)
         if steps is not None:
-            text = "What is " + " ".join(
-                [str(operands[0])] + [f"{op} {x}" for op, x in zip(ops, operands[1:])]
-            ) + "?"
-            return text, steps, answer
-    raise RuntimeError(f"no expression with values in 0..{MAX_VALUE} found for {level}")
+            return _expression_text(operands, ops), steps, answer
+    operands, ops = _build_expression(rng, level)
+    steps, answer = _expression_steps(operands, ops, level.max_value)
+    if steps is None:  # _build_expression only picks operations that keep values in range
+        raise AssertionError(f"built an invalid expression {operands} {ops} for {level}")
+    return _expression_text(operands, ops), steps, answer
 
 
-def _expression_steps(operands: list[int], ops: list[str]) -> tuple[list[str] | None, int]:
+def _expression_text(operands: list[int], ops: list[str]) -> str:
+    return "What is " + " ".join(
+        [str(operands[0])] + [f"{op} {x}" for op, x in zip(ops, operands[1:])]) + "?"
+
+
+def _build_expression(rng: random.Random, level: Level) -> tuple[list[int], list[str]]:
+    """Operands and operators of `level.steps` operations, drawn left to right among the choices
+    that keep every value of the worked solution in 0..max_value (always at least one: closing
+    the current term leaves a total t in range, and t < max_value allows "+", t > 0 allows "-").
+
+    State: `total` of the closed terms (None before the first "+" / "-"), the pending operator of
+    the open term and the open term's value (its product so far)."""
+    top = level.max_value
+    total, pending = None, None
+    term = rng.randint(1, level.max_operand)
+    operands, ops = [term], []
+
+    def term_room() -> int:  # the largest value the open term may reach
+        return top if pending is None else top - total if pending == "+" else total
+
+    for _ in range(level.steps):
+        closed = term if pending is None else _apply(pending, total, term)
+        max_factor = min(level.max_multiplier, term_room() // term) if term > 0 else 0
+        options = (["*"] if max_factor >= 2 else []) + (["+"] if closed < top else []) + (
+            ["-"] if closed > 0 else [])
+        op = rng.choice(options)
+        if op == "*":
+            x = rng.randint(2, max_factor)
+            term *= x
+        else:
+            total, pending = closed, op
+            x = rng.randint(1, min(level.max_operand, top - total if op == "+" else total))
+            term = x
+        operands.append(x)
+        ops.append(op)
+    return operands, ops
+
+
+def _expression_steps(operands: list[int], ops: list[str], max_value: int = MAX_VALUE
+                      ) -> tuple[list[str] | None, int]:
     """Worked steps: products first (left to right), then sums and differences left to right.
 
-    Returns (None, 0) when an intermediate value leaves 0..MAX_VALUE.
+    Returns (None, 0) when an intermediate value leaves 0..max_value.
     """
     values, pending_ops, steps = [operands[0]], [], []
     for op, x in zip(ops, operands[1:]):
@@ -134,26 +232,200 @@ def _expression_steps(operands: list[int], ops: list[str]) -> tuple[list[str] | 
             pending_ops.append(op)
             values.append(x)
     total = values[0]
-    if max(values) > MAX_VALUE:
+    if max(values) > max_value:
         return None, 0
     for op, x in zip(pending_ops, values[1:]):
         steps.append(_step_text(total, op, x))
         total = _apply(op, total, x)
-        if not 0 <= total <= MAX_VALUE:
+        if not 0 <= total <= max_value:
             return None, 0
     return steps, total
 
 
-def make_problem(rng: random.Random, level: int, kind: str) -> dict:
-    """One problem {"problem","answer","solution","level"} of a level (1..4) and kind."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown level {level}; known: {sorted(LEVELS)}")
+# ----------------------------------------------------------------------------- distractors
+
+
+def _word_distractor(rng: random.Random, level: Level, subject: tuple[str, str]) -> str:
+    """An irrelevant statement about another person or another item than `subject`:
+    "Ann has 7 pens." or, half the time, "Ann has 7 pens, then loses 2." """
+    while True:
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        if (name, item) != subject:
+            break
+    n = rng.randint(2, level.max_operand)
+    text = f"{name} has {n} {item}"
+    if rng.random() < 0.5:
+        if rng.random() < 0.5 or n >= level.max_value:
+            text += ", then " + rng.choice(SUB_PHRASES).format(n=rng.randint(1, n))
+        else:
+            m = rng.randint(1, min(level.max_operand, level.max_value - n))
+            text += ", then " + rng.choice(ADD_PHRASES).format(n=m)
+    return text + "."
+
+
+def _expression_distractor(rng: random.Random, level: Level) -> str:
+    """A true arithmetic fact that plays no part in the question: "6 + 7 is 13." """
+    a = rng.randint(1, level.max_operand)
+    op = rng.choice("+-*")
+    if op == "*" and a * 2 <= level.max_value:
+        b = rng.randint(2, min(level.max_multiplier, level.max_value // a))
+    elif op == "-":
+        b = rng.randint(1, a)
+    else:
+        op = "+"
+        b = rng.randint(1, level.max_operand)
+        if a + b > level.max_value:
+            a, b = level.max_value - b, b
+    return f"{a} {op} {b} is {_apply(op, a, b)}."
+
+
+def make_problem(rng: random.Random, level: int, kind: str, *, steps: int = 0,
+                 digits: int = DEFAULT_DIGITS, distractors: int = 0) -> dict:
+    """One problem {"problem","answer","solution","level"} of a level (1..4) and kind, under the
+    difficulty knobs (module docstring; the defaults are the levels as written)."""
+    spec = level_spec(level, steps=steps, digits=digits)
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; known: {KINDS}")
-    make = _word_problem if kind == "word" else _expression_problem
-    text, steps, answer = make(rng, LEVELS[level])
-    solution = " ".join(steps) + f" \\boxed{{{answer}}}"
+    if int(distractors) < 0:
+        raise ValueError(f"distractors must be >= 0, got {distractors}")
+    if kind == "word":
+        text, worked, answer, subject = _word_story(rng, spec)
+        if distractors:
+            story, question = text.split(" How many ")
+            before, after = [], []
+            for _ in range(distractors):
+                (before if rng.random() < 0.5 else after).append(
+                    _word_distractor(rng, spec, subject))
+            text = " ".join(before + [story] + after) + " How many " + question
+    else:
+        text, worked, answer = _expression_problem(rng, spec)
+        if distractors:
+            text = " ".join([_expression_distractor(rng, spec) for _ in range(distractors)]
+                            + [text])
+    solution = " ".join(worked) + f" \\boxed{{{answer}}}"
     return {"problem": text, "answer": str(answer), "solution": solution, "level": level}
+
+
+# ----------------------------------------------------------------------------- credit labels
+
+_STEP_RE = re.compile(r"(\d+) ([+\-*]) (\d+) = (\d+)\.")
+_BOXED_RE = re.compile(r"\\boxed\{(\d+)\}")
+_SPECIAL_PIECE_RE = re.compile(r"<\|[^|<>\s]*\|>")  # <|im_end|>, <|endoftext|>, ...
+
+
+def _is_digit(ch: str) -> bool:
+    return "0" <= ch <= "9"
+
+
+def decisive_mask(solution: str) -> np.ndarray:
+    """bool [len(solution)]: the characters of a worked solution that decide it, the digits of
+    each step's result c (in "a op b = c.") and of the boxed answer."""
+    out = np.zeros(len(solution), bool)
+    for m in _STEP_RE.finditer(solution):
+        out[m.start(4):m.end(4)] = True
+    for m in _BOXED_RE.finditer(solution):
+        out[m.start(1):m.end(1)] = True
+    return out
+
+
+def first_error_unit(solution: str, response: str) -> tuple[int, int] | None:
+    """The character span [start, end) of `response` that is its first error against the
+    reference `solution`, or None when the two are identical (token_classes has the rules).
+    The span is empty, (d, d) with d = len(response), when the response stops short of the
+    reference outside a number."""
+    n = min(len(solution), len(response))
+    d = next((i for i in range(n) if solution[i] != response[i]), n)
+    if d == len(solution) == len(response):
+        return None
+    in_number = ((d < len(response) and _is_digit(response[d]))
+                 or (d < len(solution) and _is_digit(solution[d])))
+    if in_number:  # the whole number of the response at d (it may end right at d)
+        start = d
+        while start > 0 and _is_digit(response[start - 1]):
+            start -= 1
+        end = d
+        while end < len(response) and _is_digit(response[end]):
+            end += 1
+        if end > start:
+            return start, end
+    return d, min(d + 1, len(response))
+
+
+def token_classes(solution: str, pieces: Sequence[str],
+                  special: Sequence[bool] | None = None) -> np.ndarray:
+    """Ground-truth credit classes (rl.credit codes) int8 [len(pieces)] of a sampled response.
+
+    solution: the problem's reference worked solution ("a op b = c. ... \\boxed{answer}");
+    pieces: the response's tokens decoded one by one; special: which pieces are special tokens
+    (EOS ...; default: pieces that read like "<|...|>"; a special token may also decode to "").
+
+    Characters first. The response text is the concatenation of the non-special pieces. A
+    character of the reference is *decisive* when it is a digit of a step's result c or of the
+    boxed answer (decisive_mask); everything else (restated operands, operators, "=", ".",
+    spaces, "\\boxed{", "}") is boilerplate. The first error is at the first index d where the
+    response differs from the reference; a response that stops short of the reference, or goes
+    on after it, errs at d = the shorter length; an identical response has no error. The
+    first-error *unit* (first_error_unit) is the whole number of the response at d when d falls
+    in a number of either string (the digit run of the response that contains d or ends at d),
+    else the single character d (nothing, when the response ended at d).
+
+    Then tokens, by the character span each covers (special and empty pieces are zero-width at
+    their position):
+      first_error  a token overlapping the unit; when the unit is empty (the response stopped
+                   short), the first zero-width token at d (the early EOS), if any
+      after_error  every token after the unit (special tokens included)
+      step         a token before the unit containing a decisive character
+      boilerplate  any other token before the unit (special tokens before it included)
+    With no error, every token is step or boilerplate.
+
+    Example, reference "2 + 3 = 5. 5 * 2 = 10. \\boxed{10}", a response with a wrong second
+    result, in the tiny tokenizer's pieces:
+
+        '2' ' +' ' 3' ' =' ' 5' '.' ' 5' ' *' ' 2' ' =' ' 1' '2' '.' ' \\' 'boxed' '{' ... '<|im_end|>'
+         B    B    B    B    S   B    B    B    B    B    F   F   A    A      A     A      A
+
+    (B boilerplate, S step, F first_error, A after_error): the response departs at "2" (vs "0"),
+    inside the number "12", so both of its tokens are first_error; the restated " 5" of the
+    second step is boilerplate, the result " 5" of the first step is a step token.
+    """
+    pieces = [str(p) for p in pieces]
+    if special is None:
+        special = [bool(_SPECIAL_PIECE_RE.fullmatch(p)) for p in pieces]
+    elif len(special) != len(pieces):
+        raise ValueError(f"special has {len(special)} entries for {len(pieces)} pieces")
+    spans, pos = [], 0
+    for piece, is_special in zip(pieces, special):
+        width = 0 if is_special else len(piece)
+        spans.append((pos, pos + width))
+        pos += width
+    response = "".join(p for p, sp in zip(pieces, special) if not sp)
+    decisive = decisive_mask(solution)
+    unit = first_error_unit(solution, response)
+    out = np.empty(len(pieces), np.int8)
+    stop_marked = False
+    for i, (s, e) in enumerate(spans):
+        if unit is not None:
+            us, ue = unit
+            if e > s:  # a token with text
+                if ue > us and s < ue and e > us:
+                    out[i] = credit.FIRST_ERROR
+                    continue
+                if s >= ue:
+                    out[i] = credit.AFTER_ERROR
+                    continue
+            else:  # zero-width (special) at s
+                if ue == us and s == us and not stop_marked:
+                    out[i] = credit.FIRST_ERROR
+                    stop_marked = True
+                    continue
+                if us < s < ue:  # inside the wrong number
+                    out[i] = credit.FIRST_ERROR
+                    continue
+                if s >= ue:
+                    out[i] = credit.AFTER_ERROR
+                    continue
+        out[i] = credit.STEP if e > s and decisive[s:e].any() else credit.BOILERPLATE
+    return out
 
 
 def is_test_problem(problem: str, test_fraction: float) -> bool:
@@ -162,11 +434,14 @@ def is_test_problem(problem: str, test_fraction: float) -> bool:
     return digest / 2**64 < test_fraction
 
 
-def iter_problems(seed: int, levels: Sequence[int] = (1, 2, 3, 4), kinds: Sequence[str] = KINDS) -> Iterator[dict]:
+def iter_problems(seed: int, levels: Sequence[int] = (1, 2, 3, 4), kinds: Sequence[str] = KINDS,
+                  *, steps: int = 0, digits: int = DEFAULT_DIGITS, distractors: int = 0
+                  ) -> Iterator[dict]:
     """An endless deterministic stream of problems, level and kind drawn uniformly."""
     rng = random.Random(seed)
     while True:
-        yield make_problem(rng, rng.choice(list(levels)), rng.choice(list(kinds)))
+        yield make_problem(rng, rng.choice(list(levels)), rng.choice(list(kinds)), steps=steps,
+                           digits=digits, distractors=distractors)
 
 
 def generate_splits(
@@ -176,10 +451,15 @@ def generate_splits(
     levels: Sequence[int] = (1, 2, 3, 4),
     kinds: Sequence[str] = KINDS,
     test_fraction: float = 0.1,
+    *,
+    steps: int = 0,
+    digits: int = DEFAULT_DIGITS,
+    distractors: int = 0,
 ) -> dict[str, list[dict]]:
     """{"train": [...], "test": [...]} of distinct problems; no problem text is in both splits.
 
-    Records: {"id": "synth-<split>-<i>", "problem", "answer", "solution", "level"}.
+    Records: {"id": "synth-<split>-<i>", "problem", "answer", "solution", "level"}; steps, digits,
+    distractors: the difficulty knobs (module docstring).
     """
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
@@ -187,7 +467,9 @@ def generate_splits(
     out: dict[str, list[dict]] = {"train": [], "test": []}
     seen: set[str] = set()
     budget = 50 * (num_train + num_test) + 10_000  # small levels have few distinct problems
-    for tries, prob in enumerate(iter_problems(seed, levels, kinds)):
+    stream = iter_problems(seed, levels, kinds, steps=steps, digits=digits,
+                           distractors=distractors)
+    for tries, prob in enumerate(stream):
         if all(len(out[s]) >= wanted[s] for s in out):
             break
         if tries >= budget:
@@ -218,9 +500,14 @@ def write_synthetic_splits(
     seed: int = 0,
     levels: Sequence[int] = (1, 2, 3, 4),
     kinds: Sequence[str] = KINDS,
+    *,
+    steps: int = 0,
+    digits: int = DEFAULT_DIGITS,
+    distractors: int = 0,
 ) -> dict[str, str]:
     """Write <out_dir>/train.jsonl and <out_dir>/test.jsonl; returns {"train": path, "test": path}."""
-    splits = generate_splits(num_train, num_test, seed=seed, levels=levels, kinds=kinds)
+    splits = generate_splits(num_train, num_test, seed=seed, levels=levels, kinds=kinds,
+                             steps=steps, digits=digits, distractors=distractors)
     paths = {}
     for split, recs in splits.items():
         paths[split] = os.path.join(out_dir, f"{split}.jsonl")
@@ -236,10 +523,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--levels", default="1,2,3,4", help="comma-separated, from 1..4")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--steps", type=int, default=0,
+                        help="operations per problem (0: each level's own)")
+    parser.add_argument("--digits", type=int, default=DEFAULT_DIGITS,
+                        help=f"every value stays below 10**digits (1..{MAX_DIGITS})")
+    parser.add_argument("--distractors", type=int, default=0,
+                        help="irrelevant statements per problem")
     args = parser.parse_args(argv)
     paths = write_synthetic_splits(
         args.out_dir, args.num_train, args.num_test, args.seed,
         levels=[int(x) for x in args.levels.split(",")], kinds=args.kinds.split(","),
+        steps=args.steps, digits=args.digits, distractors=args.distractors,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")

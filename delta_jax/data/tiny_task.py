@@ -1,7 +1,8 @@
 """The locally made assets of runs on the synthetic task (data.train / data.eval = "synthetic",
 tokenizer.path = "synthetic"); train.run.prepare_assets calls these for the run's workdir.
 
-    splits = prepare_synthetic_splits(out_dir, num_train, num_test, seed, levels)
+    splits = prepare_synthetic_splits(out_dir, num_train, num_test, seed, levels,
+                                      steps=0, digits=2, distractors=0)
     # {"train": "<out_dir>/train.jsonl", "test": "<out_dir>/test.jsonl"}
     tok_dir = prepare_tiny_tokenizer("<workdir>/tokenizer")
 
@@ -36,16 +37,20 @@ def _write_manifest(out_dir: str, manifest: dict):
 
 
 def prepare_synthetic_splits(out_dir: str, num_train: int = 20_000, num_test: int = 500,
-                             seed: int = 0, levels: Sequence[int] = (1, 2, 3, 4)
-                             ) -> dict[str, str]:
+                             seed: int = 0, levels: Sequence[int] = (1, 2, 3, 4), *,
+                             steps: int = 0, digits: int = synthetic.DEFAULT_DIGITS,
+                             distractors: int = 0) -> dict[str, str]:
     """Writes (or reuses) <out_dir>/{train,test}.jsonl of the synthetic arithmetic task
-    (data.synthetic.write_synthetic_splits); returns their paths."""
+    (data.synthetic.write_synthetic_splits, with its difficulty knobs steps / digits /
+    distractors); returns their paths."""
     paths = {"train": os.path.join(out_dir, "train.jsonl"),
              "test": os.path.join(out_dir, "test.jsonl")}
     manifest = {"num_train": int(num_train), "num_test": int(num_test), "seed": int(seed),
-                "levels": [int(x) for x in levels], "format": 1}
+                "levels": [int(x) for x in levels], "steps": int(steps), "digits": int(digits),
+                "distractors": int(distractors), "format": 1}
     if not _up_to_date(out_dir, manifest, list(paths.values())):
-        synthetic.write_synthetic_splits(out_dir, num_train, num_test, seed=seed, levels=levels)
+        synthetic.write_synthetic_splits(out_dir, num_train, num_test, seed=seed, levels=levels,
+                                         steps=steps, digits=digits, distractors=distractors)
         _write_manifest(out_dir, manifest)
     return paths
 

@@ -40,7 +40,9 @@ def prepare_assets(cfg, workdir: str) -> dict:
         levels = [int(x) for x in str(cfg.data.synthetic_levels).split(",") if x.strip()]
         splits = tiny_task.prepare_synthetic_splits(
             os.path.join(workdir, "synthetic"), num_train=cfg.data.synthetic_train,
-            num_test=cfg.data.synthetic_test, seed=cfg.seed, levels=levels)
+            num_test=cfg.data.synthetic_test, seed=cfg.seed, levels=levels,
+            steps=cfg.data.synthetic_steps, digits=cfg.data.synthetic_digits,
+            distractors=cfg.data.synthetic_distractors)
         if cfg.data.train == "synthetic":
             out["train"] = splits["train"]
         if cfg.data.eval == "synthetic":
