@@ -176,3 +176,30 @@ def test_resume_changes_lists_fields_that_change_results():
     assert "optim.lr: '<absent>' -> 0.5" in listed and not any("rl.epochs" in c for c in listed)
     old["model"]["logprob_chunk"] = 256  # a field retired from the schema since
     assert not any("logprob_chunk" in c for c in resume_changes(old, new.to_dict()))
+
+
+def test_synthetic_gpu_config_size_estimate_and_plan(capsys):
+    """experiments/synthetic_gpu.py: validates, is a 50-150M-parameter model on the long
+    synthetic task, its own time estimate is under 8 minutes, and plan mode runs on it on CPU
+    (shapes only, no weights)."""
+    from delta_jax import main as main_lib
+    spec = importlib.util.spec_from_file_location("exp_synthetic_gpu",
+                                                  EXPERIMENTS / "synthetic_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = validate_config(module.get_config())
+    assert c.data.train == c.data.eval == "synthetic" and c.tokenizer.path == "synthetic"
+    assert 24 <= c.data.synthetic_steps <= 32 and c.data.synthetic_digits == 3
+    assert c.model.dtype == "bfloat16" and c.method == "delta" and c.sft.steps > 0
+    assert c.eval.max_new_tokens == c.rollout.max_new_tokens >= 352
+    mc = module.model_config(c)
+    assert 50e6 <= mc.num_params() <= 150e6
+    # the docstring's 76.3M: 12 layers x 6,293,120 + final norm 768 + 2 x 512 x 768
+    assert mc.num_params() == 76_304_640
+    assert module.estimate_seconds(c)["total"] <= 8 * 60
+    cfg = parse([f"--config={EXPERIMENTS / 'synthetic_gpu.py'}", "--config.mode=plan"])
+    result = main_lib.run(cfg, None)
+    out = capsys.readouterr().out
+    assert "memory plan: tiny (0.08 B params" in out
+    assert result.settings["num_devices"] == 1
+    assert all(v <= 80e9 for v in result.phases.values())  # every phase fits one 80 GB GPU
