@@ -338,3 +338,121 @@ def test_label_batch_labels_the_valid_tokens_of_each_row():
     assert sorted(calls) == sorted(set(calls))  # each id decoded once
     with pytest.raises(ValueError):
         credit.label_batch(["x"], ids, mask, decode, synthetic.token_classes)
+
+
+# ----------------------------------------------------------------------------- the RL step
+
+
+def _decoded_classes(tokenizer, solution, ids):
+    """token_classes of a response decoded one token at a time, special tokens by their text
+    (an independent path from the run's labeller, which decodes them to "")."""
+    return synthetic.token_classes(solution, [tokenizer.decode([int(t)]) for t in ids])
+
+
+def test_one_rl_step_of_a_synthetic_run_writes_credit_metrics(tmp_path):
+    import json
+
+    from delta_jax.train import loop
+    from tests.rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config
+
+    cfg = tiny_rl_config("delta", train=dict(LOOP_WITHOUT_EVAL, steps=1),
+                         data=dict(synthetic_steps=2, synthetic_digits=3, max_prompt_len=64))
+    prepared = {}
+    run = build_scored_run(cfg, tmp_path)
+    try:
+        assert run.credit_labeller is not None
+        # The difficulty knobs reached the task's files.
+        recs = [json.loads(line) for line in open(run.assets["train"])]
+        assert all(r["solution"].count(" = ") == 2 for r in recs)
+        assert any(int(r["answer"]) > 99 for r in recs)
+        _, run = loop.train(cfg, str(tmp_path), run=run,
+                            step_hooks=[lambda run, step, out: prepared.update({step: out})])
+        tokenizer = run.tokenizer
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    row = next(r for r in rows if "policy/loss" in r)
+    for side in credit.SIDES:
+        for name in credit.CLASS_NAMES[1:]:
+            assert credit.tokens_key(name, side) in row
+    for key in credit.AUCS:
+        assert credit.count_key(key) in row
+    assert row["time/credit_s"] >= 0
+    out = prepared[1]
+    prep = out.prepared
+    rb = prep.packed
+    classes = prep.credit_classes
+    mask = rb.response_mask
+    assert classes.shape == mask.shape and classes.dtype == np.int8
+    assert np.all((classes > 0) == (mask > 0))
+    # The packed rows' labels are token_classes of the decoded responses, against the solution
+    # of each row's prompt (rows are prompt-major).
+    G = cfg.rollout.group_size
+    ids = rb.input_ids[:, rb.prompt_len:]
+    for n in range(rb.num_rows):
+        length = int(mask[n].sum())
+        solution = prep.rollout.records[n // G]["solution"]
+        assert classes[n, :length].tolist() == \
+            _decoded_classes(tokenizer, solution, ids[n, :length]).tolist()
+    # The logged report is credit_metrics of those labels with the loss's token weights.
+    expected = credit.credit_metrics(classes, np.asarray(out.batch["token_weights"]),
+                                     rb.advantages, mask)
+    assert {k: row[k] for k in expected} == pytest.approx(expected)
+    assert {k for k in row if k.startswith("credit/")} == set(expected)
+    # Method delta: the weights are DelTA's, not all ones.
+    w = np.asarray(out.batch["token_weights"])[mask > 0]
+    assert w.std() > 0
+
+
+def test_credit_labeller_labels_known_responses_with_the_runs_tokenizer(tmp_path):
+    from delta_jax.train import rl_step as rl_step_lib
+    from tests.rl_fixtures import build_scored_run, initial_state, tiny_rl_config
+
+    cfg = tiny_rl_config("dapo")
+    run = build_scored_run(cfg, tmp_path)
+    try:
+        tok = run.tokenizer
+        eos = tok.eos_token_id
+        records = [{"solution": REF}, {"solution": "1 + 2 = 3. \\boxed{3}"}]
+        texts = [REF, REF.replace("= 10.", "= 12."), "1 + 2 = 3. \\boxed{3}", "1 + 2 = 3."]
+        enc = [tok.encode(t) + [eos] for t in texts]
+        R = max(map(len, enc)) + 2
+        ids = np.zeros((4, R), np.int32)
+        mask = np.zeros((4, R), np.float32)
+        for n, e in enumerate(enc):
+            ids[n, :len(e)] = e
+            mask[n, :len(e)] = 1
+        got = run.credit_labeller(records, ids, mask)
+        assert got[0, :20].tolist() == classes("BBBBSBBBBBSSBBBBSSBB") and not got[0, 20:].any()
+        assert got[1, :20].tolist() == classes("BBBBSBBBBBFFAAAAAAAA")
+        assert got[2, :len(enc[2])].tolist()[-1] == B and F not in got[2].tolist()
+        assert got[3, :len(enc[3])].tolist()[-1] == F  # stopped before the box
+        with pytest.raises(ValueError, match="equal groups"):
+            run.credit_labeller(records[:1] * 3, ids, mask)
+
+        # One rl_step of a dapo run: the loss's weights are the mask, so every logged class
+        # weighs 1 and every AUC is 1/2.
+        out = rl_step_lib.rl_step(run, initial_state(run), 1)
+        m = out.metrics
+        weights = {k: v for k, v in m.items() if k.startswith("credit/weight_")}
+        assert weights and all(v == pytest.approx(1.0) for v in weights.values())
+        for key in credit.AUCS:
+            if m[credit.count_key(key)]:
+                assert m[key] == pytest.approx(0.5)
+        assert out.prepared.credit_classes is not None and "time/credit_s" in m
+    finally:
+        run.close()
+
+
+def test_no_credit_labeller_off_the_synthetic_task(tmp_path):
+    from delta_jax.train import run as run_lib
+    from tests.rl_fixtures import tiny_rl_config
+
+    paths = synthetic.write_synthetic_splits(str(tmp_path / "data"), num_train=16, num_test=2,
+                                             levels=(1,))
+    cfg = tiny_rl_config("grpo", data=dict(train=paths["train"]))
+    run = run_lib.build_run(cfg, str(tmp_path / "run"), need_data=False, need_scorer=False)
+    try:
+        assert run.credit_labeller is None
+    finally:
+        run.close()

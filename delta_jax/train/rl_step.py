@@ -9,9 +9,10 @@
             ─ update_policy ─> mini-batch updates with the pure jitted train_step (step.py)
 
 `prepare_batch` runs everything up to the updates (the token view uses it as it is); `rl_step`
-adds the updates and the step's metrics. This module times the phases and turns the Run's
-programs and config into the phases' explicit inputs; the loop (loop.train) writes metrics,
-checkpoints and evaluates.
+adds the updates and the step's metrics (on the synthetic task with credit_report's
+ground-truth credit/* metrics of the token weights, rl/credit.py). This module times the phases
+and turns the Run's programs and config into the phases' explicit inputs; the loop
+(loop.train) writes metrics, checkpoints and evaluates.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import sharding as sharding_lib
-from delta_jax.rl import losses
+from delta_jax.rl import credit, losses
 from delta_jax.rl.advantages import compute_advantages
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
@@ -64,7 +65,9 @@ class PreparedBatch:
     advantages, old_logp, token_weights[, ref_logp]), placed on the run's mesh; delta_weights:
     fp32 [N, R] DelTA weights when the run computes them (run.with_delta; token_weights for
     method delta), else None; delta_diagnostics: scalars of the DelTA fit ({} without DelTA);
-    metrics: rollout and timing metrics so far.
+    metrics: rollout and timing metrics so far; credit_classes: int8 [N, R] ground-truth credit
+    classes of the response tokens (rl.credit codes) once credit_report has labelled the batch
+    (runs with a run.credit_labeller: the synthetic task), else None.
     """
     rollout: phases.Rollout
     packed: rollout_lib.RolloutBatch
@@ -72,6 +75,7 @@ class PreparedBatch:
     delta_weights: jax.Array | None
     delta_diagnostics: dict
     metrics: dict
+    credit_classes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -184,6 +188,27 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
                          delta_diagnostics=diag, metrics=metrics)
 
 
+def credit_report(run: Run, prep: PreparedBatch) -> dict:
+    """The ground-truth credit metrics (rl.credit.credit_metrics: credit/*) of a prepared batch:
+    its response tokens labelled by run.credit_labeller against the prompts' reference solutions,
+    scored with the token weights the loss uses (batch["token_weights"]: DelTA's for method
+    delta, the mask for grpo / dapo) and the advantages; host numpy, timed as time/credit_s.
+    Keeps the labels in prep.credit_classes. {} when the run has no labeller."""
+    if run.credit_labeller is None:
+        return {}
+    from delta_jax.sampling.output import fetch_global
+
+    t0 = time.perf_counter()
+    rb = prep.packed
+    classes = run.credit_labeller(prep.rollout.records, rb.input_ids[:, rb.prompt_len:],
+                                  rb.response_mask)
+    weights = np.asarray(fetch_global(prep.batch["token_weights"]), np.float32)
+    out = credit.credit_metrics(classes, weights, rb.advantages, rb.response_mask)
+    prep.credit_classes = classes
+    out["time/credit_s"] = time.perf_counter() - t0
+    return out
+
+
 class StepAbandoned(Exception):
     """rl_step was asked to stop before its updates began: the state is unchanged."""
 
@@ -199,6 +224,7 @@ def rl_step(run: Run, state: TrainState, step: int,
     if should_stop():
         raise StepAbandoned(f"step {step} abandoned before its updates")
     metrics = prep.metrics
+    metrics.update(credit_report(run, prep))  # the synthetic task's ground-truth credit/*
 
     t0 = time.perf_counter()
     state, sums, updates = phases.update_policy(

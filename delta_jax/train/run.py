@@ -132,6 +132,9 @@ class Run:
     topk_proxy_pass: Any = None  # delta.proxy = "hidden_topk": (params, labels, ids, probs) -> v
     ref_pass: Any = None         # rl.kl_coef > 0: log-probs of the reference policy
     ref_params: Any = None       # rl.kl_coef > 0: the frozen reference parameters
+    # data.train == "synthetic": (prompt records, response ids [N, R], response mask [N, R]) ->
+    # ground-truth credit classes int8 [N, R] (rl.credit codes; make_credit_labeller)
+    credit_labeller: Any = None
 
     def model(self, params):
         return nnx.merge(self.graphdef, params, self.rest)
@@ -210,6 +213,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
             # A copy: the train step donates (and so frees) the buffers of the live parameters.
             # train() replaces it with the post-SFT parameters when there is a warm start.
             run.ref_params = copy_tree(params)
+    if cfg.data.train == "synthetic":
+        run.credit_labeller = make_credit_labeller(tokenizer)
     if need_data and cfg.mode == "train":
         from delta_jax.data import builders, pipeline
         source = builders.build_tfds_source(assets["train"],
@@ -221,6 +226,34 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
     return run
+
+
+def make_credit_labeller(tokenizer) -> Callable:
+    """labeller(records, response_ids [N, R], mask [N, R]) -> classes int8 [N, R]: the
+    ground-truth credit classes (rl.credit codes) of packed response rows on the synthetic task.
+
+    records: the P prompt records of the rollout, each with its reference worked "solution";
+    rows are prompt-major (row n belongs to records[n // (N / P)]). Each valid token is decoded on
+    its own with the run's tokenizer (special tokens as "", zero-width) and the rows are labelled
+    by data.synthetic.token_classes against their prompt's solution; 0 ("none") elsewhere."""
+    from delta_jax.data import synthetic
+    from delta_jax.rl import credit
+
+    special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+
+    def decode(token_id: int) -> str:
+        return "" if token_id in special else tokenizer.decode([token_id])
+
+    def labeller(records, response_ids, mask):
+        rows, num_prompts = len(response_ids), len(records)
+        if num_prompts == 0 or rows % num_prompts:
+            raise ValueError(f"{rows} response rows do not split into equal groups over "
+                             f"{num_prompts} prompt records")
+        group = rows // num_prompts
+        solutions = [str(records[n // group].get("solution") or "") for n in range(rows)]
+        return credit.label_batch(solutions, response_ids, mask, decode, synthetic.token_classes)
+
+    return labeller
 
 
 def make_scorer(cfg, *, shaped: bool):
