@@ -333,8 +333,14 @@ def first_error_unit(solution: str, response: str) -> tuple[int, int] | None:
     reference `solution`, or None when the two are identical (token_classes has the rules).
     The span is empty, (d, d) with d = len(response), when the response stops short of the
     reference outside a number."""
-    n = min(len(solution), len(response))
-    d = next((i for i in range(n) if solution[i] != response[i]), n)
+    lo, hi = 0, min(len(solution), len(response))  # d: the common prefix's length
+    while lo < hi:  # binary search with C-speed slice comparisons
+        mid = (lo + hi + 1) // 2
+        if solution[:mid] == response[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    d = lo
     if d == len(solution) == len(response):
         return None
     in_number = ((d < len(response) and _is_digit(response[d]))
@@ -390,41 +396,32 @@ def token_classes(solution: str, pieces: Sequence[str],
     """
     pieces = [str(p) for p in pieces]
     if special is None:
-        special = [bool(_SPECIAL_PIECE_RE.fullmatch(p)) for p in pieces]
+        special = [p[:2] == "<|" and bool(_SPECIAL_PIECE_RE.fullmatch(p)) for p in pieces]
     elif len(special) != len(pieces):
         raise ValueError(f"special has {len(special)} entries for {len(pieces)} pieces")
-    spans, pos = [], 0
-    for piece, is_special in zip(pieces, special):
-        width = 0 if is_special else len(piece)
-        spans.append((pos, pos + width))
-        pos += width
     response = "".join(p for p, sp in zip(pieces, special) if not sp)
-    decisive = decisive_mask(solution)
+    widths = np.asarray([0 if sp else len(p) for p, sp in zip(pieces, special)],
+                        np.int64).reshape(len(pieces))
+    ends = np.cumsum(widths)
+    starts = ends - widths
+    # Before the error: step iff the token's span holds a decisive character (prefix sums).
+    decisive = np.concatenate([[0], np.cumsum(decisive_mask(solution))])
+    top = len(solution)
+    has_text = widths > 0
+    holds_decisive = decisive[np.minimum(ends, top)] > decisive[np.minimum(starts, top)]
+    out = np.where(has_text & holds_decisive, credit.STEP, credit.BOILERPLATE).astype(np.int8)
     unit = first_error_unit(solution, response)
-    out = np.empty(len(pieces), np.int8)
-    stop_marked = False
-    for i, (s, e) in enumerate(spans):
-        if unit is not None:
-            us, ue = unit
-            if e > s:  # a token with text
-                if ue > us and s < ue and e > us:
-                    out[i] = credit.FIRST_ERROR
-                    continue
-                if s >= ue:
-                    out[i] = credit.AFTER_ERROR
-                    continue
-            else:  # zero-width (special) at s
-                if ue == us and s == us and not stop_marked:
-                    out[i] = credit.FIRST_ERROR
-                    stop_marked = True
-                    continue
-                if us < s < ue:  # inside the wrong number
-                    out[i] = credit.FIRST_ERROR
-                    continue
-                if s >= ue:
-                    out[i] = credit.AFTER_ERROR
-                    continue
-        out[i] = credit.STEP if e > s and decisive[s:e].any() else credit.BOILERPLATE
+    if unit is None:
+        return out
+    us, ue = unit
+    if ue > us:  # tokens overlapping the unit (zero-width ones strictly inside it)
+        first = np.where(has_text, (starts < ue) & (ends > us), (starts > us) & (starts < ue))
+    else:  # the response stopped short at us: the first zero-width token there (the early EOS)
+        first = np.zeros(len(pieces), bool)
+        at_stop = np.flatnonzero(~has_text & (starts == us))
+        first[at_stop[:1]] = True
+    out[(starts >= ue) & ~first] = credit.AFTER_ERROR
+    out[first] = credit.FIRST_ERROR
     return out
 
 
