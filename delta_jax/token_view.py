@@ -18,6 +18,15 @@ outcome, and plain token-mean GRPO/DAPO gives them the same weight as the tokens
 DelTA's weights move mass between them: on the default tiny run, in wrong (A < 0) responses the
 shared formatting tokens are the most down-weighted and the digits the model got wrong the most
 up-weighted, so the penalty lands on the error rather than on the format.
+
+On the synthetic task (data.train = "synthetic") every response token also gets its ground-truth
+credit class (delta_jax.rl.credit, labelled by the run's own run.credit_labeller against the
+prompt's reference solution): boilerplate, step (a digit of a correct intermediate result or of
+the answer), first_error (where a response first departs from the reference), after_error. The
+HTML and PNG mark the class on each token (an underline / box per class, with a legend), the text
+output prints a few wrong responses with a class marker line under them, and the ranking adds the
+mean weight per class and side (rl.credit.credit_metrics, the numbers the trainer logs as
+credit/*).
 """
 from __future__ import annotations
 
@@ -42,7 +51,9 @@ class TokenView:
     weights fp32 [N, R] (DelTA w = c * lambda, 0 on padding); token_prob fp32 [N, R] (p of the
     sampled token under the old policy at the rollout temperature); advantages fp32 [N];
     rewards fp32 [N] (shaped, what the advantages used); accuracy fp32 [N] (0/1);
-    problems / answers: per prompt; token_text: id -> text for every id in token_ids.
+    problems / answers: per prompt; token_text: id -> text for every id in token_ids;
+    classes int8 [N, R] or None: the ground-truth credit classes (rl.credit codes, 0 on padding)
+    when the run's task has them (the synthetic task), else None.
     """
     step: int
     method: str
@@ -59,6 +70,7 @@ class TokenView:
     token_text: dict
     diagnostics: dict
     settings: dict
+    classes: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -134,6 +146,9 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
         weights, logp = jax.device_get((prep.delta_weights, prep.batch["old_logp"]))
         token_ids = rb.input_ids[:, rb.prompt_len:]
         ids = np.unique(token_ids[rb.response_mask > 0])
+        labeller = getattr(run, "credit_labeller", None)  # the synthetic task only
+        classes = (None if labeller is None else
+                   np.asarray(labeller(roll.records, token_ids, rb.response_mask), np.int8))
         return TokenView(
             step=step, method=cfg.method, group_size=cfg.rollout.group_size, token_ids=token_ids,
             mask=rb.response_mask, weights=np.asarray(weights, np.float32),
@@ -146,7 +161,8 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
             diagnostics=dict(prep.delta_diagnostics),
             settings={"lam_min": cfg.delta.lam_min, "lam_max": cfg.delta.lam_max,
                       "num_refine": cfg.delta.num_refine,
-                      "temperature": cfg.rollout.temperature})
+                      "temperature": cfg.rollout.temperature},
+            classes=classes)
     finally:
         run.close()
 
@@ -205,6 +221,99 @@ def format_ranking(view: TokenView, ranking: dict) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- credit classes
+
+# rl.credit.CLASS_NAMES order (code 0 = none: padding / prompt): per class the marker of the text
+# output, the CSS of the HTML token and the PNG underline (color, line width, line style, box).
+CLASS_NAMES = ("none", "boilerplate", "step", "first_error", "after_error")
+CLASS_MARK = {"none": " ", "boilerplate": " ", "step": "^", "first_error": "X",
+              "after_error": "~"}
+CLASS_CSS = {"none": "", "boilerplate": "",
+             "step": "border-bottom:2px solid #1f77b4",
+             "first_error": "outline:2px solid #000;outline-offset:-1px;font-weight:bold",
+             "after_error": "border-bottom:2px dotted #ff7f0e"}
+CLASS_PNG = {"step": ("#1f77b4", 1.6, "-", False), "first_error": ("#000000", 1.4, "-", True),
+             "after_error": ("#ff7f0e", 1.4, ":", False)}
+CLASS_MEANING = {
+    "boilerplate": "text the problem determines (operands, operators, '=', '.', \\boxed{})",
+    "step": "a digit of a correct intermediate result or of the answer",
+    "first_error": "where the response first departs from the reference solution",
+    "after_error": "everything after the first error",
+}
+
+
+def class_name(code: int) -> str:
+    return CLASS_NAMES[code] if 0 <= code < len(CLASS_NAMES) else str(code)
+
+
+def class_weights(view: TokenView) -> dict:
+    """Mean DelTA weight per credit class and side: rl.credit.credit_metrics of the view's
+    classes, weights, advantages and mask (the credit/* metrics the trainer logs for this batch,
+    scored with DelTA's weights). {} without classes."""
+    if view.classes is None:
+        return {}
+    from delta_jax.rl import credit
+    return credit.credit_metrics(view.classes, view.weights, view.advantages, view.mask)
+
+
+def format_class_weights(metrics: dict) -> str:
+    """Plain-text table of class_weights: per side, each class's mean weight and token count,
+    then the AUCs."""
+    if not metrics:
+        return ""
+    names = {"pos": "A > 0 (correct-leaning responses)", "neg": "A < 0 (wrong-leaning responses)"}
+    lines = []
+    for side in SIDES:
+        lines.append(f"mean DelTA weight per credit class, side {names[side]}:")
+        for cls in CLASS_NAMES[1:]:
+            n = int(metrics.get(f"credit/tokens_{cls}_{side}", 0))
+            w = metrics.get(f"credit/weight_{cls}_{side}")
+            lines.append(f"  {cls:>12s}  " + (f"mean weight {w:.3f}  ({n} tokens)" if n else
+                                               "(no tokens)"))
+    return "\n".join(lines + _auc_lines(metrics))
+
+
+def _auc_lines(metrics: dict) -> list[str]:
+    out = []
+    for key, label in (("credit/auc_first_error_neg", "first_error vs the other tokens, A < 0"),
+                       ("credit/auc_step_pos", "step vs boilerplate, A > 0")):
+        n = int(metrics.get(key + "_responses", 0))
+        value = metrics.get(key)
+        out.append(f"AUC of the weight, {label}: "
+                   + (f"{value:.3f} over {n} responses" if value is not None else "n/a")
+                   + " (0.5 = no separation)")
+    return out
+
+
+def format_credit_responses(view: TokenView, max_rows: int = 3, width_chars: int = 96) -> str:
+    """A few wrong-leaning responses (A < 0) with a first_error token, as text with a marker line
+    under each line of tokens: '^' step, 'X' first_error, '~' after_error, blank boilerplate.
+    "" without classes."""
+    if view.classes is None:
+        return ""
+    first_error = CLASS_NAMES.index("first_error")
+    rows = [r for r in range(view.num_rows) if view.advantages[r] < 0
+            and np.any((view.classes[r] == first_error) & (view.mask[r] > 0))][:max_rows]
+    legend = ", ".join(f"{m!r} {c}" for c, m in CLASS_MARK.items() if m.strip())
+    out = [f"credit classes under the tokens ({legend}; blank: boilerplate):"]
+    for r in rows:
+        out.append(f"response {r} (A = {view.advantages[r]:+.3f}, problem "
+                   f"{r // view.group_size}, gold {view.answers[r // view.group_size]}):")
+        text, marks = "", ""
+        for t in np.flatnonzero(view.mask[r] > 0):
+            piece = _shown(view.token_text.get(int(view.token_ids[r, t]), "?"))
+            if len(text) + len(piece) > width_chars and text:
+                out += ["  " + text, "  " + marks]
+                text, marks = "", ""
+            text += piece
+            marks += CLASS_MARK.get(class_name(int(view.classes[r, t])), "?") * len(piece)
+        if text:
+            out += ["  " + text, "  " + marks]
+    if not rows:
+        out.append("  (no wrong-leaning response with a first_error token in this batch)")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------- rendering
 
 
@@ -250,6 +359,13 @@ def render_html(view: TokenView, ranking: dict, show_prompts: int = 6) -> str:
                                        if not k.startswith(("weight_", "tokens_")))
         + "</p>",
     ]
+    if view.classes is not None:
+        parts.append("<p>Ground-truth credit class of each token (synthetic task, against the "
+                     "reference solution): " + ", ".join(
+                         f"<span class='tok' style='{CLASS_CSS[c]}'>&nbsp;{c}&nbsp;</span> "
+                         f"({esc(CLASS_MEANING[c])})" for c in CLASS_NAMES[2:])
+                     + ", unmarked: boilerplate (" + esc(CLASS_MEANING["boilerplate"])
+                     + ").</p>")
     for i in range(min(show_prompts, len(view.problems))):
         parts.append(f"<h3>{esc(view.problems[i])} <span class='meta'>(gold answer "
                      f"{esc(view.answers[i])})</span></h3>")
@@ -262,7 +378,12 @@ def render_html(view: TokenView, ranking: dict, show_prompts: int = 6) -> str:
                 w, tid = float(view.weights[r, t]), int(view.token_ids[r, t])
                 text = view.token_text.get(tid, str(tid))
                 title = f"w={w:.4f} p={float(view.token_prob[r, t]):.3f} A={adv:+.3f} id={tid}"
-                parts.append(f"<span class='tok' style='background:{_color(w, scale, active)}' "
+                style = f"background:{_color(w, scale, active)}"
+                if view.classes is not None:
+                    cls = class_name(int(view.classes[r, t]))
+                    title += f" class={cls}"
+                    style += f";{CLASS_CSS[cls]}" if CLASS_CSS.get(cls) else ""
+                parts.append(f"<span class='tok' style='{style}' "
                              f"title='{esc(title)}'>{esc(text)}</span>")
             parts.append("</div>")
     parts.append("<h2>Tokens by average weight (over the whole batch)</h2>")
@@ -277,6 +398,21 @@ def render_html(view: TokenView, ranking: dict, show_prompts: int = 6) -> str:
                              f"{_color(mean, scale, True)}'>{text}</td><td>{mean:.3f}</td>"
                              f"<td>{count}</td></tr>")
             parts.append("</table>")
+    metrics = class_weights(view)
+    if metrics:
+        parts.append("<h2>Mean DelTA weight per credit class (over the whole batch)</h2><table>"
+                     "<tr><th>class</th><th>A &gt; 0: mean w</th><th>tokens</th>"
+                     "<th>A &lt; 0: mean w</th><th>tokens</th></tr>")
+        for cls in CLASS_NAMES[1:]:
+            cells = []
+            for side in SIDES:
+                w = metrics.get(f"credit/weight_{cls}_{side}")
+                cells.append(f"<td>{'' if w is None else f'{w:.3f}'}</td><td>"
+                             f"{int(metrics.get(f'credit/tokens_{cls}_{side}', 0))}</td>")
+            parts.append(f"<tr><td><span class='tok' style='{CLASS_CSS[cls]}'>{cls}</span></td>"
+                         + "".join(cells) + "</tr>")
+        parts.append("</table><p class='meta'>" + "<br>".join(esc(x) for x in _auc_lines(metrics))
+                     + "</p>")
     parts.append("</body></html>")
     return "".join(parts)
 
@@ -288,9 +424,13 @@ def render_png(view: TokenView, path: str, max_rows: int = 12, width_chars: int 
 
     scale = _scale(view)
     rows = [r for r in range(view.num_rows) if view.advantages[r] != 0][:max_rows]
-    lines = []  # per display line: [(text, color)], with a header line per response
+    lines = []  # per display line: [(text, color, class)], with a header line per response
+    if view.classes is not None:
+        lines.append([("credit class: underline = step, box = first_error, dotted = "
+                       "after_error, unmarked = boilerplate", None, None)])
     for r in rows:
-        lines.append([(f"A = {view.advantages[r]:+.2f}  reward {view.rewards[r]:.2f}", None)])
+        lines.append([(f"A = {view.advantages[r]:+.2f}  reward {view.rewards[r]:.2f}", None,
+                       None)])
         line, used = [], 0
         for t in np.flatnonzero(view.mask[r] > 0):
             text = _shown(view.token_text.get(int(view.token_ids[r, t]), "?")).replace("\u00b7",
@@ -298,10 +438,11 @@ def render_png(view: TokenView, path: str, max_rows: int = 12, width_chars: int 
             if used + len(text) > width_chars and line:
                 lines.append(line)
                 line, used = [], 0
-            line.append((text, _color(float(view.weights[r, t]), scale, True)))
+            cls = None if view.classes is None else class_name(int(view.classes[r, t]))
+            line.append((text, _color(float(view.weights[r, t]), scale, True), cls))
             used += len(text)
         lines.append(line)
-    width_chars = min(width_chars, max(60, max(sum(len(t) for t, _ in ln) for ln in lines) + 2))
+    width_chars = min(width_chars, max(60, max(sum(len(t) for t, _, _ in ln) for ln in lines) + 2))
     height = max(1.0, 0.22 * len(lines) + 0.6)
     fig = Figure(figsize=(0.085 * width_chars + 0.4, height))
     ax = fig.add_axes((0, 0, 1, 1))
@@ -312,11 +453,18 @@ def render_png(view: TokenView, path: str, max_rows: int = 12, width_chars: int 
             f"+-{scale:.3f})", fontsize=8, va="center", weight="bold")
     for y, line in enumerate(lines, start=1):
         x = 1.0
-        for text, color in line:
+        for text, color, cls in line:
             if color is None:
                 ax.text(x, y + 0.5, text, fontsize=7, va="center", color="#555")
                 continue
             ax.add_patch(_rect(x, y + 0.1, len(text), 0.8, color))
+            if cls in CLASS_PNG:
+                mark, lw, ls, box = CLASS_PNG[cls]
+                if box:
+                    ax.add_patch(_box(x, y + 0.1, len(text), 0.8, mark, lw))
+                else:
+                    ax.plot([x + 0.1, x + len(text) - 0.1], [y + 0.85, y + 0.85], color=mark,
+                            lw=lw, ls=ls, solid_capstyle="butt")
             ax.text(x, y + 0.5, text, fontsize=7.5, va="center", family="monospace")
             x += len(text)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -328,6 +476,11 @@ def _rect(x, y, w, h, color):
     from matplotlib.patches import Rectangle
     rgb = tuple(int(v) / 255 for v in color[4:-1].split(","))
     return Rectangle((x, y), w, h, facecolor=rgb, edgecolor="none")
+
+
+def _box(x, y, w, h, color, lw):
+    from matplotlib.patches import Rectangle
+    return Rectangle((x, y), w, h, facecolor="none", edgecolor=color, lw=lw)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -359,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{int((valid & (view.advantages[:, None] < 0)).sum())}/"
           f"{int((valid & (view.advantages[:, None] == 0)).sum())} tokens")
     print(format_ranking(view, ranking))
+    if view.classes is not None:
+        print(format_class_weights(class_weights(view)))
+        print(format_credit_responses(view))
     print(f"html: {out}")
     if args.png:
         print(f"png: {render_png(view, args.png)}")

@@ -123,7 +123,8 @@ def test_summarize_on_hand_made_results():
     assert c["seeds"] == [0, 1] and c["n"] == 2
     assert c["per_seed_diff"] == pytest.approx([0.03, -0.01])
     assert (c["wins"], c["losses"]) == (1, 1)
-    assert delta["credit"]["credit/weight_first_error_neg"] == pytest.approx(1.11)  # mean of seeds 0, 1
+    # mean of seeds 0, 1
+    assert delta["credit"]["credit/weight_first_error_neg"] == pytest.approx(1.11)
     assert k0["vs_baseline"]["n"] == 3 and k0["overrides"] == {"delta.num_refine": 0}
     assert k0["improved"] == 3
 

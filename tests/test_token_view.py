@@ -143,6 +143,13 @@ def test_cli_writes_html_and_png_and_prints_the_ranking(tiny_run, tmp_path, caps
     assert page.startswith("<!doctype html>") and page.count("class='tok'") > 10
     assert "&lt;|im_end|&gt;" in page  # token texts are escaped
     assert png_path.read_bytes().startswith(PNG_MAGIC)
+    # The synthetic task: credit classes on the tokens, per class weights, a marked response.
+    assert "mean DelTA weight per credit class, side A < 0" in out
+    assert "AUC of the weight, first_error vs the other tokens, A < 0" in out
+    assert "credit classes under the tokens" in out
+    assert "Ground-truth credit class of each token" in page
+    assert any(f" class={c}'" in page for c in token_view.CLASS_NAMES[1:])  # token titles
+    assert "Mean DelTA weight per credit class" in page
 
 
 def test_bad_step_is_a_clear_error(tiny_run):
@@ -173,3 +180,83 @@ def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
     np.testing.assert_array_equal(view.advantages, batch["advantages"])
     assert np.any(view.advantages != 0)
     np.testing.assert_allclose(view.weights, batch["token_weights"], atol=1e-6)
+
+
+def test_view_credit_classes_reproduce_the_trainers_credit_metrics(tiny_run, view):
+    """The view labels step 2's batch with the run's credit_labeller; scored with the weights the
+    trainer used, its classes give exactly the credit/* metrics the trainer logged at step 2."""
+    from delta_jax.rl import credit
+    workdir, trained = tiny_run
+    assert view.classes is not None and view.classes.shape == view.mask.shape
+    valid = view.mask > 0
+    assert np.all(view.classes[~valid] == credit.NONE) and np.all(view.classes[valid] > 0)
+    got = credit.credit_metrics(view.classes, trained["batch"]["token_weights"],
+                                view.advantages, view.mask)
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if r.get("step") == 2 and "credit/tokens_step_pos" in r][-1]
+    want = {k: v for k, v in logged.items() if k.startswith("credit/")}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-6), k
+    # and the view's own per-class table is credit_metrics with DelTA's weights (= the trainer's
+    # for a delta run)
+    mine = token_view.class_weights(view)
+    for k in want:
+        assert mine[k] == pytest.approx(want[k], abs=1e-5), k
+
+
+def _hand_view(with_classes=True):
+    """2 prompts x 2 responses of 6 tokens; response 1 is wrong at its result " 4"."""
+    text = {1: "1", 2: " +", 3: " 2", 4: " =", 5: " 3", 6: ".", 7: "<|im_end|>", 8: " 4"}
+    ids = np.array([[1, 2, 3, 4, 5, 7], [1, 2, 3, 4, 8, 6], [1, 2, 3, 4, 5, 7],
+                    [1, 2, 3, 4, 8, 7]], np.int32)
+    mask = np.ones(ids.shape, np.float32)
+    mask[2, 5] = 0.0
+    B, S, F, A = 1, 2, 3, 4
+    classes = np.array([[B, B, B, B, S, B], [B, B, B, B, F, A], [B, B, B, B, S, 0],
+                        [B, B, B, B, F, A]], np.int8)
+    weights = np.array([[0.9, 0.9, 0.95, 0.9, 1.2, 0.9], [0.8, 0.85, 0.8, 0.8, 1.3, 1.1],
+                        [0.9, 0.9, 0.9, 0.9, 1.1, 0.0], [0.85, 0.8, 0.85, 0.8, 1.4, 1.0]],
+                       np.float32)
+    return token_view.TokenView(
+        step=3, method="delta", group_size=2, token_ids=ids, mask=mask, weights=weights * mask,
+        token_prob=np.full(ids.shape, 0.5, np.float32) * mask,
+        advantages=np.array([0.7, -0.7, 0.7, -0.7], np.float32),
+        rewards=np.array([1, 0, 1, 0], np.float32), accuracy=np.array([1, 0, 1, 0], np.float32),
+        problems=["What is 1 + 2?", "What is 1 + 2?"], answers=["3", "3"], token_text=text,
+        diagnostics={"gamma_pos": 0.5}, settings={"lam_min": 0.8, "lam_max": 1.2,
+                                                  "num_refine": 1, "temperature": 1.0},
+        classes=classes if with_classes else None)
+
+
+def test_class_marks_in_text_html_and_png_on_a_hand_made_view(tmp_path):
+    from delta_jax.rl import credit
+    v = _hand_view()
+    metrics = token_view.class_weights(v)
+    assert metrics == credit.credit_metrics(v.classes, v.weights, v.advantages, v.mask)
+    # A < 0: first_error tokens " 4" weigh 1.3 and 1.4; boilerplate 8 tokens.
+    assert metrics["credit/weight_first_error_neg"] == pytest.approx(1.35)
+    assert metrics["credit/tokens_boilerplate_neg"] == 8
+    table = token_view.format_class_weights(metrics)
+    assert "first_error  mean weight 1.350  (2 tokens)" in table
+    assert "after_error  (no tokens)" in table.split("side A < 0")[0]  # none on A > 0
+    assert "first_error vs the other tokens, A < 0: 1.000 over 2 responses" in table
+    text = token_view.format_credit_responses(v)
+    lines = text.splitlines()
+    i = lines.index(next(ln for ln in lines if ln.startswith("response 1 ")))
+    assert lines[i + 1] == "  1\u00b7+\u00b72\u00b7=\u00b74."
+    assert lines[i + 2] == "         XX~"  # " 4" is first_error, "." after it
+    ranking = token_view.rank_tokens(v.token_ids, v.weights, v.advantages, v.mask, min_count=1)
+    page = token_view.render_html(v, ranking)
+    assert "Ground-truth credit class of each token" in page
+    assert page.count("class=first_error") == 2 and page.count("class=step") == 2
+    assert "outline:2px solid #000" in page and "Mean DelTA weight per credit class" in page
+    png = token_view.render_png(v, str(tmp_path / "v.png"))
+    assert pathlib.Path(png).read_bytes().startswith(PNG_MAGIC)
+
+    plain = _hand_view(with_classes=False)
+    assert token_view.class_weights(plain) == {}
+    assert token_view.format_credit_responses(plain) == ""
+    page = token_view.render_html(plain, ranking)
+    assert "credit class" not in page and "class=boilerplate" not in page
+    assert pathlib.Path(token_view.render_png(plain, str(tmp_path / "p.png"))).is_file()
