@@ -2,7 +2,15 @@
 rollout batch, shared by tests/test_delta.py and tests/test_delta_sharded.py (not a test module).
 
 The reference is written from the spec text (squared-distance margins, explicit loops) and never
-calls delta_jax.
+calls delta_jax. Its keyword options are the paper's ablation rows (DELTA_SPEC section 4, config
+delta.*), transcribed from their definitions:
+
+  fixed_gamma > 0     gamma+ = gamma- = fixed_gamma in every use (refinement alphas, final alpha*)
+  assignment="hard"   alpha = 1[Delta > 0] instead of sigmoid(Delta / gamma), in both places
+  normalize=False     c = 1: w = lambda
+  weight="alpha"      lambda = alpha* on P and N, 0 on Z
+  random_u=u [B, T]   the random-lambda control given its Uniform[0, 1) draws u:
+                      lambda = lam_min + (lam_max - lam_min) u on P and N, lam_min on Z
 """
 import numpy as np
 
@@ -11,11 +19,14 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def reference_delta(v, adv, mask, num_refine=1, lam_min=0.8, lam_max=1.2):
-    """Spec 2.1-2.7 in float64. v [B, T, H], adv [B] or [B, T], mask [B, T].
+def reference_delta(v, adv, mask, num_refine=1, lam_min=0.8, lam_max=1.2, *, fixed_gamma=0.0,
+                    assignment="soft", normalize=True, weight="lambda", random_u=None):
+    """Spec 2.1-2.7 in float64. v [B, T, H], adv [B] or [B, T], mask [B, T]; the keyword options
+    are the ablations of the module docstring (defaults: the full method).
 
-    Returns (weights [B, T], info dict with gamma, mu, accuracy, counts).
+    Returns (weights [B, T], info dict with gamma, mu, accuracy, counts, c).
     """
+    assert assignment in ("soft", "hard") and weight in ("lambda", "alpha")
     v = np.asarray(v, np.float64)
     mask = np.asarray(mask)
     adv = np.asarray(adv, np.float64)
@@ -44,6 +55,8 @@ def reference_delta(v, adv, mask, num_refine=1, lam_min=0.8, lam_max=1.2):
         return out
 
     def temperature(tokens, delta):
+        if fixed_gamma > 0:
+            return float(fixed_gamma)
         vals = np.array([delta[k] for k in tokens], np.float64)
         n = max(len(vals), 1)
         mean = vals.sum() / n
@@ -53,9 +66,11 @@ def reference_delta(v, adv, mask, num_refine=1, lam_min=0.8, lam_max=1.2):
     def alphas(delta, g_p, g_n):
         out = {}
         for k in pos:
-            out[k] = _sigmoid(delta[k] / g_p)
+            out[k] = (1.0 if delta[k] > 0 else 0.0) if assignment == "hard" else _sigmoid(
+                delta[k] / g_p)
         for k in neg:
-            out[k] = _sigmoid(delta[k] / g_n)
+            out[k] = (1.0 if delta[k] > 0 else 0.0) if assignment == "hard" else _sigmoid(
+                delta[k] / g_n)
         return out
 
     mu_p, mu_n = centroid(pos, {}), centroid(neg, {})
@@ -70,11 +85,16 @@ def reference_delta(v, adv, mask, num_refine=1, lam_min=0.8, lam_max=1.2):
     alpha = alphas(delta, g_p, g_n)
     lam = np.zeros((B, T))
     for k in pos + neg:
-        lam[k] = lam_min + (lam_max - lam_min) * alpha[k]
+        if random_u is not None:
+            lam[k] = lam_min + (lam_max - lam_min) * float(random_u[k])
+        elif weight == "alpha":
+            lam[k] = alpha[k]
+        else:
+            lam[k] = lam_min + (lam_max - lam_min) * alpha[k]
     for k in zero:
-        lam[k] = lam_min
+        lam[k] = 0.0 if weight == "alpha" else lam_min
     n_tok = len(pos) + len(neg) + len(zero)
-    c = n_tok / max(lam.sum(), 1e-8)
+    c = n_tok / max(lam.sum(), 1e-8) if normalize else 1.0
     weights = c * lam
     correct = sum(1 for k in pos + neg if delta[k] > 0)  # sign(A) s > 0  <=>  Delta > 0
     info = dict(gamma=(g_p, g_n), mu=(mu_p, mu_n), c=c, tokens=(len(pos), len(neg), len(zero)),

@@ -131,3 +131,52 @@ def test_kernel_pass_impl_per_shard_mode():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     for key in want_diag:
         np.testing.assert_allclose(diag[key], want_diag[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("options", [
+    dict(fixed_gamma=0.3, weight="alpha", normalize=False),
+    dict(assignment="hard"),
+    dict(random_lambda=True),
+], ids=["fixed_gamma+alpha+no_normalize", "hard", "random_lambda"])
+def test_ablations_on_8_devices(options):
+    """delta.* ablation flags (issue #19) in per_shard mode (jnp, and the kernel where it has the
+    flag) == the float64 reference on each shard alone; in global mode the kernel passes per batch
+    shard == the single-device jnp path. Random lambda: the same whole-batch draws in every mode
+    (lambda_noise(key, [B, T])), each shard normalised on its own."""
+    hidden, prob, adv, mask = _batch()
+    mesh = _mesh((8,), ("data",))
+    ablations, key = D.Ablations(**options), jax.random.key(7)
+    ref_options = {k: v for k, v in options.items() if k != "random_lambda"}
+    u = np.asarray(jax.random.uniform(key, mask.shape, jnp.float32), np.float64)
+    random_u = u if ablations.random_lambda else None
+    v = proxy64(hidden, prob)
+    impls = ("jnp",) if ablations.assignment == "hard" else ("jnp", "kernel")
+    for pass_impl in impls:
+        weights, diag = D.delta_coefficients(hidden, prob, adv, mask, stats_mode="per_shard",
+                                             mesh=mesh, pass_impl=pass_impl,
+                                             kernel_impl="reference", ablations=ablations,
+                                             key=key)
+        weights, changed = np.asarray(weights), 0.0
+        for s in range(8):
+            sl = slice(2 * s, 2 * s + 2)
+            want, _ = reference_delta(v[sl], adv[sl], mask[sl], 1, **ref_options,
+                                      random_u=None if random_u is None else random_u[sl])
+            np.testing.assert_allclose(weights[sl], want, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{pass_impl} shard {s}")
+            base, _ = reference_delta(v[sl], adv[sl], mask[sl], 1)
+            changed = max(changed, np.abs(want - base).max())
+        assert changed > 1e-3  # the flag is not ignored
+        for value in diag.values():
+            assert np.isfinite(float(value))
+    if "kernel" in impls:
+        row = P("data")
+        args = (_put(mesh, hidden, row), _put(mesh, prob, row), _put(mesh, adv, row),
+                _put(mesh, mask, row))
+        want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, ablations=ablations,
+                                               key=key)
+        got, diag = D.delta_coefficients(*args, pass_impl="kernel", kernel_impl="reference",
+                                         mesh=mesh, data_axes="data", ablations=ablations,
+                                         key=key)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        for k in want_diag:
+            np.testing.assert_allclose(diag[k], want_diag[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -22,6 +22,11 @@ Layout of this module
   kernels.delta_pass_auto on (h, p) (Pallas on GPU, its jnp reference elsewhere), v never stored;
   `fit_discriminator_fused` runs the same passes as `fit_discriminator`, and `add_final_lambdas`
   turns the final pass's lambdas into the same `FinalStats`.
+* `Ablations`: the paper's ablation rows (DELTA_SPEC section 4; config delta.fixed_gamma,
+  delta.assignment, delta.normalize, delta.weight, delta.random_lambda), one small hashable value
+  threaded through the same pieces (`_alpha`, `_lambdas`, `fit_discriminator[_fused]`,
+  `normaliser`, `diagnostics`) as a static argument. The default `Ablations()` is the full method
+  and computes exactly what the code computed before the options existed.
 
 Side index convention for the [2]/[3]-shaped statistics: 0 = positive (P), 1 = negative (N),
 2 = zero advantage (Z, only in the final-pass statistics).
@@ -140,6 +145,77 @@ class PassStats(NamedTuple):
     margin_m2: Array
 
 
+class Ablations(NamedTuple):
+    """The paper's ablation rows (DELTA_SPEC section 4) as options of the weights; the defaults
+    are the full method. Hashable: a static argument of the jitted pieces. Config: delta.<field>.
+
+    fixed_gamma: > 0 fixes both temperatures gamma+ = gamma- = fixed_gamma in every use (the
+      refinement alphas of spec 2.5 and the final alpha* of 2.6; the temperature pass of 2.4 is
+      skipped, so a streaming source is read K + 2 times); 0 = the adaptive temperatures of 2.4.
+    assignment: "soft" = alpha = sigmoid(Delta / gamma); "hard" = alpha = 1[Delta > 0], a 0/1
+      step, both in the refinement centroid weights (2.5) and the final alpha* (2.6). The
+      temperatures are then unused (still computed, and reported as diagnostics).
+    normalize: False = no self-normalisation: w = lambda (c = 1 in spec 2.7; the "normaliser"
+      diagnostic is then 1).
+    weight: "lambda" (spec 2.6) or "alpha": lambda = alpha* on P and N (lam_min / lam_max unused),
+      0 on Z, then normalised or not per `normalize` (a batch whose lambdas are all 0, e.g. all Z,
+      gets weight 0 everywhere: c = N_tok / 1e-8 stays finite).
+    random_lambda: the control: lambda ~ Uniform[lam_min, lam_max] i.i.d. per P/N token, lam_min
+      on Z, 0 on padding (then normalised or not per `normalize`). Needs a PRNG key; the
+      discriminator still runs, for the diagnostics only. Cannot be combined with weight="alpha".
+    """
+    fixed_gamma: float = 0.0
+    assignment: str = "soft"
+    normalize: bool = True
+    weight: str = "lambda"
+    random_lambda: bool = False
+
+
+FULL_METHOD = Ablations()
+ASSIGNMENTS = ("soft", "hard")
+WEIGHTS = ("lambda", "alpha")
+_NO_KEY = "delta.random_lambda needs a PRNG key (key=jax.random.key(...))"
+_HARD_IN_KERNEL = ("delta.assignment='hard' is not supported by the fused pass kernel "
+                   "(delta.pass_impl='kernel' computes sigmoid assignments): use "
+                   "delta.pass_impl='jnp'")
+
+
+def check_ablations(ablations: Ablations | None, pass_impl: str = "jnp") -> Ablations:
+    """Validates the options (errors name the delta.* config field) and returns them with plain
+    Python field types (a float, bools, strs: hashable and stable as a jit static argument)."""
+    if ablations is None:
+        return FULL_METHOD
+    if not isinstance(ablations, Ablations):
+        raise TypeError(f"delta: ablations must be a delta.Ablations, got {type(ablations)}")
+    fixed_gamma = float(ablations.fixed_gamma)
+    if not fixed_gamma >= 0.0 or fixed_gamma == float("inf"):
+        raise ValueError(f"delta.fixed_gamma must be finite and >= 0 (0 = the adaptive "
+                         f"temperatures of spec 2.4), got {ablations.fixed_gamma}")
+    if ablations.assignment not in ASSIGNMENTS:
+        raise ValueError(f"delta.assignment must be one of {ASSIGNMENTS}, "
+                         f"got {ablations.assignment!r}")
+    if ablations.weight not in WEIGHTS:
+        raise ValueError(f"delta.weight must be one of {WEIGHTS}, got {ablations.weight!r}")
+    if ablations.random_lambda and ablations.weight == "alpha":
+        raise ValueError("delta.random_lambda draws lambda in [lam_min, lam_max]; it cannot be "
+                         "combined with delta.weight='alpha'")
+    if ablations.assignment == "hard" and pass_impl == "kernel":
+        raise ValueError(_HARD_IN_KERNEL)
+    return Ablations(fixed_gamma, str(ablations.assignment), bool(ablations.normalize),
+                     str(ablations.weight), bool(ablations.random_lambda))
+
+
+def _check_key(ablations: Ablations, key) -> None:
+    if ablations.random_lambda and key is None:
+        raise ValueError(_NO_KEY)
+
+
+def lambda_noise(key: Array, shape: tuple[int, ...]) -> Array:
+    """The per-token draws of delta.random_lambda: u ~ Uniform[0, 1) fp32 of `shape`
+    (lambda = lam_min + (lam_max - lam_min) u on P/N tokens)."""
+    return jax.random.uniform(key, shape, jnp.float32)
+
+
 class Discriminator(NamedTuple):
     """Centroids mu [2, H] (row 0 = mu+, row 1 = mu-), temperatures gamma [2] (gamma+, gamma-)."""
     mu: Array
@@ -251,8 +327,12 @@ def _merge_moments(count, mean, m2, x, side):
     return merge_moments(count, mean, m2, *masked_moments(x, side, axis=(1, 2)))
 
 
-def _alpha(margin: Array, tok: _Tokens, gamma: Array) -> Array:
-    """alpha_t = sigmoid(Delta_t / gamma_side) (spec 2.5), [b, t]; 0.5 off P/N (unused there)."""
+def _alpha(margin: Array, tok: _Tokens, gamma: Array,
+           ablations: Ablations = FULL_METHOD) -> Array:
+    """alpha_t = sigmoid(Delta_t / gamma_side) (spec 2.5), [b, t]; 0.5 off P/N (unused there).
+    ablations.assignment "hard": alpha_t = 1[Delta_t > 0] (0 off P/N)."""
+    if ablations.assignment == "hard":
+        return (margin > 0).astype(jnp.float32)
     off_side = 1.0 - tok.side[0] - tok.side[1]  # Z and padding: divide by 1, never by 0
     gamma_tok = tok.side[0] * gamma[0] + tok.side[1] * gamma[1] + off_side
     return jax.nn.sigmoid(margin / gamma_tok)
@@ -262,20 +342,22 @@ def _alpha(margin: Array, tok: _Tokens, gamma: Array) -> Array:
 
 
 def accumulate_centroids(stats: PassStats, chunk: FeatureChunk,
-                         disc: Discriminator | None = None) -> PassStats:
+                         disc: Discriminator | None = None,
+                         ablations: Ablations = FULL_METHOD) -> PassStats:
     """One chunk of a centroid pass.
 
     disc None: initial centroids (spec 2.2), token weight |A|.
     disc = (mu^k, gamma^k): refinement round k (spec 2.5), token weight |A| * alpha_t with
-    alpha_t = sigmoid(Delta_t(mu^k) / gamma^k_side); the margins Delta(mu^k) are accumulated too,
-    so `finalize_pass` gives mu^{k+1} and the lagged temperature gamma^{k+1} = std Delta(mu^k).
+    alpha_t = sigmoid(Delta_t(mu^k) / gamma^k_side) (1[Delta_t > 0] with hard assignment); the
+    margins Delta(mu^k) are accumulated too, so `finalize_pass` gives mu^{k+1} and the lagged
+    temperature gamma^{k+1} = std Delta(mu^k).
     """
     tok = _tokens(chunk)
     weight = tok.abs_adv
     count, mean, m2 = stats.margin_count, stats.margin_mean, stats.margin_m2
     if disc is not None:
         margin, _ = _margins(tok, disc.mu)
-        weight = weight * _alpha(margin, tok, disc.gamma)
+        weight = weight * _alpha(margin, tok, disc.gamma, ablations)
         count, mean, m2 = _merge_moments(count, mean, m2, margin, tok.side[:2])
     side_weight = tok.side[:2] * weight  # [2, b, t]
     weighted_sum = jnp.einsum("sbt,bth->sh", side_weight * tok.scale, tok.features,
@@ -302,26 +384,50 @@ def finalize_pass(stats: PassStats) -> Discriminator:
 
 
 def token_lambdas(chunk: FeatureChunk, disc: Discriminator, lam_min: float = 0.8,
-                  lam_max: float = 1.2) -> Array:
+                  lam_max: float = 1.2, ablations: Ablations = FULL_METHOD,
+                  noise: Array | None = None) -> Array:
     """Spec 2.6: lambda [b, t] = lam_min + (lam_max - lam_min) * sigmoid(Delta(mu^K) / gamma^K) on
-    P and N, lam_min on Z, 0 on padding."""
-    return _lambdas(_tokens(chunk), disc, lam_min, lam_max)[0]
+    P and N, lam_min on Z, 0 on padding; or the `Ablations` variant (noise: `lambda_noise` draws
+    [b, t], required with random_lambda)."""
+    return _lambdas(_tokens(chunk), disc, lam_min, lam_max, ablations, noise)[0]
 
 
-def _lambdas(tok: _Tokens, disc: Discriminator, lam_min: float, lam_max: float):
+def _lambda_range(lam_min: float, lam_max: float, ablations: Ablations) -> tuple[float, float]:
+    """(lo, hi) with lambda = lo + (hi - lo) alpha* on P/N and lo on Z: (lam_min, lam_max), or
+    (0, 1) for weight="alpha" (lambda = alpha* on P/N, 0 on Z). The fused kernel's lam_range."""
+    return (0.0, 1.0) if ablations.weight == "alpha" else (lam_min, lam_max)
+
+
+def _random_lambdas(side: Array, noise: Array, lam_min: float, lam_max: float) -> Array:
+    """delta.random_lambda: lam_min + (lam_max - lam_min) u on P/N, lam_min on Z, 0 on padding;
+    side [3, b, t] P/N/Z masks, noise u [b, t] in [0, 1)."""
+    if noise is None:
+        raise ValueError(_NO_KEY)
+    on_side = side[0] + side[1]
+    return on_side * (lam_min + (lam_max - lam_min) * noise) + side[2] * lam_min
+
+
+def _lambdas(tok: _Tokens, disc: Discriminator, lam_min: float, lam_max: float,
+             ablations: Ablations = FULL_METHOD, noise: Array | None = None):
     margin, score = _margins(tok, disc.mu)
-    alpha = _alpha(margin, tok, disc.gamma)
+    if ablations.random_lambda:
+        return _random_lambdas(tok.side, noise, lam_min, lam_max), score
+    alpha = _alpha(margin, tok, disc.gamma, ablations)
+    lo, hi = _lambda_range(lam_min, lam_max, ablations)
     on_side = tok.side[0] + tok.side[1]
-    lam = on_side * (lam_min + (lam_max - lam_min) * alpha) + tok.side[2] * lam_min
+    lam = on_side * (lo + (hi - lo) * alpha) + tok.side[2] * lo
     return lam, score
 
 
 def accumulate_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator,
-                     lam_min: float = 0.8, lam_max: float = 1.2) -> tuple[FinalStats, Array]:
+                     lam_min: float = 0.8, lam_max: float = 1.2,
+                     ablations: Ablations = FULL_METHOD,
+                     noise: Array | None = None) -> tuple[FinalStats, Array]:
     """One chunk of the final pass: returns the updated statistics and lambda [b, t] of this chunk.
-    The chunk's weights are `normaliser(final_stats) * lambda` once every chunk has been seen."""
+    The chunk's weights are `normaliser(final_stats, ablations) * lambda` once every chunk has been
+    seen. noise: the chunk's `lambda_noise` draws [b, t], required with ablations.random_lambda."""
     tok = _tokens(chunk)
-    lam, score = _lambdas(tok, disc, lam_min, lam_max)
+    lam, score = _lambdas(tok, disc, lam_min, lam_max, ablations, noise)
     correct = ((tok.side[0] + tok.side[1]) * (tok.sign * score > 0)).sum()
     return add_final_lambdas(stats, tok.side, lam, correct), lam
 
@@ -338,20 +444,25 @@ def add_final_lambdas(stats: FinalStats, side: Array, lam: Array, correct: Array
                       stats.correct + correct)
 
 
-def normaliser(stats: FinalStats) -> Array:
-    """Spec 2.7: c = N_tok / max(sum lambda, 1e-8) over all valid tokens (Z included)."""
+def normaliser(stats: FinalStats, ablations: Ablations = FULL_METHOD) -> Array:
+    """Spec 2.7: c = N_tok / max(sum lambda, 1e-8) over all valid tokens (Z included); 1 when
+    ablations.normalize is off."""
+    if not ablations.normalize:
+        return jnp.ones((), jnp.float32)
     return stats.token_count.sum() / jnp.maximum(stats.lam_sum, _WEIGHT_FLOOR)
 
 
-def diagnostics(disc: Discriminator, final: FinalStats) -> dict[str, Array]:
+def diagnostics(disc: Discriminator, final: FinalStats,
+                ablations: Ablations = FULL_METHOD) -> dict[str, Array]:
     """Scalar diagnostics (spec 2.9 and 5.5), all fp32:
 
     disc_accuracy (fraction of P/N tokens with sign(A) s > 0, s from the final centroids),
     gamma_pos / gamma_neg (the temperatures used for the final weights), centroid_norm_pos /
     centroid_norm_neg / centroid_cosine, weight_{mean,std,min,max}_{pos,neg,zero} (0 for an empty
-    side), tokens_{pos,neg,zero}, normaliser (c).
+    side), tokens_{pos,neg,zero}, normaliser (c; 1 without normalisation). With fixed_gamma the
+    gammas are the fixed value; with hard assignment they are the (unused) margin spreads.
     """
-    c = normaliser(final)
+    c = normaliser(final, ablations)
     count = final.token_count
     norms = jnp.linalg.norm(disc.mu, axis=-1)
     out = {
@@ -382,21 +493,39 @@ def diagnostics(disc: Discriminator, final: FinalStats) -> dict[str, Array]:
 Fold = Callable[..., Any]
 
 
-def fit_discriminator(fold: Fold, hidden_size: int | None, num_refine: int) -> Discriminator:
+def _fixed_gamma(ablations: Ablations) -> Array | None:
+    """gamma [2] = (fixed_gamma, fixed_gamma) when delta.fixed_gamma > 0, else None."""
+    if ablations.fixed_gamma > 0:
+        return jnp.full((2,), ablations.fixed_gamma, jnp.float32)
+    return None
+
+
+def _with_fixed_gamma(disc: Discriminator, ablations: Ablations) -> Discriminator:
+    fixed = _fixed_gamma(ablations)
+    return disc if fixed is None else disc._replace(gamma=fixed)
+
+
+def fit_discriminator(fold: Fold, hidden_size: int | None, num_refine: int,
+                      ablations: Ablations = FULL_METHOD) -> Discriminator:
     """Spec 2.2-2.5 given a way to run one pass over the chunks; returns (mu^K, gamma^K).
     hidden_size None: fold gets state None and creates it from the first chunk it sees.
 
     Passes: initial centroids mu^0; margins Delta(mu^0) -> gamma^0; then K refinement rounds, each
     one pass producing mu^{k+1} and gamma^{k+1} = std Delta(mu^k) (lagged: gamma^1 = gamma^0).
+    ablations.fixed_gamma > 0: no temperature pass, gamma^k = the fixed value for every k;
+    ablations.assignment: the refinement alphas (see `_alpha`).
     """
     if num_refine < 0:
         raise ValueError(f"delta: num_refine must be >= 0, got {num_refine}")
     init = lambda: None if hidden_size is None else init_pass(hidden_size)  # noqa: E731
     mu = finalize_pass(fold(accumulate_centroids, init(), None)).mu
-    gamma = finalize_pass(fold(accumulate_margins, init(), mu)).gamma
+    gamma = _fixed_gamma(ablations)
+    if gamma is None:
+        gamma = finalize_pass(fold(accumulate_margins, init(), mu)).gamma
     disc = Discriminator(mu, gamma)
     for _ in range(num_refine):
-        disc = finalize_pass(fold(accumulate_centroids, init(), disc))
+        disc = _with_fixed_gamma(finalize_pass(fold(accumulate_centroids, init(), disc,
+                                                    ablations)), ablations)
     return disc
 
 
@@ -419,21 +548,28 @@ def _as_pass_stats(sums) -> PassStats:
                      sums.margin_m2)
 
 
-def fit_discriminator_fused(pass_fn: PassFn, hidden_size: int | None,
-                            num_refine: int) -> Discriminator:
-    """`fit_discriminator` with one fused pass per round (same passes, same lagged gammas).
-    hidden_size None: pass_fn gets mu None for the initial pass (zeros of the features' size)."""
+def fit_discriminator_fused(pass_fn: PassFn, hidden_size: int | None, num_refine: int,
+                            ablations: Ablations = FULL_METHOD) -> Discriminator:
+    """`fit_discriminator` with one fused pass per round (same passes, same lagged gammas, the
+    same fixed_gamma handling). hidden_size None: pass_fn gets mu None for the initial pass (zeros
+    of the features' size). Hard assignment has no fused form (`check_ablations` refuses it)."""
     if num_refine < 0:
         raise ValueError(f"delta: num_refine must be >= 0, got {num_refine}")
+    if ablations.assignment != "soft":
+        raise ValueError(_HARD_IN_KERNEL)
     unit = jnp.ones((2,), jnp.float32)
     # Initial centroids: weights |A| (alpha off); the margins of this pass are unused.
     mu0 = None if hidden_size is None else jnp.zeros((2, hidden_size), jnp.float32)
     mu = finalize_pass(_as_pass_stats(pass_fn(mu0, unit, use_alpha=False))).mu
-    gamma = finalize_pass(_as_pass_stats(pass_fn(mu, unit, use_alpha=False,
-                                                 with_centroids=False))).gamma
+    gamma = _fixed_gamma(ablations)
+    if gamma is None:
+        gamma = finalize_pass(_as_pass_stats(pass_fn(mu, unit, use_alpha=False,
+                                                     with_centroids=False))).gamma
     disc = Discriminator(mu, gamma)
     for _ in range(num_refine):
-        disc = finalize_pass(_as_pass_stats(pass_fn(disc.mu, disc.gamma, use_alpha=True)))
+        disc = _with_fixed_gamma(
+            finalize_pass(_as_pass_stats(pass_fn(disc.mu, disc.gamma, use_alpha=True))),
+            ablations)
     return disc
 
 
@@ -483,15 +619,26 @@ def _make_pass_fn(h, p, adv, mask, impl: str, mesh: Mesh | None, axes) -> PassFn
     return pass_fn
 
 
-def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, impl, mesh=None, axes=()):
+def _final_from_sums(sums, adv, mask, lam_min, lam_max, ablations, noise, stats=None):
+    """The final pass's FinalStats and lambdas from its DeltaPassSums (kernel lambdas, or with
+    random_lambda the draws of `_random_lambdas`: the kernel's alphas only feed the accuracy)."""
+    side = _side_masks(adv, mask)
+    lam = (_random_lambdas(side, noise, lam_min, lam_max) if ablations.random_lambda
+           else sums.lam)
+    stats = init_final() if stats is None else stats
+    return add_final_lambdas(stats, side, lam, sums.correct.sum()), lam
+
+
+def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, impl, mesh=None, axes=(),
+                    ablations=FULL_METHOD, noise=None):
     """`_one_shot` with fused passes. h [B, T, H], p [B, T] (0 when h is v already), adv [B, T]
     masked (from _token_advantages), mask [B, T]."""
     pass_fn = _make_pass_fn(h, p, adv, mask, impl, mesh, axes)
-    disc = fit_discriminator_fused(pass_fn, h.shape[-1], num_refine)
-    sums = pass_fn(disc.mu, disc.gamma, use_alpha=True, lam_range=(lam_min, lam_max),
-                   with_centroids=False)
-    final = add_final_lambdas(init_final(), _side_masks(adv, mask), sums.lam, sums.correct.sum())
-    return normaliser(final) * sums.lam, diagnostics(disc, final)
+    disc = fit_discriminator_fused(pass_fn, h.shape[-1], num_refine, ablations)
+    sums = pass_fn(disc.mu, disc.gamma, use_alpha=True,
+                   lam_range=_lambda_range(lam_min, lam_max, ablations), with_centroids=False)
+    final, lam = _final_from_sums(sums, adv, mask, lam_min, lam_max, ablations, noise)
+    return normaliser(final, ablations) * lam, diagnostics(disc, final, ablations)
 
 
 def _kernel_inputs(chunk: FeatureChunk, token_prob: Array | None = None):
@@ -517,13 +664,14 @@ def _check_lambda_range(lam_min: float, lam_max: float) -> None:
                          f"lam_max={lam_max}")
 
 
-def _one_shot(chunk: FeatureChunk, num_refine: int, lam_min: float, lam_max: float):
+def _one_shot(chunk: FeatureChunk, num_refine: int, lam_min: float, lam_max: float,
+              ablations: Ablations = FULL_METHOD, noise: Array | None = None):
     """The whole batch as a single chunk: weights [B, T] and the diagnostics dict."""
     _check_chunk(chunk)
     fold = lambda update, state, *extra: update(state, chunk, *extra)  # noqa: E731
-    disc = fit_discriminator(fold, chunk.features.shape[-1], num_refine)
-    final, lam = accumulate_final(init_final(), chunk, disc, lam_min, lam_max)
-    return normaliser(final) * lam, diagnostics(disc, final)
+    disc = fit_discriminator(fold, chunk.features.shape[-1], num_refine, ablations)
+    final, lam = accumulate_final(init_final(), chunk, disc, lam_min, lam_max, ablations, noise)
+    return normaliser(final, ablations) * lam, diagnostics(disc, final, ablations)
 
 
 def _reduce_shard_diagnostics(diag: dict[str, Array]) -> dict[str, Array]:
@@ -548,7 +696,8 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
                        lam_max: float = 1.2, *, features: Array | None = None,
                        stats_mode: str = "global", mesh: Mesh | None = None,
                        data_axes: str | tuple[str, ...] = "data", pass_impl: str = "jnp",
-                       kernel_impl: str | None = None):
+                       kernel_impl: str | None = None, ablations: Ablations | None = None,
+                       key: Array | None = None):
     """DelTA token weights (DELTA_SPEC sections 2.0-2.7), jitted.
 
     Args:
@@ -577,15 +726,23 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         with p = 0). Same results to fp32 rounding.
       kernel_impl: for pass_impl="kernel": "pallas" | "interpret" | "reference" | "auto"; None
         reads $DELTA_JAX_KERNELS (default auto: Pallas on GPU, the jnp reference elsewhere).
+      ablations: an `Ablations` (the paper's ablation rows; None = the full method). The fused
+        kernel passes support all but assignment="hard" (a ValueError naming delta.assignment).
+      key: PRNG key for ablations.random_lambda (required then, ignored otherwise): the draws are
+        `lambda_noise(key, mask.shape)` over the whole batch, so every stats_mode / pass_impl sees
+        the same per-token draws for the same key (per_shard mode normalises them per shard).
 
     Returns (no gradient flows through either):
       weights fp32 [B, T]: c * lambda, mean 1 over the valid tokens (of each shard in per_shard
-        mode), 0 on padding, in [c lam_min, c lam_max].
+        mode), 0 on padding, in [c lam_min, c lam_max] (without normalisation c = 1; with
+        weight="alpha" lambda is in [0, 1], 0 on Z).
       diagnostics: dict of fp32 scalars, see `diagnostics`. In per_shard mode each value is the
         mean over shards of the shard's value, except token counts (summed) and weight min/max
         (min/max over shards).
     """
     _check_pass_impl(pass_impl)
+    ablations = check_ablations(ablations, pass_impl)
+    _check_key(ablations, key)
     if pass_impl == "kernel":
         from delta_jax.kernels import backend
         kernel_impl = backend.resolve_impl(kernel_impl)  # read the environment outside the jit
@@ -593,7 +750,9 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         kernel_impl = None
     return _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_min, lam_max,
                                features=features, stats_mode=stats_mode, mesh=mesh,
-                               data_axes=data_axes, pass_impl=pass_impl, kernel_impl=kernel_impl)
+                               data_axes=data_axes, pass_impl=pass_impl, kernel_impl=kernel_impl,
+                               ablations=ablations,
+                               key=key if ablations.random_lambda else None)
 
 
 def _mesh_axes(mesh: Mesh, data_axes, batch: int, required: bool = True):
@@ -615,9 +774,11 @@ def _mesh_axes(mesh: Mesh, data_axes, batch: int, required: bool = True):
 
 
 @functools.partial(jax.jit, static_argnames=("num_refine", "lam_min", "lam_max", "stats_mode",
-                                             "mesh", "data_axes", "pass_impl", "kernel_impl"))
+                                             "mesh", "data_axes", "pass_impl", "kernel_impl",
+                                             "ablations"))
 def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_min, lam_max, *,
-                        features, stats_mode, mesh, data_axes, pass_impl, kernel_impl):
+                        features, stats_mode, mesh, data_axes, pass_impl, kernel_impl, ablations,
+                        key):
     _check_lambda_range(lam_min, lam_max)
     # Spec 2: the coefficients are constants for the policy update.
     hidden, token_prob, advantages, mask, features = jax.lax.stop_gradient(
@@ -637,21 +798,23 @@ def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_mi
         raise ValueError(f"delta_coefficients: stats_mode must be 'global' or 'per_shard', "
                          f"got {stats_mode!r}")
     fused = pass_impl == "kernel"
+    # delta.random_lambda: one draw per token of the whole batch (sharded like the mask).
+    noise = lambda_noise(key, mask.shape) if ablations.random_lambda else None
 
-    def one_shot(c: FeatureChunk, p, pass_mesh=None, axes=()):
+    def one_shot(c: FeatureChunk, p, u, pass_mesh=None, axes=()):
         if not fused:
-            return _one_shot(c, num_refine, lam_min, lam_max)
+            return _one_shot(c, num_refine, lam_min, lam_max, ablations, u)
         h, p, adv, m = _kernel_inputs(c, p)
         return _fused_one_shot(h, p, adv, m, num_refine, lam_min, lam_max, kernel_impl,
-                               pass_mesh, axes)
+                               pass_mesh, axes, ablations, u)
 
     if stats_mode == "global":
         # Fused passes per batch shard when the rows split evenly, else on the whole batch.
         axes = (_mesh_axes(mesh, data_axes, mask.shape[0], required=False)
                 if fused and mesh is not None else None)
         if axes:
-            return one_shot(chunk, token_prob, mesh, axes)
-        return one_shot(chunk, token_prob)
+            return one_shot(chunk, token_prob, noise, mesh, axes)
+        return one_shot(chunk, token_prob, noise)
     if mesh is None:
         raise ValueError("delta_coefficients: stats_mode='per_shard' needs mesh=")
     axes = _mesh_axes(mesh, data_axes, mask.shape[0])
@@ -661,24 +824,32 @@ def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_mi
              else token_prob.astype(jnp.float32))
     spec = PartitionSpec(axes)
 
-    def per_shard(c: FeatureChunk, p):
-        weights, diag = one_shot(c, p)
+    def per_shard(c: FeatureChunk, p, u):
+        weights, diag = one_shot(c, p, u)
         return weights, {k: v[None] for k, v in diag.items()}
 
-    weights, diag = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec),
-                                  out_specs=(spec, spec), check_vma=not fused)(chunk, probs)
+    weights, diag = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec),
+                                  out_specs=(spec, spec), check_vma=not fused)(chunk, probs, noise)
     return weights, _reduce_shard_diagnostics(diag)
 
 
 # Per-chunk passes, compiled once per chunk shape for the streaming driver.
-_accumulate_centroids_jit = jax.jit(accumulate_centroids)
+_accumulate_centroids_jit = jax.jit(accumulate_centroids, static_argnames=("ablations",))
 _accumulate_margins_jit = jax.jit(accumulate_margins)
-_accumulate_final_jit = jax.jit(accumulate_final, static_argnames=("lam_min", "lam_max"))
+_accumulate_final_jit = jax.jit(accumulate_final,
+                                static_argnames=("lam_min", "lam_max", "ablations"))
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def _chunk_noise(key: Array, index: int, shape: tuple[int, ...]) -> Array:
+    """Streaming delta.random_lambda: the draws of chunk `index` (its position in the source)."""
+    return lambda_noise(jax.random.fold_in(key, index), shape)
 
 
 def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], Iterable],
                                  num_refine: int = 1, lam_min: float = 0.8, lam_max: float = 1.2,
-                                 *, pass_impl: str = "jnp", kernel_impl: str | None = None
+                                 *, pass_impl: str = "jnp", kernel_impl: str | None = None,
+                                 ablations: Ablations | None = None, key: Array | None = None
                                  ) -> tuple[list[Array], dict[str, Array]]:
     """DelTA weights from feature chunks given one at a time (the same pieces as the one-shot form).
 
@@ -692,11 +863,24 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
     Only the [b, t] lambdas of the final pass are kept between chunks, never the features.
     pass_impl / kernel_impl: as in `delta_coefficients` ("kernel": one fused pass per chunk and
     round, with p = 1 - feature_scale).
+    ablations: as in `delta_coefficients` (with fixed_gamma the source is read K + 2 times).
+    key: for ablations.random_lambda: chunk i (its position in each iteration of the source) draws
+      `lambda_noise(fold_in(key, i), its mask shape)`. Deterministic for a given key and chunking,
+      in [lam_min, lam_max]; NOT the one-shot form's draws (those are one draw over the batch).
     """
     _check_lambda_range(lam_min, lam_max)
     _check_pass_impl(pass_impl)
+    ablations = check_ablations(ablations, pass_impl)
+    _check_key(ablations, key)
+
+    def noise(index: int, chunk: FeatureChunk):
+        if not ablations.random_lambda:
+            return None
+        return _chunk_noise(key, index, tuple(chunk.mask.shape))
+
     if pass_impl == "kernel":
-        return _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl)
+        return _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl, ablations,
+                                noise)
     # The hidden size comes from the first chunk of the first pass: probing the source separately
     # would cost one more trunk pass when it recomputes features.
     get_chunks = chunks if callable(chunks) else (lambda: chunks)
@@ -713,14 +897,15 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
             raise ValueError("delta_coefficients_streaming: no chunks")
         return state
 
-    disc = fit_discriminator(fold, None, num_refine)
+    disc = fit_discriminator(fold, None, num_refine, ablations)
     final, lams = init_final(), []
-    for chunk in get_chunks():
-        final, lam = _accumulate_final_jit(final, FeatureChunk(*chunk), disc, lam_min=lam_min,
-                                           lam_max=lam_max)
+    for i, chunk in enumerate(get_chunks()):
+        chunk = FeatureChunk(*chunk)
+        final, lam = _accumulate_final_jit(final, chunk, disc, lam_min=lam_min, lam_max=lam_max,
+                                           ablations=ablations, noise=noise(i, chunk))
         lams.append(lam)
-    c = normaliser(final)
-    return [c * lam for lam in lams], diagnostics(disc, final)
+    c = normaliser(final, ablations)
+    return [c * lam for lam in lams], diagnostics(disc, final, ablations)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "use_alpha", "lam_range", "with_centroids"))
@@ -731,16 +916,17 @@ def _fused_chunk_pass(chunk: FeatureChunk, mu, gamma, *, impl, use_alpha=True, l
                         lam_range=lam_range, with_centroids=with_centroids)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "lam_min", "lam_max"))
-def _fused_chunk_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator, *, impl,
-                       lam_min, lam_max):
+@functools.partial(jax.jit, static_argnames=("impl", "lam_min", "lam_max", "ablations"))
+def _fused_chunk_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator, noise, *,
+                       impl, lam_min, lam_max, ablations):
     h, p, adv, m = _kernel_inputs(chunk)
     sums = _kernel_pass(h, p, adv, m, disc.mu, disc.gamma, impl=impl,
-                        lam_range=(lam_min, lam_max), with_centroids=False)
-    return add_final_lambdas(stats, _side_masks(adv, m), sums.lam, sums.correct.sum()), sums.lam
+                        lam_range=_lambda_range(lam_min, lam_max, ablations),
+                        with_centroids=False)
+    return _final_from_sums(sums, adv, m, lam_min, lam_max, ablations, noise, stats)
 
 
-def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl):
+def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl, ablations, noise):
     """delta_coefficients_streaming with pass_impl="kernel"."""
     from delta_jax.kernels import backend
     from delta_jax.kernels.delta_pass import add_sums
@@ -758,17 +944,19 @@ def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl):
             raise ValueError("delta_coefficients_streaming: no chunks")
         return total
 
-    disc = fit_discriminator_fused(pass_fn, None, num_refine)
+    disc = fit_discriminator_fused(pass_fn, None, num_refine, ablations)
     final, lams = init_final(), []
-    for chunk in get_chunks():
-        final, lam = _fused_chunk_final(final, FeatureChunk(*chunk), disc, impl=impl,
-                                        lam_min=lam_min, lam_max=lam_max)
+    for i, chunk in enumerate(get_chunks()):
+        chunk = FeatureChunk(*chunk)
+        final, lam = _fused_chunk_final(final, chunk, disc, noise(i, chunk), impl=impl,
+                                        lam_min=lam_min, lam_max=lam_max, ablations=ablations)
         lams.append(lam)
-    c = normaliser(final)
-    return [c * lam for lam in lams], diagnostics(disc, final)
+    c = normaliser(final, ablations)
+    return [c * lam for lam in lams], diagnostics(disc, final, ablations)
 
 
 __all__: Sequence[str] = (
+    "ASSIGNMENTS", "Ablations", "FULL_METHOD", "WEIGHTS", "check_ablations", "lambda_noise",
     "Discriminator", "FeatureChunk", "FinalStats", "PassStats", "accumulate_centroids",
     "PASS_IMPLS", "accumulate_final", "accumulate_margins", "add_final_lambdas",
     "delta_coefficients", "delta_coefficients_streaming",
