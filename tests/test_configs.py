@@ -203,3 +203,21 @@ def test_synthetic_gpu_config_size_estimate_and_plan(capsys):
     assert "memory plan: tiny (0.08 B params" in out
     assert result.settings["num_devices"] == 1
     assert all(v <= 80e9 for v in result.phases.values())  # every phase fits one 80 GB GPU
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["--config.delta.assignment=hard", "--config.delta.pass_impl=kernel"], "delta.assignment"),
+    (["--config.delta.random_lambda=True", "--config.delta.weight=alpha"], "delta.random_lambda"),
+    (["--config.delta.fixed_gamma=-0.5"], "delta.fixed_gamma"),
+    (["--config.delta.assignment=fuzzy"], "delta.assignment"),
+])
+def test_impossible_delta_ablations_name_the_field(overrides, field):
+    """The delta.* ablation flags (issue #19): combinations without an implementation fail at
+    validation; each flag alone (and e.g. hard with the jnp passes) validates."""
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.")):
+        validate_config(parse([base, *overrides]))
+    ok = validate_config(parse([base, "--config.delta.assignment=hard",
+                                "--config.delta.normalize=False", "--config.delta.fixed_gamma=0.5",
+                                "--config.delta.random_lambda=True"]))
+    assert ok.delta.assignment == "hard" and ok.delta.random_lambda

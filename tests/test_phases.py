@@ -199,6 +199,46 @@ def test_delta_settings_from_config_reads_every_field():
         f.name: d[f.name] for f in dataclasses.fields(got)}
 
 
+def test_delta_settings_carry_the_ablation_flags_and_delta_weights_honours_them():
+    """delta.* ablation flags (issue #19): from_config reads them, delta_weights passes them on
+    (one-shot and chunked sources), and random_lambda needs a key."""
+    from delta_jax.rl.delta import Ablations
+    from delta_jax.train.config import default_config
+
+    d = default_config().delta
+    assert phases.DeltaSettings.from_config(d).ablations() == Ablations()  # the full method
+    d.fixed_gamma, d.assignment, d.normalize = 0.5, "hard", False
+    d.weight, d.random_lambda = "alpha", True
+    got = phases.DeltaSettings.from_config(d)
+    assert got.ablations() == Ablations(0.5, "hard", False, "alpha", True)
+
+    rng = np.random.default_rng(5)
+    n, R, H = 6, 5, 4
+    h = jnp.asarray(rng.normal(size=(n, R, H)), jnp.float32)
+    p = jnp.asarray(rng.uniform(0.1, 0.9, size=(n, R)), jnp.float32)
+    adv = jnp.asarray([1.0, -1.0, 0.5, -0.5, 0.0, 1.0])
+    mask = jnp.asarray(rng.uniform(size=(n, R)) > 0.2, jnp.float32)
+    source = phases.FeatureSource(features=h, token_prob=p)
+    chunked = phases.FeatureSource(token_prob=p, chunks=lambda: [(0, 2, h[:2]), (2, n, h[2:])])
+    default_w, _ = phases.delta_weights(source, adv, mask, phases.DeltaSettings())
+    flags = phases.DeltaSettings(num_refine=2, assignment="hard", normalize=False)
+    want, _ = delta_coefficients(h, p, adv, mask, num_refine=2,
+                                 ablations=Ablations(assignment="hard", normalize=False))
+    for src in (source, chunked):
+        w, diag = phases.delta_weights(src, adv, mask, flags)
+        np.testing.assert_allclose(np.asarray(w), np.asarray(want), rtol=1e-6, atol=1e-7)
+        assert float(diag["normaliser"]) == 1.0
+    assert np.abs(np.asarray(want) - np.asarray(default_w)).max() > 1e-2
+
+    rand = phases.DeltaSettings(random_lambda=True)
+    with pytest.raises(ValueError, match="delta.random_lambda"):
+        phases.delta_weights(source, adv, mask, rand)
+    w1, _ = phases.delta_weights(source, adv, mask, rand, key=jax.random.key(1))
+    w2, _ = phases.delta_weights(source, adv, mask, rand, key=jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w2))
+    assert np.abs(np.asarray(w1) - np.asarray(default_w)).max() > 1e-2
+
+
 def test_update_policy_visits_every_group_once_per_epoch_in_whole_groups():
     num_prompts, group, mini, epochs = 6, 2, 2, 3
     batch = {"row": jnp.arange(num_prompts * group)}

@@ -417,6 +417,10 @@ def _check_combinations(c):
     _require(c.delta.topk >= 1, "delta.topk", f"must be >= 1, got {c.delta.topk}")
     _require(c.delta.fixed_gamma >= 0, "delta.fixed_gamma",
              f"must be >= 0 (0 = the adaptive temperatures of spec 2.4), got {c.delta.fixed_gamma}")
+    _require(c.delta.assignment == "soft" or c.delta.pass_impl == "jnp", "delta.assignment",
+             "'hard' has no fused-kernel form: use delta.pass_impl='jnp'")
+    _require(not (c.delta.random_lambda and c.delta.weight == "alpha"), "delta.random_lambda",
+             "draws lambda in [lam_min, lam_max]; it cannot be combined with delta.weight='alpha'")
     _require(c.data.synthetic_steps >= 0, "data.synthetic_steps",
              f"must be >= 0 (0 = each level's own), got {c.data.synthetic_steps}")
     _require(1 <= c.data.synthetic_digits <= 6, "data.synthetic_digits",

@@ -9,7 +9,7 @@ flow; `rl_step.py` strings them together, times them and owns the run's state):
         log p, entropy and (for DelTA) h or the top-K proxy inputs, in row chunks
     delta_feature_source(...)                                 -> what DelTA reads: v on device,
         or a re-iterable of per-chunk features (host cache, trunk recompute, top-K proxy)
-    delta_weights(source, advantages, mask, settings)         -> (weights [N, R], diagnostics)
+    delta_weights(source, advantages, mask, settings, key=)   -> (weights [N, R], diagnostics)
     update_policy(train_step, state, batch, ...)              -> (state, metric sums, updates)
 
 Nothing here reads a config object or a Run: settings come as plain values or the small frozen
@@ -183,10 +183,24 @@ class DeltaSettings:
     feature_cache: str = "device"  # device | host | recompute
     proxy: str = "last_layer"      # last_layer | hidden_topk
     recompute_chunk: int = 64
+    # The paper's ablation rows (rl.delta.Ablations; the defaults are the full method).
+    fixed_gamma: float = 0.0       # > 0: gamma+ = gamma- = this value
+    assignment: str = "soft"       # soft | hard (alpha = 1[Delta > 0])
+    normalize: bool = True         # False: w = lambda (c = 1)
+    weight: str = "lambda"         # lambda | alpha (lambda = alpha* on P/N, 0 on Z)
+    random_lambda: bool = False    # lambda ~ U[lam_min, lam_max] per P/N token (needs a key)
 
     @classmethod
     def from_config(cls, delta_cfg) -> "DeltaSettings":
         return cls(**{f.name: delta_cfg[f.name] for f in dataclasses.fields(cls)})
+
+    def ablations(self):
+        """The ablation fields as an rl.delta.Ablations."""
+        from delta_jax.rl import delta as delta_lib
+
+        return delta_lib.Ablations(fixed_gamma=self.fixed_gamma, assignment=self.assignment,
+                                   normalize=self.normalize, weight=self.weight,
+                                   random_lambda=self.random_lambda)
 
 
 @dataclasses.dataclass
@@ -258,18 +272,24 @@ def _row_chunks(n: int, chunk: int, make: Callable[[int, int], jax.Array]):
 
 
 def delta_weights(source: FeatureSource, advantages, mask, settings: DeltaSettings, *,
-                  mesh=None, batch_axes: Sequence[str] = ("data",)):
-    """DelTA weights fp32 [N, R] (mean 1 over valid tokens) and diagnostics from a FeatureSource.
+                  mesh=None, batch_axes: Sequence[str] = ("data",), key=None):
+    """DelTA weights fp32 [N, R] (mean 1 over valid tokens unless delta.normalize is off) and
+    diagnostics from a FeatureSource.
 
     One-shot (features on device): rl.delta.delta_coefficients, with global or per-shard
     statistics over `mesh`'s `batch_axes` (delta.stats_mode); with the fused kernel passes the
     global mode runs one kernel call per batch shard and psums. Chunked sources:
-    rl.delta.delta_coefficients_streaming (global statistics, K + 3 reads of the source).
+    rl.delta.delta_coefficients_streaming (global statistics, K + 3 reads of the source; K + 2
+    with delta.fixed_gamma). The ablation settings go on as rl.delta.Ablations.
+    key: PRNG key of the delta.random_lambda draws (required then; None is fine otherwise).
     """
     from delta_jax.rl import delta as delta_lib
 
+    if settings.random_lambda and key is None:
+        raise ValueError("delta.random_lambda needs a PRNG key: pass key= to delta_weights")
     common = dict(num_refine=settings.num_refine, lam_min=settings.lam_min,
-                  lam_max=settings.lam_max, pass_impl=settings.pass_impl)
+                  lam_max=settings.lam_max, pass_impl=settings.pass_impl,
+                  ablations=settings.ablations(), key=key)
     if source.chunks is None:
         kwargs = dict(common)
         if settings.stats_mode == "per_shard":

@@ -34,6 +34,7 @@ from delta_jax.train.run import Run, feature_cache_mode
 from delta_jax.train.state import TrainState
 
 _SHUFFLE_SALT, _ROLLOUT_SALT = 13, 17
+_DELTA_SALT = 5  # delta.random_lambda's draws (clear of 7, 11 + 1 + i, 13, 17 + round)
 
 # Step-level values of train_step's metrics (everything else is a loss-metric sum).
 _MEAN_OVER_UPDATES = ("loss", "grad_norm", "learning_rate")
@@ -176,7 +177,8 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
             proxy_row_chunk=min(rb.num_rows, cfg.rollout.max_batch_size))
         delta_w, diag = phases.delta_weights(
             source, batch["advantages"], mask, delta, mesh=run.mesh,
-            batch_axes=sharding_lib.batch_axes(run.mesh) if run.mesh is not None else ("data",))
+            batch_axes=sharding_lib.batch_axes(run.mesh) if run.mesh is not None else ("data",),
+            key=jax.random.key(rollout_lib.step_seed(cfg.seed, step, _DELTA_SALT)))
         delta_w = jax.block_until_ready(delta_w)
         diag = {k: float(v) for k, v in jax.device_get(diag).items() if np.asarray(v).size == 1}
         if settings.use_delta:
