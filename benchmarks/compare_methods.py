@@ -402,10 +402,7 @@ def credit_summary(rows) -> dict:
     (the synthetic task): its numeric values, keys "credit/..."; {} otherwise."""
     if not any(k.startswith("credit/") for r in rows for k in r):
         return {}
-    try:
-        from delta_jax.rl import credit
-    except ImportError:
-        return {}
+    from delta_jax.rl import credit
     return {k: v for k, v in credit.summarize(rows).items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 

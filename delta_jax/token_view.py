@@ -40,6 +40,8 @@ from typing import Sequence
 
 import numpy as np
 
+from delta_jax.rl import credit
+
 SIDES = ("pos", "neg")  # tokens of responses with A > 0 / A < 0 (A = 0 tokens get no gradient)
 
 
@@ -223,9 +225,9 @@ def format_ranking(view: TokenView, ranking: dict) -> str:
 
 # ----------------------------------------------------------------------------- credit classes
 
-# rl.credit.CLASS_NAMES order (code 0 = none: padding / prompt): per class the marker of the text
-# output, the CSS of the HTML token and the PNG underline (color, line width, line style, box).
-CLASS_NAMES = ("none", "boilerplate", "step", "first_error", "after_error")
+# Per rl.credit class (code 0, none: padding / prompt) the marker of the text output, the CSS of
+# the HTML token and the PNG underline (color, line width, line style, box).
+CLASS_NAMES = credit.CLASS_NAMES
 CLASS_MARK = {"none": " ", "boilerplate": " ", "step": "^", "first_error": "X",
               "after_error": "~"}
 CLASS_CSS = {"none": "", "boilerplate": "",
@@ -252,7 +254,6 @@ def class_weights(view: TokenView) -> dict:
     scored with DelTA's weights). {} without classes."""
     if view.classes is None:
         return {}
-    from delta_jax.rl import credit
     return credit.credit_metrics(view.classes, view.weights, view.advantages, view.mask)
 
 

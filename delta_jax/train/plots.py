@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.rl import credit
 from delta_jax.train.metrics import read_jsonl
 
 SIDES = ("pos", "neg", "zero")  # the sides of rl.delta: A > 0, A < 0, A = 0
-# delta_jax.rl.credit.CLASS_NAMES (code 0 = "none": no class, e.g. padding; not drawn).
-CREDIT_CLASSES = ("none", "boilerplate", "step", "first_error", "after_error")
 CREDIT_AUCS = (("credit/auc_first_error_neg", "first_error vs other tokens, A < 0"),
                ("credit/auc_step_pos", "step vs boilerplate, A > 0"))
 _CLASS_COLORS = {"boilerplate": "tab:gray", "step": "tab:blue", "first_error": "tab:red",
@@ -264,20 +263,12 @@ def credit_classes(rows: Sequence[dict]) -> list[str]:
                     if name.endswith(side):
                         found.add(name[:-len(side)])
     found.discard("none")
-    known = [c for c in _class_names() if c in found]
+    known = [c for c in credit.CLASS_NAMES if c in found]  # code 0, "none", is not drawn
     return known + sorted(found - set(known))
 
 
 def has_credit(rows: Sequence[dict]) -> bool:
     return any(k.startswith("credit/") for row in rows for k in row)
-
-
-def _class_names() -> tuple:
-    try:
-        from delta_jax.rl import credit
-        return tuple(credit.CLASS_NAMES)
-    except ImportError:  # the module predates rl.credit's presence in this checkout
-        return CREDIT_CLASSES
 
 
 def plot_credit(rows: Sequence[dict], path: str) -> str:
@@ -301,7 +292,7 @@ def plot_credit(rows: Sequence[dict], path: str) -> str:
             ax.plot(s, moving_average(w, 5), color=color, label=f"{cls}, 5-step mean")
         ax.axhline(1.0, color="black", lw=0.6)
         ax.set(title=f"weight per token class, {title}", xlabel="RL step",
-               ylabel="mean DelTA weight")
+               ylabel="mean token weight (DelTA; 1 for grpo / dapo)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -366,7 +357,6 @@ def credit_summary(rows: Sequence[dict]) -> dict:
     "credit/..." ({} when the rows hold no credit metrics)."""
     if not has_credit(rows):
         return {}
-    from delta_jax.rl import credit
     return dict(credit.summarize(rows))
 
 
@@ -378,7 +368,7 @@ def credit_report_lines(rows: Sequence[dict], method: str | None = None) -> list
     who = "DelTA" if method in (None, "delta") else f"the {method} loss"
     summary = credit_summary(rows)
     fmt = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) and x == x else "n/a"  # noqa: E731
-    classes = [c for c in _class_names() if c != "none"]
+    classes = list(credit.CLASS_NAMES[1:])
     lines = []
     for side, name in (("neg", "A < 0"), ("pos", "A > 0")):
         parts = [f"{c} {fmt(summary[f'credit/weight_{c}_{side}'])} "
