@@ -158,15 +158,34 @@ def test_humaneval_canonical_pass_and_stub_fail(scorer, shared_dir):
 
 
 def _host_processes():
-    pids = set()
+    """(pid, start time) of the processes that can belong to this test's programs: those in
+    another pid namespace than ours (a sandboxed program and anything it forks stay in its
+    namespace, setsid or not), our own descendants (a launcher left behind) and orphans adopted
+    by init (a daemon that got out of an unisolated run). Unrelated processes that others start
+    on the host meanwhile (a shell and its children) are not counted."""
+    own_ns, me = os.readlink("/proc/self/ns/pid"), os.getpid()
+    stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    pids.add((int(entry), f.read().split(")")[-1].split()[19]))  # (pid, start)
+                    fields = f.read().split(")")[-1].split()
+                ns = os.readlink(f"/proc/{entry}/ns/pid")
             except OSError:
-                pass
-    return pids
+                continue
+            stats[int(entry)] = (int(fields[1]), fields[19], ns)  # (ppid, start, pid namespace)
+
+    def ours(pid):
+        seen = set()
+        while pid in stats and pid not in seen:
+            seen.add(pid)
+            ppid, _, ns = stats[pid]
+            if ns != own_ns or ppid in (me, 1):
+                return True
+            pid = ppid
+        return False
+
+    return {(pid, start) for pid, (_, start, _) in stats.items() if pid != me and ours(pid)}
 
 
 def _score_one(scorer, program, tests=("assert True",)):
