@@ -20,11 +20,11 @@ What runs, and where it goes (all under --workdir):
                                  plots/{training,delta_weights,credit}.png; final/ (HF dir)
 
 Size: about 0.9 M parameters (hidden 128, 4 layers, GQA 4/2 heads); prompts <= 55 tokens,
-solutions <= 23. The warm start is short on purpose: after 160 SFT steps the policy has the
-format and solves about 30% of the held-out problems at T = 1, sampling its digits with much
+solutions <= 23. The warm start is short on purpose: after 140 SFT steps the policy has the
+format and solves about 25-50% of the held-out problems at T = 1, sampling its digits with much
 uncertainty; RL from the verifiable reward sharpens that. (With two-digit values and 300 SFT steps,
 the earlier default, RL at lr 1e-4 gained only a few points and higher learning rates made the
-policy worse: BENCHMARKS.md.) The budget (160 SFT steps, 100 RL steps) is meant to fit 10
+policy worse: BENCHMARKS.md.) The budget (140 SFT steps, 120 RL steps) is meant to fit 10
 minutes on 2 CPU cores; see the README for measured times and accuracy over seeds.
 """
 from delta_jax.train.config import default_config
@@ -61,11 +61,11 @@ def get_config():
     c.rl.micro_batch_size = 0
     c.optim.lr = 1e-4
     c.optim.weight_decay = 0.0
-    c.train.steps = 100
+    c.train.steps = 120
     c.train.save_every = 25
     c.train.eval_every = 0
     c.train.keep = 2
-    c.sft.steps = 160             # a deliberately short warm start: ~30% at T = 1, room for RL
+    c.sft.steps = 140             # a deliberately short warm start: ~30-50% at T = 1, room for RL
     c.sft.batch_size = 32
     c.sft.lr = 2e-3
     c.sft.max_len = 80          # the longest prompt + solution + EOS is 79 tokens
