@@ -1,7 +1,27 @@
 """Shared test set-up.
 
-Eight simulated CPU devices for the whole session, so the sharding tests can build meshes; this
-must happen before jax is first imported.
+Backend. The suite runs on CPU unless told otherwise: JAX_PLATFORMS defaults to "cpu" here, so
+`bash scripts/test.sh` on a GPU machine still tests on its CPU. To run it on the GPU:
+
+    JAX_PLATFORMS=cuda,cpu bash scripts/test.sh
+
+Tests marked `@pytest.mark.gpu` (compiled Pallas kernels, cuDNN attention) run only when JAX's
+default backend is a GPU and are skipped elsewhere with that reason. Tests that need several
+devices skip when the default backend has fewer (one GPU has one; the CPU has eight, below).
+
+Eight simulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count=8) for the whole
+session, so the sharding tests can build meshes; this must happen before jax is first imported.
+The flag only changes the CPU platform: on a GPU run the GPU is still device 0 and the CPU devices
+stay beside it.
+
+Matmul precision. JAX_DEFAULT_MATMUL_PRECISION defaults to "highest" for the whole session (set
+before jax is imported, so every trace in every thread and every subprocess a test starts sees it).
+The tests compare fp32 results with float64 / full-logits references at 1e-5; on a GPU JAX's
+default precision lets XLA run fp32 matmuls in TF32 (10-bit mantissa), which breaks those
+comparisons by 3e-4 to 5e-2 (issue #16). The pin is read when a function is traced (jax.jit caches
+per precision), so it holds inside jit and inside Pallas kernel bodies. On CPU it changes nothing:
+XLA:CPU computes fp32 matmuls in fp32 either way. Set the variable yourself (e.g. to "default") to
+run the suite at the backend's own precision.
 """
 import os
 import pathlib
@@ -10,12 +30,29 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
+GPU_MARKER = "gpu: needs a GPU as JAX's default backend (JAX_PLATFORMS=cuda,cpu); skipped elsewhere"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", GPU_MARKER)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is None:
+        return
+    import jax
+
+    backend = jax.default_backend()
+    if backend != "gpu":
+        pytest.skip(f"GPU-only path; JAX's default backend is {backend!r} (run with "
+                    f"JAX_PLATFORMS=cuda,cpu on a GPU machine)")
 
 
 @pytest.fixture(scope="session")

@@ -142,3 +142,32 @@ def test_kernel_lowers_for_the_triton_gpu_backend():
     except (NotImplementedError, ImportError) as err:  # a jaxlib built without GPU lowering
         pytest.skip(f"CUDA lowering unavailable: {err}")
     assert "triton" in text
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_matches_full_logits():
+    """The Triton kernel itself (compiled, default tiles), N = 300, H = 128, V = 5000 (ragged
+    token and vocabulary tiles): values and gradients of the full-logits computation."""
+    h, w, labels, mask = make_inputs(7, n=300, hidden=128, vocab=5000)
+    fn = lambda h, w, y: lm_head_logprob(h, w, y, TEMPERATURE, interpret=False)  # noqa: E731
+    for got, want in zip(jax.jit(fn)(h, w, labels), naive(h, w, labels)):
+        assert rel_err(got, want) < 1e-5
+    grads = jax.jit(jax.grad(masked_objective(fn, mask), argnums=(0, 1)))(h, w, labels)
+    want = jax.grad(masked_objective(naive, mask), argnums=(0, 1))(h, w, labels)
+    for g, g_ref in zip(grads, want):
+        assert rel_err(g, g_ref) < 1e-5
+
+
+def test_suite_pins_fp32_matmuls_to_highest():
+    """tests/conftest.py pins JAX's default matmul precision to "highest" (TF32 on a GPU would
+    break the 1e-5 comparisons here): every dot traced under jit, the Pallas kernel body's
+    included, carries HIGHEST. The kernel body's dot has no precision of its own, so it follows
+    the pin."""
+    assert jax.config.jax_default_matmul_precision == "highest"
+    h, w, labels, mask = make_inputs(8, n=64, hidden=32, vocab=256)
+    text = str(jax.jit(jax.grad(masked_objective(kernel_fn, mask), argnums=(0, 1)))
+               .trace(h, w, labels).jaxpr)
+    assert "pallas_call" in text
+    dots = text.count("dot_general[")
+    assert dots >= 3
+    assert text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)") == dots, text
