@@ -7,6 +7,8 @@ fenced block of a response, cycled up to --programs; a third are made wrong (the
 `pass`), and every copy gets a distinct comment so the scorer's cache and in-batch de-duplication
 do not apply: every program runs in its own sandbox. Prints pool start-up, the batch time and
 programs/s, with the date and machine.
+No JAX program runs here (scoring is CPU work in worker processes), so there is no compiled
+memory analysis to print, unlike the other benchmarks (issue #16).
 """
 import argparse
 import datetime

@@ -37,6 +37,9 @@ Workloads (--workload):
   has CUDA (or with --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process
   per batch size, before JAX takes the device; a failure (e.g. out of memory) is recorded and the
   run goes on. Its decode time = a full generate minus a 1-new-token generate, best of --repeats.
+Memory: for every engine configuration, XLA's memory analysis of the sampler's jitted programs
+(prefill, decode, page copy; each compiled again from its first call's shapes) on the backend
+that runs them is printed and stored with the results (compiled_memory).
 A failure of one engine configuration (e.g. out of memory, or a kernel that does not compile) is
 recorded in the table and the JSON, and the run goes on. Results are written as JSON after every
 configuration (--output).
@@ -44,6 +47,7 @@ configuration (--output).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -60,8 +64,10 @@ import numpy as np
 from flax import nnx
 
 from delta_jax import models
+from delta_jax.kernels import timing
 from delta_jax.models import attention
 from delta_jax.sampling import Sampler
+from delta_jax.sampling import programs as sampling_programs
 
 WORKLOADS = ("fixed", "longtail")
 
@@ -226,15 +232,35 @@ def timed_generate(sampler: Sampler, prompts, max_new_tokens, args) -> dict:
     """An untimed generate (compiles), then the best of --repeats by wall time."""
     kwargs = dict(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_new_tokens=max_new_tokens, stop_token_ids=(), seed=0)
-    start = time.perf_counter()
-    sampler.generate(prompts, **kwargs)
-    first = time.perf_counter() - start
+    calls = {}
+    with recording_sampler_programs(calls):
+        start = time.perf_counter()
+        sampler.generate(prompts, **kwargs)
+        first = time.perf_counter() - start
+    memory = timing.print_recorded_memory(calls, prefix="sampler program (first call) ")
     best = None
     for _ in range(max(1, args.repeats)):
         stats = sampler.generate(prompts, **kwargs).stats
         if best is None or stats["seconds"] < best["seconds"]:
             best = stats
-    return {"compile_and_first_run_s": first, **best}
+    return {"compile_and_first_run_s": first, **best, "compiled_memory": memory}
+
+
+SAMPLER_PROGRAMS = ("prefill", "decode", "copy_pages")  # delta_jax.sampling.programs
+
+
+@contextlib.contextmanager
+def recording_sampler_programs(calls: dict):
+    """Within the block, the sampler's jitted programs record their first call's shapes in
+    `calls` (timing.recording_first_call)."""
+    saved = {name: getattr(sampling_programs, name) for name in SAMPLER_PROGRAMS}
+    for name, fn in saved.items():
+        setattr(sampling_programs, name, timing.recording_first_call(fn, name, calls))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(sampling_programs, name, fn)
 
 
 def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict:

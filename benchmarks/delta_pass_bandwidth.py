@@ -2,7 +2,8 @@
 
 Effective bandwidth = the fewest bytes the pass must move (h read once, p/a/mask read, lambda
 written when asked) / median time. The device copy (y = -h: read + write) measured in the same run
-is the practical ceiling. Default shape: 1M tokens x hidden 4096, bf16 (GPU). On CPU use small
+is the practical ceiling. Each case also prints XLA's memory analysis of its compiled program on the
+backend it runs on. Default shape: 1M tokens x hidden 4096, bf16 (GPU). On CPU use small
 shapes; the Pallas kernel then runs in interpret mode (correctness only, not speed):
 
     python benchmarks/delta_pass_bandwidth.py --tokens 4096 --hidden 256 --iters 3
@@ -78,8 +79,9 @@ def main(argv=None):
     for name, (fn, nbytes) in cases.items():
         call_args = (h,) if name.startswith("device copy") else (h, p, a, mask, mu_pos, mu_neg, *gammas)
         seconds, runs = timing.median_seconds(fn, *call_args, warmup=args.warmup, iters=args.iters)
+        memory = timing.print_compiled_memory(name, fn, *call_args)
         results.append({"case": name, "median_s": seconds, "runs_s": runs, "bytes": nbytes,
-                        "effective_GBps": nbytes / seconds / 1e9})
+                        "effective_GBps": nbytes / seconds / 1e9, "compiled_memory": memory})
     copy = next((r["effective_GBps"] for r in results if r["case"].startswith("device copy")), None)
     for r in results:
         r["share_of_copy"] = None if copy is None else r["effective_GBps"] / copy

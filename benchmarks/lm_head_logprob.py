@@ -2,7 +2,8 @@
 
 For each implementation, forward (log p and entropy) and forward+backward (grad of a weighted sum
 of both outputs w.r.t. h and W) are timed (warm-up, block_until_ready, median of --iters runs);
-memory is XLA's static analysis of each compiled program (temporaries + arguments + outputs).
+memory is XLA's static analysis of each compiled program on the backend it runs on (temporaries +
+arguments + outputs - aliased; printed per program and in the table).
 Default shape: N=8192 tokens, H=2048, V=151936, bf16 (GPU). On CPU use small shapes; the Pallas
 kernel then runs in interpret mode (correctness only, not speed):
 
@@ -81,7 +82,7 @@ def main(argv=None):
         }
         for mode, jitted in programs.items():
             seconds, runs = timing.median_seconds(jitted, h, w, warmup=args.warmup, iters=args.iters)
-            memory = timing.compiled_memory_bytes(jitted, h, w)
+            memory = timing.print_compiled_memory(f"{label} {mode}", jitted, h, w)
             results.append({"impl": label, "mode": mode, "median_s": seconds, "runs_s": runs,
                             **memory})
 

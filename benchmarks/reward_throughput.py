@@ -6,6 +6,8 @@ Gold answers come from ../shared/data/math500.jsonl when present (else synthetic
 fractions). Each response is ~2 KB of reasoning ending in a \\boxed{} answer that is the gold
 string itself (40%), an equivalent but different form (20%), a wrong answer (30%) or missing (10%).
 Prints pool start-up time and the time to score the batch, cold (empty cache) and warm.
+No JAX program runs here (scoring is CPU work in worker processes), so there is no compiled
+memory analysis to print, unlike the other benchmarks (issue #16).
 """
 import argparse
 import json

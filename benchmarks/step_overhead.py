@@ -20,6 +20,11 @@ step_s; each phase ends with block_until_ready). --warmup-steps steps run first 
 they compile every program (sampler prefill/decode, old-policy pass, DelTA, train step), and the
 shapes stay fixed afterwards (prompts of one length, responses padded to --new-tokens), so the
 --steps timed steps that follow run compiled code only. Reported: median over the timed steps.
+Memory: after each variant, XLA's memory analysis of every jitted program the steps ran (the
+old-policy pass, the train step, ...; compiled again from its first call's shapes on the backend
+that ran it), printed beside plan mode's figure for its phase (delta_jax.plan.plan_from_config:
+"update" for the train step; "old-policy pass + DelTA" for the old-policy pass, which also counts
+the optimizer state and the DelTA feature cache that the program itself does not hold).
 
 Issue #9 shapes (GPU):
     python benchmarks/step_overhead.py
@@ -118,6 +123,7 @@ def make_config(args, variant: str):
 def run_variant(args, variant: str, workdir: str) -> dict:
     import jax
 
+    from delta_jax.kernels import timing
     from delta_jax.train.rl_step import rl_step
     from delta_jax.train.run import build_run, place_state
     from delta_jax.train.state import init_train_state
@@ -128,11 +134,13 @@ def run_variant(args, variant: str, workdir: str) -> dict:
     vocab = cfg.model.vocab_size or run.tokenizer.vocab_size
     run.data_iter = fixed_prompts(args.prompts, args.prompt_len, vocab, args.seed)
     state = place_state(run, init_train_state(run.initial_params, run.optimizer))
-    counters = {}
+    counters, first_calls = {}, {}
     for name in ("old_pass", "ref_pass", "hidden_pass", "topk_proxy_pass", "train_step"):
         fn = getattr(run, name)
-        if fn is not None:  # count the calls of each jitted program
-            def counted(*a, _fn=fn, _name=name, **kw):
+        if fn is not None:  # count the calls of each jitted program; keep its first call's shapes
+            recorded = timing.recording_first_call(fn, name, first_calls)
+
+            def counted(*a, _fn=recorded, _name=name, **kw):
                 counters[_name] = counters.get(_name, 0) + 1
                 return _fn(*a, **kw)
             setattr(run, name, counted)
@@ -157,7 +165,26 @@ def run_variant(args, variant: str, workdir: str) -> dict:
     timed = [s for s in steps if not s["warmup"]]
     median = {k: statistics.median(s[k] for s in timed) for k in PHASES}
     return {"variant": variant, "median": median, "steps": steps,
-            "counters": counters}
+            "counters": counters, "compiled_memory": compiled_memory(cfg, vocab, variant, first_calls)}
+
+
+# The plan phase (delta_jax.plan) each jitted program belongs to.
+PLAN_PHASES = {"train_step": "update", "old_pass": "old-policy pass + DelTA"}
+
+
+def compiled_memory(cfg, vocab: int, variant: str, first_calls: dict) -> dict:
+    """XLA's memory analysis of each program the steps ran (compiled again from the shapes of
+    its first call, on this backend), printed beside plan mode's figure for its phase (planned
+    with the run's vocabulary `vocab`: without model.vocab_size the plan would take the preset's)."""
+    from delta_jax import plan as plan_lib
+    from delta_jax.kernels import timing
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.vocab_size = vocab
+    phases = plan_lib.plan_from_config(cfg).phases
+    return timing.print_recorded_memory(
+        first_calls, prefix=f"{variant} ",
+        plan_bytes={name: (phase, phases[phase]) for name, phase in PLAN_PHASES.items()})
 
 
 def main(argv=None):

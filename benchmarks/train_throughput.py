@@ -25,7 +25,9 @@ MFU says how close the step gets to that machine's own matmul speed.
 Memory: XLA's static analysis of the compiled step (temporaries + arguments + outputs - aliased)
 at --memory-preset / --memory-seq / --memory-batch, lowered from abstract shapes only (nothing is
 allocated, so the full Qwen3-1.7B shape can be analysed on a CPU; the figure is then the CPU
-compiler's buffer assignment, which is close to but not the GPU's).
+compiler's buffer assignment, which is close to but not the GPU's), printed beside plan mode's
+"update" figure (delta_jax.plan) for the same shape. The timed programs' own analyses (forward,
+fwd+bwd, step at the throughput shape) are printed on the backend that runs them.
 
 Issue #9 shapes (GPU):
     python benchmarks/train_throughput.py --batch 8 --micro-batch 2
@@ -168,6 +170,15 @@ def throughput(args, impl: str, peak: float) -> dict:
     optimizer_s, _ = timing.median_seconds(programs.optimizer, params, state.opt_state, grads,
                                            warmup=args.warmup, iters=args.iters)
     del grads
+    plan_bytes = plan_update_bytes(cfg, chunk=args.logprob_chunk, batch=args.batch,
+                                   micro_batch=args.micro_batch, seq=args.seq,
+                                   response_len=args.response_len)
+    memory = {name: timing.print_compiled_memory(f"{name} ({impl})", fn, *fn_args,
+                                                 plan_bytes=plan)
+              for name, fn, fn_args, plan in (
+                  ("forward", programs.forward, (params, batch), None),
+                  ("fwd+bwd", programs.fwd_bwd, (params, batch), None),
+                  ("train step", programs.step, (state, batch), plan_bytes))}
     step_s, state = time_step(programs.step, state, batch, args.warmup, args.iters)
     flops = model_flops(cfg, args.batch, args.seq, args.response_len)
     tokens = args.batch * args.seq
@@ -176,22 +187,51 @@ def throughput(args, impl: str, peak: float) -> dict:
             "other_s": step_s - fwd_bwd_s - optimizer_s, "tokens_per_s": tokens / step_s,
             "model_tflops_per_step": flops["total"] / 1e12,
             "achieved_tflops": flops["total"] / step_s / 1e12, "mfu": flops["total"] / step_s / peak,
-            "flops_by_part": flops, "params": cfg.num_params()}
+            "flops_by_part": flops, "params": cfg.num_params(), "compiled_memory": memory}
 
 
-def peak_memory(args, impl: str) -> dict:
-    """Compiled-memory analysis of the full-shape train step, from abstract shapes only."""
-    cfg = model_config(args.memory_preset, None, args.memory_dtype, args.remat, args.attention)
+def abstract_step(cfg, *, impl: str, chunk: int, batch: int, micro_batch: int, seq: int,
+                  response_len: int):
+    """(train step, abstract state, abstract batch): the trainer's jitted step for `cfg` and the
+    shapes to lower it with; nothing is allocated."""
     abstract_model = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = state_lib.split_model(abstract_model)
     optimizer = state_lib.make_optimizer(lambda _: 1e-6, weight_decay=0.1, max_grad_norm=1.0)
     state = jax.eval_shape(lambda p: state_lib.init_train_state(p, optimizer), params)
-    programs = StepPrograms(graphdef, rest, optimizer, impl=impl, chunk=args.logprob_chunk,
-                            micro_batch=args.memory_micro_batch)
-    batch = abstract_batch(args.memory_batch, args.memory_seq, args.memory_response_len)
+    programs = StepPrograms(graphdef, rest, optimizer, impl=impl, chunk=chunk,
+                            micro_batch=micro_batch)
+    return programs.step, state, abstract_batch(batch, seq, response_len)
+
+
+def plan_update_bytes(cfg, *, chunk: int, batch: int, micro_batch: int, seq: int,
+                      response_len: int) -> int:
+    """Plan mode's "update" phase (delta_jax.plan.plan_memory) for this step on one device: one
+    mini-batch of `batch` rows in micro-batches of `micro_batch` (0 = all), the same optimizer."""
+    from delta_jax import plan as plan_lib
+    optimizer = state_lib.make_optimizer(lambda _: 1e-6, weight_decay=0.1, max_grad_norm=1.0)
+    memory_plan = plan_lib.plan_memory(
+        cfg, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=batch,
+        prompt_len=seq - response_len, response_len=response_len, sampler_rows=batch,
+        group_size=1, mini_batch_rows=batch, micro_batch_rows=micro_batch,
+        logprob_chunk_tokens=chunk, recompute_chunk=batch, optimizer=optimizer)
+    return memory_plan.phases["update"]
+
+
+def peak_memory(args, impl: str) -> dict:
+    """Compiled-memory analysis of the full-shape train step, from abstract shapes only, printed
+    beside plan mode's "update" figure for the same shape."""
+    cfg = model_config(args.memory_preset, None, args.memory_dtype, args.remat, args.attention)
+    shape = dict(chunk=args.logprob_chunk, batch=args.memory_batch,
+                 micro_batch=args.memory_micro_batch, seq=args.memory_seq,
+                 response_len=args.memory_response_len)
+    step, state, batch = abstract_step(cfg, impl=impl, **shape)
+    plan_bytes = plan_update_bytes(cfg, **shape)
     start = time.perf_counter()
-    memory = timing.compiled_memory_bytes(programs.step, state, batch)
+    memory = timing.print_compiled_memory(f"train step ({impl})", step, state, batch,
+                                          plan_bytes=plan_bytes)
     return {"impl": impl, "compile_s": time.perf_counter() - start, **memory,
+            "plan_update_bytes": plan_bytes,
+            "plan_gib": plan_bytes / 2 ** 30,
             "peak_estimate_gib": memory.get("peak_estimate_bytes", 0) / 2 ** 30,
             "temp_gib": memory.get("temp_bytes", 0) / 2 ** 30}
 
@@ -268,7 +308,8 @@ def main(argv=None):
             f"(micro {args.memory_micro_batch}) x seq {args.memory_seq} "
             f"(response {args.memory_response_len}), {args.memory_dtype}, remat {args.remat}",
             [("logprob", "impl", "9s"), ("peak GiB", "peak_estimate_gib", "9.2f"),
-             ("temp GiB", "temp_gib", "9.2f"), ("compile s", "compile_s", "10.1f")], rows)
+             ("temp GiB", "temp_gib", "9.2f"), ("plan GiB", "plan_gib", "9.2f"),
+             ("compile s", "compile_s", "10.1f")], rows)
         payload["memory"] = rows
     timing.write_json(args.out, payload, args=args)
 

@@ -24,18 +24,89 @@ def median_seconds(fn, *args, warmup: int = 2, iters: int = 5) -> tuple[float, l
     return statistics.median(times), times
 
 
-def compiled_memory_bytes(jitted, *args) -> dict:
-    """XLA's static memory analysis of the compiled program: temporaries, arguments, outputs, and
-    their sum as an estimate of the peak device memory the call needs (bytes)."""
-    analysis = jitted.lower(*args).compile().memory_analysis()
+MEMORY_FIELDS = (("argument_bytes", "argument_size_in_bytes"),
+                 ("output_bytes", "output_size_in_bytes"),
+                 ("temp_bytes", "temp_size_in_bytes"),
+                 ("alias_bytes", "alias_size_in_bytes"),
+                 ("generated_code_bytes", "generated_code_size_in_bytes"))
+
+
+def compiled_memory_bytes(program, *args, **kwargs) -> dict:
+    """XLA's static memory analysis of a compiled program on the backend it was compiled for.
+
+    program: a jax.stages.Compiled, or a jitted function compiled here for `args` / `kwargs`
+    (arrays or jax.ShapeDtypeStructs: nothing is allocated). Returns {"backend", "argument_bytes",
+    "output_bytes", "temp_bytes", "alias_bytes", "generated_code_bytes", "peak_estimate_bytes"}
+    with peak_estimate = arguments + outputs + temporaries - aliased (donated arguments reused
+    for outputs), an estimate of the device memory the call needs; where the backend gives no
+    analysis, {"backend", "unavailable": why}.
+    """
+    compiled = program if hasattr(program, "memory_analysis") else (
+        program.lower(*args, **kwargs).compile())
+    backend = jax.default_backend()
+    try:
+        analysis = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError) as err:  # e.g. a backend without the analysis
+        return {"backend": backend, "unavailable": f"{type(err).__name__}: {err}"}
     if analysis is None:
-        return {}
-    temp = int(getattr(analysis, "temp_size_in_bytes", 0))
-    arg = int(getattr(analysis, "argument_size_in_bytes", 0))
-    out = int(getattr(analysis, "output_size_in_bytes", 0))
-    alias = int(getattr(analysis, "alias_size_in_bytes", 0))
-    return {"temp_bytes": temp, "argument_bytes": arg, "output_bytes": out,
-            "peak_estimate_bytes": temp + arg + out - alias}
+        return {"backend": backend, "unavailable": "memory_analysis() returned None"}
+    out = {"backend": backend}
+    out.update({key: int(getattr(analysis, attr, 0) or 0) for key, attr in MEMORY_FIELDS})
+    out["peak_estimate_bytes"] = (out["argument_bytes"] + out["output_bytes"]
+                                  + out["temp_bytes"] - out["alias_bytes"])
+    return out
+
+
+def format_compiled_memory(label: str, memory: dict, plan_bytes: int | None = None) -> str:
+    """One line of compiled_memory_bytes' figures (MiB / GiB), with a plan's figure beside the peak
+    estimate when given (plan / compiled)."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    if "unavailable" in memory:
+        return f"compiled memory [{memory['backend']}] {label}: unavailable ({memory['unavailable']})"
+    line = (f"compiled memory [{memory['backend']}] {label}: peak~ {gib(memory['peak_estimate_bytes'])}"
+            f" = args {gib(memory['argument_bytes'])} + out {gib(memory['output_bytes'])}"
+            f" + temp {gib(memory['temp_bytes'])} - alias {gib(memory['alias_bytes'])}"
+            f" (code {memory['generated_code_bytes'] / 2**20:.1f} MiB)")
+    if plan_bytes is not None:
+        ratio = plan_bytes / max(memory["peak_estimate_bytes"], 1)
+        line += f"; plan {gib(plan_bytes)} (plan / compiled {ratio:.2f})"
+    return line
+
+
+def print_compiled_memory(label: str, program, *args, plan_bytes: int | None = None,
+                          **kwargs) -> dict:
+    """compiled_memory_bytes(program, *args, **kwargs), printed as one line; returns the dict."""
+    memory = compiled_memory_bytes(program, *args, **kwargs)
+    print(format_compiled_memory(label, memory, plan_bytes), flush=True)
+    return memory
+
+
+def abstract_like(tree):
+    """`tree` with every jax.Array replaced by a ShapeDtypeStruct of the same shape, dtype and
+    sharding (what a program can be lowered for again once donated buffers are gone)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
+
+
+def recording_first_call(fn, name: str, calls: dict):
+    """fn wrapped to store calls[name] = (fn, abstract args, abstract kwargs) at its first call,
+    so a benchmark can print compiled_memory_bytes of the programs a run really compiled."""
+    def wrapper(*args, **kwargs):
+        if name not in calls:
+            calls[name] = (fn, abstract_like(args), abstract_like(kwargs))
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def print_recorded_memory(calls: dict, prefix: str = "", plan_bytes: dict | None = None) -> dict:
+    """print_compiled_memory for each recorded first call ({name: memory dict}); plan_bytes:
+    {name: (plan phase name, bytes)} to print beside it."""
+    out = {}
+    for name, (fn, args, kwargs) in calls.items():
+        phase, plan = (plan_bytes or {}).get(name, (None, None))
+        label = f"{prefix}{name}" + (f" (plan phase '{phase}')" if phase else "")
+        out[name] = print_compiled_memory(label, fn, *args, plan_bytes=plan, **kwargs)
+    return out
 
 
 def device_description() -> str:

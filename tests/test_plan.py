@@ -224,3 +224,38 @@ def test_a_kv_budget_that_cannot_hold_one_sample_fails_before_anything_runs(tmp_
         run_lib.build_run(cfg, str(tmp_path), need_scorer=False)
     ok = tiny_rl_config("dapo", rollout=dict(kv_budget_gb=0.01))
     assert plan.plan_from_config(ok, num_devices=1).kv_cache <= 0.01 * 2**30
+
+
+# ----------------------------------------------------------------------------- compiled memory
+
+def test_compiled_memory_bytes_of_known_programs():
+    """kernels.timing.compiled_memory_bytes: f(x) = 2 x over f32[64, 32] with x donated has 8 KiB
+    of arguments, 8 KiB of output and the output aliased to the argument; g(x) = column sums
+    (not donated) 128 B of output and nothing aliased. The same figures from a jitted function
+    with abstract arguments and from a Compiled."""
+    from delta_jax.kernels import timing
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    f = jax.jit(lambda x: 2.0 * x, donate_argnums=0)
+    got = timing.compiled_memory_bytes(f, x)
+    assert got == timing.compiled_memory_bytes(f.lower(x).compile())
+    assert got["backend"] == jax.default_backend()
+    assert (got["argument_bytes"], got["output_bytes"], got["alias_bytes"]) == (8192, 8192, 8192)
+    assert got["peak_estimate_bytes"] == 8192 + got["temp_bytes"]
+    g = timing.compiled_memory_bytes(jax.jit(lambda x: jnp.sum(x, axis=0)), x)
+    assert (g["argument_bytes"], g["output_bytes"], g["alias_bytes"]) == (8192, 128, 0)
+    assert g["peak_estimate_bytes"] == 8192 + 128 + g["temp_bytes"]
+    line = timing.format_compiled_memory("f", got, plan_bytes=2 * got["peak_estimate_bytes"])
+    assert "plan / compiled 2.00" in line and f"[{jax.default_backend()}]" in line
+
+
+def test_compiled_memory_without_an_analysis_says_so():
+    from delta_jax.kernels import timing
+
+    class NoAnalysis:
+        def memory_analysis(self):
+            return None
+
+    got = timing.compiled_memory_bytes(NoAnalysis())
+    assert "unavailable" in got
+    assert "unavailable" in timing.format_compiled_memory("p", got, plan_bytes=1)
