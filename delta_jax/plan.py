@@ -9,6 +9,13 @@ the placed arrays hold on device 0): parameters, gradients, optimizer state, rol
 DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
 the update (remat none / full), the rollout prefill's attention scores, the old-policy pass.
 
+The update phase's formulas follow XLA's buffer assignment of the compiled train step: the
+"update" figure agrees with XLA:CPU's memory analysis of the trainer's step, compiled from abstract
+shapes, within 15% on a grid of small float32 models (remat none and full, two micro-batch sizes,
+two sequence lengths, materialised attention scores; tests/test_plan.py). Not checked that way:
+bfloat16 activations (XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention,
+the other phases, and any GPU compiler's figures (the benchmarks print those where they run).
+
 The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses
 (delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
 memory chunk by chunk and brings back one recompute_chunk at a time, "recompute" holds one
@@ -100,22 +107,36 @@ def attention_kind(mc: models.ModelConfig, seq: int) -> str:
 def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int,
                             attention: Optional[str] = None, backward: bool = True) -> dict:
     """Estimated bytes of one decoder layer's intermediates for `rows` x `seq` tokens on one
-    device (heads and MLP columns split over `tensor` when it divides them):
+    device (heads and MLP columns split over `tensor` when it divides them).
+
+    backward=True (the update): what XLA keeps for the backward pass, counted from the buffer
+    assignment of the compiled train step (tests/test_plan.py checks the sum against XLA:CPU's
+    memory analysis on a grid of float32 shapes):
+      linear: 6 H (layer input, the two norms' normalised and scaled outputs, the residual after
+              attention) + 4 N D (q: projected, q-normed, rotated; the attention output) + 4 K D
+              (k: projected, k-normed, rotated; v) + 6 I (gate, up and the SiLU product's
+              intermediates), in the activation dtype;
+      scores (xla): the float32 scores and probabilities, N T per token each, plus the
+              probabilities cast to the activation dtype when that is narrower than float32;
+      attn_transient (xla, one layer at a time): the attention backward's 4 float32 [N, T, S]
+              arrays (probability and score cotangents and their temporaries) and the boolean
+              mask, N T bytes per token;
+      recomputed_scores (xla): with full remat, the one float32 score array of the recomputed
+              layer that is live beside the backward's transients.
+    backward=False (a forward-only pass: the old-policy pass, the rollout prefill):
       linear: 4 H (residual in/out, two norms) + 3 (N D + 2 K D) (q, k, v; after q/k-norm;
               after RoPE) + N D (attention output) + 4 I (gate, up, silu(gate) * up, its input
               to down_proj), in the activation dtype;
-      scores (kept per layer for the backward pass):
-        xla:       N T float32 scores + their masked copy, + the probabilities in the activation
-                   dtype, per token: the quadratic term;
-        blockwise: the float32 log-sum-exp, N per token;
-      attn_transient (live for one layer at a time; 0 for xla):
-        blockwise: one (block_q x block_kv) block of scores, probabilities and, in the backward
-                   pass, their cotangents (4 float32 + 2 activation-dtype copies, N heads), the
-                   running max / sum / float32 accumulator and dq of one query block, and the
-                   float32 dk / dv accumulators plus one query block's contributions (4 K D per
-                   token); with backward=False (a forward-only pass) only the forward's
-                   block of scores and probabilities (2 float32 + 1 activation-dtype copy) and
-                   one query block's running statistics and accumulator.
+      scores (xla): N T float32 scores + their masked copy, + the probabilities in the activation
+              dtype, per token: the quadratic term; attn_transient 0.
+    blockwise (either pass): scores = the float32 log-sum-exp, N per token (also what full remat
+      keeps of the recomputed layer's scores); attn_transient = one (block_q x block_kv) block of
+      scores, probabilities and, in the backward pass, their cotangents (4 float32 + 2
+      activation-dtype copies, N heads), the running max / sum / float32 accumulator and dq of
+      one query block, and the float32 dk / dv accumulators plus one query block's contributions
+      (4 K D per token); with backward=False (a forward-only pass) only the forward's block of
+      scores and probabilities (2 float32 + 1 activation-dtype copy) and one query block's
+      running statistics and accumulator.
     `attention`: "xla" | "blockwise" (default: attention_kind(mc, seq)).
     """
     a = jnp.dtype(mc.dtype).itemsize
@@ -123,14 +144,23 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
                      mc.intermediate_size)
     n_loc, k_loc, i_loc = _div(N, tensor), _div(K, tensor), _div(I, tensor)
     tokens = rows * seq
-    linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
+    if backward:
+        linear = tokens * a * (6 * H + 4 * n_loc * D + 4 * k_loc * D + 6 * i_loc)
+    else:
+        linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
     kind = attention or attention_kind(mc, seq)
     if kind == "xla":
-        scores = tokens * n_loc * seq * (2 * 4 + a)
-        transient = 0
+        score_elems = tokens * n_loc * seq
+        if backward:
+            scores = score_elems * (2 * 4 + (a if a < 4 else 0))
+            transient = score_elems * (4 * 4 + 1)
+        else:
+            scores = score_elems * (2 * 4 + a)
+            transient = 0
+        recomputed_scores = score_elems * 4
     else:
         bq, bkv = min(mc.attention_block_q, seq), min(mc.attention_block_kv, seq)
-        scores = tokens * n_loc * 4
+        scores = recomputed_scores = tokens * n_loc * 4
         if backward:
             transient = (rows * n_loc * bq * bkv * (4 * 4 + 2 * a)
                          + rows * n_loc * bq * (2 * D + 2) * 4
@@ -138,7 +168,7 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
         else:
             transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
     return {"linear": linear, "scores": scores, "attn_transient": transient,
-            "input": tokens * H * a, "attention": kind}
+            "recomputed_scores": recomputed_scores, "input": tokens * H * a, "attention": kind}
 
 
 @dataclasses.dataclass
@@ -261,16 +291,28 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     policy = model_cfg.remat_policy
 
     def activations(layer):
-        """(remat none, remat full, configured) activation bytes of the update."""
-        one_layer = layer["linear"] + layer["scores"]
-        none = L * one_layer + layer["attn_transient"]
-        # Full remat keeps each layer's input; the backward pass recomputes one layer at a time
-        # and holds its intermediates plus their cotangents (x2).
-        full = L * layer["input"] + 2 * one_layer + layer["attn_transient"]
-        return none, full, (full if policy == "full" else none)  # dots_*: bounded by "none"
+        """{remat policy: (kept, transient)} activation bytes of the update: `kept` for the whole
+        backward pass, `transient` the peak of one layer's backward (the LM head's chunk peaks
+        at another time: the update phase takes the larger of the two)."""
+        # Each layer's backward peaks either in its attention or in its projections / MLP (the
+        # linear intermediates and their cotangents: 1.2x the residual set), as measured in
+        # XLA's buffer assignment.
+        linear_peak = 6 * layer["linear"] // 5
+        # No remat: every layer's backward residuals; the attention backward's transients.
+        none = (L * (layer["linear"] + layer["scores"]),
+                max(layer["attn_transient"], linear_peak))
+        # Full remat keeps each layer's input and recomputes one layer at a time; its attention
+        # backward also holds the recomputed scores and a quarter of the recomputed linear
+        # intermediates.
+        full = (L * layer["input"],
+                max(layer["attn_transient"] + layer["recomputed_scores"] + layer["linear"] // 4,
+                    linear_peak))
+        return {"none": none, "full": full,
+                "configured": full if policy == "full" else none}  # dots_*: bounded by "none"
 
     layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor)
-    act_none, act_full, act_cfg = activations(layer)
+    act = activations(layer)
+    act_none, act_full, act_cfg = (sum(act[k]) for k in ("none", "full", "configured"))
     # LM head: float32 logits of one chunk of logprob_chunk_tokens tokens (positions =
     # tokens // rows, models.positions_per_chunk), their softmax and cotangent.
     lp_chunk = (m_rows * min(positions_per_chunk(logprob_chunk_tokens, micro), response_len)
@@ -329,16 +371,16 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         phases = {
             "rollout": resident + kv + max(prefill, s_rows * V * 4),
             "old-policy pass + DelTA": resident + old_pass + features_on_device[feature_cache],
-            "update": resident + grad_bytes + act + lp_chunk,
+            "update": resident + grad_bytes + act[0] + max(act[1], lp_chunk),
         }
         base = resident + old_pass
         fits = {m: base + features_on_device[m] <= mem and (host_ok or m != "host")
                 for m in FEATURE_CACHE_MODES}
         return phases, fits, next((m for m in FEATURE_CACHE_MODES if fits[m]), "none")
 
-    phases, fits, recommended = peaks(prefill, old_pass, act_cfg)
+    phases, fits, recommended = peaks(prefill, old_pass, act["configured"])
     act_cfg_flash = activations(_layer_activation_bytes(model_cfg, m_rows, seq, tensor,
-                                                        "blockwise"))[2]
+                                                        "blockwise"))["configured"]
     phases_flash, fits_flash, rec_flash = peaks(
         prefill_bytes("blockwise"),
         old_pass_bytes(_layer_activation_bytes(model_cfg, o_rows, seq, tensor, "blockwise",

@@ -259,3 +259,54 @@ def test_compiled_memory_without_an_analysis_says_so():
     got = timing.compiled_memory_bytes(NoAnalysis())
     assert "unavailable" in got
     assert "unavailable" in timing.format_compiled_memory("p", got, plan_bytes=1)
+
+
+# ----------------------------------------------------------------------------- plan vs compiled
+
+def _train_throughput():
+    """benchmarks/train_throughput.py as a module: its abstract-shape train step is the one the
+    memory analysis of the benchmark compiles (the trainer's make_train_step)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_throughput.py"
+    spec = importlib.util.spec_from_file_location("train_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Small float32 Qwen3-shaped models: q heads x head dim equal to the hidden size (S), twice it
+# (W), and a deeper, wider one with a bigger vocabulary (M).
+GRID_MODELS = {
+    "S": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
+              num_heads=4, num_kv_heads=2, head_dim=32),
+    "W": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
+              num_heads=4, num_kv_heads=2, head_dim=64),
+    "M": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4,
+              num_heads=8, num_kv_heads=4, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("seq,response_len", [(128, 64), (512, 384)])
+@pytest.mark.parametrize("micro_batch", [2, 8])
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("model", sorted(GRID_MODELS))
+def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_batch, seq,
+                                                          response_len):
+    """Plan mode's "update" phase (one device, a mini-batch of two micro-batches) within 15% of
+    XLA's memory analysis (arguments + outputs + temporaries - aliased) of the trainer's train
+    step compiled from abstract shapes on this backend. float32: XLA:CPU keeps a bfloat16
+    model's activations largely in float32, so a bfloat16 grid would measure the CPU's
+    conversions rather than what a GPU holds."""
+    from delta_jax.kernels import timing
+
+    tt = _train_throughput()
+    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
+                           param_dtype=jnp.float32, remat=remat, attention="auto")
+    shape = dict(chunk=256, batch=2 * micro_batch, micro_batch=micro_batch, seq=seq,
+                 response_len=response_len)
+    step, state, batch = tt.abstract_step(mc, impl="chunked", **shape)
+    compiled = timing.compiled_memory_bytes(step, state, batch)["peak_estimate_bytes"]
+    planned = tt.plan_update_bytes(mc, **shape)
+    assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
+                                                 planned / compiled)
