@@ -163,7 +163,11 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
             diagnostics=dict(prep.delta_diagnostics),
             settings={"lam_min": cfg.delta.lam_min, "lam_max": cfg.delta.lam_max,
                       "num_refine": cfg.delta.num_refine,
-                      "temperature": cfg.rollout.temperature},
+                      "temperature": cfg.rollout.temperature,
+                      # the ablation flags (DELTA_SPEC section 4), shown in the header
+                      "proxy": cfg.delta.proxy, "fixed_gamma": cfg.delta.fixed_gamma,
+                      "assignment": cfg.delta.assignment, "normalize": cfg.delta.normalize,
+                      "weight": cfg.delta.weight, "random_lambda": cfg.delta.random_lambda},
             classes=classes)
     finally:
         run.close()
@@ -356,6 +360,8 @@ def render_html(view: TokenView, ranking: dict, show_prompts: int = 6) -> str:
         f"{_color(1 - scale, scale, 1)}'>&nbsp;down-weighted (w = {1 - scale:.3f})&nbsp;</span> "
         f"<span style='background:{_color(1, scale, 0)}'>&nbsp;advantage 0 (no gradient)"
         f"&nbsp;</span>. Hover a token for its numbers.</p>",
+        "<p class='meta'>DelTA settings: " + ", ".join(
+            f"{k} = {v}" for k, v in view.settings.items()) + "</p>",
         "<p class='meta'>" + ", ".join(f"{k} = {v:.4g}" for k, v in view.diagnostics.items()
                                        if not k.startswith(("weight_", "tokens_")))
         + "</p>",

@@ -158,11 +158,12 @@ def test_bad_step_is_a_clear_error(tiny_run):
 
 
 def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
-    """delta.proxy=hidden_topk (a 5-output old-policy pass) on an explicit (4, 2, 1) mesh: the
-    view computes step 2's weights exactly as the trainer did, from rows placed on the mesh."""
+    """delta.proxy=hidden_topk (a 5-output old-policy pass) on an explicit (4, 2, 1) mesh, with
+    two ablation flags on (random lambda, drawn from the step's key; fixed gamma): the view
+    computes step 2's weights exactly as the trainer did, from rows placed on the mesh."""
     workdir = tmp_path / "run"
     workdir.mkdir()
-    cfg = _tiny_cfg(proxy="hidden_topk", topk=8)
+    cfg = _tiny_cfg(proxy="hidden_topk", topk=8, random_lambda=True, fixed_gamma=0.5)
     cfg.mesh.update(dict(data=4, fsdp=2, tensor=1))
     trained = _train(workdir, cfg)
     placed = []
@@ -180,6 +181,9 @@ def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
     np.testing.assert_array_equal(view.advantages, batch["advantages"])
     assert np.any(view.advantages != 0)
     np.testing.assert_allclose(view.weights, batch["token_weights"], atol=1e-6)
+    assert view.settings["random_lambda"] is True and view.settings["fixed_gamma"] == 0.5
+    page = token_view.render_html(view, token_view.rank_tokens(view.token_ids, view.weights, view.advantages, view.mask))
+    assert "random_lambda = True" in page and "proxy = hidden_topk" in page
 
 
 def test_view_credit_classes_reproduce_the_trainers_credit_metrics(tiny_run, view):
