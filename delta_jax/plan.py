@@ -9,12 +9,14 @@ the placed arrays hold on device 0): parameters, gradients, optimizer state, rol
 DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
 the update (remat none / full), the rollout prefill's attention scores, the old-policy pass.
 
-The update phase's formulas follow XLA's buffer assignment of the compiled train step: the
-"update" figure agrees with XLA:CPU's memory analysis of the trainer's step, compiled from abstract
-shapes, within 15% on a grid of small float32 models (remat none and full, two micro-batch sizes,
-two sequence lengths, materialised attention scores; tests/test_plan.py). Not checked that way:
-bfloat16 activations (XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention,
-the other phases, and any GPU compiler's figures (the benchmarks print those where they run).
+The update and old-policy pass formulas follow XLA's buffer assignment of the compiled programs:
+the "update" figure agrees with XLA:CPU's memory analysis of the trainer's train step, and the
+"old-policy pass + DelTA" figure (less the optimizer state) with that of its old-policy pass, both
+compiled from abstract shapes, within 15% on a grid of small float32 models (remat none and full,
+two micro-batch / chunk sizes, two sequence lengths, materialised attention scores;
+tests/test_plan.py). Not checked that way: bfloat16 activations (XLA:CPU keeps them largely in
+float32, unlike a GPU), blockwise attention, the rollout phase, the recompute feature cache's
+trunk pass, and any GPU compiler's figures (the benchmarks print those where they run).
 
 The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses
 (delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
@@ -123,6 +125,7 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
               mask, N T bytes per token;
       recomputed_scores (xla): with full remat, the one float32 score array of the recomputed
               layer that is live beside the backward's transients.
+    mask (xla): the boolean [rows, T, S] mask, T S bytes per row.
     backward=False (a forward-only pass: the old-policy pass, the rollout prefill):
       linear: 4 H (residual in/out, two norms) + 3 (N D + 2 K D) (q, k, v; after q/k-norm;
               after RoPE) + N D (attention output) + 4 I (gate, up, silu(gate) * up, its input
@@ -158,7 +161,9 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
             scores = score_elems * (2 * 4 + a)
             transient = 0
         recomputed_scores = score_elems * 4
+        mask = rows * seq * seq  # the boolean [rows, T, S] mask the forward builds
     else:
+        mask = 0
         bq, bkv = min(mc.attention_block_q, seq), min(mc.attention_block_kv, seq)
         scores = recomputed_scores = tokens * n_loc * 4
         if backward:
@@ -168,7 +173,8 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
         else:
             transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
     return {"linear": linear, "scores": scores, "attn_transient": transient,
-            "recomputed_scores": recomputed_scores, "input": tokens * H * a, "attention": kind}
+            "recomputed_scores": recomputed_scores, "mask": mask, "input": tokens * H * a,
+            "attention": kind}
 
 
 @dataclasses.dataclass
@@ -349,7 +355,12 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
               * _div(V, tensor) * 4 * 2)
 
     def old_pass_bytes(o_layer):
-        return o_layer["linear"] + o_layer["scores"] + o_layer["attn_transient"] + lp_old
+        # Forward only, one layer live at a time: the pass peaks either in a layer's attention
+        # (its scores, the mask and about an eighth of the layer's intermediates, as measured in
+        # XLA's buffer assignment) or in an LM-head chunk.
+        attention_peak = (o_layer["scores"] + o_layer["mask"] + o_layer["attn_transient"]
+                          + o_layer["linear"] // 8)
+        return max(attention_peak, lp_old)
 
     o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor, backward=False)
     old_pass = old_pass_bytes(o_layer)

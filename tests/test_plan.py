@@ -310,3 +310,33 @@ def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_ba
     planned = tt.plan_update_bytes(mc, **shape)
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
+
+
+@pytest.mark.parametrize("seq,response_len", [(128, 64), (512, 384)])
+@pytest.mark.parametrize("rows", [2, 8])
+@pytest.mark.parametrize("model", sorted(GRID_MODELS))
+def test_old_pass_phase_agrees_with_the_compiled_old_policy_pass(model, rows, seq,
+                                                                 response_len):
+    """Plan mode's "old-policy pass + DelTA" phase less the optimizer state (which lies beside
+    the pass on the device but is no argument of it) within 15% of XLA's memory analysis of the
+    trainer's old-policy pass (train.features.make_old_policy_pass: parameters in, log-probs,
+    entropies and the bf16 DelTA features of every row out) over one sampler chunk of `rows`
+    rows, compiled from abstract shapes; float32 as in the update test."""
+    from delta_jax.kernels import timing
+    from delta_jax.train.features import make_old_policy_pass
+
+    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
+                           param_dtype=jnp.float32, attention="auto")
+    graphdef, params, rest = split_model(
+        nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
+    old_pass = make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=256)
+    ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+    compiled = timing.compiled_memory_bytes(old_pass, params, ids, ids,
+                                            response_len)["peak_estimate_bytes"]
+    p = plan.plan_memory(mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=rows,
+                         prompt_len=seq - response_len, response_len=response_len,
+                         sampler_rows=rows, group_size=1, mini_batch_rows=rows,
+                         micro_batch_rows=0, logprob_chunk_tokens=256, recompute_chunk=rows)
+    planned = p.phases["old-policy pass + DelTA"] - p.optimizer
+    assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
+                                                 planned / compiled)
