@@ -26,6 +26,10 @@ that ran it), printed beside plan mode's figure for its phase (delta_jax.plan.pl
 "update" for the train step; "old-policy pass + DelTA" for the old-policy pass, which also counts
 the optimizer state and the DelTA feature cache that the program itself does not hold).
 
+Remat: the run config's default is none, but at the issue's shape (Qwen3-0.6B, 64-sequence
+micro-batches of 1152 tokens) plan mode puts the update without remat at hundreds of GB; --remat
+auto (the default) turns full remat on when the planned update exceeds --device-memory-gb (80), so
+the small CPU runs keep remat none, as recorded before.
 Issue #9 shapes (GPU):
     python benchmarks/step_overhead.py
 CPU recording run (a Qwen3-0.6B-shaped model with 2 layers, 4 prompts x 4 responses, 32 tokens):
@@ -85,6 +89,7 @@ def make_config(args, variant: str):
     c.model.num_layers = args.layers
     c.model.dtype = args.dtype
     c.model.param_dtype = args.dtype
+    c.model.remat = "none" if args.remat == "auto" else args.remat
     c.tokenizer.path = args.tokenizer
     c.data.max_prompt_len = args.prompt_len
     # Validation wants training data; the prompts come from fixed_prompts (need_data=False).
@@ -117,7 +122,24 @@ def make_config(args, variant: str):
     c.train.steps = args.warmup_steps + args.steps
     c.train.progress_bar = False
     c.train.export_final = False
-    return validate_config(c)
+    c = validate_config(c)
+    if args.remat == "auto":
+        c = auto_remat(c, args.device_memory_gb)
+    return c
+
+
+def auto_remat(cfg, device_memory_gb: float):
+    """model.remat="full" when plan mode's update phase without remat exceeds the device memory
+    (the issue's Qwen3-0.6B shape at 64-sequence micro-batches: hundreds of GB), else "none"."""
+    from delta_jax import plan as plan_lib
+    update = plan_lib.plan_from_config(cfg).phases["update"]
+    if update <= device_memory_gb * plan_lib.GB:
+        return cfg
+    print(f"plan: the update needs {update / plan_lib.GB:.1f} GB per device without remat "
+          f"(> {device_memory_gb:g} GB): model.remat=full", flush=True)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.remat = "full"
+    return cfg
 
 
 def run_variant(args, variant: str, workdir: str) -> dict:
@@ -198,6 +220,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     parser.add_argument("--warmup-steps", type=int, default=1, help="untimed (compiling) steps")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--remat", default="auto", choices=["auto", "none", "full"],
+                        help="model.remat; auto = none unless plan mode's update phase then "
+                             "exceeds --device-memory-gb, else full")
+    parser.add_argument("--device-memory-gb", type=float, default=80.0,
+                        help="device memory for --remat auto")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--pass-impl", default="kernel", choices=["jnp", "kernel"],
                         help="delta.pass_impl of the delta variants")
