@@ -276,8 +276,10 @@ def _train_throughput():
 
 
 # Small float32 Qwen3-shaped models: q heads x head dim equal to the hidden size (S), twice it
-# (W), and a deeper, wider one with a bigger vocabulary (M).
+# (W), a deeper, wider one with a bigger vocabulary (M), and a wide one with 128-wide heads (D).
 GRID_MODELS = {
+    "D": dict(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_layers=2,
+              num_heads=8, num_kv_heads=4, head_dim=128),
     "S": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
               num_heads=4, num_kv_heads=2, head_dim=32),
     "W": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
@@ -287,12 +289,33 @@ GRID_MODELS = {
 }
 
 
+# Grid points where the plan is known to miss XLA:CPU's figure by more than 15%, with the
+# measured plan / compiled ratio (2026-11-23): the wide model D, whose full-remat attention
+# backward keeps most of the recomputed layer's linear intermediates live (the plan counts a
+# quarter, as measured on S and W) and whose forward passes peak in ways the old-pass formula
+# (one layer's scores + mask + an eighth of its intermediates, or an LM-head chunk) does not
+# follow. Strict: a case that starts to agree fails until it is removed from here.
+KNOWN_MISSES = {
+    ("update", "D", "full", 8, 512): 0.78,
+    ("old pass", "D", 2, 128): 0.77,
+    ("old pass", "D", 8, 128): 0.82,
+    ("old pass", "D", 8, 512): 1.34,
+}
+
+
+def _known_miss(request, key):
+    if key in KNOWN_MISSES:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason=f"plan / compiled measured {KNOWN_MISSES[key]} (> 15% off) "
+                                f"for {key}; see KNOWN_MISSES"))
+
+
 @pytest.mark.parametrize("seq,response_len", [(128, 64), (512, 384)])
 @pytest.mark.parametrize("micro_batch", [2, 8])
 @pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.parametrize("model", sorted(GRID_MODELS))
 def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_batch, seq,
-                                                          response_len):
+                                                          response_len, request):
     """Plan mode's "update" phase (one device, a mini-batch of two micro-batches) within 15% of
     XLA's memory analysis (arguments + outputs + temporaries - aliased) of the trainer's train
     step compiled from abstract shapes on this backend. float32: XLA:CPU keeps a bfloat16
@@ -308,6 +331,7 @@ def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_ba
     step, state, batch = tt.abstract_step(mc, impl="chunked", **shape)
     compiled = timing.compiled_memory_bytes(step, state, batch)["peak_estimate_bytes"]
     planned = tt.plan_update_bytes(mc, **shape)
+    _known_miss(request, ("update", model, remat, micro_batch, seq))
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
 
@@ -316,7 +340,7 @@ def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_ba
 @pytest.mark.parametrize("rows", [2, 8])
 @pytest.mark.parametrize("model", sorted(GRID_MODELS))
 def test_old_pass_phase_agrees_with_the_compiled_old_policy_pass(model, rows, seq,
-                                                                 response_len):
+                                                                 response_len, request):
     """Plan mode's "old-policy pass + DelTA" phase less the optimizer state (which lies beside
     the pass on the device but is no argument of it) within 15% of XLA's memory analysis of the
     trainer's old-policy pass (train.features.make_old_policy_pass: parameters in, log-probs,
@@ -338,5 +362,6 @@ def test_old_pass_phase_agrees_with_the_compiled_old_policy_pass(model, rows, se
                          sampler_rows=rows, group_size=1, mini_batch_rows=rows,
                          micro_batch_rows=0, logprob_chunk_tokens=256, recompute_chunk=rows)
     planned = p.phases["old-policy pass + DelTA"] - p.optimizer
+    _known_miss(request, ("old pass", model, rows, seq))
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
