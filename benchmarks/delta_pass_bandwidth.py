@@ -1,16 +1,14 @@
-"""DelTA pass bandwidth: fused Pallas kernel vs the plain XLA (jnp) version vs a device copy.
+"""DelTA pass bandwidth: the fused pass (kernels.delta_pass, XLA) vs a device copy.
 
 Effective bandwidth = the fewest bytes the pass must move (h read once, p/a/mask read, lambda
 written when asked) / median time. The device copy (y = -h: read + write) measured in the same run
 is the practical ceiling. Each case also prints XLA's memory analysis of its compiled program on the
-backend it runs on. Default shape: 1M tokens x hidden 4096, bf16 (GPU). On CPU use small
-shapes; the Pallas kernel then runs in interpret mode (correctness only, not speed):
+backend it runs on. Default shape: 1M tokens x hidden 4096, bf16 (GPU). On CPU use a smaller
+shape:
 
-    python benchmarks/delta_pass_bandwidth.py --tokens 4096 --hidden 256 --iters 3
+    python benchmarks/delta_pass_bandwidth.py --tokens 65536 --hidden 4096 --iters 3
 
-and time the XLA version against the copy at a larger shape without the interpreted kernel:
-
-    python benchmarks/delta_pass_bandwidth.py --tokens 65536 --hidden 4096 --kinds copy xla
+(The Pallas version this script used to time beside it was retired: kernels/delta_pass.py.)
 """
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from delta_jax.kernels import backend, timing
-from delta_jax.kernels.delta_pass import delta_pass, delta_pass_reference
+from delta_jax.kernels import timing
+from delta_jax.kernels.delta_pass import delta_pass
 
 
 def make_inputs(tokens, hidden, dtype, seed=0):
@@ -40,23 +38,14 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--block-tokens", type=int, default=32)
-    parser.add_argument("--block-hidden", type=int, default=256)
-    parser.add_argument("--num-programs", type=int, default=None)
-    parser.add_argument("--num-warps", type=int, default=4)
-    parser.add_argument("--num-stages", type=int, default=2)
-    parser.add_argument("--kinds", nargs="+", choices=["copy", "xla", "pallas"],
-                        default=["copy", "xla", "pallas"], help="which cases to time")
+    parser.add_argument("--kinds", nargs="+", choices=["copy", "xla"], default=["copy", "xla"],
+                        help="which cases to time")
     parser.add_argument("--out", default="benchmarks/results/delta_pass_bandwidth.json")
     args = parser.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
     h, p, a, mask, mu_pos, mu_neg = make_inputs(args.tokens, args.hidden, dtype)
     gammas = (jnp.float32(1.0), jnp.float32(1.0))
-    interpret = not backend.on_gpu()
-    kernel_opts = dict(block_tokens=args.block_tokens, block_hidden=args.block_hidden,
-                       num_programs=args.num_programs, num_warps=args.num_warps,
-                       num_stages=args.num_stages, interpret=interpret)
     feature_bytes = args.tokens * args.hidden * dtype.itemsize
     token_bytes = 3 * 4 * args.tokens  # p, a, mask in fp32
 
@@ -64,13 +53,11 @@ def main(argv=None):
         # name: (function, bytes it must move)
         "device copy (y = -h)": (jax.jit(lambda h: -h), 2 * feature_bytes),
     }
-    for label, extra in (("refine", {}), ("final lambda", dict(lam_range=(0.8, 1.2), with_centroids=False))):
+    final = dict(lam_range=(0.8, 1.2), with_centroids=False)
+    for label, extra in (("refine", {}), ("final lambda", final)):
         lam_bytes = 4 * args.tokens if "lam_range" in extra else 0
         cases[f"xla {label}"] = (
-            jax.jit(lambda *x, e=extra: delta_pass_reference(*x, **e)),
-            feature_bytes + token_bytes + lam_bytes)
-        cases[f"pallas {label}" + (" (interpret)" if interpret else "")] = (
-            jax.jit(lambda *x, e=extra: delta_pass(*x, **e, **kernel_opts)),
+            jax.jit(lambda *x, e=extra: delta_pass(*x, **e)),
             feature_bytes + token_bytes + lam_bytes)
 
     kind_of = lambda name: name.split()[0].replace("device", "copy")  # noqa: E731

@@ -1,13 +1,17 @@
-"""LM-head log-prob: fused (Pallas) vs chunked jnp vs naive full logits; time and memory.
+"""LM-head log-prob: the trainer's two paths (fused vocabulary tiles, chunked sequence
+positions) vs naive full logits; time and memory.
 
-For each implementation, forward (log p and entropy) and forward+backward (grad of a weighted sum
+Each implementation is the function the trainer runs for model.logprob_impl (models.token_logprobs
+on hidden states [rows, N / rows, H] under a budget of --chunk-tokens tokens), plus the naive
+[N, V] logits for scale. Forward (log p and entropy) and forward+backward (grad of a weighted sum
 of both outputs w.r.t. h and W) are timed (warm-up, block_until_ready, median of --iters runs);
 memory is XLA's static analysis of each compiled program on the backend it runs on (temporaries +
 arguments + outputs - aliased; printed per program and in the table).
-Default shape: N=8192 tokens, H=2048, V=151936, bf16 (GPU). On CPU use small shapes; the Pallas
-kernel then runs in interpret mode (correctness only, not speed):
+Default shape: N=8192 tokens (16 rows x 512), H=2048, V=151936, bf16 (GPU). On CPU:
 
-    python benchmarks/lm_head_logprob.py --tokens 256 --hidden 128 --vocab 4096 --iters 3
+    python benchmarks/lm_head_logprob.py --tokens 256 --rows 4 --hidden 128 --vocab 4096 --iters 3
+
+(The Pallas forward kernel this script used to time was retired: kernels/lm_head_logprob.py.)
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from delta_jax.kernels import backend, timing
-from delta_jax.kernels.lm_head_logprob import lm_head_logprob, lm_head_logprob_reference
+from delta_jax import models
+from delta_jax.kernels import timing
 
 
 def naive_logprob(h, w, labels, temperature):
@@ -35,18 +39,16 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--chunk-size", type=int, default=8192, help="vocab chunk of the jnp version")
-    parser.add_argument("--block-tokens", type=int, default=64)
-    parser.add_argument("--block-vocab", type=int, default=128)
-    parser.add_argument("--block-hidden", type=int, default=64)
-    parser.add_argument("--num-splits", type=int, default=None)
-    parser.add_argument("--num-warps", type=int, default=4)
-    parser.add_argument("--num-stages", type=int, default=3)
-    parser.add_argument("--impls", default="naive,chunked,pallas")
+    parser.add_argument("--rows", type=int, default=16, help="sequences the N tokens form")
+    parser.add_argument("--chunk-tokens", type=int, default=4096,
+                        help="token budget of both paths (model.logprob_chunk_tokens)")
+    parser.add_argument("--impls", default="naive,chunked,fused")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/lm_head_logprob.json")
     args = parser.parse_args(argv)
+    if args.tokens % args.rows:
+        parser.error(f"--tokens {args.tokens} must be a multiple of --rows {args.rows}")
 
     dtype = jnp.dtype(args.dtype)
     k = jax.random.split(jax.random.key(0), 4)
@@ -55,22 +57,24 @@ def main(argv=None):
          / args.hidden ** 0.5).astype(dtype)
     labels = jax.random.randint(k[2], (args.tokens,), 0, args.vocab)
     cot = jax.random.normal(k[3], (2, args.tokens))
-    interpret = not backend.on_gpu()
     temperature = args.temperature
 
-    impls = {
-        "naive": lambda h, w, y: naive_logprob(h, w, y, temperature),
-        "chunked": lambda h, w, y: lm_head_logprob_reference(h, w, y, temperature,
-                                                             chunk_size=args.chunk_size),
-        "pallas": lambda h, w, y: lm_head_logprob(
-            h, w, y, temperature, block_tokens=args.block_tokens, block_vocab=args.block_vocab,
-            block_hidden=args.block_hidden, num_splits=args.num_splits, num_warps=args.num_warps,
-            num_stages=args.num_stages, backward_chunk_size=args.chunk_size, interpret=interpret),
-    }
+    def trainer_path(impl):
+        def fn(h, w, y):
+            logp, ent = models.token_logprobs(w, h.reshape(args.rows, -1, args.hidden),
+                                              y.reshape(args.rows, -1), temperature,
+                                              chunk_size=args.chunk_tokens, impl=impl)
+            return logp.reshape(-1), ent.reshape(-1)
+        return fn
+
+    impls = {"naive": lambda h, w, y: naive_logprob(h, w, y, temperature),
+             "chunked": trainer_path("chunked"), "fused": trainer_path("fused")}
     results = []
     for name in args.impls.split(","):
+        if name not in impls:
+            parser.error(f"--impls: unknown {name!r}; expected some of {sorted(impls)}")
         fn = impls[name]
-        label = name + (" (interpret)" if name == "pallas" and interpret else "")
+        label = name
 
         def loss(h, w, fn=fn):
             logp, ent = fn(h, w, labels)

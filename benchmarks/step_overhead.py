@@ -253,7 +253,7 @@ def main(argv=None):
     if args.steps < 1:
         parser.error("--steps must be >= 1")
 
-    from delta_jax.kernels import backend, timing
+    from delta_jax.kernels import timing
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="step_overhead_")
     results = {}
@@ -267,8 +267,7 @@ def main(argv=None):
              f", {args.dtype}")
     timing.print_table(
         f"Step phases (median of {args.steps} steps, seconds) on {timing.device_description()}: "
-        f"{shape}; delta.pass_impl={args.pass_impl}"
-        + (f" ({backend.resolve_impl()})" if args.pass_impl == "kernel" else ""),
+        f"{shape}; delta.pass_impl={args.pass_impl}",
         [("variant", "variant", "16s")] + [(k[:-2], k, "12.3f") for k in PHASES],
         [{"variant": v, **r["median"]} for v, r in results.items()])
 
@@ -302,7 +301,7 @@ def main(argv=None):
             print(f"recompute mode (K+3 extra trunk passes) costs "
                   f"{summary['recompute_extra_s']:.3f} s more than the cached features "
                   f"({summary['recompute_extra_pct_of_dapo']:.1f}% of the dapo step)")
-    timing.write_json(args.out, {"shape": shape, "kernel_impl": backend.resolve_impl(),
+    timing.write_json(args.out, {"shape": shape,
                                  "results": results, "summary": summary}, args=args)
 
 

@@ -1,42 +1,31 @@
-"""Kernels (installed as delta_jax.kernels): fused DelTA pass, chunked LM-head log-probs.
+"""Fused passes (installed as delta_jax.kernels): the DelTA pass over cached features and the
+LM-head log-probs tiled over the vocabulary, both plain jnp compiled by XLA on every backend.
 
-Each kernel has a plain-jnp reference with the same signature and an `*_auto` entry point that
-uses the Pallas (Triton) kernel on GPU and the reference elsewhere; override with the environment
-variable DELTA_JAX_KERNELS=auto|pallas|interpret|reference or the impl= argument.
+The Pallas (Triton) kernels that used to sit beside them were retired on 2026-11-23 (issue #16):
+measured on an H100, neither beat XLA where it matters, and Pallas' Triton backend is deprecated
+in jax 0.11. BENCHMARKS.md ("Kernel decisions") has the numbers. The one Pallas kernel the project
+still runs is jax.experimental.pallas.ops' paged decode attention (delta_jax.models.attention).
 """
-from delta_jax.kernels.backend import ENV_VAR, resolve_impl
 from delta_jax.kernels.delta_pass import (
     DeltaPassSums,
     add_sums,
     centroids_from_sums,
     delta_pass,
-    delta_pass_auto,
-    delta_pass_reference,
     margin_std_from_sums,
     masked_moments,
     merge_moments,
     reduce_moments,
 )
-from delta_jax.kernels.lm_head_logprob import (
-    lm_head_logprob,
-    lm_head_logprob_auto,
-    lm_head_logprob_reference,
-)
+from delta_jax.kernels.lm_head_logprob import lm_head_logprob
 
 __all__ = [
-    "ENV_VAR",
     "DeltaPassSums",
     "add_sums",
     "centroids_from_sums",
     "delta_pass",
-    "delta_pass_auto",
-    "delta_pass_reference",
     "lm_head_logprob",
-    "lm_head_logprob_auto",
-    "lm_head_logprob_reference",
     "margin_std_from_sums",
     "masked_moments",
     "merge_moments",
     "reduce_moments",
-    "resolve_impl",
 ]

@@ -24,31 +24,28 @@ and the pass returns, per side (row 0 = P: a > 0, row 1 = N: a < 0; only tokens 
 Results of several chunks / devices combine with `add_sums` (plain sums, and Chan et al.'s
 pairwise merge of the margin moments, which avoids the fp32 cancellation of raw sums of squares).
 The fields map one-to-one onto delta_jax.rl.delta.PassStats: (weighted_sum, weight_total,
-margin_count, margin_mean, margin_m2) = (centroid_sum, weight_sum, count, margin_mean, margin_m2). The initial centroids (2.2) are this pass with
-use_alpha=False (weights |a|; mu_pos/mu_neg then only feed the unused margins).
+margin_count, margin_mean, margin_m2) = (centroid_sum, weight_sum, count, margin_mean,
+margin_m2). The initial centroids (2.2) are this pass with use_alpha=False (weights |a|;
+mu_pos/mu_neg then only feed the unused margins).
 
-`delta_pass_reference` is plain jnp; `delta_pass` is a Pallas (Triton backend) kernel with a
-persistent grid: each program walks a strided set of token tiles, computes the scores of a tile
-from H-blocks of h, then re-reads the same tile (now in L1/L2) to accumulate its weighted sums into
-a private [2, H] fp32 row of a partial-sum output; a tiny jnp sum over programs finishes the job
-(deterministic, no atomics). `delta_pass_auto` picks one (see kernels/backend.py).
+`delta_pass` is plain jnp that XLA compiles on every backend. A Pallas (Triton) version with a
+persistent grid lived here until 2026-11-23; it was retired (issue #16): on an H100 (1M tokens x
+4096, bf16) it read h at 962 GB/s in a refinement pass against XLA's 883 GB/s (+9%), but the
+final-lambda pass ran at 88% of copy bandwidth against XLA's 102%, the whole DelTA phase was
+0.018 s of an 11.2 s DAPO step (0.17%), and the Triton backend of Pallas is deprecated in jax 0.11.
+See BENCHMARKS.md, "Kernel decisions".
+
 Padding rows (mask == 0) may hold anything, NaN included: they never reach a sum.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
-
-from delta_jax.kernels import backend
 
 _HIGHEST = lax.Precision.HIGHEST
-_NUM_STATS = 16  # per-program scalar slots (12 used), a power of two for Triton
 
 
 class DeltaPassSums(NamedTuple):
@@ -102,8 +99,8 @@ def _check_and_flatten(h, p, a, mask, mu_pos, mu_neg):
 
 
 # (count, mean, m2) moments: the one implementation of the DelTA statistics' exact moments, used
-# by the jnp reference, inside the Pallas kernel (pure jnp on the tile's values), for the
-# per-program and per-device combination, and by delta_jax.rl.delta. Never raw sums of squares.
+# by the pass, for the per-chunk and per-device combination, and by delta_jax.rl.delta. Never raw
+# sums of squares.
 
 
 def masked_moments(x, mask, axis):
@@ -158,12 +155,13 @@ def margin_std_from_sums(sums: DeltaPassSums, var_floor: float = 1e-8) -> tuple[
     return gamma[0], gamma[1]
 
 
-# ----------------------------------------------------------------------------- jnp reference
+# ----------------------------------------------------------------------------- the pass
 
 
-def delta_pass_reference(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=True, *,
-                         lam_range=None, with_centroids=True) -> DeltaPassSums:
-    """Plain-jnp DelTA pass. h [..., H] (bf16/fp32), p/a/mask [...], mu_* [H], gamma_* scalars.
+def delta_pass(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=True, *,
+               lam_range=None, with_centroids=True) -> DeltaPassSums:
+    """The DelTA pass (plain jnp). h [..., H] (bf16/fp32), p/a/mask [...], mu_* [H], gamma_*
+    scalars.
 
     lam_range=(lam_min, lam_max) also returns the per-token lambda and its sum; with_centroids=False
     skips the [2, H] weighted sums (returned as zeros), e.g. for a margins-only pass.
@@ -214,194 +212,3 @@ def delta_pass_reference(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, us
         num_valid=jnp.sum(valid.astype(jnp.float32)),
         lam=lam,
     )
-
-
-# ----------------------------------------------------------------------------- Pallas kernel
-
-
-def _delta_kernel(h_ref, p_ref, a_ref, m_ref, w_ref, prm_ref, *out_refs, n_tokens, hidden,
-                  block_tokens, block_hidden, num_programs, tiles_per_program, use_alpha,
-                  with_centroids, with_lambda):
-    """One program of the persistent grid; see the module docstring for the outputs."""
-    out_refs = list(out_refs)
-    stats_ref = out_refs.pop(0)
-    csum_ref = out_refs.pop(0) if with_centroids else None
-    lam_ref = out_refs.pop(0) if with_lambda else None
-    bn, bh = block_tokens, block_hidden
-    n_hblocks = pl.cdiv(hidden, bh)
-    g = pl.program_id(0)
-    cols = jnp.arange(bh)
-    f32 = jnp.float32
-    bias, gamma_pos, gamma_neg = prm_ref[0], prm_ref[1], prm_ref[2]
-    lam_min, lam_max = prm_ref[3], prm_ref[4]
-
-    if with_centroids:
-        def zero_block(j, carry):
-            col_ok = j * bh + cols < hidden
-            for side in range(2):
-                pltriton.store(csum_ref.at[2 * g + side, pl.ds(j * bh, bh)], jnp.zeros((bh,), f32),
-                               mask=col_ok)
-            return carry
-
-        lax.fori_loop(0, n_hblocks, zero_block, 0)
-
-    def load_h_block(start, row_ok, j):
-        col_ok = j * bh + cols < hidden
-        blk = pltriton.load(h_ref.at[pl.ds(start, bn), pl.ds(j * bh, bh)],
-                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        return blk.astype(f32), col_ok
-
-    def tile_body(i, carry):
-        start = (g + i * num_programs) * bn
-        rows = start + jnp.arange(bn)
-        in_range = rows < n_tokens
-        p = pltriton.load(p_ref.at[pl.ds(start, bn)], mask=in_range, other=0.0)
-        a = pltriton.load(a_ref.at[pl.ds(start, bn)], mask=in_range, other=0.0)
-        m = pltriton.load(m_ref.at[pl.ds(start, bn)], mask=in_range, other=0.0)
-        valid = in_range & (m > 0)
-        pos = valid & (a > 0)
-        neg = valid & (a < 0)
-        side = pos | neg
-
-        # Phase 1: h . W over H-blocks (the one read of this tile from device memory).
-        def score_block(j, acc):
-            blk, col_ok = load_h_block(start, valid, j)
-            wj = pltriton.load(w_ref.at[pl.ds(j * bh, bh)], mask=col_ok, other=0.0)
-            return acc + jnp.sum(blk * wj[None, :], axis=1)
-
-        hw = lax.fori_loop(0, n_hblocks, score_block, jnp.zeros((bn,), f32))
-        one_minus_p = jnp.where(valid, 1.0 - p, 0.0)
-        s = one_minus_p * hw + bias
-        margin = jnp.where(pos, 2.0 * s, jnp.where(neg, -2.0 * s, 0.0))
-        if use_alpha:
-            gamma = jnp.where(pos, gamma_pos, gamma_neg)
-            alpha = 1.0 / (1.0 + jnp.exp(-(margin / gamma)))
-        else:
-            alpha = jnp.ones((bn,), f32)
-        weight = jnp.where(side, jnp.abs(a) * alpha, 0.0)
-
-        # Phase 2: re-read the tile (cache-hot) and add its weighted sums to this program's rows.
-        if with_centroids:
-            coeff_pos = jnp.where(pos, weight * one_minus_p, 0.0)
-            coeff_neg = jnp.where(neg, weight * one_minus_p, 0.0)
-
-            def accumulate_block(j, c):
-                blk, col_ok = load_h_block(start, valid, j)
-                for side_idx, coeff in ((0, coeff_pos), (1, coeff_neg)):
-                    acc_ref = csum_ref.at[2 * g + side_idx, pl.ds(j * bh, bh)]
-                    part = jnp.sum(coeff[:, None] * blk, axis=0)
-                    old = pltriton.load(acc_ref, mask=col_ok, other=0.0)
-                    pltriton.store(acc_ref, old + part, mask=col_ok)
-                return c
-
-            lax.fori_loop(0, n_hblocks, accumulate_block, 0)
-
-        lam = jnp.where(side, lam_min + (lam_max - lam_min) * alpha, jnp.where(valid, lam_min, 0.0))
-        if with_lambda:
-            pltriton.store(lam_ref.at[pl.ds(start, bn)], lam, mask=in_range)
-
-        (w_p, w_n, n_p, n_n, mean_p, mean_n, m2_p, m2_n, c_p, c_n, lam_total, n_valid) = carry
-        # Margin moments: exact (count, mean, m2) of this tile, Chan-merged into the running ones.
-        moments = []
-        for side_f, n_run, mean_run, m2_run in ((pos.astype(f32), n_p, mean_p, m2_p),
-                                                (neg.astype(f32), n_n, mean_n, m2_n)):
-            tile = masked_moments(margin, side_f, axis=0)
-            moments.append(merge_moments(n_run, mean_run, m2_run, *tile))
-        (n_p, mean_p, m2_p), (n_n, mean_n, m2_n) = moments
-        return (
-            w_p + jnp.sum(jnp.where(pos, weight, 0.0)), w_n + jnp.sum(jnp.where(neg, weight, 0.0)),
-            n_p, n_n, mean_p, mean_n, m2_p, m2_n,
-            c_p + jnp.sum(jnp.where(pos & (s > 0), 1.0, 0.0)),
-            c_n + jnp.sum(jnp.where(neg & (s < 0), 1.0, 0.0)),
-            lam_total + jnp.sum(lam), n_valid + jnp.sum(valid.astype(f32)),
-        )
-
-    zero = jnp.zeros((), f32)
-    totals = lax.fori_loop(0, tiles_per_program, tile_body, (zero,) * 12)
-    slots = jnp.arange(_NUM_STATS)
-    packed = jnp.zeros((_NUM_STATS,), f32)
-    for k, value in enumerate(totals):
-        packed = jnp.where(slots == k, value, packed)
-    stats_ref[g, :] = packed
-
-
-def _is_power_of_two(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
-def delta_pass(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=True, *,
-               lam_range=None, with_centroids=True, block_tokens=32, block_hidden=256,
-               num_programs=None, num_warps=4, num_stages=2, interpret=None) -> DeltaPassSums:
-    """Pallas DelTA pass; same arguments and result as `delta_pass_reference`.
-
-    Tuning knobs: block_tokens / block_hidden (powers of two; the h tile loaded at once is
-    [block_tokens, block_hidden]), num_programs (persistent grid size; default a few per SM),
-    num_warps / num_stages (Triton). interpret=None runs interpret mode off-GPU.
-    """
-    h2, p, a, mask, lead, w, b = _check_and_flatten(h, p, a, mask, mu_pos, mu_neg)
-    n_tokens, hidden = h2.shape
-    if not (_is_power_of_two(block_tokens) and _is_power_of_two(block_hidden)):
-        raise ValueError(f"delta_pass: block_tokens={block_tokens} and block_hidden={block_hidden} "
-                         "must be powers of two")
-    block_hidden = min(block_hidden, pl.next_power_of_2(hidden))
-    num_tiles = max(1, pl.cdiv(n_tokens, block_tokens))
-    if num_programs is None:
-        num_programs = backend.default_num_programs(num_tiles)
-    num_programs = max(1, min(int(num_programs), num_tiles))
-    tiles_per_program = pl.cdiv(num_tiles, num_programs)
-    with_lambda = lam_range is not None
-    lam_min, lam_max = lam_range if with_lambda else (0.0, 0.0)
-    params = jnp.stack([jnp.asarray(x, jnp.float32).reshape(()) for x in
-                        (b, gamma_pos, gamma_neg, lam_min, lam_max, 0.0, 0.0, 0.0)])
-
-    out_shape = [jax.ShapeDtypeStruct((num_programs, _NUM_STATS), jnp.float32)]
-    if with_centroids:
-        out_shape.append(jax.ShapeDtypeStruct((2 * num_programs, hidden), jnp.float32))
-    if with_lambda:
-        out_shape.append(jax.ShapeDtypeStruct((n_tokens,), jnp.float32))
-    kernel = functools.partial(
-        _delta_kernel, n_tokens=n_tokens, hidden=hidden, block_tokens=block_tokens,
-        block_hidden=block_hidden, num_programs=num_programs, tiles_per_program=tiles_per_program,
-        use_alpha=use_alpha, with_centroids=with_centroids, with_lambda=with_lambda)
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(num_programs,),
-        interpret=backend.default_interpret(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="delta_pass",
-    )(h2, p, a, mask, w, params)
-    outs = list(outs)
-    per_program = outs.pop(0)  # [G, 16]
-    stats = jnp.sum(per_program, axis=0)  # valid for the additive slots
-    # Margin moments: the programs' (count, mean, m2) merged exactly.
-    count, margin_mean, margin_m2 = reduce_moments(per_program[:, 2:4], per_program[:, 4:6],
-                                                   per_program[:, 6:8])
-    if with_centroids:
-        centroid_sum = jnp.sum(outs.pop(0).reshape(num_programs, 2, hidden), axis=0)
-    else:
-        centroid_sum = jnp.zeros((2, hidden), jnp.float32)
-    lam = outs.pop(0).reshape(lead) if with_lambda else None
-    return DeltaPassSums(
-        centroid_sum=centroid_sum,
-        weight_sum=stats[0:2],
-        count=count,
-        margin_mean=margin_mean,
-        margin_m2=margin_m2,
-        correct=stats[8:10],
-        lam_sum=stats[10],
-        num_valid=stats[11],
-        lam=lam,
-    )
-
-
-def delta_pass_auto(h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha=True, *,
-                    lam_range=None, with_centroids=True, impl=None, **kernel_options) -> DeltaPassSums:
-    """The Pallas kernel on GPU, the jnp reference elsewhere; impl= or $DELTA_JAX_KERNELS overrides
-    ("pallas" | "interpret" | "reference" | "auto"). kernel_options go to `delta_pass`."""
-    choice = backend.resolve_impl(impl)
-    args = (h, p, a, mask, mu_pos, mu_neg, gamma_pos, gamma_neg, use_alpha)
-    if choice == "reference":
-        return delta_pass_reference(*args, lam_range=lam_range, with_centroids=with_centroids)
-    return delta_pass(*args, lam_range=lam_range, with_centroids=with_centroids,
-                      interpret=(choice == "interpret"), **kernel_options)

@@ -5,9 +5,10 @@ Backend. The suite runs on CPU unless told otherwise: JAX_PLATFORMS defaults to 
 
     JAX_PLATFORMS=cuda,cpu bash scripts/test.sh
 
-Tests marked `@pytest.mark.gpu` (compiled Pallas kernels, cuDNN attention) run only when JAX's
-default backend is a GPU and are skipped elsewhere with that reason. Tests that need several
-devices skip when the default backend has fewer (one GPU has one; the CPU has eight, below).
+Tests marked `@pytest.mark.gpu` (the compiled Pallas paged decode attention, cuDNN attention) run
+only when JAX's default backend is a GPU and are skipped elsewhere with that reason. Tests that
+need several devices skip when the default backend has fewer (one GPU has one; the CPU has eight,
+below).
 
 Eight simulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count=8) for the whole
 session, so the sharding tests can build meshes; this must happen before jax is first imported.

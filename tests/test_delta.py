@@ -255,7 +255,7 @@ def _assert_same_result(got, want, rtol=1e-5):
 
 @pytest.mark.parametrize("num_refine", [0, 1, 2, 3])
 def test_kernel_pass_impl_equals_jnp(num_refine):
-    """pass_impl="kernel" (the kernels' jnp reference on CPU) == the jnp path, NaN padding, a
+    """pass_impl="kernel" (one fused kernels.delta_pass per round) == the jnp path, NaN padding, a
     zero-advantage group and an all-zero-advantage batch included; also vs the NumPy reference."""
     hidden, prob, adv, mask = make_batch(20 + num_refine)
     hidden[mask == 0] = np.nan
@@ -263,7 +263,7 @@ def test_kernel_pass_impl_equals_jnp(num_refine):
     for a in (adv, np.zeros_like(adv)):
         want = D.delta_coefficients(hidden, prob, a, mask, num_refine=num_refine)
         got = D.delta_coefficients(hidden, prob, a, mask, num_refine=num_refine,
-                                   pass_impl="kernel", kernel_impl="reference")
+                                   pass_impl="kernel")
         _assert_same_result(got, want)
         ref, _ = reference_delta(proxy64(np.where(mask[..., None] > 0, hidden, 0.0),
                                           np.where(mask > 0, prob, 0.0)), a, mask, num_refine)
@@ -271,14 +271,12 @@ def test_kernel_pass_impl_equals_jnp(num_refine):
     np.testing.assert_allclose(np.asarray(got[0]), mask, rtol=1e-6)  # all-zero advantages
 
 
-def test_kernel_pass_impl_pallas_interpret_and_env(monkeypatch):
-    """The Pallas kernel itself (interpret mode) through delta_coefficients, chosen by the
-    environment variable; per-token advantages and precomputed features (p = 0) too."""
-    from delta_jax.kernels import backend
+def test_kernel_pass_impl_token_advantages_and_features():
+    """The fused passes with per-token advantages (one of them flipped in sign) and with
+    precomputed features (p = 0) give the jnp path's result."""
     hidden, prob, adv, mask = make_batch(30, B=4, T=5, H=8, group=2, zero_group=False)
     adv_tok = (adv[:, None] * np.linspace(0.5, 1.5, 5)[None]).astype(np.float32)
     adv_tok[0, 0] = -adv_tok[0, 0]
-    monkeypatch.setenv(backend.ENV_VAR, "interpret")
     got = D.delta_coefficients(hidden, prob, adv_tok, mask, num_refine=1, pass_impl="kernel")
     _assert_same_result(got, D.delta_coefficients(hidden, prob, adv_tok, mask, num_refine=1))
     v = np.asarray(proxy64(hidden, prob), np.float32)
@@ -291,8 +289,7 @@ def test_kernel_pass_impl_streaming_equals_one_shot():
     want = D.delta_coefficients(hidden, prob, adv, mask, num_refine=2)
     chunks = [D.FeatureChunk(jnp.asarray(hidden[r]), jnp.asarray(adv[r]), jnp.asarray(mask[r]),
                              jnp.asarray(1.0 - prob[r])) for r in (slice(0, 3), slice(3, 8))]
-    got, diag = D.delta_coefficients_streaming(chunks, num_refine=2, pass_impl="kernel",
-                                               kernel_impl="reference")
+    got, diag = D.delta_coefficients_streaming(chunks, num_refine=2, pass_impl="kernel")
     _assert_same_result((jnp.concatenate(got), diag), want, rtol=1e-4)
 
 
@@ -300,8 +297,8 @@ def test_bad_pass_impl_names_the_field():
     hidden, prob, adv, mask = make_batch(32)
     with pytest.raises(ValueError, match="delta.pass_impl"):
         D.delta_coefficients(hidden, prob, adv, mask, pass_impl="triton")
-    with pytest.raises(ValueError, match="DELTA_JAX_KERNELS|impl"):
-        D.delta_coefficients(hidden, prob, adv, mask, pass_impl="kernel", kernel_impl="cuda")
+    with pytest.raises(ValueError, match="delta.pass_impl"):
+        D.delta_coefficients_streaming([], pass_impl="pallas")
 
 
 @pytest.mark.parametrize("pass_impl", ["jnp", "kernel"])
@@ -314,11 +311,10 @@ def test_streaming_reads_the_source_exactly_k_plus_3_times(pass_impl):
         calls.append(1)
         return iter([D.FeatureChunk(jnp.asarray(hidden), jnp.asarray(adv), jnp.asarray(mask),
                                     jnp.asarray(1.0 - prob))])
-    D.delta_coefficients_streaming(source, num_refine=2, pass_impl=pass_impl,
-                                   kernel_impl="reference")
+    D.delta_coefficients_streaming(source, num_refine=2, pass_impl=pass_impl)
     assert len(calls) == 2 + 3
     with pytest.raises(ValueError, match="no chunks"):
-        D.delta_coefficients_streaming([], pass_impl=pass_impl, kernel_impl="reference")
+        D.delta_coefficients_streaming([], pass_impl=pass_impl)
 
 
 # ----------------------------------------------------------------------------- ablations (#19)
@@ -381,10 +377,9 @@ def test_composed_ablations_match_reference(name):
 def test_default_ablations_are_the_full_method_bit_for_bit():
     hidden, prob, adv, mask = make_batch(41)
     for pass_impl in ("jnp", "kernel"):
-        plain = D.delta_coefficients(hidden, prob, adv, mask, pass_impl=pass_impl,
-                                     kernel_impl="reference")
+        plain = D.delta_coefficients(hidden, prob, adv, mask, pass_impl=pass_impl)
         explicit = D.delta_coefficients(hidden, prob, adv, mask, pass_impl=pass_impl,
-                                        kernel_impl="reference", ablations=D.Ablations(),
+                                        ablations=D.Ablations(),
                                         key=jax.random.key(0))
         np.testing.assert_array_equal(np.asarray(explicit[0]), np.asarray(plain[0]))
         for key in plain[1]:
@@ -427,13 +422,13 @@ def test_ablation_kernel_pass_impl_matches_reference(name):
     prob[mask == 0] = np.nan
     ablations = D.Ablations(**options)
     got = D.delta_coefficients(hidden, prob, adv, mask, num_refine=2, pass_impl="kernel",
-                               kernel_impl="reference", ablations=ablations)
+                               ablations=ablations)
     _check_ablation(got, hidden, prob, adv, mask, 2, options)
     _assert_same_result(got, D.delta_coefficients(hidden, prob, adv, mask, num_refine=2,
                                                   ablations=ablations))
     blocks, chunks = _stream_chunks(hidden, prob, adv, mask)
     parts, diag = D.delta_coefficients_streaming(chunks, num_refine=2, pass_impl="kernel",
-                                                 kernel_impl="reference", ablations=ablations)
+                                                 ablations=ablations)
     _check_ablation((_stitch(blocks, parts, mask.shape), diag), hidden, prob, adv, mask, 2,
                     options)
 
@@ -450,7 +445,6 @@ def test_fixed_gamma_skips_the_temperature_pass(pass_impl):
         return iter([D.FeatureChunk(jnp.asarray(hidden), jnp.asarray(adv), jnp.asarray(mask),
                                     jnp.asarray(1.0 - prob))])
     _, diag = D.delta_coefficients_streaming(source, num_refine=2, pass_impl=pass_impl,
-                                             kernel_impl="reference",
                                              ablations=D.Ablations(fixed_gamma=0.7))
     assert len(calls) == 2 + 2
     np.testing.assert_allclose([diag["gamma_pos"], diag["gamma_neg"]], [0.7, 0.7], rtol=1e-7)
@@ -489,7 +483,7 @@ def test_random_lambda_matches_reference_and_is_deterministic(pass_impl, normali
 
     def run(k):
         return D.delta_coefficients(hidden, prob, adv, mask, num_refine=1, lam_min=0.7,
-                                    lam_max=1.5, pass_impl=pass_impl, kernel_impl="reference",
+                                    lam_max=1.5, pass_impl=pass_impl,
                                     ablations=ablations, key=k)
     got = run(key)
     v = proxy64(hidden, prob)
@@ -542,7 +536,6 @@ def test_random_lambda_streaming(pass_impl):
 
     def run(k):
         parts, diag = D.delta_coefficients_streaming(chunks, num_refine=2, pass_impl=pass_impl,
-                                                     kernel_impl="reference",
                                                      ablations=ablations, key=k)
         return _stitch(blocks, parts, mask.shape), diag
     key = jax.random.key(5)
@@ -567,10 +560,9 @@ def test_ablation_errors_name_the_field():
                              ablations=D.Ablations(random_lambda=True, weight="alpha"))
     hard = D.Ablations(assignment="hard")
     with pytest.raises(ValueError, match="delta.assignment='hard'.*kernel"):
-        D.delta_coefficients(hidden, prob, adv, mask, pass_impl="kernel",
-                             kernel_impl="reference", ablations=hard)
+        D.delta_coefficients(hidden, prob, adv, mask, pass_impl="kernel", ablations=hard)
     with pytest.raises(ValueError, match="delta.assignment='hard'.*kernel"):
-        D.delta_coefficients_streaming(chunks, pass_impl="kernel", kernel_impl="reference",
+        D.delta_coefficients_streaming(chunks, pass_impl="kernel",
                                        ablations=hard)
     with pytest.raises(ValueError, match="delta.assignment"):
         D.delta_coefficients(hidden, prob, adv, mask, ablations=D.Ablations(assignment="fuzzy"))

@@ -112,8 +112,7 @@ def test_kernel_pass_impl_global_mode_on_8_devices():
     for num_refine in (0, 2):
         want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, num_refine=num_refine)
         weights, diag = D.delta_coefficients(*args, num_refine=num_refine, pass_impl="kernel",
-                                             kernel_impl="reference", mesh=mesh,
-                                             data_axes=("data", "fsdp"))
+                                             mesh=mesh, data_axes=("data", "fsdp"))
         assert len(weights.sharding.device_set) == 8  # lambdas stay where their rows live
         np.testing.assert_allclose(weights, want, rtol=1e-5, atol=1e-7)
         for key in want_diag:
@@ -127,7 +126,7 @@ def test_kernel_pass_impl_per_shard_mode():
     want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, stats_mode="per_shard",
                                            mesh=mesh)
     got, diag = D.delta_coefficients(hidden, prob, adv, mask, stats_mode="per_shard", mesh=mesh,
-                                     pass_impl="kernel", kernel_impl="reference")
+                                     pass_impl="kernel")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     for key in want_diag:
         np.testing.assert_allclose(diag[key], want_diag[key], rtol=1e-5, atol=1e-6, err_msg=key)
@@ -153,8 +152,7 @@ def test_ablations_on_8_devices(options):
     impls = ("jnp",) if ablations.assignment == "hard" else ("jnp", "kernel")
     for pass_impl in impls:
         weights, diag = D.delta_coefficients(hidden, prob, adv, mask, stats_mode="per_shard",
-                                             mesh=mesh, pass_impl=pass_impl,
-                                             kernel_impl="reference", ablations=ablations,
+                                             mesh=mesh, pass_impl=pass_impl, ablations=ablations,
                                              key=key)
         weights, changed = np.asarray(weights), 0.0
         for s in range(8):
@@ -174,7 +172,7 @@ def test_ablations_on_8_devices(options):
                 _put(mesh, mask, row))
         want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, ablations=ablations,
                                                key=key)
-        got, diag = D.delta_coefficients(*args, pass_impl="kernel", kernel_impl="reference",
+        got, diag = D.delta_coefficients(*args, pass_impl="kernel",
                                          mesh=mesh, data_axes="data", ablations=ablations,
                                          key=key)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -124,33 +124,37 @@ def test_fused_matches_chunked_values_and_gradients(temperature):
     _assert_rel(a, b, 1e-5)
 
 
-def test_fused_traced_temperature_and_pallas_interpret():
-  """A traced temperature (folded into the hidden states) and the Pallas kernel itself (interpret
-  mode) give the chunked path's values and gradients."""
+def test_fused_traced_temperature():
+  """A traced temperature (folded into the hidden states) gives the chunked path's values and
+  gradients."""
   h, w, y = _fused_inputs()
   t = jnp.float32(0.8)
   want = jax.grad(_objective("chunked", y, t), argnums=(0, 1))(h, w)
   got = jax.jit(jax.grad(_objective("fused", y, t), argnums=(0, 1)))(h, w)
   for a, b in zip(got, want):
     _assert_rel(a, b, 1e-5)
-  logp, ent = models.token_logprobs(w, h, y, 0.8, chunk_size=4, impl="fused",
-                                    kernel_impl="interpret")
+  logp, ent = jax.jit(lambda h, w, t: models.token_logprobs(w, h, y, t, chunk_size=4,
+                                                            impl="fused"))(h, w, t)
   want_logp, want_ent = models.token_logprobs(w, h, y, 0.8, chunk_size=4)
   _assert_rel(logp, want_logp, 1e-5)
   _assert_rel(ent, want_ent, 1e-5)
 
 
-def test_fused_pallas_under_a_batch_mesh_runs_per_shard():
-  """With a mesh, the Pallas kernel runs under shard_map over the batch axes; values and the
-  gradients (the head's summed over shards) equal the unsharded chunked path."""
+def test_fused_under_a_batch_mesh():
+  """Hidden states and labels sharded over the batch axis of a mesh: XLA partitions the fused
+  path's scans and custom VJP; values and gradients (the head's summed over shards) equal the
+  unsharded chunked path."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
   from delta_jax import sharding as sharding_lib
 
   if len(jax.devices()) < 2:  # one GPU has one device; the CPU backend has eight (conftest)
     pytest.skip(f"needs 2 devices; {jax.default_backend()} has {len(jax.devices())}")
   mesh = sharding_lib.make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2])
   h, w, y = _fused_inputs(vocab=200)
-  f = _objective("fused", y, 1.0, kernel_impl="interpret", mesh=mesh)
-  got = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w)
+  rows = NamedSharding(mesh, PartitionSpec("data"))
+  f = _objective("fused", jax.device_put(y, rows), 1.0)
+  got = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(jax.device_put(h, rows), w)
   want = jax.value_and_grad(_objective("chunked", y, 1.0), argnums=(0, 1))(h, w)
   _assert_rel(got[0], want[0], 1e-5)
   for a, b in zip(got[1], want[1]):
@@ -222,8 +226,7 @@ def test_logit_memory_is_a_token_budget_whatever_the_rows(impl):
     y = jax.ShapeDtypeStruct((rows, T), jnp.int32)
 
     def loss(h, w, y):
-      logp, ent = models.token_logprobs(w, h, y, chunk_size=budget, impl=impl,
-                                        kernel_impl="reference")
+      logp, ent = models.token_logprobs(w, h, y, chunk_size=budget, impl=impl)
       return jnp.sum(logp) + jnp.sum(ent)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(

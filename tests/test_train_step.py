@@ -136,12 +136,9 @@ def test_learning_rate_schedules():
     assert float(c(0)) == float(c(1000)) == pytest.approx(1e-6)
 
 
-@pytest.mark.parametrize("kernels_env", ["auto", "interpret"])
-def test_fused_logprob_step_matches_chunked(setup, sgd_steps, monkeypatch, kernels_env):
+def test_fused_logprob_step_matches_chunked(setup, sgd_steps):
     """model.logprob_impl = "fused" gives the chunked step's parameters, optimizer state and
-    metrics, with micro-batches. On CPU "auto" is the kernels' jnp reference; "interpret" runs the
-    Pallas kernel (interpret mode) inside the jitted step."""
-    monkeypatch.setenv("DELTA_JAX_KERNELS", kernels_env)
+    metrics, with micro-batches."""
     graphdef, params, rest, batch = setup
     old = reference_logp(graphdef, params, rest, batch)
     batch = dict(batch, old_logp=old - 0.05)  # ratio != 1: the clipped branch is in play
@@ -189,13 +186,13 @@ def test_run_sft_follows_model_logprob_impl(tmp_path, monkeypatch):
     from tests.rl_fixtures import build_scored_run, tiny_rl_config, tree_max_abs_diff
 
     calls = []
-    real = kernels.lm_head_logprob_auto
+    real = kernels.lm_head_logprob
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "lm_head_logprob_auto", counting)
+    monkeypatch.setattr(kernels, "lm_head_logprob", counting)
     out = {}
     for impl in ("chunked", "fused"):
         cfg = tiny_rl_config("dapo", model=dict(logprob_impl=impl),

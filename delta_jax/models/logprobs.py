@@ -6,9 +6,9 @@ Two implementations (`impl=`), same results:
              each chunk's logits [B, C, V] are computed, reduced and dropped (lax.map), and
              rematerialised in the backward pass (jax.checkpoint), so peak memory is one chunk
              of logits instead of all of them.
-  "fused"    delta_jax.kernels.lm_head_logprob_auto: all B*T tokens at once, tiled over the
+  "fused"    delta_jax.kernels.lm_head_logprob: all B*T tokens at once, tiled over the
              VOCABULARY with an online log-sum-exp and a custom VJP that recomputes each logits
-             tile in the backward (the Pallas kernel on GPU, its chunked-jnp reference elsewhere).
+             tile in the backward (plain XLA; under a mesh the SPMD partitioner shards it).
              The vocabulary tile is chosen so that one [B*T, tile] fp32 tile holds as many
              elements as chunk_size tokens' logits [chunk_size, V]: the same budget for both.
 Qwen3's vocabulary has 151,936 entries.
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from delta_jax import sharding as sharding_lib
 
 LOGPROB_IMPLS = ("chunked", "fused")
 
@@ -43,8 +41,7 @@ def logprobs_from_logits(logits: jax.Array, labels: jax.Array, temperature=1.0):
 
 
 def token_logprobs(model_or_weight, hidden: jax.Array, labels: jax.Array, temperature=1.0,
-                   chunk_size: int = 512, *, impl: str = "chunked", kernel_impl: str | None = None,
-                   mesh=None):
+                   chunk_size: int = 512, *, impl: str = "chunked"):
   """log p(labels) and entropy under softmax(logits / temperature), never all logits at once.
 
   model_or_weight: a Transformer (uses model.lm_head_weight()) or the head weight [H, V].
@@ -53,10 +50,7 @@ def token_logprobs(model_or_weight, hidden: jax.Array, labels: jax.Array, temper
   chunk_size: the memory budget in tokens (rows x positions) whose fp32 logits exist at once
     (config model.logprob_chunk_tokens).
   impl: "chunked" (sequence chunks of chunk_size // B positions) or "fused" (vocabulary tiles,
-    see the module docstring). kernel_impl (fused only): kernels backend override ("auto" | "pallas" |
-    "interpret" | "reference"; None = $DELTA_JAX_KERNELS or auto). mesh (fused only): with a
-    delta_jax.sharding mesh and the Pallas kernel, the kernel runs per batch shard (shard_map over
-    the batch axes; XLA cannot partition a Pallas call itself).
+    see the module docstring).
   Returns (logp, entropy), both float32 [B, T]. Matches logprobs_from_logits on the full
   logits; the matmul runs in hidden.dtype with float32 accumulation.
   """
@@ -65,7 +59,7 @@ def token_logprobs(model_or_weight, hidden: jax.Array, labels: jax.Array, temper
     raise ValueError(f"token_logprobs: labels shape {labels.shape} != hidden[:2] {(B, T)}")
   if impl == "fused":
     return _fused_token_logprobs(_head_weight(model_or_weight), hidden, labels, temperature,
-                                 chunk_size, kernel_impl, mesh)
+                                 chunk_size)
   if impl != "chunked":
     raise ValueError(f"token_logprobs: impl={impl!r}; expected one of {LOGPROB_IMPLS} "
                      "(config field model.logprob_impl)")
@@ -87,7 +81,7 @@ def fused_vocab_chunk(chunk_tokens: int, num_tokens: int, vocab: int) -> int:
   return int(max(1, min(vocab, max(c, 128))))
 
 
-def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_impl, mesh):
+def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size):
   from delta_jax import kernels
 
   B, T, H = hidden.shape
@@ -95,31 +89,14 @@ def _fused_token_logprobs(w, hidden, labels, temperature, chunk_size, kernel_imp
   if isinstance(temperature, (int, float)):
     static_t = float(temperature)
   else:
-    # A traced temperature cannot be a static kernel argument: fold 1/T into the hidden states
-    # (exact for the gradient: d/dh flows through the division).
+    # A traced temperature cannot be a static argument of the custom VJP: fold 1/T into the
+    # hidden states (exact for the gradient: d/dh flows through the division).
     static_t = 1.0
     hidden = (hidden.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)).astype(
         hidden.dtype)
-  choice = kernels.resolve_impl(kernel_impl)
-
-  def flat(h, ww, y):
-    b, t = y.shape
-    logp, ent = kernels.lm_head_logprob_auto(h.reshape(b * t, H), ww, y.reshape(b * t),
-                                             static_t, impl=choice, chunk_size=vocab_chunk)
-    return logp.reshape(b, t), ent.reshape(b, t)
-
-  if mesh is None or choice == "reference":
-    # The jnp reference is ordinary XLA: the SPMD partitioner shards it like any matmul.
-    return flat(hidden, w, labels)
-  axes = sharding_lib.batch_axes(mesh)
-  if not axes:
-    return flat(hidden, w, labels)
-  rows = PartitionSpec(axes)
-  # The head weight enters replicated (FSDP gathers it for the matmul anyway); shard_map's
-  # transpose sums its gradient over the batch shards. check_vma=False: a Pallas call's outputs
-  # carry no varying-axes annotation.
-  return jax.shard_map(flat, mesh=mesh, in_specs=(rows, PartitionSpec(), rows),
-                       out_specs=(rows, rows), check_vma=False)(hidden, w, labels)
+  logp, ent = kernels.lm_head_logprob(hidden.reshape(B * T, H), w, labels.reshape(B * T),
+                                      static_t, chunk_size=vocab_chunk)
+  return logp.reshape(B, T), ent.reshape(B, T)
 
 
 def map_sequence_chunks(fn, arrays, chunk_size: int):

@@ -19,7 +19,7 @@ Layout of this module
   batch), global statistics by default or per data shard via jax.shard_map.
 * `delta_coefficients_streaming`: the same result from chunks given one at a time.
 * pass_impl="kernel" (both forms): each of the K + 3 passes is one call of the fused pass
-  kernels.delta_pass_auto on (h, p) (Pallas on GPU, its jnp reference elsewhere), v never stored;
+  kernels.delta_pass on (h, p) (one XLA program per pass), v never stored;
   `fit_discriminator_fused` runs the same passes as `fit_discriminator`, and `add_final_lambdas`
   turns the final pass's lambdas into the same `FinalStats`.
 * `Ablations`: the paper's ablation rows (DELTA_SPEC section 4; config delta.fixed_gamma,
@@ -175,7 +175,7 @@ FULL_METHOD = Ablations()
 ASSIGNMENTS = ("soft", "hard")
 WEIGHTS = ("lambda", "alpha")
 _NO_KEY = "delta.random_lambda needs a PRNG key (key=jax.random.key(...))"
-_HARD_IN_KERNEL = ("delta.assignment='hard' is not supported by the fused pass kernel "
+_HARD_IN_KERNEL = ("delta.assignment='hard' is not supported by the fused pass "
                    "(delta.pass_impl='kernel' computes sigmoid assignments): use "
                    "delta.pass_impl='jnp'")
 
@@ -394,7 +394,7 @@ def token_lambdas(chunk: FeatureChunk, disc: Discriminator, lam_min: float = 0.8
 
 def _lambda_range(lam_min: float, lam_max: float, ablations: Ablations) -> tuple[float, float]:
     """(lo, hi) with lambda = lo + (hi - lo) alpha* on P/N and lo on Z: (lam_min, lam_max), or
-    (0, 1) for weight="alpha" (lambda = alpha* on P/N, 0 on Z). The fused kernel's lam_range."""
+    (0, 1) for weight="alpha" (lambda = alpha* on P/N, 0 on Z). The fused pass's lam_range."""
     return (0.0, 1.0) if ablations.weight == "alpha" else (lam_min, lam_max)
 
 
@@ -531,10 +531,10 @@ def fit_discriminator(fold: Fold, hidden_size: int | None, num_refine: int,
 
 # ----------------------------------------------------------------------------- fused-pass form
 #
-# pass_impl="kernel": every pass over the features is one call of kernels.delta_pass_auto (the
-# fused Pallas pass on GPU, its jnp reference elsewhere) on (h, p): the proxy v = (1 - p) h is
-# formed inside the pass, never stored. Precomputed features v (features=, e.g. the top-K proxy)
-# go through the same pass with p = 0. The [B, T]-sized final statistics (lambda moments per side)
+# pass_impl="kernel": every pass over the features is one call of kernels.delta_pass (the fused
+# pass; plain XLA since its Pallas version was retired, see kernels/delta_pass.py) on (h, p): the
+# proxy v = (1 - p) h is formed inside the pass, never stored. Precomputed features v
+# (features=, e.g. the top-K proxy) go through the same pass with p = 0. The [B, T]-sized final statistics (lambda moments per side)
 # are plain jnp.
 
 PASS_IMPLS = ("jnp", "kernel")
@@ -573,14 +573,14 @@ def fit_discriminator_fused(pass_fn: PassFn, hidden_size: int | None, num_refine
     return disc
 
 
-def _kernel_pass(h, p, adv, mask, mu, gamma, *, impl, use_alpha=True, lam_range=None,
+def _kernel_pass(h, p, adv, mask, mu, gamma, *, use_alpha=True, lam_range=None,
                  with_centroids=True):
-    from delta_jax.kernels.delta_pass import delta_pass_auto
+    from delta_jax.kernels.delta_pass import delta_pass
 
     if mu is None:  # the initial pass: weights |A| only, the margins are unused
         mu = jnp.zeros((2, h.shape[-1]), jnp.float32)
-    return delta_pass_auto(h, p, adv, mask, mu[0], mu[1], gamma[0], gamma[1], use_alpha,
-                           lam_range=lam_range, with_centroids=with_centroids, impl=impl)
+    return delta_pass(h, p, adv, mask, mu[0], mu[1], gamma[0], gamma[1], use_alpha,
+                      lam_range=lam_range, with_centroids=with_centroids)
 
 
 def _psum_sums(sums, axes):
@@ -596,21 +596,22 @@ def _psum_sums(sums, axes):
                          num_valid=psum(sums.num_valid), lam=None)
 
 
-def _make_pass_fn(h, p, adv, mask, impl: str, mesh: Mesh | None, axes) -> PassFn:
-    """A pass over the whole batch: one kernel call, or with a mesh one per batch shard
+def _make_pass_fn(h, p, adv, mask, mesh: Mesh | None, axes) -> PassFn:
+    """A pass over the whole batch: one fused pass, or with a mesh one per batch shard
     (jax.shard_map, each shard's features read where they live) and a psum of the statistics."""
     if mesh is None:
-        return functools.partial(_kernel_pass, h, p, adv, mask, impl=impl)
+        return functools.partial(_kernel_pass, h, p, adv, mask)
     spec, rep = PartitionSpec(axes), PartitionSpec()
 
     def pass_fn(mu, gamma, use_alpha=True, lam_range=None, with_centroids=True):
         def body(h, p, adv, mask, mu, gamma):
-            sums = _kernel_pass(h, p, adv, mask, mu, gamma, impl=impl, use_alpha=use_alpha,
+            sums = _kernel_pass(h, p, adv, mask, mu, gamma, use_alpha=use_alpha,
                                 lam_range=lam_range, with_centroids=with_centroids)
             lam = sums.lam if sums.lam is not None else jnp.zeros(mask.shape, jnp.float32)
             return _psum_sums(sums, axes), lam
 
-        # check_vma off: a pallas_call's outputs carry no varying-axes annotation.
+        # check_vma off: the margin moments are merged from an all_gather, which shard_map's
+        # varying-axes check does not see as replicated (every shard merges the same values).
         sums, lam = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec, rep, rep),
                                   out_specs=(rep, spec), check_vma=False)(h, p, adv, mask, mu,
                                                                           gamma)
@@ -629,11 +630,11 @@ def _final_from_sums(sums, adv, mask, lam_min, lam_max, ablations, noise, stats=
     return add_final_lambdas(stats, side, lam, sums.correct.sum()), lam
 
 
-def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, impl, mesh=None, axes=(),
+def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, mesh=None, axes=(),
                     ablations=FULL_METHOD, noise=None):
     """`_one_shot` with fused passes. h [B, T, H], p [B, T] (0 when h is v already), adv [B, T]
     masked (from _token_advantages), mask [B, T]."""
-    pass_fn = _make_pass_fn(h, p, adv, mask, impl, mesh, axes)
+    pass_fn = _make_pass_fn(h, p, adv, mask, mesh, axes)
     disc = fit_discriminator_fused(pass_fn, h.shape[-1], num_refine, ablations)
     sums = pass_fn(disc.mu, disc.gamma, use_alpha=True,
                    lam_range=_lambda_range(lam_min, lam_max, ablations), with_centroids=False)
@@ -696,7 +697,7 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
                        lam_max: float = 1.2, *, features: Array | None = None,
                        stats_mode: str = "global", mesh: Mesh | None = None,
                        data_axes: str | tuple[str, ...] = "data", pass_impl: str = "jnp",
-                       kernel_impl: str | None = None, ablations: Ablations | None = None,
+                       ablations: Ablations | None = None,
                        key: Array | None = None):
     """DelTA token weights (DELTA_SPEC sections 2.0-2.7), jitted.
 
@@ -718,16 +719,14 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         implementation's behaviour), via jax.shard_map.
       mesh, data_axes: for "per_shard": the mesh and the axis name(s) over which the batch
         dimension is split (B must be divisible by their total size). With pass_impl="kernel" in
-        "global" mode an optional mesh runs each pass per batch shard and psums the statistics
-        (a Pallas call is not partitioned by XLA); without a mesh, or when B does not split
-        evenly over data_axes, each pass sees the whole batch.
+        "global" mode an optional mesh runs each pass per batch shard and psums the statistics;
+        without a mesh, or when B does not split evenly over data_axes, each pass sees the whole
+        batch (sharded as XLA's partitioner decides).
       pass_impl: "jnp" (rl/delta.py's XLA code) or "kernel" (each of the K + 3 passes is one
-        kernels.delta_pass_auto call on (h, p), v never materialised; features= go through it
+        kernels.delta_pass call on (h, p), v never materialised; features= go through it
         with p = 0). Same results to fp32 rounding.
-      kernel_impl: for pass_impl="kernel": "pallas" | "interpret" | "reference" | "auto"; None
-        reads $DELTA_JAX_KERNELS (default auto: Pallas on GPU, the jnp reference elsewhere).
       ablations: an `Ablations` (the paper's ablation rows; None = the full method). The fused
-        kernel passes support all but assignment="hard" (a ValueError naming delta.assignment).
+        passes support all but assignment="hard" (a ValueError naming delta.assignment).
       key: PRNG key for ablations.random_lambda (required then, ignored otherwise): the draws are
         `lambda_noise(key, mask.shape)` over the whole batch, so every stats_mode / pass_impl sees
         the same per-token draws for the same key (per_shard mode normalises them per shard).
@@ -743,15 +742,9 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
     _check_pass_impl(pass_impl)
     ablations = check_ablations(ablations, pass_impl)
     _check_key(ablations, key)
-    if pass_impl == "kernel":
-        from delta_jax.kernels import backend
-        kernel_impl = backend.resolve_impl(kernel_impl)  # read the environment outside the jit
-    else:
-        kernel_impl = None
     return _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_min, lam_max,
                                features=features, stats_mode=stats_mode, mesh=mesh,
-                               data_axes=data_axes, pass_impl=pass_impl, kernel_impl=kernel_impl,
-                               ablations=ablations,
+                               data_axes=data_axes, pass_impl=pass_impl, ablations=ablations,
                                key=key if ablations.random_lambda else None)
 
 
@@ -774,11 +767,9 @@ def _mesh_axes(mesh: Mesh, data_axes, batch: int, required: bool = True):
 
 
 @functools.partial(jax.jit, static_argnames=("num_refine", "lam_min", "lam_max", "stats_mode",
-                                             "mesh", "data_axes", "pass_impl", "kernel_impl",
-                                             "ablations"))
+                                             "mesh", "data_axes", "pass_impl", "ablations"))
 def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_min, lam_max, *,
-                        features, stats_mode, mesh, data_axes, pass_impl, kernel_impl, ablations,
-                        key):
+                        features, stats_mode, mesh, data_axes, pass_impl, ablations, key):
     _check_lambda_range(lam_min, lam_max)
     # Spec 2: the coefficients are constants for the policy update.
     hidden, token_prob, advantages, mask, features = jax.lax.stop_gradient(
@@ -805,8 +796,8 @@ def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_mi
         if not fused:
             return _one_shot(c, num_refine, lam_min, lam_max, ablations, u)
         h, p, adv, m = _kernel_inputs(c, p)
-        return _fused_one_shot(h, p, adv, m, num_refine, lam_min, lam_max, kernel_impl,
-                               pass_mesh, axes, ablations, u)
+        return _fused_one_shot(h, p, adv, m, num_refine, lam_min, lam_max, pass_mesh, axes,
+                               ablations, u)
 
     if stats_mode == "global":
         # Fused passes per batch shard when the rows split evenly, else on the whole batch.
@@ -829,7 +820,7 @@ def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_mi
         return weights, {k: v[None] for k, v in diag.items()}
 
     weights, diag = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec),
-                                  out_specs=(spec, spec), check_vma=not fused)(chunk, probs, noise)
+                                  out_specs=(spec, spec))(chunk, probs, noise)
     return weights, _reduce_shard_diagnostics(diag)
 
 
@@ -848,8 +839,8 @@ def _chunk_noise(key: Array, index: int, shape: tuple[int, ...]) -> Array:
 
 def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], Iterable],
                                  num_refine: int = 1, lam_min: float = 0.8, lam_max: float = 1.2,
-                                 *, pass_impl: str = "jnp", kernel_impl: str | None = None,
-                                 ablations: Ablations | None = None, key: Array | None = None
+                                 *, pass_impl: str = "jnp", ablations: Ablations | None = None,
+                                 key: Array | None = None
                                  ) -> tuple[list[Array], dict[str, Array]]:
     """DelTA weights from feature chunks given one at a time (the same pieces as the one-shot form).
 
@@ -861,7 +852,7 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
       result equals the one-shot result on the concatenated batch (up to fp32 summation order).
     Returns the list of weight chunks [b, t] (in chunk order) and the diagnostics dict.
     Only the [b, t] lambdas of the final pass are kept between chunks, never the features.
-    pass_impl / kernel_impl: as in `delta_coefficients` ("kernel": one fused pass per chunk and
+    pass_impl: as in `delta_coefficients` ("kernel": one fused pass per chunk and
     round, with p = 1 - feature_scale).
     ablations: as in `delta_coefficients` (with fixed_gamma the source is read K + 2 times).
     key: for ablations.random_lambda: chunk i (its position in each iteration of the source) draws
@@ -879,8 +870,7 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
         return _chunk_noise(key, index, tuple(chunk.mask.shape))
 
     if pass_impl == "kernel":
-        return _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl, ablations,
-                                noise)
+        return _streaming_fused(chunks, num_refine, lam_min, lam_max, ablations, noise)
     # The hidden size comes from the first chunk of the first pass: probing the source separately
     # would cost one more trunk pass when it recomputes features.
     get_chunks = chunks if callable(chunks) else (lambda: chunks)
@@ -908,37 +898,35 @@ def delta_coefficients_streaming(chunks: Iterable[FeatureChunk] | Callable[[], I
     return [c * lam for lam in lams], diagnostics(disc, final, ablations)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "use_alpha", "lam_range", "with_centroids"))
-def _fused_chunk_pass(chunk: FeatureChunk, mu, gamma, *, impl, use_alpha=True, lam_range=None,
+@functools.partial(jax.jit, static_argnames=("use_alpha", "lam_range", "with_centroids"))
+def _fused_chunk_pass(chunk: FeatureChunk, mu, gamma, *, use_alpha=True, lam_range=None,
                       with_centroids=True):
     h, p, adv, m = _kernel_inputs(chunk)
-    return _kernel_pass(h, p, adv, m, mu, gamma, impl=impl, use_alpha=use_alpha,
+    return _kernel_pass(h, p, adv, m, mu, gamma, use_alpha=use_alpha,
                         lam_range=lam_range, with_centroids=with_centroids)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "lam_min", "lam_max", "ablations"))
+@functools.partial(jax.jit, static_argnames=("lam_min", "lam_max", "ablations"))
 def _fused_chunk_final(stats: FinalStats, chunk: FeatureChunk, disc: Discriminator, noise, *,
-                       impl, lam_min, lam_max, ablations):
+                       lam_min, lam_max, ablations):
     h, p, adv, m = _kernel_inputs(chunk)
-    sums = _kernel_pass(h, p, adv, m, disc.mu, disc.gamma, impl=impl,
+    sums = _kernel_pass(h, p, adv, m, disc.mu, disc.gamma,
                         lam_range=_lambda_range(lam_min, lam_max, ablations),
                         with_centroids=False)
     return _final_from_sums(sums, adv, m, lam_min, lam_max, ablations, noise, stats)
 
 
-def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl, ablations, noise):
+def _streaming_fused(chunks, num_refine, lam_min, lam_max, ablations, noise):
     """delta_coefficients_streaming with pass_impl="kernel"."""
-    from delta_jax.kernels import backend
     from delta_jax.kernels.delta_pass import add_sums
 
-    impl = backend.resolve_impl(kernel_impl)
     get_chunks = chunks if callable(chunks) else (lambda: chunks)
 
     def pass_fn(mu, gamma, use_alpha=True, with_centroids=True):
         total = None
         for chunk in get_chunks():
-            sums = _fused_chunk_pass(FeatureChunk(*chunk), mu, gamma, impl=impl,
-                                     use_alpha=use_alpha, with_centroids=with_centroids)
+            sums = _fused_chunk_pass(FeatureChunk(*chunk), mu, gamma, use_alpha=use_alpha,
+                                     with_centroids=with_centroids)
             total = sums._replace(lam=None) if total is None else add_sums(total, sums)
         if total is None:
             raise ValueError("delta_coefficients_streaming: no chunks")
@@ -948,8 +936,8 @@ def _streaming_fused(chunks, num_refine, lam_min, lam_max, kernel_impl, ablation
     final, lams = init_final(), []
     for i, chunk in enumerate(get_chunks()):
         chunk = FeatureChunk(*chunk)
-        final, lam = _fused_chunk_final(final, chunk, disc, noise(i, chunk), impl=impl,
-                                        lam_min=lam_min, lam_max=lam_max, ablations=ablations)
+        final, lam = _fused_chunk_final(final, chunk, disc, noise(i, chunk), lam_min=lam_min,
+                                        lam_max=lam_max, ablations=ablations)
         lams.append(lam)
     c = normaliser(final, ablations)
     return [c * lam for lam in lams], diagnostics(disc, final, ablations)

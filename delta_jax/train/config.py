@@ -95,9 +95,8 @@ def default_config() -> config_dict.ConfigDict:
     # the memory does not grow with the micro-batch (4096 x 151936 x 4 B = 2.5 GB per buffer).
     c.model.logprob_chunk_tokens = 4096
     # Per-token log-probs of the LM head: "chunked" = logits of logprob_chunk_tokens tokens at a
-    # time (models.token_logprobs); "fused" = kernels.lm_head_logprob_auto (tiled over the
-    # vocabulary with an online log-sum-exp and a custom VJP, never materialising [T, V] logits;
-    # the Pallas kernel on GPU, its jnp reference elsewhere; DELTA_JAX_KERNELS overrides).
+    # time (models.token_logprobs); "fused" = kernels.lm_head_logprob (tiled over the
+    # vocabulary with an online log-sum-exp and a custom VJP, never materialising [T, V] logits).
     c.model.logprob_impl = "chunked"
 
     c.tokenizer = config_dict.ConfigDict()
@@ -187,7 +186,7 @@ def default_config() -> config_dict.ConfigDict:
     c.delta.feature_cache = "device"  # device | host | recompute
     c.delta.recompute_chunk = 64      # sequences per chunk in recompute mode
     # Refinement passes over the cached features: "jnp" = rl/delta.py's XLA code; "kernel" =
-    # kernels.delta_pass_auto (the fused Pallas pass on GPU, its jnp reference elsewhere).
+    # kernels.delta_pass (one fused pass over (h, p) per round, v never stored).
     c.delta.pass_impl = "jnp"
     # The paper's ablation rows (DELTA_SPEC section 4); the defaults are the full method.
     c.delta.fixed_gamma = 0.0         # > 0: both temperatures fixed to this value (spec 2.4 off)
@@ -418,7 +417,7 @@ def _check_combinations(c):
     _require(c.delta.fixed_gamma >= 0, "delta.fixed_gamma",
              f"must be >= 0 (0 = the adaptive temperatures of spec 2.4), got {c.delta.fixed_gamma}")
     _require(c.delta.assignment == "soft" or c.delta.pass_impl == "jnp", "delta.assignment",
-             "'hard' has no fused-kernel form: use delta.pass_impl='jnp'")
+             "'hard' has no fused-pass form: use delta.pass_impl='jnp'")
     _require(not (c.delta.random_lambda and c.delta.weight == "alpha"), "delta.random_lambda",
              "draws lambda in [lam_min, lam_max]; it cannot be combined with delta.weight='alpha'")
     _require(c.data.synthetic_steps >= 0, "data.synthetic_steps",

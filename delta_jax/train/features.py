@@ -32,19 +32,17 @@ from delta_jax.models.logprobs import positions_per_chunk
 
 
 def response_forward(model, input_ids, attention_mask, response_len: int, *, temperature: float,
-                     chunk_size: int, with_hidden: bool = True, logprob_impl: str = "chunked",
-                     mesh=None):
+                     chunk_size: int, with_hidden: bool = True, logprob_impl: str = "chunked"):
     """One forward pass; returns (logp fp32 [B,R], entropy fp32 [B,R], hidden [B,R,H] | None).
 
-    logprob_impl: "chunked" | "fused" (models.token_logprobs impl=; config model.logprob_impl);
-    mesh: passed to the fused path (the Pallas kernel runs per batch shard)."""
+    logprob_impl: "chunked" | "fused" (models.token_logprobs impl=; config model.logprob_impl)."""
     out = model(input_ids, attention_mask=attention_mask, return_logits=False)
     total = input_ids.shape[1]
     start = total - response_len
     hidden = out.hidden[:, start - 1:total - 1]
     labels = input_ids[:, start:]
     logp, entropy = models.token_logprobs(model, hidden, labels, temperature=temperature,
-                                          chunk_size=chunk_size, impl=logprob_impl, mesh=mesh)
+                                          chunk_size=chunk_size, impl=logprob_impl)
     return logp, entropy, (hidden if with_hidden else None)
 
 
@@ -140,8 +138,7 @@ def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
         else:
             logp, entropy = models.token_logprobs(model, hidden, labels,
                                                   temperature=temperature,
-                                                  chunk_size=chunk_size, impl=logprob_impl,
-                                                  mesh=mesh)
+                                                  chunk_size=chunk_size, impl=logprob_impl)
             extra = ()
         kept = hidden.astype(hidden_dtype) if with_hidden else None
         return constrain_batch(jax.lax.stop_gradient((logp, entropy, kept) + extra), mesh)

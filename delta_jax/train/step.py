@@ -58,7 +58,7 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         logp, entropy, _ = response_forward(model, mb["input_ids"], mb["attention_mask"],
                                             response_len, temperature=temperature,
                                             chunk_size=chunk_size, with_hidden=False,
-                                            logprob_impl=logprob_impl, mesh=mesh)
+                                            logprob_impl=logprob_impl)
         # ref_logp (reference-policy log-probs) only when the run has a KL term.
         extra = {"ref_logp": mb["ref_logp"]} if "ref_logp" in mb else {}
         loss_sum, denom, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"],
