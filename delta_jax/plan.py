@@ -3,6 +3,7 @@ computed from shapes (jax.eval_shape) and the sharding rules, without the device
 
     plan = plan_from_config(cfg)            # cfg: a validated run config
     print(plan.to_text())
+    check_fits(plan, device_memory_bytes())  # what train / eval start-up runs (plan.check_memory)
 
 Exact figures (from the parameter / optimizer-state shapes and the rules table, identical to what
 the placed arrays hold on device 0): parameters, gradients, optimizer state, rollout KV cache,
@@ -454,14 +455,21 @@ def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):
         raise ConfigError(f"rollout.kv_budget_gb: {e}") from None
 
 
-def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
+def plan_from_config(cfg, num_devices: Optional[int] = None, *,
+                     mesh_shape: Optional[tuple[int, int, int]] = None,
+                     model_cfg: Optional[models.ModelConfig] = None) -> MemoryPlan:
     """plan_memory for a validated run config: the mesh from config.mesh over
-    config.plan.num_devices devices (0 = the devices present)."""
+    config.plan.num_devices devices (0 = the devices present), or `mesh_shape` (data, fsdp,
+    tensor) when given; `model_cfg` overrides the model the config describes (e.g. the built
+    model, whose vocabulary follows the tokenizer)."""
     from delta_jax.train.state import optimizer_from_config
-    n = num_devices or cfg.plan.num_devices or len(jax.devices())
-    mesh_shape = sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
-                                                 num_devices=n)
-    mc = model_config_from_run_config(cfg)
+    if mesh_shape is None:
+        n = num_devices or cfg.plan.num_devices or len(jax.devices())
+        mesh_shape = sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp,
+                                                     cfg.mesh.tensor, num_devices=n)
+    else:
+        n = math.prod(mesh_shape)
+    mc = model_config_from_run_config(cfg) if model_cfg is None else model_cfg
     G = cfg.rollout.group_size
     optimizer, _ = optimizer_from_config(cfg.optim, max(cfg.train.steps, 1))
     kv_plan_from_config(cfg, mc)  # a budget that cannot hold one sample: ConfigError first
@@ -478,3 +486,55 @@ def plan_from_config(cfg, num_devices: Optional[int] = None) -> MemoryPlan:
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
         kv_budget_bytes=budget,
         devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path)
+
+
+# The config fields that shrink each phase's planned peak (named by `check_fits`).
+PHASE_KNOBS = {
+    "rollout": ("rollout.max_batch_size (sampler slots)", "rollout.kv_budget_gb (KV page pool)",
+                "data.max_prompt_len / rollout.max_new_tokens",
+                "model.attention=blockwise (prefill scores)"),
+    "old-policy pass + DelTA": ("delta.feature_cache=host or recompute",
+                                "rollout.max_batch_size (rows per old-policy chunk)",
+                                "model.logprob_chunk_tokens", "delta.recompute_chunk"),
+    "update": ("rl.micro_batch_size", "model.remat=full", "model.logprob_chunk_tokens",
+               "model.attention=blockwise"),
+}
+PHASES_BY_MODE = {"train": tuple(PHASE_KNOBS), "eval": ("rollout",)}
+
+
+def device_memory_bytes(device=None) -> Optional[int]:
+    """What XLA's allocator may use on `device` (default: the first local device), from its
+    memory_stats()["bytes_limit"]; None where the backend does not say (the CPU)."""
+    device = jax.local_devices()[0] if device is None else device
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (backends without allocator statistics raise or return None)
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,
+               source: str = "") -> None:
+    """Raises ConfigError when a phase's planned per-device peak exceeds `capacity_bytes`, naming
+    each such phase, its planned and available GB, and the config fields that shrink it (the
+    old-policy phase also names the feature-cache mode the plan recommends). `phases`: the
+    phases to check (default all); `source`: where the capacity came from, for the message."""
+    from delta_jax.train.config import ConfigError
+    names = tuple(memory_plan.phases) if phases is None else tuple(phases)
+    over = [(n, memory_plan.phases[n]) for n in names if memory_plan.phases[n] > capacity_bytes]
+    if not over:
+        return
+    lines = []
+    for name, need in over:
+        knobs = list(PHASE_KNOBS.get(name, ()))
+        if name == "old-policy pass + DelTA" and memory_plan.recommended_feature_cache not in (
+                "", "none", memory_plan.settings.get("feature_cache")):
+            knobs.insert(0, f"delta.feature_cache={memory_plan.recommended_feature_cache} "
+                            "(recommended by the plan)")
+        lines.append(f"phase '{name}' plans {need / GB:.2f} GB per device, "
+                     f"{capacity_bytes / GB:.2f} GB available{source and f' ({source})'}; "
+                     f"turn: {', '.join(knobs)}")
+    raise ConfigError("plan.check_memory: this config will not fit: " + "; ".join(lines)
+                      + ". `--config.mode=plan` prints the whole plan; "
+                      "--config.plan.check_memory=False skips this check.")

@@ -226,6 +226,62 @@ def test_a_kv_budget_that_cannot_hold_one_sample_fails_before_anything_runs(tmp_
     assert plan.plan_from_config(ok, num_devices=1).kv_cache <= 0.01 * 2**30
 
 
+def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
+    """check_fits on a real plan: a capacity between the phases' peaks fails on exactly the phases
+    above it, with planned and available GB and the fields that shrink each; the old-policy
+    phase names the feature-cache mode the plan recommends; `phases` limits what is checked."""
+    from delta_jax.train.config import ConfigError
+    from tests.rl_fixtures import tiny_rl_config
+
+    memory_plan = plan.plan_from_config(tiny_rl_config("delta"), num_devices=1)
+    peaks = memory_plan.phases
+    plan.check_fits(memory_plan, max(peaks.values()))  # exactly enough: no error
+    for name in peaks:
+        below = peaks[name] - 1
+        over = [n for n, v in peaks.items() if v > below]
+        with pytest.raises(ConfigError, match=r"^plan\.check_memory: ") as err:
+            plan.check_fits(memory_plan, below)
+        text = str(err.value)
+        for n in peaks:
+            assert (f"phase '{n}' plans {peaks[n] / plan.GB:.2f} GB" in text) == (n in over), text
+        for knob in plan.PHASE_KNOBS[name]:
+            assert knob in text
+        plan.check_fits(memory_plan, below, phases=[n for n in peaks if n not in over])
+    # A feature cache too big for the device: the plan's recommendation is named first.
+    memory_plan.recommended_feature_cache = "recompute"
+    with pytest.raises(ConfigError, match="delta.feature_cache=recompute .recommended"):
+        plan.check_fits(memory_plan, 0, phases=["old-policy pass + DelTA"])
+
+
+def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
+    """train / eval start-up: with the device's allocator limit below a phase's plan, build_run
+    raises before anything compiles (train: every phase; eval: the rollout only);
+    plan.check_memory=False skips the check. The CPU reports no limit, so nothing is checked
+    there (the limit is monkeypatched to what a small GPU would say)."""
+    from delta_jax.train import run as run_lib
+    from delta_jax.train.config import ConfigError
+    from tests.rl_fixtures import single_device_mesh, tiny_rl_config
+
+    assert jax.default_backend() != "cpu" or plan.device_memory_bytes() is None
+    cfg = tiny_rl_config("dapo")
+    peaks = plan.plan_from_config(cfg, num_devices=1).phases
+    limit = peaks["rollout"] + 1            # the rollout fits, the update does not
+    assert peaks["update"] > limit
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: limit)
+    mesh = single_device_mesh()
+    with pytest.raises(ConfigError, match=r"phase 'update' plans .* rl\.micro_batch_size"):
+        run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=mesh)
+    model_cfg = plan.model_config_from_run_config(cfg)
+    skip = tiny_rl_config("dapo", plan=dict(check_memory=False))
+    run_lib.check_memory_plan(skip, model_cfg, mesh)
+    evaluate = tiny_rl_config("dapo")
+    evaluate.mode = "eval"                  # (eval's own validation wants benchmark files)
+    run_lib.check_memory_plan(evaluate, model_cfg, mesh)
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: peaks["rollout"] - 1)
+    with pytest.raises(ConfigError, match=r"phase 'rollout' plans .* rollout\.max_batch_size"):
+        run_lib.check_memory_plan(evaluate, model_cfg, mesh)
+
+
 # ----------------------------------------------------------------------------- compiled memory
 
 def test_compiled_memory_bytes_of_known_programs():

@@ -256,6 +256,10 @@ def default_config() -> config_dict.ConfigDict:
     c.plan.device_memory_gb = 80.0   # HBM per device (H100 80 GB; v5p 95 GB)
     c.plan.num_devices = 0           # 0 = the devices present
     c.plan.host_memory_gb = 0.0      # host RAM per process, for feature_cache=host (0 = unknown)
+    # train / eval start-up: fail (naming the phase and the fields to turn) when a phase's planned
+    # per-device peak exceeds what the device's allocator may use (GPU / TPU; the CPU reports no
+    # limit and is not checked).
+    c.plan.check_memory = True
     return c
 
 

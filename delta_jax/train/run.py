@@ -147,6 +147,23 @@ class Run:
         self.writer.close()
 
 
+def check_memory_plan(cfg, model_cfg, mesh) -> None:
+    """Start-up memory checks of a train / eval run, before anything compiles: a KV budget that
+    cannot hold one sample, and (plan.check_memory, where the device reports its memory) a phase
+    whose planned per-device peak exceeds it; both are ConfigErrors naming the fields to turn."""
+    from delta_jax import plan
+    plan.kv_plan_from_config(cfg, model_cfg)
+    capacity = plan.device_memory_bytes() if cfg.plan.check_memory else None
+    if capacity is None:
+        return
+    shape = tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES)
+    memory_plan = plan.plan_from_config(cfg, mesh_shape=shape, model_cfg=model_cfg)
+    device = jax.local_devices()[0]
+    plan.check_fits(memory_plan, capacity, phases=plan.PHASES_BY_MODE[cfg.mode],
+                    source=f"the allocator limit of {device.platform}:{device.id}; on GPUs "
+                           "XLA_PYTHON_CLIENT_MEM_FRACTION sets it, default 0.75 of the memory")
+
+
 def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True,
               mesh=None, with_delta: bool | None = None) -> Run:
     """Everything a run needs. mesh: a delta_jax.sharding mesh (default: from config.mesh).
@@ -160,8 +177,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
     if cfg.mode in ("train", "eval"):
-        from delta_jax import plan
-        plan.kv_plan_from_config(cfg, model.cfg)  # a KV budget too small fails here, named
+        check_memory_plan(cfg, model.cfg, mesh)
     graphdef, params, rest = split_model(model)
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
     state_shardings = sharding_lib.tree_shardings(
