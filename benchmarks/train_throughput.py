@@ -1,43 +1,62 @@
-"""Training throughput: tokens/s and MFU of the RL train step, and its peak memory with and
-without the fused LM-head log-prob.
+"""Training throughput: tokens/s and MFU of the RL train step, and its peak memory, for each
+remat policy x attention implementation x LM-head log-prob implementation asked for.
 
 Runs delta_jax.train.step.make_train_step (the trainer's own jitted step: forward, DAPO loss,
 backward, AdamW after a global-norm clip) on a random-init preset model and a fixed random batch
 of --batch sequences of --seq tokens, of which the last --response-len are the response (the
-columns the loss and the LM head see).
+columns the loss and the LM head see), in micro-batches of --micro-batch sequences.
 
-Timing (median of --iters after --warmup, block_until_ready), for each --logprob-impls entry:
-    forward       the loss only (jit)
-    fwd+bwd       value_and_grad of the loss (jit)
+One row per combination of --remat (models.REMAT_POLICIES), --attention (model.attention:
+auto / xla / blockwise / cudnn) and --logprob-impls (chunked / fused). The "attn run" column is
+the implementation attend() runs for the step's calls (auto picks cuDNN on an NVIDIA GPU in
+bf16/fp16, else blockwise or xla by length). A requested implementation that does not apply on
+this backend (cudnn on a CPU, or in float32) is not run but reported as a skipped row with the
+reason: attend() would silently run its fallback, which would be timed under the wrong name.
+
+Timing (median of --iters after --warmup, block_until_ready):
+    forward       the loss only (jit), over the batch in the step's micro-batches
+    fwd+bwd       value_and_grad of the loss (jit), gradients summed over the micro-batches
     step          the full train step (state donated, optimizer included)
     optimizer     the optimizer alone: clip + AdamW + applying the update, on the gradients
-    other         step - fwd+bwd - optimizer (the step's loop over micro-batches, metrics)
+    other         step - fwd+bwd - optimizer (normalisation, norm, metrics, the finite check)
 tokens/s = batch * seq / step time.
 
 MFU = model FLOPs per step / step time / peak FLOP/s. Model FLOPs (no rematerialisation counted):
     6 * N * tokens                  N = matmul parameters outside the embedding and LM head
   + 6 * H * V * response tokens     the LM head, on the response columns only
   + 6 * L * heads * head_dim * S^2 * batch   causal attention (QK^T and PV, half the square)
-Peak: --peak-tflops, default 989 on an H100/H200 (dense bf16 tensor cores), or on other devices
-the matmul rate measured in this run (a --peak-matmul-size square matmul in --dtype), so a CPU
-MFU says how close the step gets to that machine's own matmul speed.
+Reported against two peaks in every run:
+    MFU sheet     the data-sheet peak: 989 TFLOP/s (dense bf16 tensor cores) on an H100/H200,
+                  or --peak-tflops; n/a (JSON null) on other devices
+    MFU matmul    the rate of a --peak-matmul-size square matmul in --dtype measured in this run
+                  (default 8192 on a GPU, 2048 elsewhere), so a CPU MFU says how close the step
+                  gets to that machine's own matmul speed
 
 Memory: XLA's static analysis of the compiled step (temporaries + arguments + outputs - aliased)
-at --memory-preset / --memory-seq / --memory-batch, lowered from abstract shapes only (nothing is
-allocated, so the full Qwen3-1.7B shape can be analysed on a CPU; the figure is then the CPU
-compiler's buffer assignment, which is close to but not the GPU's), printed beside plan mode's
-"update" figure (delta_jax.plan) for the same shape. The timed programs' own analyses (forward,
-fwd+bwd, step at the throughput shape) are printed on the backend that runs them.
+at --memory-preset / --memory-seq / --memory-batch, for each remat x attention x log-prob
+combination, lowered from abstract shapes only (nothing is allocated, so the full Qwen3-1.7B shape
+can be analysed on a CPU; the figure is then the CPU compiler's buffer assignment, which is close
+to but not the GPU's), printed beside plan mode's "update" figure (delta_jax.plan) for the same
+shape (plan mode models remat none and full; for the dots_* policies it gives the remat-none
+figure, an upper bound). The timed programs' own analyses (forward, fwd+bwd, step at the
+throughput shape) are printed on the backend that runs them.
 
-Issue #9 shapes (GPU):
-    python benchmarks/train_throughput.py --batch 8 --micro-batch 2
+Defaults (one GPU call, issue #9 / #16: Qwen3-1.7B, batch 8 in micro-batches of 2 x sequence
+4096, bf16): remat full (the layer input only) and dots_with_no_batch_dims_saveable (also the
+projection / MLP matmul outputs, ~40 KB per token per layer in bf16: ~9.4 GB over 28 layers at
+micro-batch 2 x 4096, which fits an 80 GB GPU beside the parameters and AdamW state: XLA:CPU's
+analysis of the whole step says 47.8 GiB against 32.0 with full remat, BENCHMARKS.md section 4;
+dots_saveable would also keep the xla path's [B, N, T, S] scores, 2 GiB per layer in fp32);
+attention auto (cuDNN flash on a GPU in bf16) and xla (the materialised-scores reference).
+    python benchmarks/train_throughput.py
 CPU recording run (Qwen3-1.7B width with 2 layers, sequence 512, float32):
     python benchmarks/train_throughput.py --layers 2 --seq 512 --response-len 384 --batch 2 \
-        --dtype float32 --iters 3 --warmup 1
+        --dtype float32 --iters 3 --warmup 1 --remat full --attention auto
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import jax
@@ -48,11 +67,12 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.kernels import timing
+from delta_jax.models import attention as attention_lib
 from delta_jax.train import state as state_lib
-from delta_jax.train.config import default_config, resolve_method
+from delta_jax.train.config import CHOICES, default_config, resolve_method
 from delta_jax.train.features import response_forward
 from delta_jax.train.run import make_loss_fn
-from delta_jax.train.step import make_train_step
+from delta_jax.train.step import _split_micro, make_train_step
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's data sheets.
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
@@ -74,16 +94,55 @@ def model_flops(cfg, batch: int, seq: int, response_len: int) -> dict:
             "total": dense + head + attention}
 
 
-def peak_flops(dtype, size: int, iters: int) -> tuple[float, str]:
-    """(FLOP/s, how it was obtained): the data-sheet peak on a known GPU, else measured."""
+def datasheet_peak_flops() -> tuple[float | None, str]:
+    """(FLOP/s, source) of the device's data-sheet peak; (None, why) on an unknown device."""
     kind = getattr(jax.devices()[0], "device_kind", "")
     for name, tflops in GPU_PEAK_TFLOPS.items():
         if name in kind:
             return tflops * 1e12, f"{name} dense bf16 data sheet"
+    return None, f"no data-sheet peak for {kind or jax.default_backend()!r}"
+
+
+def measured_peak_flops(dtype, size: int, iters: int) -> tuple[float, str]:
+    """(FLOP/s, source): a size^3 matmul in `dtype` timed here (median of `iters`)."""
     a = jax.random.normal(jax.random.key(1), (size, size), dtype)
     matmul = jax.jit(lambda x, y: x @ y)
     seconds, _ = timing.median_seconds(matmul, a, a, warmup=1, iters=iters)
     return 2 * size ** 3 / seconds, f"measured {size}^3 {jnp.dtype(dtype).name} matmul"
+
+
+def attention_run(cfg, rows: int, seq: int) -> tuple[str, str | None]:
+    """(the implementation attend() runs for the train step's causal self-attention at this
+    shape, why cfg.attention is skipped or None): an explicit choice that attend() would replace
+    by its fallback (cudnn off an NVIDIA GPU or in float32) is skipped, not timed under its name."""
+    run = attention_lib.resolve_impl(cfg.attention, (rows, seq, cfg.num_heads, cfg.head_dim),
+                                     cfg.dtype, kv_len=seq)
+    if cfg.attention in ("auto", run):
+        return run, None
+    return run, (f"attention={cfg.attention} does not apply on {jax.default_backend()} in "
+                 f"{jnp.dtype(cfg.dtype).name} with head_dim {cfg.head_dim} (cuDNN needs an "
+                 f"NVIDIA GPU, bf16/fp16, head_dim a multiple of 8 <= 128); attend() would run "
+                 f"{run!r}")
+
+
+def sweep(args, label: str, preset: str, layers: int | None, dtype: str, rows: int, seq: int,
+          measure) -> list[dict]:
+    """measure(cfg, logprob impl) -> dict for each --remat x --attention x --logprob-impls
+    combination, as rows {"remat", "attention", "attention_run", "logprob", **measured}, or
+    with "skipped": why where the attention implementation does not apply here."""
+    out = []
+    for remat, attention in itertools.product(args.remat, args.attention):
+        cfg = model_config(preset, layers, dtype, remat, attention)
+        run, skipped = attention_run(cfg, rows, seq)
+        for impl in args.logprob_impls:
+            key = {"remat": remat, "attention": attention, "attention_run": run, "logprob": impl}
+            if skipped:  # printed under the table
+                out.append({**key, "skipped": skipped})
+                continue
+            print(f"{label}: remat={remat} attention={attention} ({run}) logprob_impl={impl} ...",
+                  flush=True)
+            out.append({**key, **measure(cfg, impl)})
+    return out
 
 
 def make_batch(cfg, batch: int, seq: int, response_len: int, seed: int = 0) -> dict:
@@ -108,7 +167,9 @@ def abstract_batch(batch: int, seq: int, response_len: int) -> dict:
 
 
 class StepPrograms:
-    """The jitted forward, forward+backward and full train step of one model / log-prob impl."""
+    """The jitted forward, forward+backward (both over the batch in the step's micro-batches,
+    so they hold what one micro-batch holds, as the step does) and full train step of one
+    model / log-prob impl."""
 
     def __init__(self, graphdef, rest, optimizer, *, impl: str, chunk: int, micro_batch: int):
         rl_cfg = default_config()
@@ -127,8 +188,19 @@ class StepPrograms:
                                       batch["response_mask"], batch["token_weights"], entropy)
             return total / jnp.maximum(denom, 1.0)
 
-        self.forward = jax.jit(loss)
-        self.fwd_bwd = jax.jit(jax.value_and_grad(loss))
+        def forward(params, batch):
+            return jax.lax.map(lambda mb: loss(params, mb), _split_micro(batch, micro_batch)).mean()
+
+        def fwd_bwd(params, batch):
+            def body(grads, mb):
+                value, g = jax.value_and_grad(loss)(params, mb)
+                return jax.tree.map(jnp.add, grads, g), value
+            grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params),
+                                         _split_micro(batch, micro_batch))
+            return values.mean(), grads
+
+        self.forward = jax.jit(forward)
+        self.fwd_bwd = jax.jit(fwd_bwd)
 
         def apply_optimizer(params, opt_state, grads):
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -154,8 +226,9 @@ def time_step(step, state, batch, warmup: int, iters: int) -> tuple[float, objec
     return float(np.median(times)), state
 
 
-def throughput(args, impl: str, peak: float) -> dict:
-    cfg = model_config(args.preset, args.layers, args.dtype, args.remat, args.attention)
+def throughput(args, cfg, impl: str, peaks: dict) -> dict:
+    """Times one model config / log-prob impl; MFU against each of `peaks` ({name: FLOP/s or
+    None}) as mfu_<name> (None where the peak is)."""
     graphdef, params, rest = state_lib.split_model(models.Transformer(cfg, rngs=nnx.Rngs(0)))
     optimizer = state_lib.make_optimizer(lambda _: 1e-6, weight_decay=0.1, max_grad_norm=1.0)
     programs = StepPrograms(graphdef, rest, optimizer, impl=impl, chunk=args.logprob_chunk,
@@ -173,7 +246,8 @@ def throughput(args, impl: str, peak: float) -> dict:
     plan_bytes = plan_update_bytes(cfg, chunk=args.logprob_chunk, batch=args.batch,
                                    micro_batch=args.micro_batch, seq=args.seq,
                                    response_len=args.response_len)
-    memory = {name: timing.print_compiled_memory(f"{name} ({impl})", fn, *fn_args,
+    label = f"({cfg.remat_policy}, {cfg.attention}, {impl})"
+    memory = {name: timing.print_compiled_memory(f"{name} {label}", fn, *fn_args,
                                                  plan_bytes=plan)
               for name, fn, fn_args, plan in (
                   ("forward", programs.forward, (params, batch), None),
@@ -181,12 +255,14 @@ def throughput(args, impl: str, peak: float) -> dict:
                   ("train step", programs.step, (state, batch), plan_bytes))}
     step_s, state = time_step(programs.step, state, batch, args.warmup, args.iters)
     flops = model_flops(cfg, args.batch, args.seq, args.response_len)
-    tokens = args.batch * args.seq
-    return {"impl": impl, "forward_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, "step_s": step_s,
+    achieved = flops["total"] / step_s
+    return {"forward_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, "step_s": step_s,
             "optimizer_s": optimizer_s,
-            "other_s": step_s - fwd_bwd_s - optimizer_s, "tokens_per_s": tokens / step_s,
-            "model_tflops_per_step": flops["total"] / 1e12,
-            "achieved_tflops": flops["total"] / step_s / 1e12, "mfu": flops["total"] / step_s / peak,
+            "other_s": step_s - fwd_bwd_s - optimizer_s,
+            "tokens_per_s": args.batch * args.seq / step_s,
+            "model_tflops_per_step": flops["total"] / 1e12, "achieved_tflops": achieved / 1e12,
+            **{f"mfu_{name}": None if peak is None else achieved / peak
+               for name, peak in peaks.items()},
             "flops_by_part": flops, "params": cfg.num_params(), "compiled_memory": memory}
 
 
@@ -217,23 +293,40 @@ def plan_update_bytes(cfg, *, chunk: int, batch: int, micro_batch: int, seq: int
     return memory_plan.phases["update"]
 
 
-def peak_memory(args, impl: str) -> dict:
+def peak_memory(args, cfg, impl: str) -> dict:
     """Compiled-memory analysis of the full-shape train step, from abstract shapes only, printed
     beside plan mode's "update" figure for the same shape."""
-    cfg = model_config(args.memory_preset, None, args.memory_dtype, args.remat, args.attention)
     shape = dict(chunk=args.logprob_chunk, batch=args.memory_batch,
                  micro_batch=args.memory_micro_batch, seq=args.memory_seq,
                  response_len=args.memory_response_len)
     step, state, batch = abstract_step(cfg, impl=impl, **shape)
     plan_bytes = plan_update_bytes(cfg, **shape)
     start = time.perf_counter()
-    memory = timing.print_compiled_memory(f"train step ({impl})", step, state, batch,
-                                          plan_bytes=plan_bytes)
-    return {"impl": impl, "compile_s": time.perf_counter() - start, **memory,
+    memory = timing.print_compiled_memory(
+        f"train step ({cfg.remat_policy}, {cfg.attention}, {impl})", step, state, batch,
+        plan_bytes=plan_bytes)
+    return {"compile_s": time.perf_counter() - start, **memory,
             "plan_update_bytes": plan_bytes,
             "plan_gib": plan_bytes / 2 ** 30,
             "peak_estimate_gib": memory.get("peak_estimate_bytes", 0) / 2 ** 30,
             "temp_gib": memory.get("temp_bytes", 0) / 2 ** 30}
+
+
+def print_skipped(rows) -> None:
+    """One line per skipped remat / attention pair (the reason is the same for every log-prob)."""
+    reasons = {(r["remat"], r["attention"]): r["skipped"] for r in rows if "skipped" in r}
+    for (remat, attention), reason in reasons.items():
+        print(f"skipped remat={remat} attention={attention}: {reason}")
+
+
+KEY_COLUMNS = [("remat", "remat", "32s"), ("attention", "attention", "9s"),
+               ("attn run", lambda r: "skipped" if "skipped" in r else r["attention_run"], "9s"),
+               ("logprob", "logprob", "8s")]
+
+
+def scaled(key: str, factor: float):
+    """A print_table column key: row[key] * factor, blank where the row has no such value."""
+    return lambda row: None if row.get(key) is None else row[key] * factor
 
 
 def main(argv=None):
@@ -244,20 +337,27 @@ def main(argv=None):
     parser.add_argument("--response-len", type=int, default=3072,
                         help="response columns of the sequence (the rest is prompt)")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=0, help="0: the whole batch at once")
+    parser.add_argument("--micro-batch", type=int, default=2,
+                        help="rows per micro-batch (0: the whole batch at once)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--remat", default="full", choices=list(models.REMAT_POLICIES))
-    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--remat", nargs="+", default=["full", "dots_with_no_batch_dims_saveable"],
+                        choices=list(models.REMAT_POLICIES))
+    parser.add_argument("--attention", nargs="+", default=["auto", "xla"],
+                        choices=list(CHOICES["model.attention"]),
+                        help="model.attention values (auto = cuDNN on an NVIDIA GPU in bf16)")
     parser.add_argument("--logprob-chunk", type=int, default=4096,
                         help="tokens (rows x positions) per LM-head chunk "
                              "(model.logprob_chunk_tokens)")
     parser.add_argument("--logprob-impls", nargs="+", default=["chunked", "fused"],
-                        choices=["chunked", "fused"])
+                        choices=list(CHOICES["model.logprob_impl"]))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak FLOP/s for MFU (default: data sheet on H100/H200, else measured)")
-    parser.add_argument("--peak-matmul-size", type=int, default=2048)
+                        help="data-sheet peak TFLOP/s for MFU (default: 989 on H100/H200, "
+                             "none elsewhere)")
+    parser.add_argument("--peak-matmul-size", type=int, default=None,
+                        help="side of the square matmul whose measured rate is the second MFU "
+                             "peak (default 8192 on a GPU, 2048 elsewhere)")
     parser.add_argument("--memory-preset", default="qwen3-1.7b")
     parser.add_argument("--memory-seq", type=int, default=4096)
     parser.add_argument("--memory-response-len", type=int, default=3072)
@@ -271,45 +371,56 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 < args.response_len < args.seq or not 0 < args.memory_response_len < args.memory_seq:
         parser.error("response lengths must lie in (0, seq)")
-    if args.micro_batch and args.batch % args.micro_batch:
-        parser.error("--batch must be a multiple of --micro-batch")
+    for batch, micro in ((args.batch, args.micro_batch),
+                         (args.memory_batch, args.memory_micro_batch)):
+        if 0 < micro < batch and batch % micro:
+            parser.error("batch sizes must be multiples of their micro-batch sizes")
 
     print(f"device: {timing.device_description()}")
     payload = {}
     if not args.skip_throughput:
         if args.peak_tflops:
-            peak, source = args.peak_tflops * 1e12, "--peak-tflops"
+            sheet, sheet_source = args.peak_tflops * 1e12, "--peak-tflops"
         else:
-            peak, source = peak_flops(jnp.dtype(args.dtype), args.peak_matmul_size, args.iters)
-        print(f"peak for MFU: {peak / 1e12:.2f} TFLOP/s ({source})")
-        rows = []
-        for impl in args.logprob_impls:
-            print(f"timing the train step, logprob_impl={impl} ...", flush=True)
-            rows.append(throughput(args, impl, peak))
+            sheet, sheet_source = datasheet_peak_flops()
+        size = args.peak_matmul_size or (8192 if jax.default_backend() == "gpu" else 2048)
+        matmul, matmul_source = measured_peak_flops(jnp.dtype(args.dtype), size, args.iters)
+        print(f"peaks for MFU: sheet {'n/a' if sheet is None else f'{sheet / 1e12:.2f} TFLOP/s'} "
+              f"({sheet_source}); matmul {matmul / 1e12:.2f} TFLOP/s ({matmul_source})")
+        peaks = {"sheet": sheet, "matmul": matmul}
+        rows = sweep(args, "timing the train step", args.preset, args.layers, args.dtype,
+                     args.micro_batch or args.batch, args.seq,
+                     lambda cfg, impl: throughput(args, cfg, impl, peaks))
         timing.print_table(
             f"train step: {args.preset}{f' x{args.layers} layers' if args.layers else ''}, "
-            f"batch {args.batch} x seq {args.seq} (response {args.response_len}), {args.dtype}, "
-            f"remat {args.remat}",
-            [("logprob", "impl", "9s"), ("fwd ms", lambda r: r["forward_s"] * 1e3, "10.1f"),
-             ("fwd+bwd ms", lambda r: r["fwd_bwd_s"] * 1e3, "11.1f"),
-             ("optim ms", lambda r: r["optimizer_s"] * 1e3, "10.1f"),
-             ("step ms", lambda r: r["step_s"] * 1e3, "10.1f"),
-             ("tokens/s", "tokens_per_s", "10.0f"), ("TFLOP/s", "achieved_tflops", "9.3f"),
-             ("MFU", lambda r: 100 * r["mfu"], "7.1f")], rows)
-        payload.update(peak_tflops=peak / 1e12, peak_source=source, throughput=rows)
+            f"batch {args.batch} (micro {args.micro_batch or args.batch}) x seq {args.seq} "
+            f"(response {args.response_len}), {args.dtype}",
+            KEY_COLUMNS + [
+                ("fwd ms", scaled("forward_s", 1e3), "10.1f"),
+                ("fwd+bwd ms", scaled("fwd_bwd_s", 1e3), "11.1f"),
+                ("optim ms", scaled("optimizer_s", 1e3), "10.1f"),
+                ("step ms", scaled("step_s", 1e3), "10.1f"),
+                ("tokens/s", "tokens_per_s", "10.0f"), ("TFLOP/s", "achieved_tflops", "9.3f"),
+                ("MFU sheet", lambda r: None if "skipped" in r else "n/a" if r["mfu_sheet"] is None
+                 else f"{100 * r['mfu_sheet']:.1f}", ">10s"),
+                ("MFU matmul", scaled("mfu_matmul", 100), "11.1f")], rows)
+        print_skipped(rows)
+        payload.update(peak_sheet_tflops=None if sheet is None else sheet / 1e12,
+                       peak_sheet_source=sheet_source, peak_matmul_tflops=matmul / 1e12,
+                       peak_matmul_source=matmul_source, throughput=rows)
     if not args.skip_memory:
-        rows = []
-        for impl in args.logprob_impls:
-            print(f"compiling the {args.memory_preset} step for its memory analysis, "
-                  f"logprob_impl={impl} ...", flush=True)
-            rows.append(peak_memory(args, impl))
+        rows = sweep(args, f"compiling the {args.memory_preset} step for its memory analysis",
+                     args.memory_preset, None, args.memory_dtype,
+                     args.memory_micro_batch or args.memory_batch, args.memory_seq,
+                     lambda cfg, impl: peak_memory(args, cfg, impl))
         timing.print_table(
             f"compiled train-step memory: {args.memory_preset}, batch {args.memory_batch} "
             f"(micro {args.memory_micro_batch}) x seq {args.memory_seq} "
-            f"(response {args.memory_response_len}), {args.memory_dtype}, remat {args.remat}",
-            [("logprob", "impl", "9s"), ("peak GiB", "peak_estimate_gib", "9.2f"),
-             ("temp GiB", "temp_gib", "9.2f"), ("plan GiB", "plan_gib", "9.2f"),
-             ("compile s", "compile_s", "10.1f")], rows)
+            f"(response {args.memory_response_len}), {args.memory_dtype}",
+            KEY_COLUMNS + [("peak GiB", "peak_estimate_gib", "9.2f"),
+                           ("temp GiB", "temp_gib", "9.2f"), ("plan GiB", "plan_gib", "9.2f"),
+                           ("compile s", "compile_s", "10.1f")], rows)
+        print_skipped(rows)
         payload["memory"] = rows
     timing.write_json(args.out, payload, args=args)
 

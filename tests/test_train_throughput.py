@@ -1,0 +1,54 @@
+"""benchmarks/train_throughput.py at a tiny shape on the CPU: one row per remat x attention x
+log-prob combination, cuDNN attention reported as skipped (with why) off a GPU, MFU against both
+the data-sheet peak (none on a CPU) and the matmul measured in the same run, and the memory
+analysis once per remat policy."""
+import importlib.util
+import json
+
+from tests.conftest import REPO_ROOT
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location(
+        "train_throughput", REPO_ROOT / "benchmarks" / "train_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
+    tt = _load()
+    out = tmp_path / "tt.json"
+    tt.main(["--preset", "tiny", "--layers", "1", "--seq", "32", "--response-len", "16",
+             "--batch", "2", "--micro-batch", "1", "--dtype", "float32", "--iters", "1",
+             "--warmup", "0", "--peak-matmul-size", "64", "--logprob-impls", "chunked",
+             "--remat", "none", "full", "--attention", "auto", "cudnn",
+             "--memory-preset", "tiny", "--memory-seq", "32", "--memory-response-len", "16",
+             "--memory-batch", "2", "--memory-micro-batch", "1", "--memory-dtype", "float32",
+             "--out", str(out)])
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+
+    assert record["peak_sheet_tflops"] is None          # no data-sheet peak for a CPU
+    assert record["peak_matmul_tflops"] > 0
+    for part in ("throughput", "memory"):
+        rows = record[part]
+        assert [(r["remat"], r["attention"], r["logprob"]) for r in rows] == [
+            ("none", "auto", "chunked"), ("none", "cudnn", "chunked"),
+            ("full", "auto", "chunked"), ("full", "cudnn", "chunked")]
+        for row in rows:
+            if row["attention"] == "cudnn":   # cuDNN needs an NVIDIA GPU: skipped, not timed
+                assert "cudnn" in row["skipped"] and row["attention_run"] == "blockwise"
+                assert "step_s" not in row and "peak_estimate_bytes" not in row
+            else:                             # auto at 32 tokens: the materialised scores
+                assert "skipped" not in row and row["attention_run"] == "xla"
+        timed = [r for r in rows if "skipped" not in r]
+        if part == "throughput":
+            for row in timed:
+                assert row["mfu_sheet"] is None and row["mfu_matmul"] > 0
+                assert row["tokens_per_s"] > 0 and row["step_s"] > 0
+        else:
+            for row in timed:
+                assert row["peak_estimate_bytes"] > 0 and row["plan_update_bytes"] > 0
+    assert "n/a" in printed                               # the data-sheet MFU column
+    assert "skipped remat=full attention=cudnn: attention=cudnn does not apply on cpu" in printed
