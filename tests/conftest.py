@@ -6,9 +6,10 @@ Backend. The suite runs on CPU unless told otherwise: JAX_PLATFORMS defaults to 
     JAX_PLATFORMS=cuda,cpu bash scripts/test.sh
 
 Tests marked `@pytest.mark.gpu` (the compiled Pallas paged decode attention, cuDNN attention) run
-only when JAX's default backend is a GPU and are skipped elsewhere with that reason. Tests that
-need several devices skip when the default backend has fewer (one GPU has one; the CPU has eight,
-below).
+only when JAX's default backend is a GPU and are skipped elsewhere with that reason. Tests marked
+`@pytest.mark.devices(n)` (meshes of n devices) skip when the default backend has fewer (one GPU
+has one; the CPU has eight, below). `XLA_FLAGS=--xla_force_host_platform_device_count=1 bash
+scripts/test.sh` shows on a CPU what a one-GPU machine skips.
 
 Eight simulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count=8) for the whole
 session, so the sharding tests can build meshes; this must happen before jax is first imported.
@@ -39,21 +40,28 @@ import pytest  # noqa: E402
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
 GPU_MARKER = "gpu: needs a GPU as JAX's default backend (JAX_PLATFORMS=cuda,cpu); skipped elsewhere"
+DEVICES_MARKER = ("devices(n): needs n JAX devices (the CPU backend has eight here); skipped on a "
+                  "backend with fewer, e.g. one GPU")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", GPU_MARKER)
+    config.addinivalue_line("markers", DEVICES_MARKER)
 
 
 def pytest_runtest_setup(item):
-    if item.get_closest_marker("gpu") is None:
+    gpu, devices = item.get_closest_marker("gpu"), item.get_closest_marker("devices")
+    if gpu is None and devices is None:
         return
     import jax
 
     backend = jax.default_backend()
-    if backend != "gpu":
+    if gpu is not None and backend != "gpu":
         pytest.skip(f"GPU-only path; JAX's default backend is {backend!r} (run with "
                     f"JAX_PLATFORMS=cuda,cpu on a GPU machine)")
+    if devices is not None and len(jax.devices()) < devices.args[0]:
+        pytest.skip(f"needs {devices.args[0]} devices; the {backend} backend has "
+                    f"{len(jax.devices())}")
 
 
 @pytest.fixture(scope="session")

@@ -483,14 +483,13 @@ def _decode_hlo(cfg, cache, num_slots, pages_per_seq, *, batch_spec=None, row_sh
 COLLECTIVES = ("all-gather", "collective-permute", "all-to-all", "all-reduce", "reduce-scatter")
 
 
+@pytest.mark.devices(8)
 def test_sharded_paged_decode_program_keeps_pages_on_their_shard():
   """On an 8-device (data=4, fsdp=2) mesh the rollout engine's page pool is split over the 8
   batch shards (each device holds 1/8 of every layer's pool: its shard's pages), and the compiled
   decode program reads and writes each shard's pages where they are: no all-gather,
   collective-permute or copy of a pool-sized or shard-pool-sized buffer (or of a sequence-major
   gather of the slots' pages), the pools aliased input -> output."""
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 (simulated) devices")
   from jax.sharding import NamedSharding, PartitionSpec
   from delta_jax import sharding as sharding_lib
   from delta_jax.sampling import Sampler

@@ -13,10 +13,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from delta_jax.rl import delta as D
 from tests.delta_reference import make_batch, proxy64, reference_delta
 
+pytestmark = pytest.mark.devices(8)
+
 
 def _mesh(shape, names):
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (simulated) devices")
     return Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
 
 

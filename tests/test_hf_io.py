@@ -148,6 +148,7 @@ def test_bfloat16_save_and_load(tmp_path):
   assert fp32.embed[...].dtype == jnp.float32 and fp32.cfg.dtype == jnp.bfloat16
 
 
+@pytest.mark.devices(4)
 def test_from_pretrained_places_parameters_with_given_shardings(tmp_path):
   cfg = models.get_preset("tiny", num_layers=1)
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))

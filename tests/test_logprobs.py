@@ -140,6 +140,7 @@ def test_fused_traced_temperature():
   _assert_rel(ent, want_ent, 1e-5)
 
 
+@pytest.mark.devices(2)
 def test_fused_under_a_batch_mesh():
   """Hidden states and labels sharded over the batch axis of a mesh: XLA partitions the fused
   path's scans and custom VJP; values and gradients (the head's summed over shards) equal the
@@ -148,8 +149,6 @@ def test_fused_under_a_batch_mesh():
 
   from delta_jax import sharding as sharding_lib
 
-  if len(jax.devices()) < 2:  # one GPU has one device; the CPU backend has eight (conftest)
-    pytest.skip(f"needs 2 devices; {jax.default_backend()} has {len(jax.devices())}")
   mesh = sharding_lib.make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2])
   h, w, y = _fused_inputs(vocab=200)
   rows = NamedSharding(mesh, PartitionSpec("data"))

@@ -151,6 +151,7 @@ def test_feature_cache_modes_agree_and_recompute_streams_k_plus_3_times():
     np.testing.assert_allclose(out["device"], np.asarray(ref), atol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_per_shard_stats_on_eight_devices():
     """stats_mode=per_shard with the mesh and batch axes: on 8 devices (2 rows each) the weights
     equal the global coefficients of each shard's rows taken alone, and differ from global

@@ -34,9 +34,8 @@ def real_device0_bytes(mcfg, mesh_shape, optimizer):
 @pytest.mark.parametrize("mesh_shape,dtype", [((1, 4, 2), jnp.float32),
                                               ((2, 2, 2), jnp.bfloat16),
                                               ((1, 8, 1), jnp.float32)])
+@pytest.mark.devices(8)
 def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype):
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (simulated) devices")
     mcfg = SMALL.replace(param_dtype=dtype)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     want_params, want_opt = real_device0_bytes(mcfg, mesh_shape, optimizer)

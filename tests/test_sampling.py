@@ -259,9 +259,8 @@ def test_padded_layout(sampler):
         out.padded(prompt_len=3)
 
 
+@pytest.mark.devices(8)
 def test_sharded_batch_matches_single_device(tiny_model, sampler):
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (simulated) devices")
     # Auto axes (GSPMD propagation), as the trainer's mesh.
     mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)

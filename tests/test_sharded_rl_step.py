@@ -53,10 +53,11 @@ def one_step(cfg, workdir, mesh):
         run.close()
 
 
+pytestmark = pytest.mark.devices(8)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (simulated) devices")
     cfg = make_config()
     workdir = tmp_path_factory.mktemp("sharded_rl")
     out = {"single": one_step(cfg, workdir, single_device_mesh())}

@@ -17,11 +17,6 @@ from jax.sharding import PartitionSpec as P
 from delta_jax import models, sharding
 
 
-def _need8():
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (simulated) devices")
-
-
 def test_resolve_mesh_shape():
     assert sharding.resolve_mesh_shape(-1, 1, 1, num_devices=8) == (8, 1, 1)
     assert sharding.resolve_mesh_shape(2, -1, 2, num_devices=8) == (2, 2, 2)
@@ -36,16 +31,16 @@ def test_resolve_mesh_shape():
         sharding.resolve_mesh_shape(-1, 1, 0, num_devices=8)
 
 
+@pytest.mark.devices(8)
 def test_make_mesh_axes_and_types():
-    _need8()
     mesh = sharding.make_mesh(2, -1, 2)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert sharding.batch_axes(mesh) == ("data", "fsdp")
 
 
+@pytest.mark.devices(8)
 def test_rules_and_divisibility_fallback(caplog):
-    _need8()
     mesh = sharding.make_mesh(2, 2, 2)
     spec = sharding.logical_to_spec
     assert spec(("embed", "mlp"), (64, 128), mesh) == P("fsdp", "tensor")
@@ -67,8 +62,8 @@ def test_rules_and_divisibility_fallback(caplog):
         spec(("embed",), (4, 4), mesh)
 
 
+@pytest.mark.devices(8)
 def test_tree_shardings_place_params_and_replicate_the_rest():
-    _need8()
     cfg = models.get_preset("tiny")
     mesh = sharding.make_mesh(1, 4, 2)
     model = sharding.shard_model(models.Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
@@ -87,8 +82,8 @@ def test_tree_shardings_place_params_and_replicate_the_rest():
     np.testing.assert_allclose(model(ids).logits, ref, atol=1e-5)
 
 
+@pytest.mark.devices(8)
 def test_put_batch_and_constraint():
-    _need8()
     mesh = sharding.make_mesh(2, 4, 1)
     batch = {"input_ids": np.arange(8 * 3).reshape(8, 3).astype(np.int32),
              "advantages": np.arange(8, dtype=np.float32)}
@@ -107,10 +102,10 @@ def test_put_batch_and_constraint():
     assert len(unplaced["input_ids"].sharding.device_set) == 1
 
 
+@pytest.mark.devices(8)
 def test_explicit_batch_axes_and_unconstrained_others():
     """batch_axes= overrides rules["batch"] (the sampler's own axes); others= leaves the other
     dimensions to the compiler."""
-    _need8()
     mesh = sharding.make_mesh(2, 4, 1)
     x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     assert sharding.put_rows(x, mesh, batch_axes=("data",)).sharding.shard_shape((8, 3)) == (4, 3)
@@ -126,8 +121,8 @@ def test_explicit_batch_axes_and_unconstrained_others():
     assert out.sharding.spec == P(None, "fsdp")
 
 
+@pytest.mark.devices(8)
 def test_cache_shardings_follow_cache_axes():
-    _need8()
     cfg = models.get_preset("tiny")
     mesh = sharding.make_mesh(2, 2, 2)
     cache = jax.eval_shape(lambda: models.init_cache(cfg, 8, 16))
