@@ -14,10 +14,10 @@ The update and old-policy pass formulas follow XLA's buffer assignment of the co
 the "update" figure agrees with XLA:CPU's memory analysis of the trainer's train step, and the
 "old-policy pass + DelTA" figure (less the optimizer state) with that of its old-policy pass, both
 compiled from abstract shapes, within 15% on a grid of small float32 models (remat none and full,
-two micro-batch / chunk sizes, two sequence lengths, materialised attention scores;
-tests/test_plan.py), except four points of its widest model (hidden 512, 128-wide heads), which
-miss by 18-34% and are listed there (KNOWN_MISSES). Not checked that way: bfloat16 activations (XLA:CPU keeps them largely in
-float32, unlike a GPU), blockwise attention, the rollout phase, the recompute feature cache's
+two micro-batch / chunk sizes, two sequence lengths, in a half-fraction design for the update;
+materialised attention scores; tests/test_plan.py), except four points of its widest model
+(hidden 512, 128-wide heads), which miss by 18-34% and are listed there (KNOWN_MISSES). Not
+checked that way: bfloat16 activations (XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention, the rollout phase, the recompute feature cache's
 trunk pass, and any GPU compiler's figures (the benchmarks print those where they run).
 
 The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses

@@ -365,9 +365,15 @@ def _known_miss(request, key):
                                 f"for {key}; see KNOWN_MISSES"))
 
 
-@pytest.mark.parametrize("seq,response_len", [(128, 64), (512, 384)])
-@pytest.mark.parametrize("micro_batch", [2, 8])
-@pytest.mark.parametrize("remat", ["none", "full"])
+# The update grid is a half fraction of remat {none, full} x micro-batch {2, 8} x sequence
+# {128, 512}: the points whose three +-1 levels multiply to +1 (defining relation I = ABC). Every
+# model still sees each level of each factor twice, in half the compiles (~4.5 s each on the CI
+# machine), and the known miss (full, 8, 512) stays in.
+UPDATE_GRID = [("none", 2, 512, 384), ("none", 8, 128, 64), ("full", 2, 128, 64),
+               ("full", 8, 512, 384)]
+
+
+@pytest.mark.parametrize("remat,micro_batch,seq,response_len", UPDATE_GRID)
 @pytest.mark.parametrize("model", sorted(GRID_MODELS))
 def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_batch, seq,
                                                           response_len, request):
