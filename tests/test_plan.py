@@ -426,3 +426,50 @@ def test_old_pass_phase_agrees_with_the_compiled_old_policy_pass(model, rows, se
     _known_miss(request, ("old pass", model, rows, seq))
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
+
+
+# Two points (each compiles a decode loop, ~15-30 s on the CI machine): one where the decode
+# program peaks, one where the prefill does. Measured by hand on 2026-11-23 at more points: D 4 x
+# 64 + 64: 0.999, D 16 x 256 + 256: 0.891, M 16 x 256 + 256: 0.994, M 64 x 128 + 128: 0.915.
+@pytest.mark.parametrize("model,slots,group,prompt_len,response_len", [
+    ("M", 4, 2, 64, 64),        # the decode program peaks (its copy of the layer weights)
+    ("S", 16, 1, 512, 64),      # the prefill peaks (materialised attention scores)
+])
+def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, group, prompt_len,
+                                                                 response_len):
+    """Plan mode's "rollout" phase less the optimizer state within 15% of the larger of XLA's
+    memory analyses of the rollout engine's two big programs (sampling.programs.prefill of the
+    prompts of `slots` samples, and decode of `slots` slots for 32 steps), each compiled from
+    abstract shapes with the worst-case page pool of sampling.plan_kv (16-token pages), as the
+    sampler calls them; float32 as in the update test."""
+    from delta_jax.kernels import timing
+    from delta_jax.sampling import bucket_size, plan_kv, programs
+
+    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
+                           param_dtype=jnp.float32, attention="auto")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
+    kv = plan_kv(mc, slots=slots, prompt_len=prompt_len, max_new_tokens=response_len,
+                 page_size=16)
+    pool = jax.ShapeDtypeStruct((mc.num_kv_heads, kv.num_pages, 16, mc.head_dim), jnp.float32)
+    cache = models.PagedKVCache(k=(pool,) * mc.num_layers, v=(pool,) * mc.num_layers)
+
+    def ints(*shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    decode = timing.compiled_memory_bytes(
+        programs.decode, graphdef, state, cache, ints(slots, kv.pages_per_seq), ints(slots),
+        ints(slots), ints(slots), ints(slots, dtype=jnp.bool_), ints(slots), ints(slots),
+        ints(dtype=jnp.uint32), ints(4), ints(dtype=jnp.float32), ints(dtype=jnp.float32),
+        ints(slots), ints(), ints(), num_steps=32, top_k=-1, use_top_p=False, greedy=False,
+        attention_impl="reference", pages_per_block=8)
+    rows, length = max(1, slots // group), bucket_size(prompt_len, 16)
+    prefill = timing.compiled_memory_bytes(programs.prefill, graphdef, state, cache,
+                                           *(ints(rows, length),) * 4)
+    compiled = max(decode["peak_estimate_bytes"], prefill["peak_estimate_bytes"])
+    p = plan.plan_memory(mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=slots,
+                         prompt_len=prompt_len, response_len=response_len, sampler_rows=slots,
+                         group_size=group, mini_batch_rows=slots, micro_batch_rows=0,
+                         logprob_chunk_tokens=256, recompute_chunk=slots, page_size=16)
+    planned = p.phases["rollout"] - p.optimizer
+    assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
+                                                 planned / compiled)
