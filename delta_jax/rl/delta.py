@@ -534,8 +534,8 @@ def fit_discriminator(fold: Fold, hidden_size: int | None, num_refine: int,
 # pass_impl="kernel": every pass over the features is one call of kernels.delta_pass (the fused
 # pass; plain XLA since its Pallas version was retired, see kernels/delta_pass.py) on (h, p): the
 # proxy v = (1 - p) h is formed inside the pass, never stored. Precomputed features v
-# (features=, e.g. the top-K proxy) go through the same pass with p = 0. The [B, T]-sized final statistics (lambda moments per side)
-# are plain jnp.
+# (features=, e.g. the top-K proxy) go through the same pass with p = 0. The [B, T]-sized final
+# statistics (lambda moments per side) are plain jnp.
 
 PASS_IMPLS = ("jnp", "kernel")
 # pass_fn(mu [2, H], gamma [2], use_alpha, lam_range, with_centroids) -> kernels.DeltaPassSums
