@@ -14,7 +14,6 @@ from delta_jax.kernels.delta_pass import (
     margin_std_from_sums,
     masked_moments,
     merge_moments,
-    reduce_moments,
 )
 from delta_jax.kernels.lm_head_logprob import lm_head_logprob
 
@@ -27,5 +26,4 @@ __all__ = [
     "margin_std_from_sums",
     "masked_moments",
     "merge_moments",
-    "reduce_moments",
 ]

@@ -120,18 +120,6 @@ def merge_moments(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
     return count, mean_a + delta * frac, m2_a + m2_b + delta * delta * count_a * frac
 
 
-def reduce_moments(count, mean, m2, axis=0):
-    """Merges the moments along `axis` (static size) by a balanced tree of `merge_moments`;
-    returns (count, mean, m2) without that axis. An empty part (count 0) merges as identity."""
-    parts = [jnp.moveaxis(x, axis, 0) for x in (count, mean, m2)]
-    while parts[0].shape[0] > 1:
-        if parts[0].shape[0] % 2:
-            parts = [jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in parts]
-        half = parts[0].shape[0] // 2
-        parts = list(merge_moments(*(x[:half] for x in parts), *(x[half:] for x in parts)))
-    return tuple(x[0] for x in parts)
-
-
 def add_sums(x: DeltaPassSums, y: DeltaPassSums) -> DeltaPassSums:
     """Statistics of two chunks of tokens together (the per-token `lam` is dropped)."""
     count, mean, m2 = merge_moments(x.count, x.margin_mean, x.margin_m2,

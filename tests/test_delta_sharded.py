@@ -102,8 +102,8 @@ def test_per_shard_errors():
 
 
 def test_kernel_pass_impl_global_mode_on_8_devices():
-    """pass_impl="kernel", global statistics: one kernel call per batch shard (shard_map) and
-    psummed statistics == the single-device jnp path; sides split unevenly over the shards."""
+    """pass_impl="kernel", global statistics on inputs sharded over 8 devices (XLA partitions the
+    whole-batch sums) == the single-device jnp path; sides split unevenly over the shards."""
     hidden, prob, adv, mask = _batch()
     mesh = _mesh((2, 4), ("data", "fsdp"))
     row = P(("data", "fsdp"))
@@ -111,8 +111,7 @@ def test_kernel_pass_impl_global_mode_on_8_devices():
             _put(mesh, mask, row))
     for num_refine in (0, 2):
         want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, num_refine=num_refine)
-        weights, diag = D.delta_coefficients(*args, num_refine=num_refine, pass_impl="kernel",
-                                             mesh=mesh, data_axes=("data", "fsdp"))
+        weights, diag = D.delta_coefficients(*args, num_refine=num_refine, pass_impl="kernel")
         assert len(weights.sharding.device_set) == 8  # lambdas stay where their rows live
         np.testing.assert_allclose(weights, want, rtol=1e-5, atol=1e-7)
         for key in want_diag:
@@ -139,8 +138,8 @@ def test_kernel_pass_impl_per_shard_mode():
 ], ids=["fixed_gamma+alpha+no_normalize", "hard", "random_lambda"])
 def test_ablations_on_8_devices(options):
     """delta.* ablation flags (issue #19) in per_shard mode (jnp, and the kernel where it has the
-    flag) == the float64 reference on each shard alone; in global mode the kernel passes per batch
-    shard == the single-device jnp path. Random lambda: the same whole-batch draws in every mode
+    flag) == the float64 reference on each shard alone; in global mode the kernel passes over
+    sharded inputs == the single-device jnp path. Random lambda: the same whole-batch draws in every mode
     (lambda_noise(key, [B, T])), each shard normalised on its own."""
     hidden, prob, adv, mask = _batch()
     mesh = _mesh((8,), ("data",))
@@ -172,9 +171,8 @@ def test_ablations_on_8_devices(options):
                 _put(mesh, mask, row))
         want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, ablations=ablations,
                                                key=key)
-        got, diag = D.delta_coefficients(*args, pass_impl="kernel",
-                                         mesh=mesh, data_axes="data", ablations=ablations,
-                                         key=key)
+        got, diag = D.delta_coefficients(*args, pass_impl="kernel", ablations=ablations, key=key)
+        assert len(got.sharding.device_set) == 8
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
         for k in want_diag:
             np.testing.assert_allclose(diag[k], want_diag[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -188,9 +188,9 @@ def test_bad_shapes_name_the_tensor():
 
 
 def test_moments_merge_to_the_whole():
-    """masked_moments of parts, merged pairwise (merge_moments) or by reduce_moments over a
-    ragged number of parts (empty ones included), give the float64 moments of the whole."""
-    from delta_jax.kernels.delta_pass import masked_moments, merge_moments, reduce_moments
+    """masked_moments of parts merged pairwise (merge_moments, left to right and as a tree, an
+    empty part included) give the float64 moments of the whole."""
+    from delta_jax.kernels.delta_pass import masked_moments, merge_moments
 
     rng = np.random.default_rng(11)
     x = (1e3 + rng.normal(size=(7, 40))).astype(np.float32)   # large mean, unit spread
@@ -199,10 +199,16 @@ def test_moments_merge_to_the_whole():
     want = [(m.sum(), (x * m).sum() / m.sum(), ((x - (x * m).sum() / m.sum()) ** 2 * m).sum())
             for m in mask.astype(np.float64)]
     parts = masked_moments(jnp.asarray(x)[None], jnp.asarray(mask), axis=2)  # [2, 7] each
-    for got in (reduce_moments(*(jnp.moveaxis(v, 1, 0) for v in parts)),
-                reduce_moments(*parts, axis=1),
-                merge_moments(*reduce_moments(*(v[:, :3] for v in parts), axis=1),
-                              *reduce_moments(*(v[:, 3:] for v in parts), axis=1))):
+    part = lambda i: tuple(v[:, i] for v in parts)  # noqa: E731
+
+    def fold(indices):
+        acc = part(indices[0])
+        for i in indices[1:]:
+            acc = merge_moments(*acc, *part(i))
+        return acc
+
+    tree = merge_moments(*merge_moments(*fold([0, 1, 2]), *fold([3])), *fold([4, 5, 6]))
+    for got in (fold(list(range(7))), tree):
         for side in range(2):
             for k, tol in ((0, 0.0), (1, 1e-6), (2, 1e-4)):
                 np.testing.assert_allclose(float(got[k][side]), want[side][k], rtol=tol)

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from delta_jax.kernels.delta_pass import masked_moments, merge_moments, reduce_moments
+from delta_jax.kernels.delta_pass import masked_moments, merge_moments
 
 Array = jax.Array
 
@@ -583,43 +583,6 @@ def _kernel_pass(h, p, adv, mask, mu, gamma, *, use_alpha=True, lam_range=None,
                       lam_range=lam_range, with_centroids=with_centroids)
 
 
-def _psum_sums(sums, axes):
-    """Global DeltaPassSums from each shard's (sums plain, margin moments merged exactly: the
-    shards' [2]-sized moments are gathered and merged by kernels' reduce_moments)."""
-    psum = lambda x: jax.lax.psum(x, axes)  # noqa: E731
-    gather = lambda x: jax.lax.all_gather(x, axes)  # noqa: E731  [shards, 2]
-    count, mean, m2 = reduce_moments(gather(sums.count), gather(sums.margin_mean),
-                                     gather(sums.margin_m2))
-    return sums._replace(centroid_sum=psum(sums.centroid_sum), weight_sum=psum(sums.weight_sum),
-                         count=count, margin_mean=mean, margin_m2=m2,
-                         correct=psum(sums.correct), lam_sum=psum(sums.lam_sum),
-                         num_valid=psum(sums.num_valid), lam=None)
-
-
-def _make_pass_fn(h, p, adv, mask, mesh: Mesh | None, axes) -> PassFn:
-    """A pass over the whole batch: one fused pass, or with a mesh one per batch shard
-    (jax.shard_map, each shard's features read where they live) and a psum of the statistics."""
-    if mesh is None:
-        return functools.partial(_kernel_pass, h, p, adv, mask)
-    spec, rep = PartitionSpec(axes), PartitionSpec()
-
-    def pass_fn(mu, gamma, use_alpha=True, lam_range=None, with_centroids=True):
-        def body(h, p, adv, mask, mu, gamma):
-            sums = _kernel_pass(h, p, adv, mask, mu, gamma, use_alpha=use_alpha,
-                                lam_range=lam_range, with_centroids=with_centroids)
-            lam = sums.lam if sums.lam is not None else jnp.zeros(mask.shape, jnp.float32)
-            return _psum_sums(sums, axes), lam
-
-        # check_vma off: the margin moments are merged from an all_gather, which shard_map's
-        # varying-axes check does not see as replicated (every shard merges the same values).
-        sums, lam = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec, rep, rep),
-                                  out_specs=(rep, spec), check_vma=False)(h, p, adv, mask, mu,
-                                                                          gamma)
-        return sums._replace(lam=lam if lam_range is not None else None)
-
-    return pass_fn
-
-
 def _final_from_sums(sums, adv, mask, lam_min, lam_max, ablations, noise, stats=None):
     """The final pass's FinalStats and lambdas from its DeltaPassSums (kernel lambdas, or with
     random_lambda the draws of `_random_lambdas`: the kernel's alphas only feed the accuracy)."""
@@ -630,11 +593,13 @@ def _final_from_sums(sums, adv, mask, lam_min, lam_max, ablations, noise, stats=
     return add_final_lambdas(stats, side, lam, sums.correct.sum()), lam
 
 
-def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, mesh=None, axes=(),
-                    ablations=FULL_METHOD, noise=None):
+def _fused_one_shot(h, p, adv, mask, num_refine, lam_min, lam_max, ablations=FULL_METHOD,
+                    noise=None):
     """`_one_shot` with fused passes. h [B, T, H], p [B, T] (0 when h is v already), adv [B, T]
-    masked (from _token_advantages), mask [B, T]."""
-    pass_fn = _make_pass_fn(h, p, adv, mask, mesh, axes)
+    masked (from _token_advantages), mask [B, T]. Each pass is one XLA reduction over the whole
+    batch: on sharded inputs XLA's partitioner reduces each shard where it lives and all-reduces
+    the [2, H] / [2] sums."""
+    pass_fn = functools.partial(_kernel_pass, h, p, adv, mask)
     disc = fit_discriminator_fused(pass_fn, h.shape[-1], num_refine, ablations)
     sums = pass_fn(disc.mu, disc.gamma, use_alpha=True,
                    lam_range=_lambda_range(lam_min, lam_max, ablations), with_centroids=False)
@@ -718,10 +683,9 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
         normaliser are computed separately on each data shard of `mesh` (the reference
         implementation's behaviour), via jax.shard_map.
       mesh, data_axes: for "per_shard": the mesh and the axis name(s) over which the batch
-        dimension is split (B must be divisible by their total size). With pass_impl="kernel" in
-        "global" mode an optional mesh runs each pass per batch shard and psums the statistics;
-        without a mesh, or when B does not split evenly over data_axes, each pass sees the whole
-        batch (sharded as XLA's partitioner decides).
+        dimension is split (B must be divisible by their total size). "global" mode does not
+        read them: its sums over sharded inputs are partitioned by XLA (each shard reduced where
+        it lives, the [2, H] / [2] statistics all-reduced), for either pass_impl.
       pass_impl: "jnp" (rl/delta.py's XLA code) or "kernel" (each of the K + 3 passes is one
         kernels.delta_pass call on (h, p), v never materialised; features= go through it
         with p = 0). Same results to fp32 rounding.
@@ -748,8 +712,8 @@ def delta_coefficients(hidden: Array | None, token_prob: Array | None, advantage
                                key=key if ablations.random_lambda else None)
 
 
-def _mesh_axes(mesh: Mesh, data_axes, batch: int, required: bool = True):
-    """The data axes as a tuple, or None when B does not split over them and not `required`."""
+def _mesh_axes(mesh: Mesh, data_axes, batch: int):
+    """The data axes as a tuple (B must split evenly over them)."""
     axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
@@ -759,8 +723,6 @@ def _mesh_axes(mesh: Mesh, data_axes, batch: int, required: bool = True):
     for a in axes:
         num_shards *= mesh.shape[a]
     if batch % num_shards:
-        if not required:
-            return None
         raise ValueError(f"delta_coefficients: batch size {batch} is not divisible by "
                          f"the {num_shards} data shards of axes {axes}")
     return axes
@@ -792,19 +754,13 @@ def _delta_coefficients(hidden, token_prob, advantages, mask, num_refine, lam_mi
     # delta.random_lambda: one draw per token of the whole batch (sharded like the mask).
     noise = lambda_noise(key, mask.shape) if ablations.random_lambda else None
 
-    def one_shot(c: FeatureChunk, p, u, pass_mesh=None, axes=()):
+    def one_shot(c: FeatureChunk, p, u):
         if not fused:
             return _one_shot(c, num_refine, lam_min, lam_max, ablations, u)
         h, p, adv, m = _kernel_inputs(c, p)
-        return _fused_one_shot(h, p, adv, m, num_refine, lam_min, lam_max, pass_mesh, axes,
-                               ablations, u)
+        return _fused_one_shot(h, p, adv, m, num_refine, lam_min, lam_max, ablations, u)
 
-    if stats_mode == "global":
-        # Fused passes per batch shard when the rows split evenly, else on the whole batch.
-        axes = (_mesh_axes(mesh, data_axes, mask.shape[0], required=False)
-                if fused and mesh is not None else None)
-        if axes:
-            return one_shot(chunk, token_prob, noise, mesh, axes)
+    if stats_mode == "global":  # whole-batch sums: XLA partitions them over sharded inputs
         return one_shot(chunk, token_prob, noise)
     if mesh is None:
         raise ValueError("delta_coefficients: stats_mode='per_shard' needs mesh=")

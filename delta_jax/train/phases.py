@@ -277,8 +277,8 @@ def delta_weights(source: FeatureSource, advantages, mask, settings: DeltaSettin
     diagnostics from a FeatureSource.
 
     One-shot (features on device): rl.delta.delta_coefficients, with global or per-shard
-    statistics over `mesh`'s `batch_axes` (delta.stats_mode); with the fused kernel passes the
-    global mode runs one kernel call per batch shard and psums. Chunked sources:
+    statistics over `mesh`'s `batch_axes` (delta.stats_mode; global sums over sharded features
+    are partitioned by XLA). Chunked sources:
     rl.delta.delta_coefficients_streaming (global statistics, K + 3 reads of the source; K + 2
     with delta.fixed_gamma). The ablation settings go on as rl.delta.Ablations.
     key: PRNG key of the delta.random_lambda draws (required then; None is fine otherwise).
@@ -294,8 +294,6 @@ def delta_weights(source: FeatureSource, advantages, mask, settings: DeltaSettin
         kwargs = dict(common)
         if settings.stats_mode == "per_shard":
             kwargs.update(stats_mode="per_shard", mesh=mesh, data_axes=tuple(batch_axes))
-        elif settings.pass_impl == "kernel" and mesh is not None and batch_axes:
-            kwargs.update(mesh=mesh, data_axes=tuple(batch_axes))
         if source.token_prob is None:
             return delta_lib.delta_coefficients(None, None, advantages, mask,
                                                 features=source.features, **kwargs)
