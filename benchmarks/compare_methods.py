@@ -567,7 +567,9 @@ def _settings(out_dir: str, results: dict, seeds, variants) -> tuple[str, str]:
     rl_line = (f"{cfg['train']['steps']} steps x {rl['batch_prompts']} prompts x "
                f"{rl['group_size']} samples (max {rl['max_new_tokens']} new tokens), "
                f"{rl['batch_prompts'] // cfg['rl']['mini_batch_prompts']} updates per step, "
-               f"lr {cfg['optim']['lr']}; model {cfg['model']['num_layers']} layers x hidden "
+               f"lr {cfg['optim']['lr']}, dynamic sampling "
+               f"{'on' if cfg['rl']['dynamic_sampling'] else 'off'}, entropy bonus "
+               f"{cfg['rl']['entropy_coef']}; model {cfg['model']['num_layers']} layers x hidden "
                f"{cfg['model']['hidden_size']}{sft_line}")
     ev_line = (f"avg@{ev['k']} at T = {ev['temperature']}, top-p {ev['top_p']}, on "
                f"{ev['limit'] or d['synthetic_test']} held-out problems per seed; task: {task}")

@@ -12,9 +12,12 @@ What runs, and where it goes (all under --workdir):
   tokenizer/                     a byte-level BPE trained on the task's own text (448 ids)
   SFT warm start                 sft.steps supervised steps on the worked solutions: the policy
                                  learns the "a op b = c. ... \\boxed{c}" format and earns reward
-  eval step 0                    avg@4 on data.synthetic_test held-out problems, math reward
+  eval step 0                    avg@16 and pass@1/4/16 on data.synthetic_test held-out
+                                 problems, math reward
   DelTA RL                       train.steps x 16 prompts x 8 samples, math reward + DAPO overlong
-                                 penalty, GRPO advantages, DelTA token weights, 2 updates per step
+                                 penalty, GRPO advantages, dynamic sampling (groups whose samples
+                                 all agree are dropped and refilled from more prompts), DelTA
+                                 token weights, entropy bonus 0.02, 2 updates per step
   eval step train.steps          the same held-out problems; the before/after line is printed
   metrics.jsonl, tensorboard/    every scalar, with the ground-truth credit report (credit/*);
                                  plots/{training,delta_weights,credit}.png; final/ (HF dir)
@@ -59,6 +62,11 @@ def get_config():
     c.rewards.overlong_buffer = 8
     c.rl.mini_batch_prompts = 8
     c.rl.micro_batch_size = 0
+    # Not the paper's recipe (experiments/qwen3_*.py are): on this task, dropping the groups whose
+    # 8 samples all agree (DAPO's dynamic sampling) and a small entropy bonus lifted the weakest
+    # seed's gain from +5 to +11-12 points with pass@4 held (BENCHMARKS.md, RL tuning).
+    c.rl.dynamic_sampling = True
+    c.rl.entropy_coef = 0.02
     c.optim.lr = 1e-4
     c.optim.weight_decay = 0.0
     c.train.steps = 120
@@ -69,8 +77,8 @@ def get_config():
     c.sft.batch_size = 32
     c.sft.lr = 2e-3
     c.sft.max_len = 80          # the longest prompt + solution + EOS is 79 tokens
-    c.eval.k = 4
-    c.eval.pass_k = "1,4"
+    c.eval.k = 16                 # 16 samples per problem: avg@16 and the unbiased pass@4
+    c.eval.pass_k = "1,4,16"      # (Chen et al.) vary far less between evals than from 4 samples
     c.eval.temperature = 1.0
     c.eval.top_p = 1.0
     c.eval.max_new_tokens = 48
