@@ -24,6 +24,10 @@ SHORT = {
     "train.steps": 2, "train.save_every": 1, "train.progress_bar": False,
     "sft.steps": 3, "sft.batch_size": 4, "sft.max_len": 64,
     "eval.k": 2, "eval.pass_k": "1,2", "eval.max_new_tokens": 16, "eval.limit": 4,
+    # A 3-step warm start solves nothing, so every group's rewards agree and the default's dynamic
+    # sampling would stop the run after rl.dynamic_sampling_max_rounds rounds (by design); it is
+    # tested in test_dynamic_sampling.py and test_phases.py.
+    "rl.dynamic_sampling": False,
 }
 
 
@@ -50,6 +54,11 @@ def test_prints_held_out_accuracy_before_and_after_rl(default_run):
     line = next(l for l in stdout.splitlines() if l.startswith("eval accuracy"))
     assert (f"on 4 held-out problems): before RL {100 * evals[0]:.1f}% (step 0) -> after RL "
             f"{100 * evals[2]:.1f}% (step 2)") in line
+    passes = next(l for l in stdout.splitlines() if l.startswith("pass@k before -> after RL"))
+    for k in (1, 2):
+        at = {r["step"]: r[f"eval/average/pass@{k}"] for r in rows
+              if f"eval/average/pass@{k}" in r}
+        assert f"pass@{k} {100 * at[0]:.1f}% -> {100 * at[2]:.1f}%" in passes
 
 
 def test_metrics_plots_and_run_assets(default_run):

@@ -47,7 +47,7 @@ def test_eval_before_after_ignores_sft_rows_and_needs_the_final_eval():
     rows = fake_rows(rl_steps=6)
     out = plots.eval_before_after(rows, rl_steps=6)
     assert out == {"metric": "eval/average/avg@4", "before_step": 0, "before": 0.25,
-                   "after_step": 6, "after": 0.5}
+                   "after_step": 6, "after": 0.5, "pass": {4: (0.5, 0.75)}}
     assert plots.eval_before_after(rows, rl_steps=7) is None  # the run did not finish
     assert plots.eval_before_after(fake_rows(final_eval=False)) is None
     assert plots.eval_before_after([{"step": 1, "sft/loss": 1.0}]) is None

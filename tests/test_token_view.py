@@ -58,6 +58,7 @@ def _tiny_cfg(**delta):
     c.rollout.update(dict(batch_prompts=4, group_size=4, max_new_tokens=16))
     c.rewards.update(dict(num_workers=1, overlong_buffer=4))
     c.rl.mini_batch_prompts = 2
+    c.rl.dynamic_sampling = False  # a 20-step warm start may leave every group all-wrong
     c.optim.lr = 1e-3
     c.train.update(dict(steps=2, save_every=1, keep=5, eval_before=False, eval_after=False,
                         export_final=False, progress_bar=False))

@@ -80,9 +80,10 @@ def eval_metric_name(rows: Sequence[dict]) -> str | None:
 def eval_before_after(rows: Sequence[dict], rl_steps: int | None = None) -> dict | None:
     """Held-out accuracy of the first and the last evaluation of the run.
 
-    Returns {"metric", "before_step", "before", "after_step", "after"} (accuracies as fractions)
-    or None when the run wrote fewer than two evaluations. rl_steps: when given, "after" must be
-    the evaluation at that step (else None), so a half-finished run reports nothing.
+    Returns {"metric", "before_step", "before", "after_step", "after", "pass"} (accuracies as
+    fractions; "pass": {k: (pass@k before, pass@k after)} for every pass@k both evaluations
+    logged) or None when the run wrote fewer than two evaluations. rl_steps: when given, "after"
+    must be the evaluation at that step (else None), so a half-finished run reports nothing.
     """
     key = eval_metric_name(rows)
     if key is None:
@@ -90,8 +91,15 @@ def eval_before_after(rows: Sequence[dict], rl_steps: int | None = None) -> dict
     steps, values = series(rows, key)
     if len(steps) < 2 or (rl_steps is not None and steps[-1] != rl_steps):
         return None
-    return {"metric": key, "before_step": int(steps[0]), "before": float(values[0]),
-            "after_step": int(steps[-1]), "after": float(values[-1])}
+    before, after = int(steps[0]), int(steps[-1])
+    prefix = key.rsplit("/", 1)[0] + "/pass@"
+    pass_at = {}
+    for name in {k for r in rows for k in r if k.startswith(prefix)}:
+        at = dict(zip(*(x.tolist() for x in series(rows, name))))
+        if before in at and after in at:
+            pass_at[int(name[len(prefix):])] = (float(at[before]), float(at[after]))
+    return {"metric": key, "before_step": before, "before": float(values[0]),
+            "after_step": after, "after": float(values[-1]), "pass": dict(sorted(pass_at.items()))}
 
 
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
@@ -345,6 +353,10 @@ def write_report(workdir: str, rl_steps: int | None = None) -> str:
                      f"(step {result['before_step']}) -> after RL {100 * result['after']:.1f}% "
                      f"(step {result['after_step']}), "
                      f"{100 * (result['after'] - result['before']):+.1f} points")
+        if result["pass"]:
+            lines.append("pass@k before -> after RL: " + ", ".join(
+                f"pass@{k} {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f})"
+                for k, (b, a) in result["pass"].items()))
     if has_credit(rows):
         lines += credit_report_lines(rows, _run_method(workdir))
     lines.append("plots: " + ", ".join(paths))
