@@ -70,9 +70,12 @@ def test_collect_rollout_dynamic_sampling_refills_with_groups_that_have_signal()
     np.testing.assert_array_equal(roll.accuracy, roll.rewards)
     assert roll.stats["rounds"] == 3 and roll.stats["dropped_groups"] == 8
     assert roll.stats["num_timeouts"] == 3.0
-    with pytest.raises(RuntimeError, match="dynamic sampling: only 3 of 4 groups"):
+    with pytest.raises(RuntimeError, match="dynamic sampling: only 3 of 4 groups") as err:
         phases.collect_rollout(fake_generate_and_score(kind), batches(4), num_prompts=4,
                                group_size=G, dynamic_sampling=True, max_rounds=2)
+    for field in ("rl.dynamic_sampling_max_rounds=2", "rollout.batch_prompts=4",
+                  "rl.dynamic_sampling=False", "sft.steps"):
+        assert field in str(err.value)
 
 
 def fake_pass(params, ids, attn, response_len):

@@ -86,9 +86,17 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
             return ([(rollout_lib.select_groups(samples, [i]), accuracy[i])
                      for i in range(len(records))], rewards)
 
-        filled = fill_batch_with_signal(
-            split_round, (r for batch in record_batches for r in batch), num_groups=num_prompts,
-            prompts_per_round=num_prompts, max_rounds=max_rounds, on_max_rounds="raise")
+        try:
+            filled = fill_batch_with_signal(
+                split_round, (r for batch in record_batches for r in batch),
+                num_groups=num_prompts, prompts_per_round=num_prompts, max_rounds=max_rounds,
+                on_max_rounds="raise")
+        except RuntimeError as e:  # name the config fields, not the function's arguments
+            raise RuntimeError(
+                f"{e} Config: rl.dynamic_sampling_max_rounds={max_rounds} caps the rounds of "
+                f"rollout.batch_prompts={num_prompts} prompts; rl.dynamic_sampling=False trains "
+                "on the groups as drawn. A policy that solves (almost) nothing, e.g. after too "
+                "short an SFT warm start (sft.steps), can never fill the batch.") from e
         records, rewards = filled.prompts, filled.rewards
         samples = rollout_lib.concat_samples([g[0] for g in filled.groups])
         accuracy = np.stack([g[1] for g in filled.groups])
