@@ -162,7 +162,9 @@ def test_fused_under_a_batch_mesh():
 
 def test_fused_gradient_never_materialises_the_logits():
   """XLA's buffer assignment for jit(grad) under remat: the fused path's temporaries stay well
-  below one [N, V] fp32 logits array (the chunked path with one chunk needs several)."""
+  below one [N, V] fp32 logits array, while the chunked path with one chunk holds at least half
+  of one (on XLA:CPU several; XLA:GPU fuses part of the softmax: 0.76 of one on an H100,
+  2026-11-24), so the measurement does see logits-sized buffers."""
   n_rows, t_len, hid, vocab = 4, 64, 32, 8192   # N * V * 4 bytes = 8 MiB
   h = jax.ShapeDtypeStruct((n_rows, t_len, hid), jnp.float32)
   w = jax.ShapeDtypeStruct((hid, vocab), jnp.float32)
@@ -179,7 +181,7 @@ def test_fused_gradient_never_materialises_the_logits():
 
   fused = temp_bytes("fused", 4)      # vocabulary tile 4 * V / T = 512 columns
   whole = temp_bytes("chunked", t_len)  # one sequence chunk = all the logits
-  assert whole >= logits_bytes
+  assert whole >= logits_bytes / 2, (whole, logits_bytes)
   assert fused < logits_bytes / 4, (fused, logits_bytes)
 
 

@@ -176,7 +176,8 @@ def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
 
     monkeypatch.setattr(phases, "old_policy_features", spy)
     view = token_view.compute_token_view(str(workdir), step=1)
-    assert placed == [8]
+    # the old-policy pass and, with tiny.py's KL term (rl.kl_coef > 0), the reference pass
+    assert placed == [8] * (2 if cfg.rl.kl_coef > 0 else 1)
     batch = trained["batch"]
     np.testing.assert_array_equal(view.mask, batch["response_mask"])
     np.testing.assert_array_equal(view.advantages, batch["advantages"])
