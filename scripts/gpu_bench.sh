@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU measurements of issues #15, #16 and #19 on a lent, offline GPU machine, in stages that
+# fit one 10-minute device call each (see ../shared/bench/README.md for the set-up it assumes:
+# .whl/ holds the wheels from fetch_gpu_wheels.sh and, for the real vocabulary, a copy of the
+# Qwen3 tokenizer in .whl/qwen3).
+#
+#   bash scripts/gpu_bench.sh decode step        # rollout engine (#15), step memory/time (#16)
+#   bash scripts/gpu_bench.sh tests lmhead train # the GPU test files, kernels, MFU (#16)
+#   bash scripts/gpu_bench.sh decode_ref         # the jnp paged-attention path (#15, #16)
+#   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
+# Stage times on an H100 (2026-11-24): step 178 s, tests ~390 s (over its 250 s limit: run it
+# alone with STAGE_LIMIT_tests=540), lmhead 24 s, train 166 s.
+#
+# Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call.
+# Each stage has its own time limit (seconds, STAGE_LIMIT_<stage> overrides) so one slow stage
+# cannot take the others' time; a stage that fails or times out is logged and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_bench.log"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
+[ -e delta_jax/kernels ] || ln -sfn ../kernels delta_jax/kernels
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# The benchmarks own the GPU: let XLA's allocator use 95% of it (the default pool is 75%).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+TOK=.whl/qwen3
+[ -f "$TOK/tokenizer.json" ] || TOK=""
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv;
+  python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
+    2>&1 | tee -a "$LOG"
+
+stage() {  # stage NAME DEFAULT_LIMIT CMD...
+  local name=$1 limit=$2; shift 2
+  local var="STAGE_LIMIT_$name"; limit=${!var:-$limit}
+  echo "=== stage $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  echo "=== stage $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+for s in "$@"; do
+  case $s in
+    decode)  # issue 15: fixed and long-tailed workloads, batch 64 and 256, the Pallas path
+             # (H100, 2026-11-24: ~100 s at batch 64, ~190 s at batch 256 with --repeats 1)
+      stage decode 420 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention pallas --workload fixed longtail --hf never --repeats 1 \
+        --output "$OUT/decode_throughput.json" ;;
+    decode_ref)  # the same with the jnp page reader (not yet measured on a GPU)
+      stage decode_ref 420 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention reference --workload fixed longtail --hf never --repeats 1 \
+        --output "$OUT/decode_throughput_reference.json" ;;
+    step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
+           # question is the shape's, and the full default sweep takes ~10 minutes)
+      stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
+        ${TOK:+--tokenizer "$TOK"} --out "$OUT/step_overhead.json" ;;
+    tests)  # issue 16: the five files of the first GPU run and every gpu-marked test
+      stage tests 250 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
+        tests/test_kernels_delta.py tests/test_kernels_logprob.py tests/test_attention.py \
+        tests/test_logprobs.py tests/test_sampling.py ;;
+    lmhead)
+      stage lmhead 90 python3 benchmarks/lm_head_logprob.py --out "$OUT/lm_head_logprob.json" ;;
+    train)  # issue 16: MFU at the 1.7B shape, remat x attention (fused log-probs)
+      stage train 230 python3 benchmarks/train_throughput.py --logprob-impls fused \
+        --attention auto xla --remat full dots_with_no_batch_dims_saveable --warmup 1 --iters 3 \
+        --skip-memory --out "$OUT/train_throughput.json" ;;
+    synthetic)  # issue 19: the GPU-scale config's wall time (target <= 8 minutes)
+      stage synthetic 540 python3 -m delta_jax.main --config=experiments/synthetic_gpu.py \
+        --workdir=/tmp/synthetic_gpu ;;
+    *) echo "unknown stage $s" | tee -a "$LOG" ;;
+  esac
+done
