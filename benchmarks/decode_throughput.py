@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -105,20 +104,6 @@ def parse_args(argv=None):
     if args.new_tokens < 2 or args.prompt_len < 2 or min(args.batch) < 1:
         p.error("--new-tokens and --prompt-len must be >= 2, --batch >= 1")
     return args
-
-
-def copy_bandwidth(num_mib: int, repeats: int = 5) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), best of `repeats`."""
-    n = num_mib * 2**20 // 4
-    x = jnp.arange(n, dtype=jnp.float32)
-    copy = jax.jit(lambda a: a + 1.0)  # one read + one write of every element
-    copy(x).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copy(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n * 4 / best
 
 
 def param_bytes(cfg: models.ModelConfig) -> int:
@@ -341,7 +326,7 @@ def main(argv=None):
                 break
 
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
-    bandwidth = copy_bandwidth(args.copy_mib)
+    bandwidth = timing.copy_bandwidth(args.copy_mib)
     device = jax.devices()[0]
     results = []
     for batch in args.batch:

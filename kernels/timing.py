@@ -24,6 +24,22 @@ def median_seconds(fn, *args, warmup: int = 2, iters: int = 5) -> tuple[float, l
     return statistics.median(times), times
 
 
+def copy_bandwidth(num_mib: int, repeats: int = 5) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of a float32 array of `num_mib`
+    MiB through a jitted x + 1), best of `repeats` after one untimed call."""
+    import jax.numpy as jnp
+    n = num_mib * 2**20 // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)  # one read + one write of every element
+    copy(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * 4 / best
+
+
 MEMORY_FIELDS = (("argument_bytes", "argument_size_in_bytes"),
                  ("output_bytes", "output_size_in_bytes"),
                  ("temp_bytes", "temp_size_in_bytes"),

@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_bench.sh decode step        # rollout engine (#15), step memory/time (#16)
 #   bash scripts/gpu_bench.sh tests lmhead train # the GPU test files, kernels, MFU (#16)
-#   bash scripts/gpu_bench.sh decode_ref         # the jnp paged-attention path (#15, #16)
+#   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 # Stage times on an H100 (2026-11-24): step 178 s, tests ~390 s (over its 250 s limit: run it
 # alone with STAGE_LIMIT_tests=540), lmhead 24 s, train 166 s.
@@ -55,6 +55,10 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention reference --workload fixed longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput_reference.json" ;;
+    paged)  # issue 15: the paged decode attention alone, a sweep of the Pallas kernel's
+            # parameters and the jnp page reader's block size (benchmarks/paged_attention.py)
+      stage paged 420 python3 benchmarks/paged_attention.py --batch 64 256 \
+        --out "$OUT/paged_attention.json" ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \

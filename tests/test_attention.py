@@ -321,6 +321,25 @@ def test_paged_decode_pallas_kernel_matches_reference():
     A.paged_decode_attention(q, kp, vp, tables, lengths, impl="flash")
   with pytest.raises(ValueError, match="power of two"):
     A.paged_decode_pallas(q, kp, vp, tables[:, :3], lengths)
+  with pytest.raises(ValueError, match="k_splits 3 must be a power of two"):
+    A.paged_decode_pallas(q, kp, vp, tables, lengths, k_splits=3)
+
+
+@pytest.mark.parametrize("k_splits,per_block,warps,stages", [(1, 4, 4, 3), (2, 1, 8, 2),
+                                                              (4, 8, 4, 2)])
+def test_paged_decode_pallas_kernel_parameters_keep_the_result(k_splits, per_block, warps,
+                                                                stages):
+  """The kernel parameters benchmarks/paged_attention.py sweeps (one program per sequence or
+  split over 2 / 4; blocks of 1-4 pages, 8 clipped to the split's share) change the schedule,
+  not the result (interpreted on CPU)."""
+  q, kp, vp, tables, lengths, _, _ = paged_case(9, G=2, page_size=16, pages_per_seq=4,
+                                                lengths=(0, 1, 17, 64))
+  kp, vp = jnp.nan_to_num(kp), jnp.nan_to_num(vp)
+  ref = A.paged_decode_reference(q, kp, vp, tables, lengths)
+  got = A.paged_decode_pallas(q, kp, vp, tables, lengths, k_splits=k_splits,
+                              pages_per_compute_block=per_block, num_warps=warps,
+                              num_stages=stages, interpret=True)
+  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

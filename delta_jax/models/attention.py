@@ -55,8 +55,11 @@ DECODE_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
 # The Pallas GPU kernel's split of a sequence's pages over programs, and pages per inner block.
+# (jax's own defaults; not yet tuned on a GPU: benchmarks/paged_attention.py sweeps them.)
 PALLAS_K_SPLITS = 16
 PALLAS_PAGES_PER_COMPUTE_BLOCK = 8
+PALLAS_NUM_WARPS = 8
+PALLAS_NUM_STAGES = 2
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
 # 2048 x 2048 float32 scores are 16 MiB per head per row.
 AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
@@ -382,25 +385,33 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         block_tables: jax.Array, lengths: jax.Array, *,
+                        k_splits: int = PALLAS_K_SPLITS,
+                        pages_per_compute_block: int = PALLAS_PAGES_PER_COMPUTE_BLOCK,
+                        num_warps: int = PALLAS_NUM_WARPS, num_stages: int = PALLAS_NUM_STAGES,
                         interpret: bool = False) -> jax.Array:
   """The same contract through jax.experimental.pallas.ops.gpu.paged_attention (Triton, NVIDIA
   GPUs; interpret=True runs it anywhere, slowly, for tests). pages_per_seq (block_tables'
-  width) must be a power of two (the sampler buckets it). Rows with length 0 give 0."""
+  width) must be a power of two (the sampler buckets it). Rows with length 0 give 0.
+  Kernel parameters (benchmarks/paged_attention.py sweeps them): k_splits programs share a
+  sequence's pages (a power of two, clipped to pages_per_seq), each looping over blocks of
+  pages_per_compute_block pages (clipped to its share) with num_warps warps and num_stages
+  pipeline stages."""
   from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
   pages_per_seq = block_tables.shape[1]
-  if pages_per_seq & (pages_per_seq - 1):
-    raise ValueError(f"paged_decode_pallas: block_tables width {pages_per_seq} must be a power "
-                     f"of two")
-  k_splits = min(PALLAS_K_SPLITS, pages_per_seq)
-  per_block = min(PALLAS_PAGES_PER_COMPUTE_BLOCK, pages_per_seq // k_splits)
+  for name, value in (("block_tables width", pages_per_seq), ("k_splits", k_splits),
+                      ("pages_per_compute_block", pages_per_compute_block)):
+    if value < 1 or value & (value - 1):
+      raise ValueError(f"paged_decode_pallas: {name} {value} must be a power of two")
+  k_splits = min(k_splits, pages_per_seq)
+  per_block = min(pages_per_compute_block, pages_per_seq // k_splits)
   lengths = lengths.astype(jnp.int32)
   # The kernel computes softmax(q.k) without the 1 / sqrt(D) scale: fold it into q.
   q = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
   out = pallas_paged.paged_attention(
       q, k_pages.astype(q.dtype), v_pages.astype(q.dtype), block_tables.astype(jnp.int32),
       jnp.maximum(lengths, 1), k_splits=k_splits, pages_per_compute_block=per_block,
-      interpret=interpret)
+      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
   return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros((), out.dtype))
 
 

@@ -1,0 +1,192 @@
+"""Paged decode attention alone (delta_jax.models.attention.paged_decode_attention, the rollout
+decode's attention) at the decode shapes, against the memory-bandwidth limit: a sweep of the
+Pallas GPU kernel's parameters (k_splits x pages_per_compute_block x num_warps x num_stages) and of
+the jnp page reader's block size, so that the sampler's defaults can be chosen from measurements.
+
+    # GPU (issue #15: decode reaches 56% / 65% of the bandwidth limit at batch 64 / 256 with
+    # jax's default kernel parameters, k_splits 16 / 8 pages per block / 8 warps / 2 stages):
+    python benchmarks/paged_attention.py --batch 64 256
+    # CPU smoke run (the interpreted kernel is slow: one small point):
+    python benchmarks/paged_attention.py --batch 2 --length 64 --pages-per-seq 4 --page-size 16 \
+        --impls reference --reference-ppb 1 2 --iters 2 --copy-mib 16
+
+Shapes (defaults = Qwen3-0.6B's attention at issue #15's decode: 16 query / 8 KV heads of 128,
+bf16, 32-token pages, block tables 64 pages wide = the sampler's power-of-two bucket for 512 +
+1024 tokens). Every row attends --length tokens (the mean live length of that decode), or lengths
+drawn uniformly from [length / 2, 3 length / 2] with --ragged. The pool holds B x pages_per_seq
+random pages, scrambled over the rows (page ids a random permutation), as the sampler's allocator
+leaves them.
+
+Bytes: the K and V of every live token of every row, read once (queries and outputs are
+negligible); limit = those bytes / the copy bandwidth measured in the same run (kernels.timing:
+read + write of a 1 GiB float32 array). "% of copy" = (bytes / time) / copy bandwidth. One layer's
+call; a decode step makes one per layer.
+Correctness: each configuration's output is compared with the jnp reference on the same inputs
+(max abs error, printed; a configuration over --tolerance is flagged and not ranked). A
+configuration that fails to compile or run is recorded with its error and the sweep goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from delta_jax.kernels import timing
+from delta_jax.models import attention
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--q-heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--pages-per-seq", type=int, default=64, help="block-table width (power of 2)")
+    p.add_argument("--length", type=int, default=1024, help="live tokens per row")
+    p.add_argument("--ragged", action="store_true", help="lengths uniform in [L/2, 3L/2]")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--impls", nargs="+", default=["pallas", "reference"],
+                   choices=["pallas", "pallas_interpret", "reference"])
+    p.add_argument("--k-splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--pages-per-block", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--num-stages", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--reference-ppb", type=int, nargs="+", default=[4, 8, 16, 32],
+                   help="pages per block of the jnp page reader")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--tolerance", type=float, default=2e-2, help="max abs error vs the reference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/paged_attention.json")
+    args = p.parse_args(argv)
+    if args.pages_per_seq & (args.pages_per_seq - 1):
+        p.error("--pages-per-seq must be a power of two (the Pallas kernel's requirement)")
+    hi = (3 * args.length) // 2 if args.ragged else args.length
+    if hi > args.pages_per_seq * args.page_size:
+        p.error(f"--length {args.length} (max {hi}) exceeds the table: --pages-per-seq "
+                f"{args.pages_per_seq} x --page-size {args.page_size}")
+    if args.q_heads % args.kv_heads:
+        p.error("--q-heads must be a multiple of --kv-heads")
+    return args
+
+
+def make_case(args, batch: int):
+    """(q [B, N, D], k_pages, v_pages [K, P, page, D], block_tables [B, pages_per_seq], lengths)."""
+    rng = np.random.default_rng(args.seed + batch)
+    dtype = jnp.dtype(args.dtype)
+    K, D, page = args.kv_heads, args.head_dim, args.page_size
+    pages = batch * args.pages_per_seq
+    if args.ragged:
+        lengths = rng.integers(args.length // 2, (3 * args.length) // 2 + 1, size=batch)
+    else:
+        lengths = np.full(batch, args.length)
+    tables = rng.permutation(pages).reshape(batch, args.pages_per_seq).astype(np.int32)
+    key = jax.random.key(args.seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, args.q_heads, D), jnp.float32).astype(dtype)
+    k_pages = jax.random.normal(kk, (K, pages, page, D), jnp.float32).astype(dtype)
+    v_pages = jax.random.normal(kv, (K, pages, page, D), jnp.float32).astype(dtype)
+    return q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)
+
+
+def configurations(args):
+    """(label, impl, kwargs) of every point of the sweep."""
+    for impl in args.impls:
+        if impl == "reference":
+            for ppb in args.reference_ppb:
+                yield f"reference ppb={ppb}", impl, {"pages_per_block": ppb}
+            continue
+        for ks, ppb, warps, stages in itertools.product(args.k_splits, args.pages_per_block,
+                                                         args.num_warps, args.num_stages):
+            if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks:
+                continue  # the kernel clips these to an equal configuration already listed
+            yield (f"{impl} k_splits={ks} ppb={ppb} warps={warps} stages={stages}", impl,
+                   {"k_splits": ks, "pages_per_compute_block": ppb, "num_warps": warps,
+                    "num_stages": stages})
+
+
+def build(impl: str, kwargs: dict):
+    """The product's function for one configuration, jitted."""
+    if impl == "reference":
+        fn = lambda *a: attention.paged_decode_reference(*a, **kwargs)  # noqa: E731
+    else:
+        fn = lambda *a: attention.paged_decode_pallas(  # noqa: E731
+            *a, interpret=impl == "pallas_interpret", **kwargs)
+    return jax.jit(fn)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(f"device: {timing.device_description()}", flush=True)
+    bandwidth = timing.copy_bandwidth(args.copy_mib)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write, {args.copy_mib} MiB)",
+          flush=True)
+    itemsize = jnp.dtype(args.dtype).itemsize
+    rows = []
+    for batch in args.batch:
+        case = make_case(args, batch)
+        lengths = np.asarray(case[4])
+        kv_bytes = int(lengths.sum()) * 2 * args.kv_heads * args.head_dim * itemsize
+        want = np.asarray(jax.jit(attention.paged_decode_reference)(*case), np.float32)
+        print(f"batch {batch}: {kv_bytes / 1e9:.3f} GB of live K/V per call, limit "
+              f"{kv_bytes / bandwidth * 1e6:.1f} us", flush=True)
+        for label, impl, kwargs in configurations(args):
+            row = {"batch": batch, "config": label, "impl": impl, **kwargs,
+                   "kv_bytes": kv_bytes, "limit_us": kv_bytes / bandwidth * 1e6}
+            try:
+                fn = build(impl, kwargs)
+                got = np.asarray(fn(*case), np.float32)
+                row["max_abs_error"] = float(np.max(np.abs(got - want)))
+                row["ok"] = bool(np.isfinite(got).all() and row["max_abs_error"] <= args.tolerance)
+                seconds, _ = timing.median_seconds(fn, *case, warmup=args.warmup,
+                                                   iters=args.iters)
+                row["us"] = seconds * 1e6
+                row["gb_s"] = kv_bytes / seconds / 1e9
+                row["fraction_of_copy"] = kv_bytes / seconds / bandwidth
+                print(f"  {label:55s} {row['us']:9.1f} us {row['gb_s']:8.1f} GB/s "
+                      f"{100 * row['fraction_of_copy']:5.1f}% of copy  err "
+                      f"{row['max_abs_error']:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
+            except Exception as e:  # noqa: BLE001  (record it, go on with the sweep)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                print(f"  {label:55s} failed: {row['error']}", flush=True)
+                traceback.print_exc(limit=2, file=sys.stdout)
+            rows.append(row)
+        timing.write_json(args.out, {"copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows},
+                          args=args)
+    print_best(rows)
+    print(f"wrote {args.out}")
+
+
+def print_best(rows):
+    """The fastest correct configuration per batch and implementation, and jax's defaults."""
+    defaults = {"k_splits": attention.PALLAS_K_SPLITS,
+                "pages_per_compute_block": attention.PALLAS_PAGES_PER_COMPUTE_BLOCK,
+                "num_warps": attention.PALLAS_NUM_WARPS, "num_stages": attention.PALLAS_NUM_STAGES}
+    print("\nbatch | impl      | best configuration                                      |      us "
+          "| % of copy | current default us")
+    for batch in sorted({r["batch"] for r in rows}):
+        for impl in sorted({r["impl"] for r in rows}):
+            ok = [r for r in rows if r["batch"] == batch and r["impl"] == impl and r.get("ok")]
+            if not ok:
+                print(f"{batch:5d} | {impl:9s} | none ran correctly")
+                continue
+            best = min(ok, key=lambda r: r["us"])
+            if impl == "reference":
+                current = [r for r in ok
+                           if r["pages_per_block"] == attention.DECODE_PAGES_PER_BLOCK]
+            else:
+                current = [r for r in ok if all(r.get(k) == v for k, v in defaults.items())]
+            cur = f"{current[0]['us']:.1f}" if current else "-"
+            print(f"{batch:5d} | {impl:9s} | {best['config']:55s} | {best['us']:7.1f} | "
+                  f"{100 * best['fraction_of_copy']:8.1f}% | {cur}")
+
+
+if __name__ == "__main__":
+    main()

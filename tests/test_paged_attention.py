@@ -1,0 +1,48 @@
+"""benchmarks/paged_attention.py: the sweep runs the product's paged decode attention, checks every
+configuration against the jnp reference, skips configurations the kernel would clip to one already
+listed, and writes its records."""
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import paged_attention as bench  # noqa: E402
+
+
+def test_configurations_skip_clipped_duplicates():
+    args = bench.parse_args(["--pages-per-seq", "8", "--length", "64", "--k-splits", "1", "4", "16",
+                             "--pages-per-block", "2", "4", "--num-warps", "4",
+                             "--num-stages", "2", "--impls", "pallas", "reference",
+                             "--reference-ppb", "8"])
+    got = [(impl, kw) for _, impl, kw in bench.configurations(args)]
+    pallas = [(kw["k_splits"], kw["pages_per_compute_block"]) for impl, kw in got
+              if impl == "pallas"]
+    # k_splits 16 > 8 pages; with 4 splits a share is 2 pages, so a block of 4 is clipped to 2
+    assert pallas == [(1, 2), (1, 4), (4, 2)]
+    assert [kw for impl, kw in got if impl == "reference"] == [{"pages_per_block": 8}]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pages-per-seq", "6"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pages-per-seq", "4", "--page-size", "16", "--length", "100"])
+
+
+def test_sweep_runs_and_records(tmp_path, capsys):
+    out = tmp_path / "pa.json"
+    bench.main(["--batch", "3", "--length", "20", "--ragged", "--pages-per-seq", "4",
+                "--page-size", "8", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                "--dtype", "float32", "--impls", "reference", "pallas_interpret",
+                "--reference-ppb", "1", "3", "--k-splits", "2", "--pages-per-block", "1",
+                "--num-warps", "4", "--num-stages", "2", "--iters", "1", "--warmup", "0",
+                "--copy-mib", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["config"] for r in rows] == [
+        "reference ppb=1", "reference ppb=3", "pallas_interpret k_splits=2 ppb=1 warps=4 stages=2"]
+    for r in rows:
+        assert r["ok"] and r["max_abs_error"] < 1e-5 and r["us"] > 0
+        assert r["kv_bytes"] == rows[0]["kv_bytes"] > 0
+    assert "best configuration" in capsys.readouterr().out
