@@ -37,8 +37,8 @@ at --memory-preset / --memory-seq / --memory-batch, for each remat x attention x
 combination, lowered from abstract shapes only (nothing is allocated, so the full Qwen3-1.7B shape
 can be analysed on a CPU; the figure is then the CPU compiler's buffer assignment, which is close
 to but not the GPU's), printed beside plan mode's "update" figure (delta_jax.plan) for the same
-shape (plan mode models remat none and full; for the dots_* policies it gives the remat-none
-figure, an upper bound). The timed programs' own analyses (forward, fwd+bwd, step at the
+shape (plan mode models every remat policy: none, full and the dots_* policies from the matmul
+outputs they save). The timed programs' own analyses (forward, fwd+bwd, step at the
 throughput shape) are printed on the backend that runs them.
 
 Defaults (one GPU call, issue #9 / #16: Qwen3-1.7B, batch 8 in micro-batches of 2 x sequence

@@ -8,7 +8,8 @@ computed from shapes (jax.eval_shape) and the sharding rules, without the device
 Exact figures (from the parameter / optimizer-state shapes and the rules table, identical to what
 the placed arrays hold on device 0): parameters, gradients, optimizer state, rollout KV cache,
 DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
-the update (remat none / full), the rollout prefill's attention scores, the old-policy pass.
+the update (each remat policy of models.REMAT_POLICIES: none, full, and the dots_* policies from
+the matmul outputs they save), the rollout prefill's attention scores, the old-policy pass.
 
 The update and old-policy pass formulas follow XLA's buffer assignment of the compiled programs:
 the "update" figure agrees with XLA:CPU's memory analysis of the trainer's train step, and the
@@ -17,11 +18,17 @@ compiled from abstract shapes, within 15% on a grid of small float32 models (rem
 two micro-batch / chunk sizes, two sequence lengths, in a half-fraction design for the update;
 materialised attention scores; tests/test_plan.py), except four points of its widest model
 (hidden 512, 128-wide heads), which miss by 18-34% and are listed there (KNOWN_MISSES). The
+update figure of the dots_* policies is checked the same way at five more points (DOTS_GRID:
+dots_with_no_batch_dims_saveable with materialised scores and with blockwise attention in 4 x 4
+blocks, dots_saveable with each; 0.97-1.08 there, 0.96-1.10 at 47 points measured by hand). The
 "rollout" figure (less the optimizer state) agrees with the larger of the sampler's prefill and
 decode programs at two points there (0.89-1.0 at six points checked by hand), once the decode
 program's copy of the layer weights is counted. Not checked that way: bfloat16 activations
-(XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention, the recompute feature
-cache's trunk pass, and any GPU compiler's figures (the benchmarks print those where they run).
+(XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention other than the dots_*
+update points, the recompute feature cache's trunk pass, and any GPU compiler's figures (the
+benchmarks print those where they run; an H100 run of 2026-11-24, Qwen3-1.7B at micro-batch 2 x
+4096 in bf16, compiled the train step at 0.89-0.93x the plan for remat full and
+dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
 
 The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses
 (delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
@@ -32,8 +39,9 @@ the phases compares all three modes.
 Attention follows model.attention (delta_jax/models/attention.py): "xla" materialises the
 [rows, heads, T, S] float32 scores per layer, a quadratic term that dominates at long contexts;
 "blockwise" / "cudnn" (and "auto" at lengths where it picks them) keep only block-sized scores plus
-per-token softmax statistics. The second column of the phase table is always the blockwise figure,
-so the cost of the materialised scores stays visible.
+per-token softmax statistics (but remat=dots_saveable keeps every block pair's score matmul of the
+blockwise path, quadratic again; not cuDNN's). The second column of the phase table is always the
+blockwise figure, so the cost of the materialised scores stays visible.
 """
 from __future__ import annotations
 
@@ -100,15 +108,22 @@ def _div(n: int, parts: int) -> int:
 
 
 def attention_kind(mc: models.ModelConfig, seq: int) -> str:
-    """The attention implementation the model runs for causal self-attention over `seq` tokens:
+    """The attention implementation the model runs for causal self-attention over `seq` tokens
+    on the current JAX backend (attention.resolve_impl, the dispatch attend() itself uses):
     "xla" (materialised scores) or "blockwise" (stands for cudnn too: both keep no [T, S] array).
-    "auto" is resolved as on a machine without cuDNN (by the length threshold); on a GPU it may
-    pick cudnn at short lengths as well, which this plan then over-estimates slightly."""
+    So "auto" in bf16 plans as cuDNN on a CUDA GPU at every length (no score arrays; an H100 run
+    of 2026-11-24 showed the old xla-at-short-lengths assumption over-estimating the 0.6B step's
+    update 2.1x), and by the length threshold elsewhere; plan mode run on a CPU for a GPU target
+    plans the CPU's choice (an over-estimate at short lengths)."""
+    return "xla" if _resolved_attention(mc, seq) == "xla" else "blockwise"
+
+
+def _resolved_attention(mc: models.ModelConfig, seq: int) -> str:
+    """attention.resolve_impl for causal self-attention over `seq` tokens: "xla", "blockwise"
+    or "cudnn" (attention_kind without folding cudnn into blockwise)."""
     from delta_jax.models import attention
-    impl = mc.attention if mc.attention in ("xla", "blockwise") else "auto"
-    if impl == "auto":
-        impl = "blockwise" if seq * seq > attention.AUTO_BLOCKWISE_MIN_SCORES else "xla"
-    return impl
+    return attention.resolve_impl(mc.attention, (1, seq, mc.num_heads, mc.head_dim), mc.dtype,
+                                  kv_len=seq)
 
 
 def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int,
@@ -129,7 +144,20 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
               arrays (probability and score cotangents and their temporaries) and the boolean
               mask, N T bytes per token;
       recomputed_scores (xla): with full remat, the one float32 score array of the recomputed
-              layer that is live beside the backward's transients.
+              layer that is live beside the backward's transients;
+      dots_saved: what remat=dots_with_no_batch_dims_saveable keeps of a layer: the outputs of
+              its matmuls without batch dimensions, q (N D), k, v (K D each), the o_proj output
+              (H), gate and up (I each), plus the layer input (H), in the activation dtype
+              (down_proj's output is no residual): exactly the layer-stacked residuals of the
+              compiled forward layer scan. The rest of the layer, attention included, is
+              recomputed in the backward;
+      batched_dots: what dots_saveable keeps on top of dots_saved: the outputs of the batched
+              matmuls, in float32 (preferred_element_type). xla: the raw scores and the P V
+              product, N (T + D) per token. blockwise: its forward's block matmuls sit in a
+              scan inside the custom VJP's forward, which the policy sees, so every (query block,
+              key block) pair's score block and P V block is kept, skipped causal pairs included:
+              N nk (block_kv + D) per (padded) token, nk = key blocks, quadratic in the length
+              like the xla scores. cudnn: 0 (a fused kernel, no dot_general to save).
     mask (xla): the boolean [rows, T, S] mask, T S bytes per row.
     backward=False (a forward-only pass: the old-policy pass, the rollout prefill):
       linear: 4 H (residual in/out, two norms) + 3 (N D + 2 K D) (q, k, v; after q/k-norm;
@@ -145,7 +173,9 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
       (4 K D per token); with backward=False (a forward-only pass) only the forward's block of
       scores and probabilities (2 float32 + 1 activation-dtype copy) and one query block's
       running statistics and accumulator.
-    `attention`: "xla" | "blockwise" (default: attention_kind(mc, seq)).
+    `attention`: "xla" | "blockwise" | "cudnn" (default: as the backend resolves it for mc;
+    cudnn is counted as blockwise but for batched_dots). The returned "attention" is
+    attention_kind's "xla" | "blockwise".
     """
     a = jnp.dtype(mc.dtype).itemsize
     H, N, K, D, I = (mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
@@ -156,7 +186,8 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
         linear = tokens * a * (6 * H + 4 * n_loc * D + 4 * k_loc * D + 6 * i_loc)
     else:
         linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
-    kind = attention or attention_kind(mc, seq)
+    impl = attention or _resolved_attention(mc, seq)
+    kind = "xla" if impl == "xla" else "blockwise"
     if kind == "xla":
         score_elems = tokens * n_loc * seq
         if backward:
@@ -166,20 +197,24 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
             scores = score_elems * (2 * 4 + a)
             transient = 0
         recomputed_scores = score_elems * 4
+        batched_dots = tokens * n_loc * (seq + D) * 4
         mask = rows * seq * seq  # the boolean [rows, T, S] mask the forward builds
     else:
         mask = 0
         bq, bkv = min(mc.attention_block_q, seq), min(mc.attention_block_kv, seq)
         scores = recomputed_scores = tokens * n_loc * 4
+        nq, nk = -(-seq // bq), -(-seq // bkv)
+        batched_dots = 0 if impl == "cudnn" else rows * n_loc * nq * bq * nk * (bkv + D) * 4
         if backward:
             transient = (rows * n_loc * bq * bkv * (4 * 4 + 2 * a)
                          + rows * n_loc * bq * (2 * D + 2) * 4
                          + tokens * 4 * k_loc * D * 4)
         else:
             transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
+    dots_saved = tokens * a * (2 * H + n_loc * D + 2 * k_loc * D + 2 * i_loc)
     return {"linear": linear, "scores": scores, "attn_transient": transient,
             "recomputed_scores": recomputed_scores, "mask": mask, "input": tokens * H * a,
-            "attention": kind}
+            "dots_saved": dots_saved, "batched_dots": batched_dots, "attention": kind}
 
 
 @dataclasses.dataclass
@@ -224,13 +259,16 @@ class MemoryPlan:
             f"{s['page_size']} tokens); update micro-batch {s['micro_rows']} rows; "
             f"remat={s['remat']}",
             f"  attention={s['attention']} (update / old-policy pass: {s['attention_train']}, "
-            f"rollout prefill: {s['attention_prefill']})",
+            f"rollout prefill: {s['attention_prefill']}; as resolved on the "
+            f"{s.get('attention_backend', '?')} backend, blockwise standing for cudnn too)",
             "per device:",
             f"  parameters                     {g(self.params)}",
             f"  gradients                      {g(self.gradients)}",
             f"  optimizer state                {g(self.optimizer)}",
             f"  activations, remat none        {g(self.activations_remat_none)}  (estimate)",
             f"  activations, remat full        {g(self.activations_remat_full)}  (estimate)",
+            *([f"  activations, configured remat  {g(self.activations_configured)}  "
+               f"(estimate; remat={s['remat']})"] if s["remat"] not in ("none", "full") else []),
             f"  LM-head log-prob chunk         {g(self.logprob_chunk)}",
             f"  rollout KV cache               {g(self.kv_cache)}",
             f"  rollout prefill scores         {g(self.prefill_scores)}  (estimate)",
@@ -318,11 +356,27 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         # Full remat keeps each layer's input and recomputes one layer at a time; its attention
         # backward also holds the recomputed scores and a quarter of the recomputed linear
         # intermediates.
-        full = (L * layer["input"],
-                max(layer["attn_transient"] + layer["recomputed_scores"] + layer["linear"] // 4,
-                    linear_peak))
-        return {"none": none, "full": full,
-                "configured": full if policy == "full" else none}  # dots_*: bounded by "none"
+        recompute = layer["attn_transient"] + layer["recomputed_scores"] + layer["linear"] // 4
+        full = (L * layer["input"], max(recompute, linear_peak))
+        # dots_with_no_batch_dims_saveable keeps every layer's projection / MLP matmul outputs
+        # and its input (dots_saved) and recomputes the rest one layer at a time, attention
+        # included (its score and P V matmuls are batched dots, which it does not save): full
+        # remat's transient, plus one more float32 [T, S] score array with materialised scores
+        # (six float32 [T, S]-sized buffers in XLA:CPU's buffer assignment of the compiled step
+        # against full remat's five).
+        xla = layer["attention"] == "xla"
+        no_batch = (L * layer["dots_saved"],
+                    max(recompute + (layer["recomputed_scores"] if xla else 0), linear_peak))
+        # dots_saveable also keeps the batched matmul outputs (batched_dots). xla: the raw
+        # scores, from which the backward rebuilds the probabilities: full remat's transient.
+        # blockwise: every block pair's score and P V blocks, quadratic in the length, of which
+        # the buffer assignment holds one layer's twice (the blockwise forward's own scan output
+        # beside the layer-stacked residuals). cudnn: nothing more than dots_with_no_batch_dims.
+        dots = (L * (layer["dots_saved"] + layer["batched_dots"]),
+                max(recompute, linear_peak) + (0 if xla else layer["batched_dots"]))
+        by_policy = {"none": none, "full": full, "dots_with_no_batch_dims_saveable": no_batch,
+                     "dots_saveable": dots}
+        return {"none": none, "full": full, "configured": by_policy[policy]}
 
     layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor)
     act = activations(layer)
@@ -424,7 +478,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
-        "attention_prefill": prefill_kind,
+        "attention_prefill": prefill_kind, "attention_backend": jax.default_backend(),
     }
     return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
                       optimizer=opt_bytes, activations_remat_none=act_none,

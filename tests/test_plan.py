@@ -143,6 +143,89 @@ def test_activation_estimate_follows_the_configured_attention():
     assert "attention=blockwise (update / old-policy pass: blockwise" in b1.to_text()
 
 
+def test_activation_estimate_follows_the_remat_policy(monkeypatch):
+    """Every models.REMAT_POLICIES has its own update estimate: full <
+    dots_with_no_batch_dims_saveable < dots_saveable, and < none but for dots_saveable with
+    blockwise attention. The dots_* policies keep each layer's input and its projection / MLP
+    matmul outputs (plan._layer_activation_bytes' dots_saved) and recompute attention, so
+    materialised scores cost dots_with_no_batch_dims_saveable nothing per layer; dots_saveable
+    also keeps the batched attention matmuls (batched_dots): the raw scores and P V products
+    (xla), every block pair's (blockwise), nothing with cuDNN's fused kernel. Hand-computed for
+    SMALL on (1, 4, 2): 2 rows x 128 tokens per device, 4 / 2 q heads, 2 / 2 kv heads, 80 / 2
+    MLP columns, head dim 8, hidden 36, float32."""
+    from delta_jax.models import attention
+    no_batch, saveable = "dots_with_no_batch_dims_saveable", "dots_saveable"
+    assert set(models.REMAT_POLICIES) == {"none", "full", no_batch, saveable}
+    mc = SMALL.replace(attention_block_q=32, attention_block_kv=32)
+
+    def plan_of(remat, impl, layers=2, **kw):
+        return _plan_for(mc.replace(remat=remat, attention=impl, num_layers=layers, **kw), 64, 64)
+
+    def act(*args, **kw):
+        return plan_of(*args, **kw).activations_configured
+
+    for impl in ("xla", "blockwise"):
+        p = {remat: plan_of(remat, impl) for remat in models.REMAT_POLICIES}
+        assert p["none"].activations_configured == p["none"].activations_remat_none
+        assert p["full"].activations_configured == p["full"].activations_remat_full
+        assert (p["full"].activations_configured < p[no_batch].activations_configured
+                < p["none"].activations_configured), impl
+        assert p[no_batch].activations_configured < p[saveable].activations_configured
+        # With blockwise attention dots_saveable keeps more than no remat at all (as XLA does:
+        # S, micro-batch 2 x 512 tokens in 128-token blocks compiles to 71.8 MiB against 63.6).
+        assert ((p[saveable].activations_configured < p["none"].activations_configured)
+                == (impl == "xla"))
+        for dots in (no_batch, saveable):
+            assert f"(estimate; remat={dots})" in p[dots].to_text()
+        assert "configured remat" not in p["full"].to_text()
+
+    # Two more layers add two layers' kept bytes (the transients do not depend on the depth).
+    def per_two_layers(remat, impl, **kw):
+        return act(remat, impl, 4, **kw) - act(remat, impl, 2, **kw)
+
+    tokens = 2 * 128
+    dots_saved = tokens * 4 * (2 * 36 + 2 * 8 + 2 * 1 * 8 + 2 * 40)
+    assert per_two_layers(no_batch, "xla") == 2 * dots_saved == per_two_layers(no_batch,
+                                                                                "blockwise")
+    assert per_two_layers(saveable, "xla") == 2 * (dots_saved + tokens * 2 * (128 + 8) * 4)
+    blocks = 2 * 2 * 128 * 4 * (32 + 8) * 4  # 4 x 4 pairs of 32-token blocks, scores and P V
+    assert per_two_layers(saveable, "blockwise") == 2 * (dots_saved + blocks)
+    assert act(saveable, "blockwise", attention_block_kv=16) > act(saveable, "blockwise")
+    # The materialised scores are recomputed one layer at a time by the no-batch-dims policy.
+    assert (act(no_batch, "xla", 4) - act(no_batch, "blockwise", 4)
+            == act(no_batch, "xla") - act(no_batch, "blockwise"))
+    # cuDNN (on a CUDA GPU, bf16): dots_saveable keeps what the no-batch-dims policy keeps.
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: True)
+    bf16 = dict(dtype=jnp.bfloat16)
+    assert (act(saveable, "cudnn", **bf16) == act(no_batch, "cudnn", **bf16)
+            < act(saveable, "blockwise", **bf16))
+
+
+def test_attention_kind_follows_the_backends_dispatch(monkeypatch):
+    """The plan resolves attention as attend() does on the backend: on a CUDA GPU "auto" and
+    "cudnn" in bf16 run cuDNN (no score arrays) at every length, so a short-sequence update plans
+    the blockwise figure there; float32 (no cuDNN) and "xla" keep the materialised scores, and an
+    explicit "cudnn" off the GPU falls back to blockwise, as attend() does."""
+    from delta_jax.models import attention
+    bf16 = SMALL.replace(remat="none", dtype=jnp.bfloat16, head_dim=8)
+    short = (64, 64)  # 128 tokens: "auto" is xla by length
+    assert plan.attention_kind(bf16.replace(attention="auto"), 128) == "xla"
+    assert plan.attention_kind(bf16.replace(attention="cudnn"), 128) == "blockwise"
+    cpu_auto = _plan_for(bf16.replace(attention="auto"), *short)
+    assert cpu_auto.settings["attention_backend"] == "cpu"
+    assert "as resolved on the cpu backend" in cpu_auto.to_text()
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: True)
+    for impl in ("auto", "cudnn"):
+        assert plan.attention_kind(bf16.replace(attention=impl), 128) == "blockwise"
+    assert plan.attention_kind(bf16.replace(attention="xla"), 128) == "xla"
+    assert plan.attention_kind(bf16.replace(attention="auto", dtype=jnp.float32), 128) == "xla"
+    gpu_auto = _plan_for(bf16.replace(attention="auto"), *short)
+    blockwise = _plan_for(bf16.replace(attention="blockwise"), *short)
+    assert gpu_auto.phases == blockwise.phases
+    assert gpu_auto.phases["update"] < cpu_auto.phases["update"]
+    assert gpu_auto.settings["attention_prefill"] == "blockwise"
+
+
 def test_run_config_attention_reaches_the_plan():
     from delta_jax.train import config as config_lib
     cfg = config_lib.default_config()
@@ -382,17 +465,58 @@ def test_update_phase_agrees_with_the_compiled_train_step(model, remat, micro_ba
     step compiled from abstract shapes on this backend. float32: XLA:CPU keeps a bfloat16
     model's activations largely in float32, so a bfloat16 grid would measure the CPU's
     conversions rather than what a GPU holds."""
+    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
+                           param_dtype=jnp.float32, remat=remat, attention="auto")
+    planned, compiled = _planned_and_compiled_update(mc, micro_batch, seq, response_len)
+    _known_miss(request, ("update", model, remat, micro_batch, seq))
+    assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
+                                                 planned / compiled)
+
+
+def _planned_and_compiled_update(mc, micro_batch, seq, response_len):
+    """(plan mode's "update" phase, XLA's peak estimate of the compiled train step) in bytes for
+    a mini-batch of two micro-batches of `micro_batch` rows on one device."""
     from delta_jax.kernels import timing
 
     tt = _train_throughput()
-    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
-                           param_dtype=jnp.float32, remat=remat, attention="auto")
     shape = dict(chunk=256, batch=2 * micro_batch, micro_batch=micro_batch, seq=seq,
                  response_len=response_len)
     step, state, batch = tt.abstract_step(mc, impl="chunked", **shape)
     compiled = timing.compiled_memory_bytes(step, state, batch)["peak_estimate_bytes"]
-    planned = tt.plan_update_bytes(mc, **shape)
-    _known_miss(request, ("update", model, remat, micro_batch, seq))
+    return tt.plan_update_bytes(mc, **shape), compiled
+
+
+# The dots_* remat policies: each model once with materialised scores ("xla") and once with
+# blockwise attention in 128-token blocks at 512 tokens (4 x 4 block pairs: the regime blockwise
+# is for), micro-batches 2 and 8 alternating;
+# dots_with_no_batch_dims_saveable at every model, dots_saveable (which also keeps the batched
+# attention matmuls) at one point per attention. Measured on 2026-11-24 at these points (in
+# order): 0.993, 1.028, 1.040, 0.971; 1.021, 1.078, 1.089, 1.101; 1.021, 1.050; at all 32
+# no-batch-dims points of {D, M, S, W} x micro {2, 8} x seq {128, 512} x {xla, blockwise}
+# 0.960-1.103, and at 15 dots_saveable points (8 xla, 7 blockwise in 64- to 256-token blocks)
+# 0.960-1.052.
+# Five of the ten points measured when the dots formulas were written (plan / XLA:CPU compiled,
+# 2026-11-24: 0.97-1.10 at all ten; the ones left out for CI time: D xla 8x512 0.993, M xla 2x512
+# 1.028, D blockwise 2x512 1.021, S blockwise 2x512 1.089, W blockwise 8x512 1.101).
+DOTS_GRID = [
+    ("S", "dots_with_no_batch_dims_saveable", "xla", 8, 128, 64),         # 1.040
+    ("W", "dots_with_no_batch_dims_saveable", "xla", 2, 512, 384),        # 0.971
+    ("M", "dots_with_no_batch_dims_saveable", "blockwise", 8, 512, 384),  # 1.078
+    ("S", "dots_saveable", "xla", 8, 512, 384),                           # 1.021
+    ("M", "dots_saveable", "blockwise", 2, 512, 384),                     # 1.050
+]
+
+
+@pytest.mark.parametrize("model,remat,attention,micro_batch,seq,response_len", DOTS_GRID)
+def test_update_phase_agrees_with_the_compiled_train_step_for_dots_remat(
+        model, remat, attention, micro_batch, seq, response_len, request):
+    """The update test for the dots_* remat policies (plan._layer_activation_bytes' dots_saved
+    and batched_dots), with materialised and blockwise attention."""
+    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
+                           param_dtype=jnp.float32, remat=remat, attention=attention,
+                           attention_block_q=128, attention_block_kv=128)
+    planned, compiled = _planned_and_compiled_update(mc, micro_batch, seq, response_len)
+    _known_miss(request, ("update", model, remat, micro_batch, seq, attention))
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
 

@@ -188,6 +188,18 @@ def _host_processes():
     return {(pid, start) for pid, (_, start, _) in stats.items() if pid != me and ours(pid)}
 
 
+def _describe(pid):
+    """A leftover process's command line, state and parent, for the failure message."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().split(")")[-1].split()
+        return f"{cmd or '?'} (state {fields[0]}, ppid {fields[1]})"
+    except OSError:
+        return "gone"
+
+
 def _score_one(scorer, program, tests=("assert True",)):
     t0 = time.perf_counter()
     rewards, info = scorer.score([fenced(program)], [{"tests": list(tests)}])
@@ -209,9 +221,15 @@ def test_hostile_program_scores_zero_and_leaves_nothing(scorer, name, program):
     reward, info, seconds = _score_one(scorer, program)
     assert reward == 0.0, name
     assert seconds < TIMEOUT_S + 3, (name, seconds)
-    time.sleep(0.2)
-    leftover = _host_processes() - before
-    assert not leftover, (name, leftover)
+    # The namespace is torn down by the kernel; on a loaded machine that can take a moment. A
+    # process that escaped would still be there (a fork bomb or daemon runs on): poll for 5 s.
+    give_up = time.monotonic() + 5.0
+    while True:
+        time.sleep(0.2)
+        leftover = _host_processes() - before
+        if not leftover or time.monotonic() > give_up:
+            break
+    assert not leftover, (name, {pid: _describe(pid) for pid, _ in leftover})
 
 
 @needs_isolation
