@@ -486,18 +486,14 @@ def _planned_and_compiled_update(mc, micro_batch, seq, response_len):
     return tt.plan_update_bytes(mc, **shape), compiled
 
 
-# The dots_* remat policies: each model once with materialised scores ("xla") and once with
-# blockwise attention in 128-token blocks at 512 tokens (4 x 4 block pairs: the regime blockwise
-# is for), micro-batches 2 and 8 alternating;
-# dots_with_no_batch_dims_saveable at every model, dots_saveable (which also keeps the batched
-# attention matmuls) at one point per attention. Measured on 2026-11-24 at these points (in
-# order): 0.993, 1.028, 1.040, 0.971; 1.021, 1.078, 1.089, 1.101; 1.021, 1.050; at all 32
-# no-batch-dims points of {D, M, S, W} x micro {2, 8} x seq {128, 512} x {xla, blockwise}
-# 0.960-1.103, and at 15 dots_saveable points (8 xla, 7 blockwise in 64- to 256-token blocks)
-# 0.960-1.052.
-# Five of the ten points measured when the dots formulas were written (plan / XLA:CPU compiled,
-# 2026-11-24: 0.97-1.10 at all ten; the ones left out for CI time: D xla 8x512 0.993, M xla 2x512
-# 1.028, D blockwise 2x512 1.021, S blockwise 2x512 1.089, W blockwise 8x512 1.101).
+# The dots_* remat policies, with materialised scores ("xla") and with blockwise attention in
+# 128-token blocks at 512 tokens (4 x 4 block pairs: the regime blockwise is for). Five of the ten
+# points measured when the dots formulas were written (plan / XLA:CPU compiled, 2026-11-24,
+# 0.97-1.10 at all ten; left out for CI time: D xla 8x512 0.993, M xla 2x512 1.028, D blockwise
+# 2x512 1.021, S blockwise 2x512 1.089, W blockwise 8x512 1.101). Measured by hand then: 0.960-1.103
+# at all 32 no-batch-dims points of {D, M, S, W} x micro {2, 8} x seq {128, 512} x {xla,
+# blockwise}, 0.960-1.052 at 15 dots_saveable points (8 xla, 7 blockwise in 64- to 256-token
+# blocks).
 DOTS_GRID = [
     ("S", "dots_with_no_batch_dims_saveable", "xla", 8, 128, 64),         # 1.040
     ("W", "dots_with_no_batch_dims_saveable", "xla", 2, 512, 384),        # 0.971
