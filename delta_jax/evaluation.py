@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from delta_jax.data.templates import BOXED_INSTRUCTION, CODE_INSTRUCTION
+from delta_jax.stats import t_interval
 
 # The paper's evaluation sampling (k samples per question at these settings).
 EVAL_TEMPERATURE = 1.0
@@ -285,6 +286,48 @@ class EvalResult:
 # ---------------------------------------------------------------------------------------------
 # Running an evaluation
 # ---------------------------------------------------------------------------------------------
+
+
+def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> dict:
+    """How each held-out metric moved between two evaluations of the same questions, paired by
+    question: the change of the question-weighted average (the "average" row) with a Student-t
+    interval of the mean per-question difference.
+
+    before, after: EvalResult.to_dict() of two evaluations (e.g. eval/step_0.json and the last
+    step's), each holding "per_question" counts. Questions are matched by (benchmark, id); only
+    those in both count. Returns {metric: {"before", "after", "diff", "lo", "hi", "n"}} for avg@k
+    and every pass@k' both evaluations report (fractions), or {} when no question is shared. The
+    interval covers the variation from which questions were drawn and from the k samples per
+    question; it says nothing of how another training run would land.
+    """
+    def per_question(result: Mapping) -> dict:
+        k = int(result["k"])
+        out = {}
+        for name, bench in result.get("benchmarks", {}).items():
+            for q in bench.get("per_question", ()):
+                out[(name, str(q["id"]))] = int(q["num_correct"])
+        return k, out
+
+    kb, qb = per_question(before)
+    ka, qa = per_question(after)
+    shared = [key for key in qb if key in qa]
+    if not shared:
+        return {}
+    cb = np.asarray([qb[key] for key in shared])
+    ca = np.asarray([qa[key] for key in shared])
+    metrics = {"avg": (cb / kb, ca / ka)}
+    both = sorted(set(before.get("pass_ks", ())) & set(after.get("pass_ks", ())))
+    for kk in both:
+        if kk <= min(ka, kb):
+            metrics[f"pass@{kk}"] = (pass_at_k(kb, cb, kk), pass_at_k(ka, ca, kk))
+    out = {}
+    for name, (b, a) in metrics.items():
+        diff, _, lo, hi = t_interval(np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                                     confidence)
+        label = f"avg@{ka}" if name == "avg" and ka == kb else name
+        out[label] = {"before": float(np.mean(b)), "after": float(np.mean(a)), "diff": diff,
+                      "lo": lo, "hi": hi, "n": len(shared)}
+    return out
 
 
 def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name: str) -> list:

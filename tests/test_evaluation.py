@@ -183,6 +183,44 @@ def test_evaluate_rows_custom_prompt_and_batching(scorer):
     assert result.pass_ks == (1, 2) and b.pass_at == {1: 0.5, 2: 0.5}
 
 
+def _eval_dict(counts: dict, k: int, pass_ks=(1, 2)) -> dict:
+    """EvalResult.to_dict() of hand-given per-question correct counts {benchmark: {id: c}}."""
+    benches = {name: ev.BenchmarkResult(name, list(per), np.asarray(list(per.values())), k,
+                                        tuple(pass_ks))
+               for name, per in counts.items()}
+    return ev.EvalResult(benches, k, tuple(pass_ks)).to_dict()
+
+
+def test_paired_change_matches_scipy_on_the_per_question_differences():
+    from scipy import stats
+    rng = np.random.default_rng(0)
+    k = 4
+    before = {"a": {f"q{i}": int(c) for i, c in enumerate(rng.integers(0, k + 1, 30))},
+              "b": {i: int(c) for i, c in enumerate(rng.integers(0, k + 1, 10))}}
+    after = {"a": dict(before["a"]), "b": dict(before["b"])}
+    for q in list(after["a"])[:12]:
+        after["a"][q] = min(k, after["a"][q] + 1)
+    after["a"]["extra"] = k        # only in the later evaluation: not paired
+    del after["b"][9]              # only in the earlier one
+    change = ev.paired_change(_eval_dict(before, k), _eval_dict(after, k))
+    keys = [("a", q) for q in before["a"]] + [("b", q) for q in range(9)]
+    cb = np.asarray([before[n][q] for n, q in keys])
+    ca = np.asarray([after[n][q] for n, q in keys])
+    assert set(change) == {"avg@4", "pass@1", "pass@2"}
+    for name, (b, a) in {"avg@4": (cb / k, ca / k),
+                         "pass@2": ([_pass_at_k_brute_force(k, c, 2) for c in cb],
+                                    [_pass_at_k_brute_force(k, c, 2) for c in ca])}.items():
+        d = np.subtract(a, b)
+        half = stats.t.ppf(0.975, len(d) - 1) * stats.sem(d)
+        got = change[name]
+        assert got["n"] == 39
+        assert got["before"] == pytest.approx(np.mean(b)) and got["after"] == pytest.approx(np.mean(a))
+        assert got["diff"] == pytest.approx(d.mean())
+        assert (got["lo"], got["hi"]) == pytest.approx((d.mean() - half, d.mean() + half))
+    assert change["pass@1"]["diff"] == pytest.approx(change["avg@4"]["diff"])
+    assert ev.paired_change(_eval_dict({"a": {"x": 1}}, k), _eval_dict({"a": {"y": 1}}, k)) == {}
+
+
 def test_evaluate_rejects_bad_generate_output(scorer):
     rows = [{"problem": "p", "answer": "1"}]
     with pytest.raises(ValueError, match="responses for prompt 0, want n=3"):

@@ -119,6 +119,28 @@ def test_write_report_writes_pngs_and_prints_before_after(tmp_path, with_delta):
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
 
+def test_report_gives_the_paired_interval_from_the_eval_files(tmp_path):
+    from delta_jax import evaluation
+    write_rows(tmp_path, fake_rows(rl_steps=6, with_delta=False))
+    (tmp_path / "eval").mkdir()
+    # The counts behind fake_rows' avg@4 0.25 -> 0.5 and pass@4 0.5 -> 0.75.
+    counts = {0: [0, 0, 0, 0, 1, 2, 2, 3], 6: [0, 0, 1, 4, 2, 3, 2, 4]}
+    for step, c in counts.items():
+        bench = evaluation.BenchmarkResult("t", [f"q{i}" for i in range(8)], np.asarray(c), 4,
+                                           (1, 4))
+        (tmp_path / "eval" / f"step_{step}.json").write_text(
+            evaluation.EvalResult({"t": bench}, 4, (1, 4)).to_json())
+    text = plots.write_report(str(tmp_path), rl_steps=6)
+    d = (np.asarray(counts[6]) - np.asarray(counts[0])) / 4     # avg@4 per question
+    half = 2.364624 * d.std(ddof=1) / np.sqrt(8)                # t(0.975, 7)
+    lo, hi = 100 * (d.mean() - half), 100 * (d.mean() + half)
+    assert f"+25.0 points (95% CI {lo:+.1f} to {hi:+.1f})" in text
+    assert "pass@4 50.0% -> 75.0% (+25.0, 95% CI [" in text and "paired by problem" in text
+    (tmp_path / "eval" / "step_6.json").unlink()                # no files: no interval
+    text = plots.write_report(str(tmp_path), rl_steps=6)
+    assert "+25.0 points\n" in text and "95% CI" not in text
+
+
 CLASSES = ("boilerplate", "step", "first_error", "after_error")
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax import evaluation
 from delta_jax.rl import credit
 from delta_jax.train.metrics import read_jsonl
 
@@ -349,14 +350,21 @@ def write_report(workdir: str, rl_steps: int | None = None) -> str:
         metric = result["metric"].rsplit("/", 1)[-1]
         n = _eval_questions(workdir, result["after_step"])
         on = f" on {n} held-out problems" if n else " (held out)"
+        change = _eval_change(workdir, result["before_step"], result["after_step"])
         lines.append(f"eval accuracy ({metric}{on}): before RL {100 * result['before']:.1f}% "
                      f"(step {result['before_step']}) -> after RL {100 * result['after']:.1f}% "
                      f"(step {result['after_step']}), "
-                     f"{100 * (result['after'] - result['before']):+.1f} points")
+                     f"{100 * (result['after'] - result['before']):+.1f} points"
+                     + _interval_text(change.get(metric)))
         if result["pass"]:
             lines.append("pass@k before -> after RL: " + ", ".join(
-                f"pass@{k} {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f})"
+                f"pass@{k} {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f}"
+                f"{_interval_text(change.get(f'pass@{k}'), short=True)})"
                 for k, (b, a) in result["pass"].items()))
+        if change:
+            lines.append("(95% intervals: Student t over the per-problem changes, paired by "
+                         "problem; they cover which problems and samples were drawn, not the "
+                         "spread between training runs)")
     if has_credit(rows):
         lines += credit_report_lines(rows, _run_method(workdir))
     lines.append("plots: " + ", ".join(paths))
@@ -411,6 +419,26 @@ def _run_method(workdir: str) -> str | None:
             return json.load(f).get("method")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def _interval_text(change: dict | None, short: bool = False) -> str:
+    if not change or not np.isfinite(change["lo"]):
+        return ""
+    lo, hi = 100 * change["lo"], 100 * change["hi"]
+    return f", 95% CI [{lo:+.1f}, {hi:+.1f}]" if short else f" (95% CI {lo:+.1f} to {hi:+.1f})"
+
+
+def _eval_change(workdir: str, before: int, after: int) -> dict:
+    """evaluation.paired_change of the run's eval/step_<before>.json and step_<after>.json ({}
+    when either is missing or holds no per-question counts)."""
+    results = []
+    for step in (before, after):
+        try:
+            with open(os.path.join(workdir, "eval", f"step_{step}.json"), encoding="utf-8") as f:
+                results.append(json.load(f))
+        except (OSError, ValueError):
+            return {}
+    return evaluation.paired_change(*results)
 
 
 def _eval_questions(workdir: str, step: int) -> int | None:
