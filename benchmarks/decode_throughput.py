@@ -30,7 +30,8 @@ Workloads (--workload):
   --tail-mean-div, clipped to [1, --new-tokens], so a few samples run --new-tokens long and most
   stop early, as RL responses do. Run in B slots with continuous batching and with static
   batching (Sampler(continuous=False): a batch decodes until its longest sample stops; the same
-  programs otherwise). Useful tokens/s = generated tokens / wall time of generate() (prefill
+  programs otherwise). Continuous batching prefills ahead (a refill's prefill call also takes the
+  next waiting prompts) unless --no-prefill-ahead. Useful tokens/s = generated tokens / wall time of generate() (prefill
   included), best of --repeats after an untimed run; "x static" = continuous / static.
 * transformers generate (fixed workload; greedy or the same sampling settings, same model shape
   and dtype, random weights, sdpa, --hf-cache dynamic or static) on the same device when torch
@@ -92,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--steps-per-call", type=int, default=32, help="decode steps per call")
     p.add_argument("--kv-budget-gb", type=float, default=0.0, help="0 = the worst case")
+    p.add_argument("--no-prefill-ahead", action="store_true",
+                   help="continuous batching prefills only the prompts it admits (one prefill "
+                        "call per refill; Sampler(prefill_ahead=False))")
     p.add_argument("--repeats", type=int, default=2, help="timed runs (best is kept)")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     p.add_argument("--hf", choices=["auto", "always", "never"], default="auto",
@@ -205,7 +209,8 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True) ->
     budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb > 0 else None
     return Sampler(model, max_batch_size=batch, page_size=args.page_size,
                    decode_steps_per_call=args.steps_per_call, decode_attention=impl,
-                   kv_budget_bytes=budget, continuous=continuous)
+                   kv_budget_bytes=budget, continuous=continuous,
+                   prefill_ahead=not args.no_prefill_ahead)
 
 
 def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list:
@@ -357,7 +362,8 @@ def main(argv=None):
 
 def print_table(results):
     header = ["batch", "attention", "decode tok/s", "limit tok/s", "% limit", "KV GB",
-              "HF tok/s", "tail cont tok/s", "tail static", "x static", "tail util"]
+              "HF tok/s", "tail cont tok/s", "tail static", "x static", "tail util",
+              "tail prefills"]
     print(" | ".join(f"{h:>15}" for h in header))
     for r in results:
         f, t = r.get("fixed", {}), r.get("longtail", {})
@@ -374,14 +380,16 @@ def print_table(results):
                       f"{t['static']['useful_tokens_per_s']:.1f}",
                       f"{t['speedup_vs_static']:.2f}",
                       f"{t['continuous']['stats']['slot_utilization']:.2f}/"
-                      f"{t['static']['stats']['slot_utilization']:.2f}"]
+                      f"{t['static']['stats']['slot_utilization']:.2f}",
+                      f"{t['continuous']['stats']['prefill_calls']}/"
+                      f"{t['static']['stats']['prefill_calls']}"]
         else:
-            cells += ["error" if t else "-"] + ["-"] * 3
+            cells += ["error" if t else "-"] + ["-"] * 4
         print(" | ".join(f"{c:>15}" for c in cells))
     print("decode tok/s = generated / time in decode calls (fixed lengths, no stop); limit = B x "
           "copy bandwidth / (params + K/V at the live length); tail = long-tailed length "
           "schedule, useful tok/s = generated / generate() wall time, continuous vs static "
-          "batching; util = slot utilization")
+          "batching; util = slot utilization; prefills = prefill calls, continuous / static")
 
 
 def write_results(args, results):

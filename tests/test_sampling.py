@@ -169,6 +169,14 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
     assert stats["slot_utilization"] > 0.8 and stats["prefilled_prompts"] == 48
     wide = Sampler(tiny_model, max_batch_size=64).generate(prompts, **kwargs)
     assert wide.response_ids == out.response_ids and wide.truncated == out.truncated
+    # Prefilling ahead (the default) fills each refill's prefill call with the next waiting
+    # prompts: fewer calls than one per refill, each prompt still prefilled once, same tokens.
+    one_by_one = Sampler(tiny_model, max_batch_size=16, prefill_ahead=False).generate(
+        prompts, **kwargs)
+    assert one_by_one.response_ids == out.response_ids
+    assert one_by_one.stats["prefilled_prompts"] == 48
+    assert stats["prefill_calls"] < one_by_one.stats["prefill_calls"], (
+        stats["prefill_calls"], one_by_one.stats["prefill_calls"])
 
 
 def test_kv_budget_is_checked_before_generating(tiny_model):

@@ -9,7 +9,9 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   free the next sample takes it at once. Its prompt is prefilled once, when its first sample is
   admitted: the KV of all prompt tokens but the last is written into pages shared by the prompt's
   n samples (a sample copies only the partial last page); the last prompt token is the sample's
-  first decode input.
+  first decode input. When a refill prefills anyway, the call also takes the next waiting
+  prompts up to its row capacity while the pool has room to spare (prefill_ahead), so their
+  samples find their pages ready.
 * `decode` runs up to `decode_steps_per_call` steps for all slots in one lax.while_loop and
   returns as soon as enough slots have finished to refill (max(1, slots // 32), or fewer when
   fewer samples wait), so slots stay full until the work runs out; the host then appends the new
@@ -107,6 +109,10 @@ class Sampler:
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
       batches (new samples only once every slot is free: the baseline that benchmarks compare
       against).
+    prefill_ahead: when a refill prefills prompts anyway, the same call also prefills the next
+      waiting prompts up to its row capacity (continuous batching only), while the pool keeps
+      room for every live sample's longest continuation plus one more sample: fewer, fuller
+      prefill calls (one per refill otherwise). Never changes the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -115,7 +121,8 @@ class Sampler:
                  batch_axes: Sequence[str] = DEFAULT_BATCH_AXES, min_prompt_bucket: int = 16,
                  min_response_bucket: int = 16, pad_id: int = 0, page_size: int = 32,
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
-                 decode_attention: str = "auto", continuous: bool = True):
+                 decode_attention: str = "auto", continuous: bool = True,
+                 prefill_ahead: bool = True):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -144,6 +151,7 @@ class Sampler:
         self.decode_steps_per_call = decode_steps_per_call
         self.decode_attention = decode_attention
         self.continuous = bool(continuous)
+        self.prefill_ahead = bool(prefill_ahead)
         self.mesh = mesh
         axes = tuple(a for a in batch_axes if mesh is not None and a in mesh.axis_names)
         self._batch_axes = axes
@@ -389,6 +397,8 @@ class _Run:
                 copies.append((shard, prompt.pages[shard][-1], sample.own[0]))
             prompt.live[shard] += 1
             self.slots[slot] = sample
+        if to_prefill and self.s.prefill_ahead and self.s.continuous:
+            to_prefill += self._ahead(to_prefill)
         start = time.perf_counter()
         self._prefill(to_prefill)
         self._copy(copies)
@@ -421,12 +431,7 @@ class _Run:
         if not jobs:
             return
         S = self.num_shards
-        # At most slots / n prompts and about MAX_PREFILL_TOKENS tokens per call: the
-        # prefill's keys/values of every layer are a transient [L, rows, width, K, D] pair.
-        width = bucket_size(max(self.prompts[i].kv_len for i, _ in jobs), s.min_prompt_bucket)
-        rows = min(max(1, s.num_slots // self.n), max(1, MAX_PREFILL_TOKENS // width))
-        per_call = max(S, 1 << int(math.floor(math.log2(rows))))
-        cap = max(1, per_call // S)  # rows per shard per call
+        cap = self._prefill_cap(self._prefill_width(jobs))  # rows per shard per call
         queues = [[i for i, sh in jobs if sh == shard] for shard in range(S)]
         while any(queues):
             groups = [q[:cap] for q in queues]
@@ -452,6 +457,54 @@ class _Run:
                 batch_spec=s._batch_spec)
             self.prefill_calls += 1
             self.prefilled += sum(map(len, groups))
+
+    def _prefill_width(self, jobs) -> int:
+        return bucket_size(max(self.prompts[i].kv_len for i, _ in jobs), self.s.min_prompt_bucket)
+
+    def _prefill_cap(self, width: int) -> int:
+        """Rows per shard of one prefill call of prompts up to `width` (bucketed) tokens: at most
+        slots / n prompts and about MAX_PREFILL_TOKENS tokens per call (the prefill's keys and
+        values of every layer are a transient [L, rows, width, K, D] pair)."""
+        S = self.num_shards
+        rows = min(max(1, self.s.num_slots // self.n), max(1, MAX_PREFILL_TOKENS // width))
+        return max(1, max(S, 1 << int(math.floor(math.log2(rows)))) // S)
+
+    def _ahead(self, jobs) -> list:
+        """Prefill-ahead jobs for the call that prefills `jobs`: the next waiting prompts with no
+        pages yet and no longer than the call's width, in queue order, on the shard with the most
+        free pages, until each shard's last call is full. A prompt's pages are taken only while
+        its shard keeps room for every live sample there to reach its limit plus one sample of
+        the longest kind, so prefilling ahead never preempts a live sample."""
+        width = self._prefill_width(jobs)
+        cap = self._prefill_cap(width)
+        count = collections.Counter(sh for _, sh in jobs)
+        room = {sh: -count[sh] % cap if count[sh] else cap for sh in range(self.num_shards)}
+        spare = [self.allocs[sh].num_free - self.plan.pages_per_seq
+                 for sh in range(self.num_shards)]
+        for k, sample in enumerate(self.slots):
+            if sample is not None:
+                prompt = self.prompts[sample.prompt]
+                top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
+                spare[self.shard_of(k)] -= max(
+                    0, top - prompt.kv_len // self.ps - len(sample.own))
+        out, seen = [], {i for i, _ in jobs}
+        for i, _ in self.waiting:
+            if not any(room.values()):
+                break
+            prompt = self.prompts[i]
+            if i in seen or prompt.pages or prompt.kv_len == 0 or prompt.kv_len > width:
+                continue
+            seen.add(i)
+            need = pages_for(prompt.kv_len, self.ps)
+            shard = max((sh for sh in room if room[sh] and spare[sh] >= need),
+                        key=lambda sh: (spare[sh], -sh), default=None)
+            if shard is None:
+                break
+            prompt.pages[shard] = self.allocs[shard].take(need)
+            spare[shard] -= need
+            room[shard] -= 1
+            out.append((i, shard))
+        return out
 
     def _copy(self, copies):
         """(shard, src, dst) copies of shard-local pages: entries split evenly over the shards."""
