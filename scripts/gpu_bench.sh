@@ -8,6 +8,7 @@
 #   bash scripts/gpu_bench.sh lmhead train       # kernels, MFU (#16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
+#   bash scripts/gpu_bench.sh longtail_noahead   # long tail without prefilling ahead (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 # Stage times on an H100 (2026-11-24): step 178 s, tests ~390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s.
@@ -51,6 +52,12 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention pallas --workload fixed longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput.json" ;;
+    longtail_noahead)  # issue 15: the long-tailed workload with one prefill call per refill
+                       # (Sampler(prefill_ahead=False)), to compare with the decode stage's
+      stage longtail_noahead 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention pallas --workload longtail --hf never --repeats 1 \
+        --no-prefill-ahead --output "$OUT/decode_throughput_noahead.json" ;;
     decode_ref)  # the same with the jnp page reader (not yet measured on a GPU)
       stage decode_ref 420 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
