@@ -31,8 +31,9 @@ Workloads (--workload):
   stop early, as RL responses do. Run in B slots with continuous batching and with static
   batching (Sampler(continuous=False): a batch decodes until its longest sample stops; the same
   programs otherwise). Continuous batching prefills ahead (a refill's prefill call also takes the
-  next waiting prompts) unless --no-prefill-ahead. Useful tokens/s = generated tokens / wall time of generate() (prefill
-  included), best of --repeats after an untimed run; "x static" = continuous / static.
+  next waiting prompts) unless --no-prefill-ahead. Useful tokens/s = generated tokens / wall time
+  of generate() (prefill included), best of --repeats after an untimed run; "x static" =
+  continuous / static.
 * transformers generate (fixed workload; greedy or the same sampling settings, same model shape
   and dtype, random weights, sdpa, --hf-cache dynamic or static) on the same device when torch
   has CUDA (or with --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process

@@ -300,7 +300,7 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
     interval covers the variation from which questions were drawn and from the k samples per
     question; it says nothing of how another training run would land.
     """
-    def per_question(result: Mapping) -> dict:
+    def per_question(result: Mapping) -> tuple[int, dict]:
         k = int(result["k"])
         out = {}
         for name, bench in result.get("benchmarks", {}).items():
@@ -317,9 +317,8 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
     ca = np.asarray([qa[key] for key in shared])
     metrics = {"avg": (cb / kb, ca / ka)}
     both = sorted(set(before.get("pass_ks", ())) & set(after.get("pass_ks", ())))
-    for kk in both:
-        if kk <= min(ka, kb):
-            metrics[f"pass@{kk}"] = (pass_at_k(kb, cb, kk), pass_at_k(ka, ca, kk))
+    for kk in both:  # each evaluation reports pass@kk only for kk <= its own k
+        metrics[f"pass@{kk}"] = (pass_at_k(kb, cb, kk), pass_at_k(ka, ca, kk))
     out = {}
     for name, (b, a) in metrics.items():
         diff, _, lo, hi = t_interval(np.asarray(a, np.float64) - np.asarray(b, np.float64),

@@ -348,9 +348,12 @@ def write_report(workdir: str, rl_steps: int | None = None) -> str:
     result = eval_before_after(rows, rl_steps)
     if result is not None:
         metric = result["metric"].rsplit("/", 1)[-1]
-        n = _eval_questions(workdir, result["after_step"])
+        before_eval = _eval_file(workdir, result["before_step"])
+        after_eval = _eval_file(workdir, result["after_step"])
+        n = _num_questions(after_eval)
         on = f" on {n} held-out problems" if n else " (held out)"
-        change = _eval_change(workdir, result["before_step"], result["after_step"])
+        change = (evaluation.paired_change(before_eval, after_eval)
+                  if before_eval is not None and after_eval is not None else {})
         lines.append(f"eval accuracy ({metric}{on}): before RL {100 * result['before']:.1f}% "
                      f"(step {result['before_step']}) -> after RL {100 * result['after']:.1f}% "
                      f"(step {result['after_step']}), "
@@ -428,23 +431,17 @@ def _interval_text(change: dict | None, short: bool = False) -> str:
     return f", 95% CI [{lo:+.1f}, {hi:+.1f}]" if short else f" (95% CI {lo:+.1f} to {hi:+.1f})"
 
 
-def _eval_change(workdir: str, before: int, after: int) -> dict:
-    """evaluation.paired_change of the run's eval/step_<before>.json and step_<after>.json ({}
-    when either is missing or holds no per-question counts)."""
-    results = []
-    for step in (before, after):
-        try:
-            with open(os.path.join(workdir, "eval", f"step_{step}.json"), encoding="utf-8") as f:
-                results.append(json.load(f))
-        except (OSError, ValueError):
-            return {}
-    return evaluation.paired_change(*results)
-
-
-def _eval_questions(workdir: str, step: int) -> int | None:
-    path = os.path.join(workdir, "eval", f"step_{step}.json")
+def _eval_file(workdir: str, step: int) -> dict | None:
+    """The run's eval/step_<step>.json (EvalResult.to_dict()), or None when absent or unreadable."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return int(json.load(f)["average"]["num_questions"])
-    except (OSError, KeyError, ValueError, TypeError):
+        with open(os.path.join(workdir, "eval", f"step_{step}.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _num_questions(result: dict | None) -> int | None:
+    try:
+        return int(result["average"]["num_questions"])
+    except (KeyError, ValueError, TypeError):
         return None
