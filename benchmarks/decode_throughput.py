@@ -98,6 +98,9 @@ def parse_args(argv=None):
                    help="continuous batching prefills only the prompts it admits (one prefill "
                         "call per refill; Sampler(prefill_ahead=False))")
     p.add_argument("--repeats", type=int, default=2, help="timed runs (best is kept)")
+    p.add_argument("--profile", default="",
+                   help="fixed workload: trace one more generate() into this folder and print "
+                        "the device time by kernel (kernels.timing.trace_summary)")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     p.add_argument("--hf", choices=["auto", "always", "never"], default="auto",
                    help="transformers baseline: auto = only when torch has CUDA")
@@ -256,11 +259,14 @@ def recording_sampler_programs(calls: dict):
 
 def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict:
     cfg = model.cfg
-    stats = timed_generate(make_sampler(model, batch, impl, args),
-                           random_prompts(cfg, batch, args.prompt_len), args.new_tokens, args)
+    sampler, prompts = make_sampler(model, batch, impl, args), random_prompts(cfg, batch,
+                                                                             args.prompt_len)
+    stats = timed_generate(sampler, prompts, args.new_tokens, args)
     expected = batch * args.new_tokens
     if stats["generated_tokens"] != expected:
         raise RuntimeError(f"generated {stats['generated_tokens']} tokens, expected {expected}")
+    profile = profile_generate(sampler, prompts, args, f"fixed_b{batch}_{impl}") \
+        if args.profile else None
     # Step s (0-based) attends prompt_len + s cached tokens.
     live = float(np.mean(args.prompt_len + np.arange(args.new_tokens)))
     step_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, live)
@@ -272,7 +278,27 @@ def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict
         "stats": stats,
     }
     out["fraction_of_limit"] = out["decode_tokens_per_s"] / out["bandwidth_limit_tokens_per_s"]
+    if profile is not None:
+        out["profile"] = profile
     return out
+
+
+def profile_generate(sampler: Sampler, prompts, args, label: str) -> dict:
+    """One more (already compiled) generate() under jax.profiler.trace into --profile/label; prints
+    and returns the device time by kernel, per decode step (the whole generate, prefill included,
+    divided by its decode steps)."""
+    folder = os.path.join(args.profile, label)
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        stats = sampler.generate(prompts, n=1, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k, max_new_tokens=args.new_tokens,
+                                 stop_token_ids=(), seed=0).stats
+    rows = timing.trace_summary(folder, top=25)
+    steps = max(1, stats["decode_steps"])
+    timing.print_table(f"device time by kernel, {label} ({steps} decode steps; us per step)", [
+        ("kernel", lambda r: r["name"][:70], "70s"), ("us/step", lambda r: r["total_us"] / steps,
+                                                       "10.1f"),
+        ("calls/step", lambda r: r["count"] / steps, "10.1f"), ("share", "share", "7.3f")], rows)
+    return {"decode_steps": steps, "seconds": stats["seconds"], "kernels": rows}
 
 
 def longtail_lengths(args, count: int) -> list:

@@ -3,8 +3,8 @@ decode's attention) at the decode shapes, against the memory-bandwidth limit: a 
 Pallas GPU kernel's parameters (k_splits x pages_per_compute_block x num_warps x num_stages) and of
 the jnp page reader's block size, so that the sampler's defaults can be chosen from measurements.
 
-    # GPU (issue #15: decode reaches 56% / 65% of the bandwidth limit at batch 64 / 256 with
-    # jax's default kernel parameters, k_splits 16 / 8 pages per block / 8 warps / 2 stages):
+    # GPU (issue #15; the H100 sweep of 2026-11-24 chose attention.PALLAS_*: k_splits 4, 4 pages
+    # per block, 4 warps, 3 stages, against jax's 16 / 8 / 8 / 2; BENCHMARKS.md "Third GPU run"):
     python benchmarks/paged_attention.py --batch 64 256
     # CPU smoke run (the interpreted kernel is slow: one small point):
     python benchmarks/paged_attention.py --batch 2 --length 64 --pages-per-seq 4 --page-size 16 \
@@ -165,7 +165,8 @@ def main(argv=None):
 
 
 def print_best(rows):
-    """The fastest correct configuration per batch and implementation, and jax's defaults."""
+    """The fastest correct configuration per batch and implementation, and the product's defaults
+    (attention.PALLAS_*, attention.DECODE_PAGES_PER_BLOCK)."""
     defaults = {"k_splits": attention.PALLAS_K_SPLITS,
                 "pages_per_compute_block": attention.PALLAS_PAGES_PER_COMPUTE_BLOCK,
                 "num_warps": attention.PALLAS_NUM_WARPS, "num_stages": attention.PALLAS_NUM_STAGES}

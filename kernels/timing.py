@@ -125,6 +125,36 @@ def print_recorded_memory(calls: dict, prefix: str = "", plan_bytes: dict | None
     return out
 
 
+def trace_summary(trace_dir, top: int = 25) -> list[dict]:
+    """The newest `*.trace.json.gz` under trace_dir (as jax.profiler.trace(trace_dir,
+    create_perfetto_trace=True) writes it) summed by event: [{"process", "name", "total_us",
+    "count", "share"}] for the complete ("X") events of the device processes (those named
+    "/device:..."; every process where none is), largest total first, `top` rows; share = the
+    fraction of those processes' summed time."""
+    import gzip
+    traces = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"),
+                    key=lambda f: f.stat().st_mtime)
+    if not traces:
+        raise FileNotFoundError(f"trace_summary: no *.trace.json.gz under {trace_dir}")
+    with gzip.open(traces[-1], "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, name in names.items() if name.startswith("/device:")}
+    sums: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or (device_pids and e.get("pid") not in device_pids):
+            continue
+        key = (names.get(e.get("pid"), str(e.get("pid"))), e.get("name", "?"))
+        total, count = sums.get(key, (0.0, 0))
+        sums[key] = (total + float(e.get("dur", 0.0)), count + 1)
+    whole = sum(total for total, _ in sums.values()) or 1.0
+    rows = [{"process": proc, "name": name, "total_us": total, "count": count,
+             "share": total / whole} for (proc, name), (total, count) in sums.items()]
+    return sorted(rows, key=lambda r: -r["total_us"])[:top]
+
+
 def device_description() -> str:
     device = jax.devices()[0]
     return f"{jax.default_backend()}: {getattr(device, 'device_kind', str(device))}"

@@ -8,10 +8,11 @@
 #   bash scripts/gpu_bench.sh lmhead train       # kernels, MFU (#16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
-#   bash scripts/gpu_bench.sh longtail_noahead   # long tail without prefilling ahead (#15)
+#   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
+#   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
-# Stage times on an H100 (2026-11-24): step 178 s, tests ~390 s (run it in a call of its own),
-# lmhead 24 s, train 166 s.
+# Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
+# lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
 #
 # Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call.
 # Each stage has its own time limit (seconds, STAGE_LIMIT_<stage> overrides) so one slow stage
@@ -52,6 +53,17 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention pallas --workload fixed longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput.json" ;;
+    profile)  # issue 15: fixed lengths at batch 64 and 256 with the device time by kernel
+              # (kernels.timing.trace_summary; H100, 2026-11-24: ~170 s)
+      stage profile 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention pallas --workload fixed --hf never --repeats 1 \
+        --profile /tmp/decode_profile --output "$OUT/decode_profile.json" ;;
+    longtail)  # issue 15: the long-tailed workload alone, prefilling ahead (the default)
+      stage longtail 240 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention pallas --workload longtail --hf never --repeats 1 \
+        --output "$OUT/decode_throughput_longtail.json" ;;
     longtail_noahead)  # issue 15: the long-tailed workload with one prefill call per refill
                        # (Sampler(prefill_ahead=False)), to compare with the decode stage's
       stage longtail_noahead 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \

@@ -54,12 +54,14 @@ IMPLS = ("auto", "xla", "blockwise", "cudnn")
 DECODE_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
-# The Pallas GPU kernel's split of a sequence's pages over programs, and pages per inner block.
-# (jax's own defaults; not yet tuned on a GPU: benchmarks/paged_attention.py sweeps them.)
-PALLAS_K_SPLITS = 16
-PALLAS_PAGES_PER_COMPUTE_BLOCK = 8
-PALLAS_NUM_WARPS = 8
-PALLAS_NUM_STAGES = 2
+# The Pallas GPU kernel's split of a sequence's pages over programs, pages per inner block, warps
+# and pipeline stages: the fastest for the sum of batch 64 and 256 in benchmarks/paged_attention.py's
+# sweep (H100, 2026-11-24, 32-token pages, 64-page tables, 1024 live tokens: 277 / 589 us per
+# layer call vs 338 / 812 us for jax's defaults 16 / 8 (clipped to 4) / 8 / 2).
+PALLAS_K_SPLITS = 4
+PALLAS_PAGES_PER_COMPUTE_BLOCK = 4
+PALLAS_NUM_WARPS = 4
+PALLAS_NUM_STAGES = 3
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
 # 2048 x 2048 float32 scores are 16 MiB per head per row.
 AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048

@@ -107,6 +107,8 @@ def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, len
     A slot live at entry produced tokens[:, :generated_out - generated_in] in this call.
     """
     model = nnx.merge(graphdef, state)
+    # Sliced once per call, outside the step loop (see DecoderLayers.unstacked).
+    layers = model.layers.unstacked()
     num_slots = token.shape[0]
     page_size = cache.page_size
     mesh, batch_axes = batch_spec or (None, None)
@@ -132,7 +134,7 @@ def decode(graphdef, state, cache: models.PagedKVCache, block_tables, token, len
         logits, cache = model.decode_paged(
             token, length, cache, block_tables, jnp.where(active, length + 1, 0), page, offset,
             attention_impl=attention_impl, pages_per_block=pages_per_block,
-            mesh=mesh, batch_axes=batch_axes or ())
+            mesh=mesh, batch_axes=batch_axes or (), layers=layers)
         keys = jax.vmap(jax.random.fold_in)(row_keys, generated)
         new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,
                                          use_top_p=use_top_p, greedy=greedy)
