@@ -420,9 +420,9 @@ def print_table(results):
 
 
 def write_results(args, results):
-    with open(args.output, "w") as f:
-        json.dump({"args": vars(args), "jax": jax.__version__, "host": platform.node(),
-                   "results": results}, f, indent=2)
+    """timing.write_json's record (device, date, command, args) with the rows."""
+    timing.write_json(args.output, {"jax": jax.__version__, "host": platform.node(),
+                                    "results": results}, args=args)
 
 
 if __name__ == "__main__":
