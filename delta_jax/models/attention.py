@@ -55,9 +55,10 @@ DECODE_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
 # The Pallas GPU kernel's split of a sequence's pages over programs, pages per inner block, warps
-# and pipeline stages: the fastest for the sum of batch 64 and 256 in benchmarks/paged_attention.py's
-# sweep (H100, 2026-11-24, 32-token pages, 64-page tables, 1024 live tokens: 277 / 589 us per
-# layer call vs 338 / 812 us for jax's defaults 16 / 8 (clipped to 4) / 8 / 2).
+# and pipeline stages: the fastest for the sum of batch 64 and 256 in the sweep of
+# benchmarks/paged_attention.py (H100, 2026-11-24, 32-token pages, 64-page tables, 1024 live
+# tokens: 277 / 589 us per layer call vs 338 / 812 us for jax's defaults 16 / 8 (clipped to 4) /
+# 8 / 2).
 PALLAS_K_SPLITS = 4
 PALLAS_PAGES_PER_COMPUTE_BLOCK = 4
 PALLAS_NUM_WARPS = 4
@@ -213,17 +214,8 @@ def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
       kj, vj, valid_j, i_, j, q_offset = blk.tie(*xs[:3], i, xs[3])
 
       def update(carry):
-        m, l, acc = carry
         s = blk.scores(qi, kj, i_, j, valid_j, q_offset)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        # Finite where the row has seen no allowed key yet: no (-inf) - (-inf) below.
-        m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)
-        p = jnp.exp(s - m_safe[..., None])
-        correction = jnp.exp(m - m_safe)
-        l = l * correction + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vj.dtype), vj,
-                        preferred_element_type=jnp.float32)
-        return m_new, l, acc * correction[..., None] + pv
+        return _online_softmax_step(carry, s, vj, "bkgqs,bskd->bkgqd")
 
       return jax.lax.cond(blk.needed(i_, j, valid_j, q_offset), update, lambda c: c,
                           carry), None
@@ -232,8 +224,7 @@ def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
             jnp.zeros((B, K, G, blk.bq), jnp.float32),
             jnp.zeros((B, K, G, blk.bq, D), jnp.float32))
     (m, l, acc), _ = jax.lax.scan(kv_step, init, kv_xs)
-    nonempty = l > 0
-    out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+    out, nonempty = _online_softmax_result(l, acc)
     lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), jnp.inf)
     return out.astype(q.dtype), lse
 
@@ -285,6 +276,28 @@ def _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal, blo
   dq = _from_blocks(dq.reshape(blk.nq, B, blk.bq, N, D))[:, :T]
   dk, dv = _from_blocks(dk)[:, :S], _from_blocks(dv)[:, :S]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _online_softmax_step(carry, s, v, pv_subscripts: str):
+  """One key block of flash-style attention: fold float32 scores s [..., keys] (-inf = not
+  allowed) and values v into the running (max m, sum l, weighted values acc) carry;
+  pv_subscripts contracts p [..., keys] with v into acc's shape."""
+  m, l, acc = carry
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  # Finite where the row has seen no allowed key yet: no (-inf) - (-inf) below.
+  m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)
+  p = jnp.exp(s - m_safe[..., None])
+  correction = jnp.exp(m - m_safe)
+  l = l * correction + jnp.sum(p, axis=-1)
+  pv = jnp.einsum(pv_subscripts, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_new, l, acc * correction[..., None] + pv
+
+
+def _online_softmax_result(l, acc):
+  """(acc / l, 0 for rows that saw no allowed key; the mask of rows that did)."""
+  nonempty = l > 0
+  out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+  return out, nonempty
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -360,7 +373,6 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   qg = q.reshape(B, K, G, D)
 
   def step(j, carry):
-    m, l, acc = carry
     pages = jax.lax.dynamic_slice_in_dim(tables, j * ppb, ppb, axis=1)          # [B, ppb]
     kj = k_pages[:, pages].reshape(K, B, block_len, D).astype(q.dtype)       # [K, B, s, D]
     vj = v_pages[:, pages].reshape(K, B, block_len, D)
@@ -368,20 +380,12 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     slot = j * block_len + jnp.arange(block_len, dtype=jnp.int32)
     allowed = (slot[None, :] < lengths[:, None])[:, None, None, :]               # [B, 1, 1, s]
     s = jnp.where(allowed, s * (D ** -0.5), -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.maximum(m_new, jnp.finfo(jnp.float32).min)  # no (-inf) - (-inf)
-    p = jnp.exp(s - m_safe[..., None])
-    correction = jnp.exp(m - m_safe)
-    l = l * correction + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgs,kbsd->bkgd", p.astype(vj.dtype), vj,
-                    preferred_element_type=jnp.float32)
-    return m_new, l, acc * correction[..., None] + pv
+    return _online_softmax_step(carry, s, vj, "bkgs,kbsd->bkgd")
 
   init = (jnp.full((B, K, G), -jnp.inf, jnp.float32), jnp.zeros((B, K, G), jnp.float32),
           jnp.zeros((B, K, G, D), jnp.float32))
   _, l, acc = jax.lax.fori_loop(jnp.int32(0), trips, step, init)
-  nonempty = l > 0
-  out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+  out, _ = _online_softmax_result(l, acc)
   return out.reshape(B, N, D).astype(q.dtype)
 
 
