@@ -222,10 +222,15 @@ def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list:
     return rng.integers(1, cfg.vocab_size, size=(count, length)).tolist()
 
 
+def generate_kwargs(args, max_new_tokens) -> dict:
+    """Sampler.generate's arguments for every benchmark run: one sample a prompt, no stop token."""
+    return dict(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                max_new_tokens=max_new_tokens, stop_token_ids=(), seed=0)
+
+
 def timed_generate(sampler: Sampler, prompts, max_new_tokens, args) -> dict:
     """An untimed generate (compiles), then the best of --repeats by wall time."""
-    kwargs = dict(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  max_new_tokens=max_new_tokens, stop_token_ids=(), seed=0)
+    kwargs = generate_kwargs(args, max_new_tokens)
     calls = {}
     with recording_sampler_programs(calls):
         start = time.perf_counter()
@@ -259,8 +264,8 @@ def recording_sampler_programs(calls: dict):
 
 def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict:
     cfg = model.cfg
-    sampler, prompts = make_sampler(model, batch, impl, args), random_prompts(cfg, batch,
-                                                                             args.prompt_len)
+    sampler = make_sampler(model, batch, impl, args)
+    prompts = random_prompts(cfg, batch, args.prompt_len)
     stats = timed_generate(sampler, prompts, args.new_tokens, args)
     expected = batch * args.new_tokens
     if stats["generated_tokens"] != expected:
@@ -289,9 +294,7 @@ def profile_generate(sampler: Sampler, prompts, args, label: str) -> dict:
     divided by its decode steps)."""
     folder = os.path.join(args.profile, label)
     with jax.profiler.trace(folder, create_perfetto_trace=True):
-        stats = sampler.generate(prompts, n=1, temperature=args.temperature, top_p=args.top_p,
-                                 top_k=args.top_k, max_new_tokens=args.new_tokens,
-                                 stop_token_ids=(), seed=0).stats
+        stats = sampler.generate(prompts, **generate_kwargs(args, args.new_tokens)).stats
     rows = timing.trace_summary(folder, top=25)
     steps = max(1, stats["decode_steps"])
     timing.print_table(f"device time by kernel, {label} ({steps} decode steps; us per step)", [

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -131,7 +132,6 @@ def trace_summary(trace_dir, top: int = 25) -> list[dict]:
     "count", "share"}] for the complete ("X") events of the device processes (those named
     "/device:..."; every process where none is), largest total first, `top` rows; share = the
     fraction of those processes' summed time."""
-    import gzip
     traces = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"),
                     key=lambda f: f.stat().st_mtime)
     if not traces:
