@@ -1,7 +1,9 @@
 """Paged decode attention alone (delta_jax.models.attention.paged_decode_attention, the rollout
 decode's attention) at the decode shapes, against the memory-bandwidth limit: a sweep of the
-Pallas GPU kernel's parameters (k_splits x pages_per_compute_block x num_warps x num_stages) and of
-the jnp page reader's block size, so that the sampler's defaults can be chosen from measurements.
+Pallas GPU kernel's parameters (k_splits x pages_per_compute_block x num_warps x num_stages), of
+the Mosaic GPU kernel's (delta_jax.kernels.paged_decode: k_splits x pages_per_block x stages, the
+--num-stages values; configurations over its shared memory are skipped) and of the jnp page
+reader's block size, so that the sampler's defaults can be chosen from measurements.
 
     # GPU (issue #15; the H100 sweep of 2026-11-24 chose attention.PALLAS_*: k_splits 4, 4 pages
     # per block, 4 warps, 3 stages, against jax's 16 / 8 / 8 / 2; BENCHMARKS.md "Third GPU run"):
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from delta_jax.kernels import timing
+from delta_jax.kernels import paged_decode, timing
 from delta_jax.models import attention
 
 
@@ -51,8 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=1024, help="live tokens per row")
     p.add_argument("--ragged", action="store_true", help="lengths uniform in [L/2, 3L/2]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--impls", nargs="+", default=["pallas", "reference"],
-                   choices=["pallas", "pallas_interpret", "reference"])
+    p.add_argument("--impls", nargs="+", default=["pallas", "mosaic", "reference"],
+                   choices=["pallas", "pallas_interpret", "mosaic", "reference"])
     p.add_argument("--k-splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--pages-per-block", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
@@ -103,6 +105,18 @@ def configurations(args):
             for ppb in args.reference_ppb:
                 yield f"reference ppb={ppb}", impl, {"pages_per_block": ppb}
             continue
+        if impl == "mosaic":
+            itemsize = jnp.dtype(args.dtype).itemsize
+            for ks, ppb, stages in itertools.product(args.k_splits, args.pages_per_block,
+                                                     args.num_stages):
+                if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks \
+                        or (ppb * args.page_size) % 64 or paged_decode.smem_bytes(
+                            args.head_dim, args.page_size, ppb, stages, itemsize) \
+                        > paged_decode.SMEM_LIMIT_BYTES:
+                    continue  # more pages than a split holds, or a shape the kernel refuses
+                yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages}", impl,
+                       {"k_splits": ks, "pages_per_block": ppb, "stages": stages})
+            continue
         for ks, ppb, warps, stages in itertools.product(args.k_splits, args.pages_per_block,
                                                          args.num_warps, args.num_stages):
             if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks:
@@ -116,6 +130,8 @@ def build(impl: str, kwargs: dict):
     """The product's function for one configuration, jitted."""
     if impl == "reference":
         fn = lambda *a: attention.paged_decode_reference(*a, **kwargs)  # noqa: E731
+    elif impl == "mosaic":
+        fn = lambda *a: paged_decode.paged_decode_mosaic(*a, **kwargs)  # noqa: E731
     else:
         fn = lambda *a: attention.paged_decode_pallas(  # noqa: E731
             *a, interpret=impl == "pallas_interpret", **kwargs)
@@ -166,7 +182,7 @@ def main(argv=None):
 
 def print_best(rows):
     """The fastest correct configuration per batch and implementation, and the product's defaults
-    (attention.PALLAS_*, attention.DECODE_PAGES_PER_BLOCK)."""
+    (attention.PALLAS_*, attention.DECODE_PAGES_PER_BLOCK, paged_decode's defaults)."""
     defaults = {"k_splits": attention.PALLAS_K_SPLITS,
                 "pages_per_compute_block": attention.PALLAS_PAGES_PER_COMPUTE_BLOCK,
                 "num_warps": attention.PALLAS_NUM_WARPS, "num_stages": attention.PALLAS_NUM_STAGES}
@@ -182,6 +198,10 @@ def print_best(rows):
             if impl == "reference":
                 current = [r for r in ok
                            if r["pages_per_block"] == attention.DECODE_PAGES_PER_BLOCK]
+            elif impl == "mosaic":
+                current = [r for r in ok if (r["k_splits"], r["pages_per_block"], r["stages"])
+                           == (paged_decode.K_SPLITS, paged_decode.PAGES_PER_BLOCK,
+                               paged_decode.STAGES)]
             else:
                 current = [r for r in ok if all(r.get(k) == v for k, v in defaults.items())]
             cur = f"{current[0]['us']:.1f}" if current else "-"

@@ -11,6 +11,7 @@
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
+#   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep, decode
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
 #
@@ -79,6 +80,18 @@ for s in "$@"; do
             # parameters and the jnp page reader's block size (benchmarks/paged_attention.py)
       stage paged 420 python3 benchmarks/paged_attention.py --batch 64 256 \
         --out "$OUT/paged_attention.json" ;;
+    mosaic)  # issue 16: the Mosaic GPU paged decode kernel (kernels/paged_decode.py, written
+             # without a GPU on 2026-11-24): its GPU tests, its sweep beside the Triton kernel's
+             # tuned point, then the whole decode with it (fixed lengths, batch 64 and 256)
+      stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q \
+        -p no:cacheprovider tests/test_paged_decode.py
+      stage mosaic_paged 240 python3 benchmarks/paged_attention.py --batch 64 256 \
+        --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 --num-warps 4 \
+        --num-stages 2 3 4 --out "$OUT/paged_attention_mosaic.json"
+      stage mosaic_decode 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention mosaic --workload fixed --hf never --repeats 1 \
+        --output "$OUT/decode_throughput_mosaic.json" ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
@@ -86,7 +99,7 @@ for s in "$@"; do
     tests)  # issue 16: the five files of the first GPU run and every gpu-marked test
       stage tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
         tests/test_kernels_delta.py tests/test_kernels_logprob.py tests/test_attention.py \
-        tests/test_logprobs.py tests/test_sampling.py ;;
+        tests/test_logprobs.py tests/test_sampling.py tests/test_paged_decode.py ;;
     lmhead)
       stage lmhead 90 python3 benchmarks/lm_head_logprob.py --out "$OUT/lm_head_logprob.json" ;;
     train)  # issue 16: MFU at the 1.7B shape, remat x attention (fused log-probs)

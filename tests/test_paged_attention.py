@@ -24,6 +24,21 @@ def test_configurations_skip_clipped_duplicates():
     assert [kw for impl, kw in got if impl == "reference"] == [{"pages_per_block": 8}]
 
 
+def test_mosaic_configurations_respect_the_kernel_limits():
+    """The Mosaic kernel's points: a step must hold a multiple of 64 keys (1 page of 32 does
+    not), a split's share bounds the block (2 pages of 64 in 32 splits), and shared memory
+    bounds stages x pages (4 pages x 4 stages and 8 pages need over 227 KiB)."""
+    args = bench.parse_args(["--pages-per-seq", "64", "--k-splits", "1", "32",
+                             "--pages-per-block", "1", "2", "4", "8", "--num-stages", "2", "4",
+                             "--impls", "mosaic"])
+    got = [kw for _, impl, kw in bench.configurations(args)]
+    assert got == [{"k_splits": 1, "pages_per_block": 2, "stages": 2},
+                   {"k_splits": 1, "pages_per_block": 2, "stages": 4},
+                   {"k_splits": 1, "pages_per_block": 4, "stages": 2},
+                   {"k_splits": 32, "pages_per_block": 2, "stages": 2},
+                   {"k_splits": 32, "pages_per_block": 2, "stages": 4}]
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(SystemExit):
         bench.parse_args(["--pages-per-seq", "6"])

@@ -34,8 +34,10 @@ Implementations (`impl`):
 Decode against a page pool (paged_decode_attention; the rollout engine's decode step): one query
 per sequence, keys/values in one layer's pool [K, P, page_size, D] addressed through a block table
 and attended up to each sequence's length, read in place. "reference" is a jnp loop over blocks of
-pages (CPU, CI, TPU); "pallas" is jax.experimental.pallas.ops.gpu.paged_attention (NVIDIA GPUs);
-"auto" picks the kernel on CUDA. Forward only.
+pages (CPU, CI, TPU); "pallas" is jax.experimental.pallas.ops.gpu.paged_attention (NVIDIA GPUs,
+Pallas' deprecated Triton backend); "mosaic" is delta_jax.kernels.paged_decode (Pallas Mosaic GPU:
+TMA page copies and WGMMA, Hopper, bf16/fp16; not yet measured, so not the default); "auto" picks
+"pallas" on CUDA. Forward only.
 
 Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
 float32, probabilities cast to v.dtype for the value product (float32 accumulation).
@@ -51,7 +53,7 @@ import numpy as np
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 # Paged decode attention (the rollout engine's decode): implementations and block sizes.
-DECODE_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+DECODE_IMPLS = ("auto", "reference", "pallas", "mosaic", "pallas_interpret")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
 # The Pallas GPU kernel's split of a sequence's pages over programs, pages per inner block, warps
@@ -422,23 +424,31 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def resolve_decode_impl(impl: str) -> str:
-  """"auto" -> "pallas" on CUDA GPUs, else "reference"."""
+  """"auto" -> "pallas" on CUDA GPUs, else "reference". "mosaic" only where there is a CUDA GPU
+  (refused here, at start-up, rather than in the compiler)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"paged decode attention impl must be one of {DECODE_IMPLS}, got {impl!r}")
   if impl == "auto":
     return "pallas" if _cuda_backend() else "reference"
+  if impl == "mosaic" and not _cuda_backend():
+    raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
+                     f"kernel for NVIDIA GPUs; the backend here is {jax.default_backend()!r}: use "
+                     f"'auto' or 'reference'")
   return impl
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: str = "auto",
                            pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
   """Decode attention over a page pool (see paged_decode_reference for the contract).
-  impl: "auto" | "reference" | "pallas" | "pallas_interpret" (the Pallas kernel interpreted:
-  tests on CPU)."""
+  impl: "auto" | "reference" | "pallas" | "mosaic" | "pallas_interpret" (the Pallas kernel
+  interpreted: tests on CPU)."""
   chosen = resolve_decode_impl(impl)
   if chosen == "reference":
     return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths,
                                   pages_per_block=pages_per_block)
+  if chosen == "mosaic":
+    from delta_jax.kernels.paged_decode import paged_decode_mosaic
+    return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)
   return paged_decode_pallas(q, k_pages, v_pages, block_tables, lengths,
                              interpret=chosen == "pallas_interpret")
 

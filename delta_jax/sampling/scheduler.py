@@ -104,8 +104,8 @@ class Sampler:
       with a mesh, the size of each batch shard's part of the pool (what each device holds,
       before any split of the KV heads over "tensor").
     decode_steps_per_call: most decode steps per decode program call (pages are handed out that
-      far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Pallas kernel on CUDA
-      GPUs, the jnp reference elsewhere).
+      far ahead). decode_attention: attention.DECODE_IMPLS ("auto": pallas.ops' kernel on CUDA
+      GPUs, the jnp reference elsewhere; "mosaic": delta_jax.kernels.paged_decode, CUDA only).
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
       batches (new samples only once every slot is free: the baseline that benchmarks compare
       against).

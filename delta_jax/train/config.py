@@ -54,7 +54,8 @@ CHOICES = {
     "data.template": ("qwen_math", "base", "chat", "plain", "code"),  # data.templates.KINDS
     "data.on_error": ("raise", "skip"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
-    "rollout.decode_attention": ("auto", "reference", "pallas"),  # models.attention.DECODE_IMPLS
+    # models.attention.DECODE_IMPLS
+    "rollout.decode_attention": ("auto", "reference", "pallas", "mosaic"),
 }
 
 # Placeholders: None means "the method decides" (see METHOD_DEFAULTS).

@@ -1,0 +1,235 @@
+"""Paged decode attention on the Pallas Mosaic GPU backend (Hopper: TMA page copies + WGMMA).
+
+    out = paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)    # [B, N, D]
+
+The contract is delta_jax.models.attention.paged_decode_reference's: q [B, N, D] (one query per
+sequence, N = K * G query heads over K key/value heads); k_pages, v_pages [K, P, page_size, D]
+(one layer's page pool, read in place); block_tables int32 [B, pages_per_seq] (sequence b's token t
+lives at page block_tables[b, t // page_size], offset t % page_size); lengths int32 [B] (sequence
+b attends its tokens [0, lengths[b]); 0 gives output 0). Scores q.k accumulate in float32, are
+scaled by D ** -0.5, softmax in float32, probabilities cast to v's dtype for the value product
+(float32 accumulation).
+
+Why it exists: jax.experimental.pallas.ops.gpu.paged_attention runs on Pallas' Triton backend,
+which jax 0.11 deprecates (issue #16), and pallas.ops has no Mosaic GPU paged decode kernel.
+
+How it works. One CUDA block (one warpgroup) per (sequence, KV head, split of the pages). The G
+query heads of the KV head sit in the first rows of a 64-row WGMMA tile (q is padded to a multiple
+of 8 rows in GMEM, the other rows of the tile are zeros: rows of a matmul are independent, so they
+cost tensor-core time, which decode has spare, and no memory traffic). The block walks its share
+of the sequence's live pages in steps of `pages_per_block` pages: each page of K and of V is one
+TMA copy (the page id read from the block table), `stages` steps are in flight, and each step is
+S = q K^T (WGMMA into float32), the length mask, an online-softmax update, and O += P V (WGMMA).
+Pages past the sequence's length are never read. With k_splits > 1 each split writes its
+normalised partial output and log-sum-exp and the splits are merged in jnp.
+
+It runs on NVIDIA Hopper GPUs only. Its lowering to the Mosaic GPU dialect runs on any machine
+(jax.export for "cuda"), which checks register layouts, WGMMA and TMA shapes and the shared-memory
+budget without a GPU (tests/test_paged_decode.py); its numbers are checked against the jnp
+reference where a GPU is. Mosaic GPU's CPU interpreter (jax 0.10) cannot run it: it has no
+transposed WGMMA operand, no register operand and no layout casts. Speed: measured on a GPU by
+benchmarks/paged_attention.py (not yet: written without a GPU).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The WGMMA tile's rows: the query heads of one KV head are padded to this.
+WGMMA_ROWS = 64
+# Defaults (not yet measured on a GPU): 2 pages (64 tokens of 32-token pages) a step, 3 steps in
+# flight, one split: 16 KiB of q/out + 3 x 2 x 16 KiB of K/V = 112 KiB of shared memory a block.
+PAGES_PER_BLOCK = 2
+STAGES = 3
+K_SPLITS = 1
+_LOG2E = math.log2(math.e)
+# Shared memory a block may use on Hopper (H100 / H200: 227 KiB opt-in).
+SMEM_LIMIT_BYTES = 227 * 1024
+
+
+def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
+               itemsize: int = 2) -> int:
+  """Shared memory of one block: the q / output tile, `stages` steps of K and V pages and the
+  log-sum-exp row (barriers aside)."""
+  return (WGMMA_ROWS * head_dim * itemsize
+          + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS)
+
+
+def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages):
+  B, N, D = q.shape
+  K, _, page_size, _ = k_pages.shape
+  if k_pages.shape != v_pages.shape or k_pages.shape[-1] != D or N % K:
+    raise ValueError(f"paged_decode_mosaic: q {q.shape}, k_pages {k_pages.shape}, v_pages "
+                     f"{v_pages.shape} must be [B, N, D], [K, P, page_size, D] with N % K == 0")
+  if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
+    raise ValueError(f"paged_decode_mosaic: block_tables {block_tables.shape} must be "
+                     f"[B={B}, pages] and lengths {lengths.shape} [B]")
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"paged_decode_mosaic: q dtype {q.dtype} must be bfloat16 or float16 "
+                     "(the WGMMA operand types)")
+  if D % 64:
+    raise ValueError(f"paged_decode_mosaic: head_dim {D} must be a multiple of 64")
+  G = N // K
+  if G > WGMMA_ROWS:
+    raise ValueError(f"paged_decode_mosaic: {G} query heads per KV head exceed the "
+                     f"{WGMMA_ROWS}-row tile")
+  block_kv = pages_per_block * page_size
+  if pages_per_block < 1 or block_kv % 64:
+    raise ValueError(f"paged_decode_mosaic: pages_per_block {pages_per_block} x page_size "
+                     f"{page_size} = {block_kv} keys a step must be a positive multiple of 64")
+  if k_splits < 1 or stages < 1:
+    raise ValueError(f"paged_decode_mosaic: k_splits {k_splits} and stages {stages} must be >= 1")
+  if page_size % 8:
+    raise ValueError(f"paged_decode_mosaic: page_size {page_size} must be a multiple of 8")
+  need = smem_bytes(D, page_size, pages_per_block, stages, jnp.dtype(q.dtype).itemsize)
+  if need > SMEM_LIMIT_BYTES:
+    raise ValueError(f"paged_decode_mosaic: stages {stages} x pages_per_block {pages_per_block} "
+                     f"need {need} B of shared memory a block, over {SMEM_LIMIT_BYTES}: lower one")
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages"))
+def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                        block_tables: jax.Array, lengths: jax.Array, *,
+                        pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
+                        stages: int = STAGES) -> jax.Array:
+  """Decode attention over a page pool (the contract in the module docstring), on Mosaic GPU.
+  pages_per_block pages make one step (pages_per_block * page_size must be a multiple of 64),
+  `stages` steps are copied ahead, k_splits blocks share a sequence's pages."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages)
+  B, N, D = q.shape
+  K, P, page_size, _ = k_pages.shape
+  G = N // K
+  rows = -(-G // 8) * 8                          # q rows copied per block (TMA tile of 8 rows)
+  dtype = q.dtype
+  k_pages = k_pages.astype(dtype)
+  v_pages = v_pages.astype(dtype)
+  pages_per_seq = block_tables.shape[1]
+  share = -(-pages_per_seq // k_splits)          # pages of a sequence per split
+  block_kv = pages_per_block * page_size
+  scale = (D ** -0.5) * _LOG2E                   # scores in log2 units: exp2 in the softmax
+  tables = block_tables.astype(jnp.int32)
+  lengths = lengths.astype(jnp.int32)
+  qg = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+  swizzle = 128
+  tile = (8, swizzle // jnp.dtype(dtype).itemsize)
+  transforms = (plgpu.TilingTransform(tile), plgpu.SwizzleTransform(swizzle))
+
+  def kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+             q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    split = lax.axis_index("split")
+    length = lengths_ref[b]
+    first = split * share
+    # live pages of this split: [first, first + live)
+    live = jnp.clip((length + page_size - 1) // page_size - first, 0, share)
+    live = jnp.minimum(live, pages_per_seq - first)
+    steps = (live + pages_per_block - 1) // pages_per_block
+
+    def page_ids(step):
+      # the pool pages of a step (block-table reads; clipped so a step past the end reads in range)
+      cols = [jnp.minimum(first + step * pages_per_block + p, pages_per_seq - 1)
+              for p in range(pages_per_block)]
+      return [jnp.clip(tables_ref[b, col], 0, P - 1) for col in cols]
+
+    def issue(pages, slot):
+      for p, page in enumerate(pages):
+        dst = pl.ds(p * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, dst],
+                                k_bar.at[slot * pages_per_block + p])
+        plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, dst],
+                                v_bar.at[slot * pages_per_block + p])
+
+    for i in range(stages):
+      @pl.when(i < steps)
+      def _():
+        issue(page_ids(i), i)
+
+    q_smem[...] = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
+    plgpu.barrier_wait(q_bar.at[0])
+
+    def body(step, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, jnp.asarray(stages, step.dtype))
+      ahead = page_ids(step + stages)    # read now: the table's latency hides under this step
+      for p in range(pages_per_block):
+        plgpu.barrier_wait(k_bar.at[slot * pages_per_block + p])
+
+      def qk_fn(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        return acc_ref[...]
+      s = pl.run_scoped(qk_fn, plgpu.ACC((WGMMA_ROWS, block_kv), jnp.float32))
+      token = plgpu.broadcasted_iota(jnp.int32, (WGMMA_ROWS, block_kv), 1,
+                                     layout=plgpu.Layout.WGMMA)
+      token = token + (first + step * pages_per_block) * page_size
+      s = jnp.where(token < length, s * scale, -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      for pg in range(pages_per_block):
+        plgpu.barrier_wait(v_bar.at[slot * pages_per_block + pg])
+
+      def pv_fn(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+      acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+
+      # The step's K/V buffers are free again: copy the step `stages` ahead into them.
+      @pl.when(step + stages < steps)
+      def _():
+        issue(ahead, slot)
+      return acc, m_new, l_i
+
+    acc = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    acc, m_i, l_i = lax.fori_loop(0, steps, body, (acc, m_i, l_i))
+
+    has = l_i > 0.0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    q_smem[...] = out.astype(dtype)               # q's tile is free: it holds the output
+    lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows)], o_ref.at[split, b, h])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = [
+      plgpu.SMEM((WGMMA_ROWS, D), dtype, transforms=transforms),
+      plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
+      plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
+      plgpu.SMEM((WGMMA_ROWS,), jnp.float32),
+      plgpu.Barrier(num_barriers=1),
+      plgpu.Barrier(num_barriers=stages * pages_per_block),
+      plgpu.Barrier(num_barriers=stages * pages_per_block),
+  ]
+  out_type = (jax.ShapeDtypeStruct((k_splits, B, K, rows, D), dtype),
+              jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
+  call = plgpu.kernel(
+      kernel, out_type=out_type, scratch_types=scratch, grid=(B, K, k_splits),
+      grid_names=("batch", "heads", "split"),
+      compiler_params=plgpu.CompilerParams(approx_math=True))
+  o, lse = call(lengths, tables, qg, k_pages, v_pages)
+  o = o[:, :, :, :G].astype(jnp.float32)                              # [S, B, K, G, D]
+  lse = lse[:, :, :, :G]                                              # [S, B, K, G]
+  if k_splits == 1:
+    out = o[0]
+  else:
+    top = jnp.max(lse, axis=0)
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(w, axis=0)
+    out = jnp.einsum("sbkg,sbkgd->bkgd", w, o) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.reshape(B, N, D).astype(dtype)

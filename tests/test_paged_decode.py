@@ -1,0 +1,137 @@
+"""kernels/paged_decode.py: the Mosaic GPU paged decode attention.
+
+On any machine: its lowering to the Mosaic GPU dialect for CUDA (jax.export), which runs Mosaic
+GPU's own checks of register layouts, WGMMA and TMA shapes and the shared-memory budget, at the
+model shapes the rollout uses; and its input checks. Where a GPU is: its numbers against the jnp
+reference (models.attention.paged_decode_reference) on scrambled pages with ragged lengths.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from delta_jax.kernels import paged_decode as PD
+from delta_jax.models import attention as A
+from tests.test_attention import paged_case
+
+
+def lower_for_cuda(B=4, K=8, G=2, D=128, page_size=32, pages=64, pages_per_seq=16,
+                   dtype=jnp.bfloat16, **kw):
+  """The kernel exported for CUDA from abstract shapes: the Mosaic GPU module's text."""
+  sd = jax.ShapeDtypeStruct
+  pool = sd((K, pages, page_size, D), dtype)
+  args = (sd((B, K * G, D), dtype), pool, pool, sd((B, pages_per_seq), jnp.int32),
+          sd((B,), jnp.int32))
+  fn = jax.jit(lambda *a: PD.paged_decode_mosaic(*a, **kw))
+  return export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+
+@pytest.mark.parametrize("shape,kw", [
+    (dict(G=2), {}),                                          # Qwen3-0.6B / 1.7B: 16 / 8 heads
+    (dict(G=4), dict(k_splits=4, pages_per_block=4)),         # Qwen3-8B: 32 / 8 heads
+    (dict(G=5, pages_per_seq=32), dict(k_splits=2, stages=2)),  # Qwen3-14B: 40 / 8 heads
+    (dict(G=2, D=64, page_size=16, dtype=jnp.float16), dict(pages_per_block=4)),
+])
+def test_lowers_to_mosaic_gpu_at_model_shapes(shape, kw):
+  text = lower_for_cuda(**shape, **kw)
+  assert "mosaic_gpu" in text
+
+
+def test_lowering_checks_the_shared_memory_budget(monkeypatch):
+  """The lowering these tests rely on does check the kernel: with the kernel's own budget check
+  lifted, 8 steps of 8 pages in flight (~1 MiB of shared memory) are refused by Mosaic GPU on the
+  way to CUDA; with it, they are refused first, naming the knobs."""
+  with pytest.raises(ValueError, match="stages 8 x pages_per_block 8 need 1065216 B"):
+    lower_for_cuda(pages_per_seq=64, stages=8, pages_per_block=8)
+  assert PD.smem_bytes(128, 32, PD.PAGES_PER_BLOCK, PD.STAGES) <= PD.SMEM_LIMIT_BYTES
+  monkeypatch.setattr(PD, "SMEM_LIMIT_BYTES", 1 << 30)
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    lower_for_cuda(pages_per_seq=64, stages=8, pages_per_block=8)
+
+
+def test_bad_inputs_name_the_tensor_or_knob():
+  f32 = jnp.zeros((2, 4, 64), jnp.float32)
+  pool = jnp.zeros((2, 8, 32, 64), jnp.bfloat16)
+  tables = jnp.zeros((2, 4), jnp.int32)
+  lengths = jnp.zeros((2,), jnp.int32)
+  q = f32.astype(jnp.bfloat16)
+  with pytest.raises(ValueError, match="q dtype float32"):
+    PD.paged_decode_mosaic(f32, pool, pool, tables, lengths)
+  with pytest.raises(ValueError, match="pages_per_block 1 x page_size 32"):
+    PD.paged_decode_mosaic(q, pool, pool, tables, lengths, pages_per_block=1)
+  with pytest.raises(ValueError, match="head_dim 32"):
+    PD.paged_decode_mosaic(q[..., :32], pool[..., :32], pool[..., :32], tables, lengths)
+  with pytest.raises(ValueError, match="block_tables"):
+    PD.paged_decode_mosaic(q, pool, pool, tables[:1], lengths)
+  with pytest.raises(ValueError, match="k_splits 0"):
+    PD.paged_decode_mosaic(q, pool, pool, tables, lengths, k_splits=0)
+
+
+@pytest.mark.skipif(A._cuda_backend(), reason="the refusal is for machines without a CUDA GPU")
+def test_mosaic_is_refused_without_a_cuda_gpu():
+  with pytest.raises(ValueError, match="rollout.decode_attention"):
+    A.resolve_decode_impl("mosaic")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,D,page_size,kw", [
+    (2, 128, 32, {}),
+    (2, 128, 32, dict(k_splits=2, stages=2)),
+    (4, 64, 16, dict(k_splits=4, pages_per_block=4)),
+    (5, 128, 32, dict(pages_per_block=4, stages=2)),
+])
+def test_compiled_matches_reference(G, D, page_size, kw):
+  """GQA groups 2 / 4 / 5, one to four splits, ragged lengths with a row of length 0 (exactly 0
+  out) and a row that ends inside a page, on scrambled pages, bf16: within bf16 rounding of the
+  jnp reference. Entries past each row's last block point at a NaN page (paged_case): a read
+  of one would poison the row."""
+  ppb = kw.get("pages_per_block", PD.PAGES_PER_BLOCK)
+  q, kp, vp, tables, lengths, _, _ = paged_case(
+      11 + G, B=6, K=2, G=G, D=D, page_size=page_size, pages_per_seq=16,
+      lengths=(0, 1, 37, 200, 16 * page_size, 5 * page_size), dtype=jnp.bfloat16,
+      pages_per_block=ppb)
+  assert A.resolve_decode_impl("mosaic") == "mosaic"
+  got = jax.jit(lambda *a: PD.paged_decode_mosaic(*a, **kw))(q, kp, vp, tables, lengths)
+  ref = A.paged_decode_reference(q, kp, vp, tables, lengths)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=2e-2)
+  assert np.all(np.asarray(got, np.float32)[0] == 0)
+
+
+@pytest.mark.gpu
+def test_selected_through_paged_decode_attention():
+  """rollout.decode_attention="mosaic" reaches the kernel (same result as calling it)."""
+  q, kp, vp, tables, lengths, _, _ = paged_case(3, B=4, K=2, G=2, D=128, page_size=32,
+                                                pages_per_seq=4, lengths=(0, 1, 40, 128),
+                                                dtype=jnp.bfloat16, pages_per_block=2)
+  via = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="mosaic"))(q, kp, vp, tables, lengths)
+  direct = PD.paged_decode_mosaic(q, kp, vp, tables, lengths)
+  np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(direct, np.float32))
+
+
+def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
+  """rollout.decode_attention="mosaic" in the sampler's whole decode program (tiny model in
+  bf16 with 64-wide heads, 32-token pages): the program, kernel included, lowers for CUDA, with
+  the Mosaic GPU kernel called once per layer in the step loop. (The CUDA check of resolve_decode_impl is
+  lifted: this machine may have no GPU, and the program is only lowered.)"""
+  from flax import nnx
+  from delta_jax import models
+  from delta_jax.sampling import programs
+
+  monkeypatch.setattr(A, "_cuda_backend", lambda: True)
+  cfg = models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  S, page_size, pages_per_seq = 4, 32, 4
+  graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, 1 + S * pages_per_seq, page_size))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  traced = programs.decode.trace(
+      graphdef, state, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
+      jax.ShapeDtypeStruct((S,), bool), i32(S), i32(S), np.uint32(0), jnp.zeros(4, jnp.int32),
+      np.float32(1.0), np.float32(1.0), i32(S), np.int32(0), np.int32(1), num_steps=8, top_k=-1,
+      use_top_p=False, greedy=False, attention_impl="mosaic", pages_per_block=2, batch_spec=None)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "custom_call @mosaic_gpu" in text                  # the kernel, lowered once
+  assert len(re.findall(r"call @paged_decode_mosaic\b", text)) == cfg.num_layers  # called per layer
