@@ -23,12 +23,13 @@ S = q K^T (WGMMA into float32), the length mask, an online-softmax update, and O
 Pages past the sequence's length are never read. With k_splits > 1 each split writes its
 normalised partial output and log-sum-exp and the splits are merged in jnp.
 
-It runs on NVIDIA Hopper GPUs only. Its lowering to the Mosaic GPU dialect runs on any machine
-(jax.export for "cuda"), which checks register layouts, WGMMA and TMA shapes and the shared-memory
-budget without a GPU (tests/test_paged_decode.py); its numbers are checked against the jnp
-reference where a GPU is. Mosaic GPU's CPU interpreter (jax 0.10) cannot run it: it has no
-transposed WGMMA operand, no register operand and no layout casts. Speed: measured on a GPU by
-benchmarks/paged_attention.py (not yet: written without a GPU).
+It runs on NVIDIA Hopper GPUs. Without one it is checked two ways (tests/test_paged_decode.py):
+its lowering to the Mosaic GPU dialect (jax.export for "cuda": register layouts, WGMMA and TMA
+shapes, the shared-memory budget), and its numbers, run by Mosaic GPU's CPU interpreter (simulated
+shared memory, TMA copies and barriers; tests/mosaic_interpret.py adds the transposed and register
+WGMMA operands and layout casts it lacks) against the jnp reference, alone and inside the rollout
+engine. Where a GPU is, the compiled kernel is checked against the same reference. Speed: measured
+on a GPU by benchmarks/paged_attention.py (not yet: written without a GPU).
 """
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     live = jnp.clip((length + page_size - 1) // page_size - first, 0, share)
     live = jnp.minimum(live, pages_per_seq - first)
     steps = (live + pages_per_block - 1) // pages_per_block
+    # keys this block may attend: the row's, within its split (a step can reach past the split's
+    # last page, or past the table, whose column is clipped: those keys are masked)
+    limit = jnp.minimum(length, jnp.minimum(first + share, pages_per_seq) * page_size)
 
     def page_ids(step):
       # the pool pages of a step (block-table reads; clipped so a step past the end reads in range)
@@ -171,7 +175,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       token = plgpu.broadcasted_iota(jnp.int32, (WGMMA_ROWS, block_kv), 1,
                                      layout=plgpu.Layout.WGMMA)
       token = token + (first + step * pages_per_block) * page_size
-      s = jnp.where(token < length, s * scale, -jnp.inf)
+      s = jnp.where(token < limit, s * scale, -jnp.inf)
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -182,7 +186,8 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
       def pv_fn(acc_ref):
         plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
-      acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+        return acc_ref[...]
+      acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((WGMMA_ROWS, D), jnp.float32))
 
       # The step's K/V buffers are free again: copy the step `stages` ahead into them.
       @pl.when(step + stages < steps)

@@ -1,9 +1,12 @@
 """kernels/paged_decode.py: the Mosaic GPU paged decode attention.
 
-On any machine: its lowering to the Mosaic GPU dialect for CUDA (jax.export), which runs Mosaic
-GPU's own checks of register layouts, WGMMA and TMA shapes and the shared-memory budget, at the
-model shapes the rollout uses; and its input checks. Where a GPU is: its numbers against the jnp
-reference (models.attention.paged_decode_reference) on scrambled pages with ragged lengths.
+On any machine: the kernel itself run by Mosaic GPU's interpreter (tests/mosaic_interpret.py:
+simulated shared memory, TMA copies and barriers, NaN-filled fresh memory, out-of-bounds reads
+raising, the race detector on) against the jnp reference (models.attention.paged_decode_reference)
+on scrambled pages with ragged lengths; its lowering to the Mosaic GPU dialect for CUDA
+(jax.export), which runs Mosaic GPU's own checks of register layouts, WGMMA and TMA shapes and
+the shared-memory budget, at the model shapes the rollout uses; its input checks. Where a GPU is:
+the compiled kernel against the same reference.
 """
 import re
 
@@ -15,7 +18,41 @@ from jax import export
 
 from delta_jax.kernels import paged_decode as PD
 from delta_jax.models import attention as A
+from tests import mosaic_interpret
 from tests.test_attention import paged_case
+
+needs_interpreter = pytest.mark.skipif(mosaic_interpret.available() is not None,
+                                       reason=str(mosaic_interpret.available()))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("G,lengths,kw", [
+    (2, (0, 1, 37, 128), dict(pages_per_block=4)),                    # 1 / 2 steps, 2 in flight
+    (2, (0, 1, 37, 128), dict(pages_per_block=4, stages=1)),          # refill after each step
+    (4, (64, 0, 100, 17), dict(pages_per_block=4, k_splits=2)),       # an empty split per row
+    (5, (128, 3, 65, 0), dict(pages_per_block=4, k_splits=4, stages=2)),  # steps over splits
+    (1, (33, 128, 1, 96), dict(pages_per_block=8, stages=1)),         # a whole table a step
+    (2, (0, 32, 5, 17), dict(pages_per_block=4, pages_per_seq=2)),    # a step wider than the table
+])
+def test_interpreted_matches_reference(G, lengths, kw):
+  """The kernel's own code in Mosaic GPU's interpreter, bf16 (D 64, 16-token pages, tables of
+  8 pages unless given): within bf16 rounding of the jnp reference; a row of length 0 gives exactly 0; no
+  data race found; pages past each row's last step are NaN pages (paged_case) that must not be
+  read."""
+  kw = dict(kw)
+  pages_per_seq = kw.pop("pages_per_seq", 8)
+  ppb = kw["pages_per_block"]
+  q, kp, vp, tables, lengths, _, _ = paged_case(
+      20 + G, B=4, K=2, G=G, D=64, page_size=16, pages_per_seq=pages_per_seq, lengths=lengths,
+      dtype=jnp.bfloat16, pages_per_block=ppb * kw.get("k_splits", 1))
+  ref = np.asarray(A.paged_decode_reference(q, kp, vp, tables, lengths), np.float32)
+  with mosaic_interpret.interpreting(detect_races=True):
+    got = np.asarray(PD.paged_decode_mosaic(q, kp, vp, tables, lengths, **kw), np.float32)
+  assert not mosaic_interpret.races_found()
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, ref, atol=1e-2, rtol=1e-2)
+  for b in np.flatnonzero(np.asarray(lengths) == 0):
+    assert np.all(got[b] == 0)
 
 
 def lower_for_cuda(B=4, K=8, G=2, D=128, page_size=32, pages=64, pages_per_seq=16,
@@ -112,16 +149,23 @@ def test_selected_through_paged_decode_attention():
   np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(direct, np.float32))
 
 
+def allow_mosaic_here(monkeypatch):
+  """Lift resolve_decode_impl's refusal of "mosaic" without a CUDA GPU (the kernel is only
+  lowered for CUDA or interpreted here); everything else resolves as before."""
+  resolve = A.resolve_decode_impl
+  monkeypatch.setattr(A, "resolve_decode_impl",
+                      lambda impl: "mosaic" if impl == "mosaic" else resolve(impl))
+
+
 def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
   """rollout.decode_attention="mosaic" in the sampler's whole decode program (tiny model in
   bf16 with 64-wide heads, 32-token pages): the program, kernel included, lowers for CUDA, with
-  the Mosaic GPU kernel called once per layer in the step loop. (The CUDA check of resolve_decode_impl is
-  lifted: this machine may have no GPU, and the program is only lowered.)"""
+  the Mosaic GPU kernel called once per layer in the step loop."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import programs
 
-  monkeypatch.setattr(A, "_cuda_backend", lambda: True)
+  allow_mosaic_here(monkeypatch)
   cfg = models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   S, page_size, pages_per_seq = 4, 32, 4
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -135,3 +179,33 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @mosaic_gpu" in text                  # the kernel, lowered once
   assert len(re.findall(r"call @paged_decode_mosaic\b", text)) == cfg.num_layers  # called per layer
+
+
+@needs_interpreter
+def test_sampler_with_it_generates_what_the_reference_does(monkeypatch):
+  """The rollout engine with rollout.decode_attention="mosaic" (the kernel interpreted, in every
+  layer of every decode step; tiny bf16 model with 64-wide heads, 32-token pages, two samples of
+  three prompts in four slots, so slots refill): the same greedy tokens and log-probs (within
+  bf16 rounding) as with the jnp page reader."""
+  from flax import nnx
+  from delta_jax import models
+  from delta_jax.sampling import Sampler
+
+  allow_mosaic_here(monkeypatch)
+  cfg = models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(1))
+  prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99]]
+  kwargs = dict(n=2, max_new_tokens=12, seed=0)
+  common = dict(max_batch_size=4, page_size=32, decode_steps_per_call=4)
+  ref = Sampler(model, decode_attention="reference", **common).generate(prompts, **kwargs)
+  traced = []
+  kernel = PD.paged_decode_mosaic
+  monkeypatch.setattr(PD, "paged_decode_mosaic",
+                      lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+  with mosaic_interpret.interpreting():
+    got = Sampler(model, decode_attention="mosaic", **common).generate(prompts, **kwargs)
+  assert traced and all(shape[1:] == (cfg.num_heads, 64) for shape in traced)  # it ran
+  assert got.response_ids == ref.response_ids
+  assert sum(map(len, sum(got.response_ids, []))) == 6 * 12
+  for a, b in zip(sum(got.logprobs, []), sum(ref.logprobs, [])):
+    np.testing.assert_allclose(a, b, atol=2e-2)

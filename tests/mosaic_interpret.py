@@ -1,0 +1,137 @@
+"""Run Mosaic GPU kernels on the CPU: Mosaic GPU's own interpreter (jax 0.10's private
+jax._src.pallas.mosaic_gpu.interpret: simulated shared memory, barriers, TMA copies), completed
+for what a flash-attention kernel uses and it lacks:
+
+  * layout casts (register layouts do not exist in the interpreter: identity);
+  * a WGMMA whose B operand is a transposed view of a shared-memory buffer (plgpu.transpose_ref);
+  * a WGMMA whose A operand is a register array (the probabilities of P V);
+  * the race detector's check of WGMMA operands read from shared memory, like any other read
+    (the interpreter's own WGMMA skips it). The detector sees, e.g., a TMA copy into a buffer
+    that is rewritten without waiting for the copy's barrier; it does not see a read that skips
+    the wait (the interpreter completes a copy when it is issued), so the pipeline's waits are
+    checked by reading the kernel, not here.
+
+The kernel's own code runs unchanged (plgpu.kernel under force_gpu_interpret_mode); only the
+interpreter is extended, here, for tests. `available()` says whether this jax has the pieces
+(the module is private: a jax without them skips the tests that use it, with that reason).
+
+    with mosaic_interpret.interpreting():
+        out = kernel(*args)        # numpy on the CPU, barrier and copy semantics simulated
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+
+
+def _modules():
+  from jax._src.interpreters import mlir
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret, params
+  from jax._src.state import types as state_types
+  return mlir, gpu_core, gpu_callbacks, jaxpr_interpret, params, state_types
+
+
+def available() -> str | None:
+  """None if this jax has the interpreter pieces used here, else why not."""
+  try:
+    mlir, gpu_core, gpu_callbacks, jaxpr_interpret, params, _ = _modules()
+  except ImportError as e:
+    return f"no Mosaic GPU interpreter in this jax ({e})"
+  for owner, name in ((gpu_callbacks, "wgmma"), (gpu_callbacks, "_get_shared_memory"),
+                      (gpu_callbacks, "HostAllocationKey"), (gpu_core, "layout_cast_p"),
+                      (jaxpr_interpret.JaxprInterpreter, "_interpret_wgmma_ref_p"),
+                      (params, "force_gpu_interpret_mode")):
+    if not hasattr(owner, name):
+      return f"this jax's Mosaic GPU interpreter lacks {name}"
+  return None
+
+
+_installed = False
+
+
+def _install():
+  """Register the extensions once per process (they only add what the interpreter refused)."""
+  global _installed
+  if _installed:
+    return
+  mlir, gpu_core, gpu_callbacks, jaxpr_interpret, _, state_types = _modules()
+  import jax
+  from jax._src import callback
+  from jax._src.pallas.mosaic import interpret as _  # noqa: F401  (utils below)
+  from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+
+  mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+  def split_transpose(transforms):
+    if transforms and isinstance(transforms[-1], state_types.TransposeTransform):
+      return transforms[:-1], tuple(transforms[-1].permutation)
+    return transforms, None
+
+  def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array,
+            acc_transforms, acc_dtype, a_value, a_allocation_key_as_array, a_transforms,
+            b_allocation_key_as_array, b_transforms, source_info=None):
+    del grid_point_coords
+    memory = gpu_callbacks._get_shared_memory()
+    tid = memory.get_global_thread_id(int(device_id), int(thread_id))
+    key = gpu_callbacks.HostAllocationKey.from_array
+    clean = lambda t: jax.tree.map(int, gpu_callbacks._remove_noop_transforms(t))  # noqa: E731
+
+    def read(allocation, transforms):
+      # an operand read from shared memory, checked by the race detector like any other read
+      transforms, perm = split_transpose(tuple(transforms))
+      rng = interpret_utils.to_range(clean(transforms))
+      value, _, clock = memory.get_buffer_content(key(allocation), rng, tid)
+      if memory.detect_races:
+        gpu_callbacks.get_races().check_read(int(device_id), int(thread_id), clock,
+                                             key(allocation), rng, source_info=source_info)
+      return np.transpose(value, perm) if perm else value
+
+    a = np.asarray(a_value) if a_allocation_key_as_array is None else read(
+        a_allocation_key_as_array, a_transforms)
+    b = read(b_allocation_key_as_array, b_transforms)
+    acc_range = interpret_utils.to_range(clean(acc_transforms))
+    acc, _, _ = memory.get_buffer_content(key(acc_allocation_key_as_array), acc_range, tid)
+    out = acc + np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(acc_dtype)
+    memory.store_buffer_content(key(acc_allocation_key_as_array), acc_range, out, tid)
+    return token
+
+  def interpret_wgmma(self, eqn, token, get_invals):
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_t, a_t, b_t = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
+                                     eqn.params["a_transforms_tree"] or empty,
+                                     eqn.params["b_transforms_tree"] or empty)), leaves)
+    a_is_ref = isinstance(eqn.invars[1].aval, state_types.AbstractRef)
+    return callback.io_callback(
+        functools.partial(wgmma, acc_dtype=eqn.invars[0].aval.dtype,
+                          source_info=eqn.source_info),
+        gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token, device_id=self.device_info.device_id,
+        grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+        acc_allocation_key_as_array=acc, acc_transforms=acc_t,
+        a_value=None if a_is_ref else a, a_allocation_key_as_array=a if a_is_ref else None,
+        a_transforms=a_t, b_allocation_key_as_array=b, b_transforms=b_t, ordered=True), []
+
+  jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
+  _installed = True
+
+
+@contextlib.contextmanager
+def interpreting(detect_races: bool = False):
+  """plgpu.kernel calls traced inside run in Mosaic GPU's interpreter (extended as above), on
+  shared memory that starts as NaN, raising on out-of-bounds reads; detect_races: its
+  happens-before race detector over the simulated copies and barriers (see races_found)."""
+  _install()
+  _, _, _, _, params, _ = _modules()
+  with params.force_gpu_interpret_mode(params.InterpretGPUParams(
+      detect_races=detect_races, out_of_bounds_reads="raise", uninitialized_memory="nan")):
+    yield
+
+
+def races_found() -> bool:
+  """Whether the last interpreted kernel run with detect_races=True found a data race."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  return bool(interpret_pallas_call.get_races().races_found)
