@@ -61,14 +61,10 @@ def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
 
 
 def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages):
+  from delta_jax.models.attention import check_paged_decode_inputs
+  check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, "paged_decode_mosaic")
   B, N, D = q.shape
   K, _, page_size, _ = k_pages.shape
-  if k_pages.shape != v_pages.shape or k_pages.shape[-1] != D or N % K:
-    raise ValueError(f"paged_decode_mosaic: q {q.shape}, k_pages {k_pages.shape}, v_pages "
-                     f"{v_pages.shape} must be [B, N, D], [K, P, page_size, D] with N % K == 0")
-  if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
-    raise ValueError(f"paged_decode_mosaic: block_tables {block_tables.shape} must be "
-                     f"[B={B}, pages] and lengths {lengths.shape} [B]")
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"paged_decode_mosaic: q dtype {q.dtype} must be bfloat16 or float16 "
                      "(the WGMMA operand types)")

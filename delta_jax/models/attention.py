@@ -341,6 +341,20 @@ def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
 # Paged decode: one query per sequence against a page pool, read in place
 
 
+def check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths,
+                              who: str = "paged_decode") -> None:
+  """The shapes of the paged decode contract (paged_decode_reference's docstring), or a
+  ValueError naming the tensors."""
+  B, N, D = q.shape
+  K = k_pages.shape[0]
+  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != D or N % K:
+    raise ValueError(f"{who}: q {q.shape}, k_pages {k_pages.shape}, v_pages "
+                     f"{v_pages.shape} must be [B, N, D], [K, P, page_size, D] with N % K == 0")
+  if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
+    raise ValueError(f"{who}: block_tables {block_tables.shape} must be [B={B}, pages] "
+                     f"and lengths {lengths.shape} [B]")
+
+
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, lengths: jax.Array, *,
                            pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
@@ -357,14 +371,9 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   float32, probabilities cast to v's dtype for the value product (float32 accumulation).
   Returns [B, N, D] in q.dtype.
   """
+  check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths)
   B, N, D = q.shape
   K, _, page_size, _ = k_pages.shape
-  if k_pages.shape != v_pages.shape or k_pages.shape[-1] != D or N % K:
-    raise ValueError(f"paged_decode: q {q.shape}, k_pages {k_pages.shape}, v_pages "
-                     f"{v_pages.shape} must be [B, N, D], [K, P, page_size, D] with N % K == 0")
-  if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
-    raise ValueError(f"paged_decode: block_tables {block_tables.shape} must be [B={B}, pages] "
-                     f"and lengths {lengths.shape} [B]")
   G = N // K
   ppb = max(1, min(int(pages_per_block), block_tables.shape[1]))
   num_blocks = -(-block_tables.shape[1] // ppb)
