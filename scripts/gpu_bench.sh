@@ -11,11 +11,14 @@
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
-#   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep, decode
+#   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
+#   DECODE_ATTENTION=mosaic bash scripts/gpu_bench.sh profile longtail   # decode with it
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
 #
 # Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call.
+# DECODE_ATTENTION=mosaic runs the decode, profile and longtail stages with the Mosaic GPU kernel
+# instead of pallas.ops' (their JSON files then end in _mosaic).
 # Each stage has its own time limit (seconds, STAGE_LIMIT_<stage> overrides) so one slow stage
 # cannot take the others' time; a stage that fails or times out is logged and the next one runs.
 set -uo pipefail
@@ -30,6 +33,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 # The benchmarks own the GPU: let XLA's allocator use 95% of it (the default pool is 75%).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+DECODE=${DECODE_ATTENTION:-pallas}
+SUFFIX=$([ "$DECODE" = pallas ] || echo "_$DECODE")
 TOK=.whl/qwen3
 [ -f "$TOK/tokenizer.json" ] || TOK=""
 
@@ -52,25 +57,25 @@ for s in "$@"; do
              # (H100, 2026-11-24: ~100 s at batch 64, ~190 s at batch 256 with --repeats 1)
       stage decode 420 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
-        --decode-attention pallas --workload fixed longtail --hf never --repeats 1 \
-        --output "$OUT/decode_throughput.json" ;;
+        --decode-attention "$DECODE" --workload fixed longtail --hf never --repeats 1 \
+        --output "$OUT/decode_throughput$SUFFIX.json" ;;
     profile)  # issue 15: fixed lengths at batch 64 and 256 with the device time by kernel
               # (kernels.timing.trace_summary; H100, 2026-11-24: ~170 s)
       stage profile 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
-        --decode-attention pallas --workload fixed --hf never --repeats 1 \
-        --profile /tmp/decode_profile --output "$OUT/decode_profile.json" ;;
+        --decode-attention "$DECODE" --workload fixed --hf never --repeats 1 \
+        --profile /tmp/decode_profile --output "$OUT/decode_profile$SUFFIX.json" ;;
     longtail)  # issue 15: the long-tailed workload alone, prefilling ahead (the default)
       stage longtail 240 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
-        --decode-attention pallas --workload longtail --hf never --repeats 1 \
-        --output "$OUT/decode_throughput_longtail.json" ;;
+        --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
+        --output "$OUT/decode_throughput_longtail$SUFFIX.json" ;;
     longtail_noahead)  # issue 15: the long-tailed workload with one prefill call per refill
                        # (Sampler(prefill_ahead=False)), to compare with the decode stage's
       stage longtail_noahead 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
-        --decode-attention pallas --workload longtail --hf never --repeats 1 \
-        --no-prefill-ahead --output "$OUT/decode_throughput_noahead.json" ;;
+        --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
+        --no-prefill-ahead --output "$OUT/decode_throughput_noahead$SUFFIX.json" ;;
     decode_ref)  # the same with the jnp page reader (not yet measured on a GPU)
       stage decode_ref 420 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
@@ -81,17 +86,13 @@ for s in "$@"; do
       stage paged 420 python3 benchmarks/paged_attention.py --batch 64 256 \
         --out "$OUT/paged_attention.json" ;;
     mosaic)  # issue 16: the Mosaic GPU paged decode kernel (kernels/paged_decode.py, written
-             # without a GPU on 2026-11-24): its GPU tests, its sweep beside the Triton kernel's
-             # tuned point, then the whole decode with it (fixed lengths, batch 64 and 256)
+             # without a GPU on 2026-11-24): its GPU tests, then its sweep beside the Triton
+             # kernel's tuned point; the whole decode with it: DECODE_ATTENTION=mosaic ... profile
       stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q \
         -p no:cacheprovider tests/test_paged_decode.py
       stage mosaic_paged 240 python3 benchmarks/paged_attention.py --batch 64 256 \
         --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 --num-warps 4 \
-        --num-stages 2 3 4 --out "$OUT/paged_attention_mosaic.json"
-      stage mosaic_decode 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
-        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
-        --decode-attention mosaic --workload fixed --hf never --repeats 1 \
-        --output "$OUT/decode_throughput_mosaic.json" ;;
+        --num-stages 2 3 4 --out "$OUT/paged_attention_mosaic.json" ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
