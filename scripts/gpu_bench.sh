@@ -6,6 +6,9 @@
 #
 #   bash scripts/gpu_bench.sh decode step        # rollout engine (#15), step memory/time (#16)
 #   bash scripts/gpu_bench.sh lmhead train       # kernels, MFU (#16)
+#   bash scripts/gpu_bench.sh step_dapo step_delta   # step_overhead at full defaults, per variant
+#   bash scripts/gpu_bench.sh step_delta-recompute   #   (one call each pair: ~4 min a variant)
+#   bash scripts/gpu_bench.sh train_full         # train_throughput at its defaults (#16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
@@ -97,6 +100,16 @@ for s in "$@"; do
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
         ${TOK:+--tokenizer "$TOK"} --out "$OUT/step_overhead.json" ;;
+    step_dapo|step_delta|step_delta-recompute)  # issue 16: step_overhead at its full defaults
+             # (3 timed steps after 1 warm-up), one variant a stage: all three take ~10 minutes,
+             # more than one device call, so run them in separate calls
+      v=${s#step_}
+      stage "$s" 400 python3 benchmarks/step_overhead.py --variants "$v" \
+        ${TOK:+--tokenizer "$TOK"} --out "$OUT/step_overhead_$v.json" ;;
+    train_full)  # issue 16: train_throughput at its defaults (2 remat x 2 attention x 2 log-prob
+                 # paths, 2 warm-up + 5 timed steps, the compiled-memory table)
+      stage train_full 560 python3 benchmarks/train_throughput.py \
+        --out "$OUT/train_throughput_full.json" ;;
     tests)  # issue 16: the five files of the first GPU run and every gpu-marked test
       stage tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
         tests/test_kernels_delta.py tests/test_kernels_logprob.py tests/test_attention.py \
