@@ -11,7 +11,9 @@ scaled by D ** -0.5, softmax in float32, probabilities cast to v's dtype for the
 (float32 accumulation).
 
 Why it exists: jax.experimental.pallas.ops.gpu.paged_attention runs on Pallas' Triton backend,
-which jax 0.11 deprecates (issue #16), and pallas.ops has no Mosaic GPU paged decode kernel.
+which jax 0.11 deprecates (issue #16), and no maintained Mosaic GPU paged decode kernel was found:
+pallas.ops.gpu has none (its ragged and decode attention are Triton too), and tokamax 0.0.12's
+Mosaic GPU attention refuses paging ("Paged attention not supported"; only its XLA path pages).
 
 How it works. One CUDA block (one warpgroup) per (sequence, KV head, split of the pages). The G
 query heads of the KV head sit in the first rows of a 64-row WGMMA tile (q is padded to a multiple
