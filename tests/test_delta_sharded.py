@@ -139,7 +139,7 @@ def test_kernel_pass_impl_per_shard_mode():
 def test_ablations_on_8_devices(options):
     """delta.* ablation flags (issue #19) in per_shard mode (jnp, and the kernel where it has the
     flag) == the float64 reference on each shard alone; in global mode the kernel passes over
-    sharded inputs == the single-device jnp path. Random lambda: the same whole-batch draws in every mode
+    sharded inputs == the same passes on one device. Random lambda: the same whole-batch draws in every mode
     (lambda_noise(key, [B, T])), each shard normalised on its own."""
     hidden, prob, adv, mask = _batch()
     mesh = _mesh((8,), ("data",))
@@ -169,8 +169,12 @@ def test_ablations_on_8_devices(options):
         row = P("data")
         args = (_put(mesh, hidden, row), _put(mesh, prob, row), _put(mesh, adv, row),
                 _put(mesh, mask, row))
-        want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, ablations=ablations,
-                                               key=key)
+        # Sharding is what this compares: the same kernel passes on one device. (The kernel's
+        # and the jnp path's own float32 roundings differ by up to ~2e-5 relative here, where
+        # gamma = 0.3 amplifies margin rounding, found on an AVX-512 VM on 2026-11-24; each path
+        # meets the float64 reference per shard above, and on the ablations of test_delta.py.)
+        want, want_diag = D.delta_coefficients(hidden, prob, adv, mask, pass_impl="kernel",
+                                               ablations=ablations, key=key)
         got, diag = D.delta_coefficients(*args, pass_impl="kernel", ablations=ablations, key=key)
         assert len(got.sharding.device_set) == 8
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
