@@ -5,7 +5,7 @@ Backend. The suite runs on CPU unless told otherwise: JAX_PLATFORMS defaults to 
 
     JAX_PLATFORMS=cuda,cpu bash scripts/test.sh
 
-Tests marked `@pytest.mark.gpu` (the compiled Pallas paged decode attention, cuDNN attention) run
+Tests marked `@pytest.mark.gpu` (the compiled Pallas paged decode attentions, cuDNN attention) run
 only when JAX's default backend is a GPU and are skipped elsewhere with that reason. Tests marked
 `@pytest.mark.devices(n)` (meshes of n devices) skip when the default backend has fewer (one GPU
 has one; the CPU has eight, below). `XLA_FLAGS=--xla_force_host_platform_device_count=1 bash

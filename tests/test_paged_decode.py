@@ -107,13 +107,18 @@ def test_bad_inputs_name_the_tensor_or_knob():
     PD.paged_decode_mosaic(q, pool, pool, tables, lengths, k_splits=0)
 
 
-@pytest.mark.skipif(A._cuda_backend(), reason="the refusal is for machines without a CUDA GPU")
-def test_mosaic_is_refused_without_a_cuda_gpu():
+hopper = pytest.mark.skipif(not A._hopper_or_newer(),
+                            reason="the Mosaic GPU kernel needs a Hopper (sm_90) or newer GPU")
+
+
+@pytest.mark.skipif(A._hopper_or_newer(), reason="the refusal is for machines without Hopper")
+def test_mosaic_is_refused_without_a_hopper_gpu():
   with pytest.raises(ValueError, match="rollout.decode_attention"):
     A.resolve_decode_impl("mosaic")
 
 
 @pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("G,D,page_size,kw", [
     (2, 128, 32, {}),
     (2, 128, 32, dict(k_splits=2, stages=2)),
@@ -139,6 +144,7 @@ def test_compiled_matches_reference(G, D, page_size, kw):
 
 
 @pytest.mark.gpu
+@hopper
 def test_selected_through_paged_decode_attention():
   """rollout.decode_attention="mosaic" reaches the kernel (same result as calling it)."""
   q, kp, vp, tables, lengths, _, _ = paged_case(3, B=4, K=2, G=2, D=128, page_size=32,

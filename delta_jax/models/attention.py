@@ -433,17 +433,27 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def resolve_decode_impl(impl: str) -> str:
-  """"auto" -> "pallas" on CUDA GPUs, else "reference". "mosaic" only where there is a CUDA GPU
+  """"auto" -> "pallas" on CUDA GPUs, else "reference". "mosaic" only on a Hopper or newer GPU
   (refused here, at start-up, rather than in the compiler)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"paged decode attention impl must be one of {DECODE_IMPLS}, got {impl!r}")
   if impl == "auto":
     return "pallas" if _cuda_backend() else "reference"
-  if impl == "mosaic" and not _cuda_backend():
+  if impl == "mosaic" and not _hopper_or_newer():
     raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
-                     f"kernel for NVIDIA GPUs; the backend here is {jax.default_backend()!r}: use "
-                     f"'auto' or 'reference'")
+                     f"kernel for NVIDIA Hopper or newer GPUs; here the backend is "
+                     f"{jax.default_backend()!r}: use 'auto' or 'reference'")
   return impl
+
+
+def _hopper_or_newer() -> bool:
+  """A CUDA GPU of compute capability 9.0 or more (TMA and WGMMA)."""
+  if not _cuda_backend():
+    return False
+  try:
+    return float(jax.devices()[0].compute_capability) >= 9.0
+  except (AttributeError, ValueError, TypeError):
+    return False
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: str = "auto",
