@@ -38,7 +38,7 @@ def available() -> str | None:
   """None if this jax has the interpreter pieces used here, else why not."""
   try:
     mlir, gpu_core, gpu_callbacks, jaxpr_interpret, params, _ = _modules()
-  except ImportError as e:
+  except (ImportError, AttributeError) as e:
     return f"no Mosaic GPU interpreter in this jax ({e})"
   for owner, name in ((gpu_callbacks, "wgmma"), (gpu_callbacks, "_get_shared_memory"),
                       (gpu_callbacks, "HostAllocationKey"), (gpu_core, "layout_cast_p"),
