@@ -62,32 +62,40 @@ def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
           + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS)
 
 
+def config_problem(dtype, head_dim: int, page_size: int, group: int,
+                   pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
+                   stages: int = STAGES) -> str | None:
+  """Why the kernel cannot run this configuration (q dtype, head_dim, page_size, query heads per
+  KV head, and its own parameters), or None: checked by the kernel and, at start-up, by the
+  Sampler for rollout.decode_attention="mosaic"."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"q dtype {jnp.dtype(dtype)} must be bfloat16 or float16 (the WGMMA operand types)"
+  if head_dim % 64:
+    return f"head_dim {head_dim} must be a multiple of 64"
+  if group > WGMMA_ROWS:
+    return f"{group} query heads per KV head exceed the {WGMMA_ROWS}-row tile"
+  if page_size % 8:
+    return f"page_size {page_size} must be a multiple of 8"
+  block_kv = pages_per_block * page_size
+  if pages_per_block < 1 or block_kv % 64:
+    return (f"pages_per_block {pages_per_block} x page_size {page_size} = {block_kv} keys a step "
+            "must be a positive multiple of 64")
+  if k_splits < 1 or stages < 1:
+    return f"k_splits {k_splits} and stages {stages} must be >= 1"
+  need = smem_bytes(head_dim, page_size, pages_per_block, stages, jnp.dtype(dtype).itemsize)
+  if need > SMEM_LIMIT_BYTES:
+    return (f"stages {stages} x pages_per_block {pages_per_block} need {need} B of shared "
+            f"memory a block, over {SMEM_LIMIT_BYTES}: lower one")
+  return None
+
+
 def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages):
   from delta_jax.models.attention import check_paged_decode_inputs
   check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, "paged_decode_mosaic")
-  B, N, D = q.shape
-  K, _, page_size, _ = k_pages.shape
-  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError(f"paged_decode_mosaic: q dtype {q.dtype} must be bfloat16 or float16 "
-                     "(the WGMMA operand types)")
-  if D % 64:
-    raise ValueError(f"paged_decode_mosaic: head_dim {D} must be a multiple of 64")
-  G = N // K
-  if G > WGMMA_ROWS:
-    raise ValueError(f"paged_decode_mosaic: {G} query heads per KV head exceed the "
-                     f"{WGMMA_ROWS}-row tile")
-  block_kv = pages_per_block * page_size
-  if pages_per_block < 1 or block_kv % 64:
-    raise ValueError(f"paged_decode_mosaic: pages_per_block {pages_per_block} x page_size "
-                     f"{page_size} = {block_kv} keys a step must be a positive multiple of 64")
-  if k_splits < 1 or stages < 1:
-    raise ValueError(f"paged_decode_mosaic: k_splits {k_splits} and stages {stages} must be >= 1")
-  if page_size % 8:
-    raise ValueError(f"paged_decode_mosaic: page_size {page_size} must be a multiple of 8")
-  need = smem_bytes(D, page_size, pages_per_block, stages, jnp.dtype(q.dtype).itemsize)
-  if need > SMEM_LIMIT_BYTES:
-    raise ValueError(f"paged_decode_mosaic: stages {stages} x pages_per_block {pages_per_block} "
-                     f"need {need} B of shared memory a block, over {SMEM_LIMIT_BYTES}: lower one")
+  problem = config_problem(q.dtype, q.shape[-1], k_pages.shape[2], q.shape[1] // k_pages.shape[0],
+                           pages_per_block, k_splits, stages)
+  if problem:
+    raise ValueError(f"paged_decode_mosaic: {problem}")
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages"))

@@ -25,6 +25,14 @@ needs_interpreter = pytest.mark.skipif(mosaic_interpret.available() is not None,
                                        reason=str(mosaic_interpret.available()))
 
 
+def allow_mosaic_here(monkeypatch):
+  """Lift resolve_decode_impl's refusal of "mosaic" without a Hopper GPU (the kernel is only
+  lowered for CUDA or interpreted here); everything else resolves as before."""
+  resolve = A.resolve_decode_impl
+  monkeypatch.setattr(A, "resolve_decode_impl",
+                      lambda impl: "mosaic" if impl == "mosaic" else resolve(impl))
+
+
 @needs_interpreter
 @pytest.mark.parametrize("G,lengths,kw", [
     (2, (0, 1, 37, 128), dict(pages_per_block=4)),                    # 1 / 2 steps, 2 in flight
@@ -111,6 +119,24 @@ hopper = pytest.mark.skipif(not A._hopper_or_newer(),
                             reason="the Mosaic GPU kernel needs a Hopper (sm_90) or newer GPU")
 
 
+def test_sampler_refuses_a_model_the_kernel_cannot_run(monkeypatch):
+  """At start-up, naming the field: float32 compute, or 16-token pages (a step of the default 2
+  pages must hold a multiple of 64 keys)."""
+  from flax import nnx
+  from delta_jax import models
+  from delta_jax.sampling import Sampler
+
+  allow_mosaic_here(monkeypatch)
+  fp32 = models.Transformer(models.get_preset("tiny", head_dim=64), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rollout.decode_attention.*q dtype float32"):
+    Sampler(fp32, decode_attention="mosaic")
+  bf16 = models.Transformer(models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16),
+                            rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rollout.page_size.*page_size 16 = 32 keys"):
+    Sampler(bf16, decode_attention="mosaic", page_size=16)
+  Sampler(bf16, decode_attention="mosaic", page_size=32)
+
+
 @pytest.mark.skipif(A._hopper_or_newer(), reason="the refusal is for machines without Hopper")
 def test_mosaic_is_refused_without_a_hopper_gpu():
   with pytest.raises(ValueError, match="rollout.decode_attention"):
@@ -153,14 +179,6 @@ def test_selected_through_paged_decode_attention():
   via = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="mosaic"))(q, kp, vp, tables, lengths)
   direct = PD.paged_decode_mosaic(q, kp, vp, tables, lengths)
   np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(direct, np.float32))
-
-
-def allow_mosaic_here(monkeypatch):
-  """Lift resolve_decode_impl's refusal of "mosaic" without a CUDA GPU (the kernel is only
-  lowered for CUDA or interpreted here); everything else resolves as before."""
-  resolve = A.resolve_decode_impl
-  monkeypatch.setattr(A, "resolve_decode_impl",
-                      lambda impl: "mosaic" if impl == "mosaic" else resolve(impl))
 
 
 def test_decode_program_lowers_for_cuda_with_it(monkeypatch):

@@ -136,7 +136,14 @@ class Sampler:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
-        attention.resolve_decode_impl(decode_attention)  # validates the name
+        if attention.resolve_decode_impl(decode_attention) == "mosaic":  # validates the name
+            from delta_jax.kernels import paged_decode
+            cfg = model.cfg
+            problem = paged_decode.config_problem(cfg.dtype, cfg.head_dim, page_size,
+                                                  cfg.num_heads // cfg.num_kv_heads)
+            if problem:
+                raise ValueError(f"decode_attention 'mosaic' (rollout.decode_attention) cannot run "
+                                 f"this model / rollout.page_size: {problem}")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
