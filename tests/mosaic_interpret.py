@@ -34,8 +34,12 @@ def _modules():
   return mlir, gpu_core, gpu_callbacks, jaxpr_interpret, params, state_types
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> str | None:
-  """None if this jax has the interpreter pieces used here, else why not."""
+  """None if this jax's interpreter, extended here, runs a probe kernel right (TMA copies, a
+  transposed and a register WGMMA operand, layout casts); else why not. The interpreter is
+  private and changes between jax versions: a version this module does not fit is skipped with
+  this reason rather than failing."""
   try:
     mlir, gpu_core, gpu_callbacks, jaxpr_interpret, params, _ = _modules()
   except (ImportError, AttributeError) as e:
@@ -46,7 +50,56 @@ def available() -> str | None:
                       (params, "force_gpu_interpret_mode")):
     if not hasattr(owner, name):
       return f"this jax's Mosaic GPU interpreter lacks {name}"
-  return None
+  try:
+    error = _probe()
+  except Exception as e:  # noqa: BLE001  (any failure means: not usable here)
+    error = f"{type(e).__name__}: {str(e)[:200]}"
+  return None if error is None else f"the extended Mosaic GPU interpreter fails a probe: {error}"
+
+
+def _probe() -> str | None:
+  """(a b^T) c on 64 x 64 bf16 tiles, a, b, c copied to shared memory by TMA, the first product
+  read back to registers and fed to the second WGMMA as its A operand; None if numpy agrees."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  n = 64
+  rng = np.random.default_rng(0)
+  a, b, c = (jnp.asarray(rng.standard_normal((n, n)) / 8, jnp.bfloat16) for _ in range(3))
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def kernel(a_ref, b_ref, c_ref, o_ref, a_s, b_s, c_s, o_s, bar):
+    for i, (src, dst) in enumerate(((a_ref, a_s), (b_ref, b_s), (c_ref, c_s))):
+      plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+    for i in range(3):
+      plgpu.barrier_wait(bar.at[i])
+
+    def ab(acc):
+      plgpu.wgmma(acc, a_s, plgpu.transpose_ref(b_s, (1, 0)))
+      return acc[...]
+    s = pl.run_scoped(ab, plgpu.ACC((n, n), jnp.float32))
+
+    def sc(acc):
+      plgpu.wgmma(acc, s.astype(jnp.bfloat16), c_s)
+      return acc[...]
+    o_s[...] = plgpu.layout_cast(pl.run_scoped(sc, plgpu.ACC((n, n), jnp.float32)),
+                                 plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((n, n), jnp.float32),
+                      scratch_types=[plgpu.SMEM((n, n), jnp.bfloat16, transforms=swizzled)] * 3
+                      + [plgpu.SMEM((n, n), jnp.float32), plgpu.Barrier(num_barriers=3)])
+  with interpreting():
+    got = np.asarray(call(a, b, c), np.float32)
+  f = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  s = (f(a) @ f(b).T).astype(jnp.bfloat16).astype(np.float32)
+  want = s @ f(c)
+  err = float(np.max(np.abs(got - want)))
+  return None if err < 1e-2 else f"max abs error {err:.3g}"
 
 
 _installed = False
