@@ -23,6 +23,8 @@ Bytes: the K and V of every live token of every row, read once (queries and outp
 negligible); limit = those bytes / the copy bandwidth measured in the same run (kernels.timing:
 read + write of a 1 GiB float32 array). "% of copy" = (bytes / time) / copy bandwidth. One layer's
 call; a decode step makes one per layer.
+Memory: each configuration's compiled program's XLA memory analysis on the backend it runs on
+(its temporaries printed, the whole analysis in the JSON records).
 Correctness: each configuration's output is compared with the jnp reference on the same inputs
 (max abs error, printed; a configuration over --tolerance is flagged and not ranked). A
 configuration that fails to compile or run is recorded with its error and the sweep goes on.
@@ -157,7 +159,8 @@ def main(argv=None):
             row = {"batch": batch, "config": label, "impl": impl, **kwargs,
                    "kv_bytes": kv_bytes, "limit_us": kv_bytes / bandwidth * 1e6}
             try:
-                fn = build(impl, kwargs)
+                fn = build(impl, kwargs).lower(*case).compile()
+                row["compiled_memory"] = timing.compiled_memory_bytes(fn)
                 got = np.asarray(fn(*case), np.float32)
                 row["max_abs_error"] = float(np.max(np.abs(got - want)))
                 row["ok"] = bool(np.isfinite(got).all() and row["max_abs_error"] <= args.tolerance)
@@ -166,9 +169,11 @@ def main(argv=None):
                 row["us"] = seconds * 1e6
                 row["gb_s"] = kv_bytes / seconds / 1e9
                 row["fraction_of_copy"] = kv_bytes / seconds / bandwidth
+                temp = row["compiled_memory"].get("temp_bytes")
                 print(f"  {label:55s} {row['us']:9.1f} us {row['gb_s']:8.1f} GB/s "
                       f"{100 * row['fraction_of_copy']:5.1f}% of copy  err "
-                      f"{row['max_abs_error']:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
+                      f"{row['max_abs_error']:.1e}{'' if row['ok'] else '  WRONG'}  temp "
+                      f"{'n/a' if temp is None else f'{temp / 2**20:.1f} MiB'}", flush=True)
             except Exception as e:  # noqa: BLE001  (record it, go on with the sweep)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 print(f"  {label:55s} failed: {row['error']}", flush=True)

@@ -93,7 +93,7 @@ for s in "$@"; do
              # kernel's tuned point; the whole decode with it: DECODE_ATTENTION=mosaic ... profile
       stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q \
         -p no:cacheprovider tests/test_paged_decode.py
-      stage mosaic_paged 240 python3 benchmarks/paged_attention.py --batch 64 256 \
+      stage mosaic_paged 300 python3 benchmarks/paged_attention.py --batch 64 256 \
         --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 --num-warps 4 \
         --num-stages 2 3 4 --out "$OUT/paged_attention_mosaic.json" ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
