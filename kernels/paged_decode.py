@@ -231,7 +231,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
               jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
   call = plgpu.kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(B, K, k_splits),
-      grid_names=("batch", "heads", "split"),
+      grid_names=("batch", "heads", "split"), kernel_name="paged_decode_mosaic",
       compiler_params=plgpu.CompilerParams(approx_math=True))
   o, lse = call(lengths, tables, qg, k_pages, v_pages)
   o = o[:, :, :, :G].astype(jnp.float32)                              # [S, B, K, G, D]
