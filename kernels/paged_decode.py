@@ -175,7 +175,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         plgpu.barrier_wait(k_bar.at[slot * pages_per_block + p])
 
       def qk_fn(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
       s = pl.run_scoped(qk_fn, plgpu.ACC((WGMMA_ROWS, block_kv), jnp.float32))
       token = plgpu.broadcasted_iota(jnp.int32, (WGMMA_ROWS, block_kv), 1,

@@ -1,15 +1,22 @@
-"""Run Mosaic GPU kernels on the CPU: Mosaic GPU's own interpreter (jax 0.10's private
+"""Run Mosaic GPU kernels on the CPU: Mosaic GPU's own interpreter (jax's private
 jax._src.pallas.mosaic_gpu.interpret: simulated shared memory, barriers, TMA copies), completed
-for what a flash-attention kernel uses and it lacks:
+for what a flash-attention kernel uses and it lacks. jax 0.10 (the CPU venv's) lacks:
 
   * layout casts (register layouts do not exist in the interpreter: identity);
-  * a WGMMA whose B operand is a transposed view of a shared-memory buffer (plgpu.transpose_ref);
+  * a WGMMA whose B operand is a transposed view of a shared-memory buffer (ref.transpose);
   * a WGMMA whose A operand is a register array (the probabilities of P V);
   * the race detector's check of WGMMA operands read from shared memory, like any other read
-    (the interpreter's own WGMMA skips it). The detector sees, e.g., a TMA copy into a buffer
-    that is rewritten without waiting for the copy's barrier; it does not see a read that skips
-    the wait (the interpreter completes a copy when it is issued), so the pipeline's waits are
-    checked by reading the kernel, not here.
+    (the interpreter's own WGMMA skips it).
+
+What catches a skipped barrier wait: the race detector sees a TMA copy into a buffer that is
+then stored to or loaded from without the wait (tests/test_paged_decode.py's positive control);
+a WGMMA operand read that skips the wait it does not flag, but the interpreter refuses a barrier
+that completes again before a thread observed its previous completion, so a skipped K or V wait
+in the kernel's pipelined loop fails the interpreted cases that reuse barriers (checked by hand
+on 2026-11-24, both jax versions: removing either wait fails the stages=1 case).
+
+jax 0.11 (the GPU image's) reworked the interpreter and handles the first two and the operand
+reads itself; only the register A operand is added there.
 
 The kernel's own code runs unchanged (plgpu.kernel under force_gpu_interpret_mode); only the
 interpreter is extended, here, for tests. `available()` says whether this jax has the pieces
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import numpy as np
 
@@ -77,7 +85,7 @@ def _probe() -> str | None:
       plgpu.barrier_wait(bar.at[i])
 
     def ab(acc):
-      plgpu.wgmma(acc, a_s, plgpu.transpose_ref(b_s, (1, 0)))
+      plgpu.wgmma(acc, a_s, b_s.transpose((1, 0)))
       return acc[...]
     s = pl.run_scoped(ab, plgpu.ACC((n, n), jnp.float32))
 
@@ -111,6 +119,10 @@ def _install():
   if _installed:
     return
   mlir, gpu_core, gpu_callbacks, jaxpr_interpret, _, state_types = _modules()
+  if "mesh_location" in inspect.signature(gpu_callbacks.wgmma).parameters:
+    _install_register_operand_wgmma(gpu_callbacks, jaxpr_interpret, state_types)
+    _installed = True
+    return
   import jax
   from jax._src import callback
   from jax._src.pallas.mosaic import interpret as _  # noqa: F401  (utils below)
@@ -170,6 +182,51 @@ def _install():
 
   jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
   _installed = True
+
+
+def _install_register_operand_wgmma(gpu_callbacks, jaxpr_interpret, state_types):
+  """jax 0.11's reworked interpreter (threads and mesh locations; transposed views and layout
+  casts handled by it) still reads a WGMMA's A operand from shared memory only: a register A
+  operand is added here, its shared-memory reads going through the interpreter's own accessors
+  (so the race detector sees them)."""
+  import jax
+  from jax._src import callback
+  memory = gpu_callbacks.memory
+  original = jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p
+
+  def wgmma(*, token, mesh_location, thread, acc_allocation_key_as_array, acc_transforms,
+            a_value, b_allocation_key_as_array, b_transforms, source_info=None):
+    shared = gpu_callbacks._get_shared_memory()
+    info = memory.GPULoggingInfo(mesh_location, thread, source_info)
+    clean = lambda t: jax.tree.map(int, gpu_callbacks._remove_noop_transforms(t))  # noqa: E731
+    b_key = gpu_callbacks.HostAllocationKey.from_array(b_allocation_key_as_array)
+    acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
+    b, _, _ = shared.get_buffer_content(b_key, shared.access(b_key, clean(b_transforms)), thread,
+                                        logging_info=info)
+    acc_access = shared.access(acc_key, clean(acc_transforms))
+    acc, _, _ = shared.get_buffer_content(acc_key, acc_access, thread, logging_info=info)
+    out = acc + np.matmul(np.asarray(a_value, np.float32), b.astype(np.float32)).astype(acc.dtype)
+    shared.store_buffer_content(acc_key, acc_access, out, thread, logging_info=info)
+    return token
+
+  def interpret_wgmma(self, eqn, token, get_invals):
+    if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+      return original(self, eqn, token, get_invals)
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_t, _, b_t = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
+                                     eqn.params["a_transforms_tree"] or empty,
+                                     eqn.params["b_transforms_tree"] or empty)), leaves)
+    acc, acc_t = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_t)
+    b, b_t = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, b, b_t)
+    return callback.io_callback(
+        functools.partial(wgmma, source_info=eqn.source_info), gpu_callbacks.TOKEN_SHAPE_DTYPE,
+        token=token, mesh_location=self.mesh_location, thread=self.thread,
+        acc_allocation_key_as_array=acc, acc_transforms=acc_t, a_value=a,
+        b_allocation_key_as_array=b, b_transforms=b_t), []
+
+  jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
 
 
 @contextlib.contextmanager

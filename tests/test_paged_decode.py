@@ -63,6 +63,32 @@ def test_interpreted_matches_reference(G, lengths, kw):
     assert np.all(got[b] == 0)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("wait", [True, False])
+def test_race_detector_is_live(wait):
+  """The positive control of the no-race assertion above: a TMA copy into shared memory whose
+  buffer the kernel then overwrites is a race unless the copy's barrier is waited on first."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def kernel(x_ref, o_ref, x_smem, bar):
+    plgpu.copy_gmem_to_smem(x_ref, x_smem, bar.at[0])
+    if wait:
+      plgpu.barrier_wait(bar.at[0])
+    x_smem[...] = jnp.zeros_like(x_smem)
+    if not wait:
+      plgpu.barrier_wait(bar.at[0])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(x_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  x = jnp.ones((128,), jnp.float32)
+  call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_barriers=1)])
+  with mosaic_interpret.interpreting(detect_races=True):
+    jax.block_until_ready(call(x))
+  assert mosaic_interpret.races_found() == (not wait)
+
+
 def lower_for_cuda(B=4, K=8, G=2, D=128, page_size=32, pages=64, pages_per_seq=16,
                    dtype=jnp.bfloat16, **kw):
   """The kernel exported for CUDA from abstract shapes: the Mosaic GPU module's text."""
