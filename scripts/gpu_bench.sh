@@ -91,7 +91,7 @@ for s in "$@"; do
     mosaic)  # issue 16: the Mosaic GPU paged decode kernel (kernels/paged_decode.py, written
              # without a GPU on 2026-11-24): its GPU tests, then its sweep beside the Triton
              # kernel's tuned point; the whole decode with it: DECODE_ATTENTION=mosaic ... profile
-      stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q \
+      stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu \
         -p no:cacheprovider tests/test_paged_decode.py
       stage mosaic_paged 300 python3 benchmarks/paged_attention.py --batch 64 256 \
         --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 --num-warps 4 \

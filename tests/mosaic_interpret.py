@@ -234,10 +234,13 @@ def interpreting(detect_races: bool = False):
   """plgpu.kernel calls traced inside run in Mosaic GPU's interpreter (extended as above), on
   shared memory that starts as NaN, raising on out-of-bounds reads; detect_races: its
   happens-before race detector over the simulated copies and barriers (see races_found)."""
+  import jax
   _install()
   _, _, _, _, params, _ = _modules()
+  # A simulation on the host: on a GPU machine (JAX_PLATFORMS=cuda,cpu) it runs on the CPU too.
   with params.force_gpu_interpret_mode(params.InterpretGPUParams(
-      detect_races=detect_races, out_of_bounds_reads="raise", uninitialized_memory="nan")):
+      detect_races=detect_races, out_of_bounds_reads="raise", uninitialized_memory="nan")), \
+      jax.default_device(jax.devices("cpu")[0]):
     yield
 
 
