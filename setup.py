@@ -23,6 +23,9 @@ setup(
         "transformers>=4.51.0",  # Qwen3 support
         "safetensors>=0.4.0",
         "tokenizers>=0.21.0",
+        # transformers' apply_chat_template (data.template "chat" and "code") needs it, and
+        # transformers does not require it (found 2026-11-24 in a venv without torch).
+        "jinja2>=3.1.0",
         "ml-collections>=1.0.0",
         "tensorflow-datasets>=4.9.7",
         "array-record>=0.7.0",
