@@ -28,6 +28,7 @@ interpreter is extended, here, for tests. `available()` says whether this jax ha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 
@@ -238,8 +239,11 @@ def interpreting(detect_races: bool = False):
   _install()
   _, _, _, _, params, _ = _modules()
   # A simulation on the host: on a GPU machine (JAX_PLATFORMS=cuda,cpu) it runs on the CPU too.
-  with params.force_gpu_interpret_mode(params.InterpretGPUParams(
-      detect_races=detect_races, out_of_bounds_reads="raise", uninitialized_memory="nan")), \
+  options = dict(detect_races=detect_races, out_of_bounds_reads="raise",
+                 uninitialized_memory="nan")
+  if "on_race" in {f.name for f in dataclasses.fields(params.InterpretGPUParams)}:
+    options["on_race"] = "warn"  # jax 0.12 raises by default; races_found() reports instead
+  with params.force_gpu_interpret_mode(params.InterpretGPUParams(**options)), \
       jax.default_device(jax.devices("cpu")[0]):
     yield
 
