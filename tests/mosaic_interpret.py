@@ -13,10 +13,10 @@ then stored to or loaded from without the wait (tests/test_paged_decode.py's pos
 a WGMMA operand read that skips the wait it does not flag, but the interpreter refuses a barrier
 that completes again before a thread observed its previous completion, so a skipped K or V wait
 in the kernel's pipelined loop fails the interpreted cases that reuse barriers (checked by hand
-on 2026-11-24, both jax versions: removing either wait fails the stages=1 case).
+on 2026-11-24 under jax 0.10.2 and 0.11.2: removing either wait fails the stages=1 case).
 
-jax 0.11 (the GPU image's) reworked the interpreter and handles the first two and the operand
-reads itself; only the register A operand is added there.
+jax 0.11 (the GPU image's) and 0.12 reworked the interpreter and handle the first two and the
+operand reads themselves; only the register A operand is added there.
 
 The kernel's own code runs unchanged (plgpu.kernel under force_gpu_interpret_mode); only the
 interpreter is extended, here, for tests. `available()` says whether this jax has the pieces
@@ -186,10 +186,10 @@ def _install():
 
 
 def _install_register_operand_wgmma(gpu_callbacks, jaxpr_interpret, state_types):
-  """jax 0.11's reworked interpreter (threads and mesh locations; transposed views and layout
+  """jax 0.11 / 0.12's reworked interpreter (threads and mesh locations; transposed views and layout
   casts handled by it) still reads a WGMMA's A operand from shared memory only: a register A
-  operand is added here, its shared-memory reads going through the interpreter's own accessors
-  (so the race detector sees them)."""
+  operand is added here, its shared-memory reads going through the interpreter's own accessors,
+  as its own WGMMA's do."""
   import jax
   from jax._src import callback
   memory = gpu_callbacks.memory
