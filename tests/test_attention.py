@@ -326,6 +326,21 @@ def test_paged_decode_pallas_kernel_matches_reference():
     A.paged_decode_pallas(q, kp, vp, tables, lengths, k_splits=3)
 
 
+def test_auto_decode_attention_without_pallas_ops_paged_attention(monkeypatch):
+  """On a CUDA GPU "auto" is pallas.ops' Triton paged attention while this jax ships it (it is
+  deprecated); a jax without the module gets the jnp page reader and a warning, not an
+  ImportError at the first decode step. Elsewhere "auto" is the reader."""
+  assert A._pallas_paged_available()  # this jax (0.10-0.12) still has it
+  assert A.resolve_decode_impl("auto") == ("pallas" if A._cuda_backend() else "reference")
+  monkeypatch.setattr(A, "_cuda_backend", lambda: True)
+  assert A.resolve_decode_impl("auto") == "pallas"
+  monkeypatch.setattr(A, "_pallas_paged_available", lambda: False)
+  A._warn_once.cache_clear()
+  with pytest.warns(RuntimeWarning, match="falls back to the jnp page reader"):
+    assert A.resolve_decode_impl("auto") == "reference"
+  assert A.resolve_decode_impl("pallas") == "pallas"  # asked for by name: its import error
+
+
 @pytest.mark.parametrize("k_splits,per_block,warps,stages", [(1, 4, 4, 3), (2, 1, 8, 2),
                                                               (4, 8, 4, 2)])
 def test_paged_decode_pallas_kernel_parameters_keep_the_result(k_splits, per_block, warps,

@@ -433,17 +433,42 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def resolve_decode_impl(impl: str) -> str:
-  """"auto" -> "pallas" on CUDA GPUs, else "reference". "mosaic" only on a Hopper or newer GPU
-  (refused here, at start-up, rather than in the compiler)."""
+  """"auto" -> "pallas" on CUDA GPUs while this jax ships pallas.ops' paged attention (deprecated
+  since jax 0.11; a jax without it gets "reference", with a warning), else "reference". "mosaic"
+  only on a Hopper or newer GPU (refused here, at start-up, rather than in the compiler)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"paged decode attention impl must be one of {DECODE_IMPLS}, got {impl!r}")
   if impl == "auto":
-    return "pallas" if _cuda_backend() else "reference"
+    if not _cuda_backend():
+      return "reference"
+    if _pallas_paged_available():
+      return "pallas"
+    _warn_once(f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
+               "rollout.decode_attention 'auto' falls back to the jnp page reader ('reference', "
+               "about 2x slower on an H100); 'mosaic' is the project's Mosaic GPU kernel for "
+               "Hopper or newer GPUs")
+    return "reference"
   if impl == "mosaic" and not _hopper_or_newer():
     raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
                      f"kernel for NVIDIA Hopper or newer GPUs; here the backend is "
                      f"{jax.default_backend()!r}: use 'auto' or 'reference'")
   return impl
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_paged_available() -> bool:
+  """Whether this jax still ships pallas.ops' (Triton) paged attention."""
+  import importlib.util
+  try:
+    return importlib.util.find_spec("jax.experimental.pallas.ops.gpu.paged_attention") is not None
+  except ImportError:  # a parent package is gone too
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+  import warnings
+  warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _hopper_or_newer() -> bool:
