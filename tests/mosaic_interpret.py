@@ -111,6 +111,16 @@ def _probe() -> str | None:
   return None if err < 1e-2 else f"max abs error {err:.3g}"
 
 
+def _wgmma_transforms(eqn, leaves):
+  """The (acc, a, b) ref transforms of a wgmma_ref_p equation, from its flattened operands."""
+  import jax
+  empty = jax.tree.structure([])
+  return jax.tree.unflatten(
+      jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
+                                   eqn.params["a_transforms_tree"] or empty,
+                                   eqn.params["b_transforms_tree"] or empty)), leaves)
+
+
 _installed = False
 
 
@@ -166,11 +176,7 @@ def _install():
 
   def interpret_wgmma(self, eqn, token, get_invals):
     acc, a, b, *leaves = get_invals()
-    empty = jax.tree.structure([])
-    acc_t, a_t, b_t = jax.tree.unflatten(
-        jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
-                                     eqn.params["a_transforms_tree"] or empty,
-                                     eqn.params["b_transforms_tree"] or empty)), leaves)
+    acc_t, a_t, b_t = _wgmma_transforms(eqn, leaves)
     a_is_ref = isinstance(eqn.invars[1].aval, state_types.AbstractRef)
     return callback.io_callback(
         functools.partial(wgmma, acc_dtype=eqn.invars[0].aval.dtype,
@@ -214,11 +220,7 @@ def _install_register_operand_wgmma(gpu_callbacks, jaxpr_interpret, state_types)
     if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
       return original(self, eqn, token, get_invals)
     acc, a, b, *leaves = get_invals()
-    empty = jax.tree.structure([])
-    acc_t, _, b_t = jax.tree.unflatten(
-        jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
-                                     eqn.params["a_transforms_tree"] or empty,
-                                     eqn.params["b_transforms_tree"] or empty)), leaves)
+    acc_t, _, b_t = _wgmma_transforms(eqn, leaves)
     acc, acc_t = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_t)
     b, b_t = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, b, b_t)
     return callback.io_callback(
