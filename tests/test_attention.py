@@ -335,7 +335,6 @@ def test_auto_decode_attention_without_pallas_ops_paged_attention(monkeypatch):
   monkeypatch.setattr(A, "_cuda_backend", lambda: True)
   assert A.resolve_decode_impl("auto") == "pallas"
   monkeypatch.setattr(A, "_pallas_paged_available", lambda: False)
-  A._warn_once.cache_clear()
   with pytest.warns(RuntimeWarning, match="falls back to the jnp page reader"):
     assert A.resolve_decode_impl("auto") == "reference"
   assert A.resolve_decode_impl("pallas") == "pallas"  # asked for by name: its import error

@@ -44,9 +44,9 @@ def allow_mosaic_here(monkeypatch):
 ])
 def test_interpreted_matches_reference(G, lengths, kw):
   """The kernel's own code in Mosaic GPU's interpreter, bf16 (D 64, 16-token pages, tables of
-  8 pages unless given): within bf16 rounding of the jnp reference; a row of length 0 gives exactly 0; no
-  data race found; pages past each row's last step are NaN pages (paged_case) that must not be
-  read."""
+  8 pages unless given): within bf16 rounding of the jnp reference; a row of length 0 gives
+  exactly 0; no data race found; pages past each row's last step are NaN pages (paged_case) that
+  must not be read."""
   kw = dict(kw)
   pages_per_seq = kw.pop("pages_per_seq", 8)
   ppb = kw["pages_per_block"]

@@ -45,6 +45,7 @@ float32, probabilities cast to v.dtype for the value product (float32 accumulati
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import jax
@@ -443,10 +444,11 @@ def resolve_decode_impl(impl: str) -> str:
       return "reference"
     if _pallas_paged_available():
       return "pallas"
-    _warn_once(f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
-               "rollout.decode_attention 'auto' falls back to the jnp page reader ('reference', "
-               "about 2x slower on an H100); 'mosaic' is the project's Mosaic GPU kernel for "
-               "Hopper or newer GPUs")
+    # Python's default warning filter shows it once per calling line, not at every trace.
+    warnings.warn(f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
+                  "rollout.decode_attention 'auto' falls back to the jnp page reader ('reference', "
+                  "about 2x slower on an H100); 'mosaic' is the project's Mosaic GPU kernel for "
+                  "Hopper or newer GPUs", RuntimeWarning, stacklevel=2)
     return "reference"
   if impl == "mosaic" and not _hopper_or_newer():
     raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
@@ -463,12 +465,6 @@ def _pallas_paged_available() -> bool:
     return importlib.util.find_spec("jax.experimental.pallas.ops.gpu.paged_attention") is not None
   except ImportError:  # a parent package is gone too
     return False
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-  import warnings
-  warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _hopper_or_newer() -> bool:
