@@ -26,10 +26,12 @@ that ran it), printed beside plan mode's figure for its phase (delta_jax.plan.pl
 "update" for the train step; "old-policy pass + DelTA" for the old-policy pass, which also counts
 the optimizer state and the DelTA feature cache that the program itself does not hold).
 
-Remat: the run config's default is none, but at the issue's shape (Qwen3-0.6B, 64-sequence
-micro-batches of 1152 tokens) plan mode puts the update without remat at hundreds of GB; --remat
-auto (the default) turns full remat on when the planned update exceeds --device-memory-gb (80), so
-the small CPU runs keep remat none, as recorded before.
+Remat: --remat auto (the default) is the run config's model.remat="auto" (delta_jax.plan.
+choose_remat): the least-recompute policy whose planned update fits the device's allocator limit,
+or --device-memory-gb (80) where the backend reports none (the CPU). At the issue's shape
+(Qwen3-0.6B, 64-sequence micro-batches of 1152 tokens) the update without remat plans at hundreds
+of GB; the small CPU runs keep remat none, as recorded before. The policy run is printed and kept
+in the JSON ("remat").
 Issue #9 shapes (GPU):
     python benchmarks/step_overhead.py
 CPU recording run (a Qwen3-0.6B-shaped model with 2 layers, 4 prompts x 4 responses, 32 tokens):
@@ -46,6 +48,8 @@ import tempfile
 import zlib
 
 import numpy as np
+
+from delta_jax.models import REMAT_POLICIES
 
 PHASES = ("rollout_s", "reward_s", "old_policy_s", "delta_s", "update_s", "step_s")
 VARIANTS = ("dapo", "delta", "delta-recompute")
@@ -89,7 +93,8 @@ def make_config(args, variant: str):
     c.model.num_layers = args.layers
     c.model.dtype = args.dtype
     c.model.param_dtype = args.dtype
-    c.model.remat = "none" if args.remat == "auto" else args.remat
+    c.model.remat = args.remat
+    c.plan.device_memory_gb = args.device_memory_gb
     c.tokenizer.path = args.tokenizer
     c.data.max_prompt_len = args.prompt_len
     # Validation wants training data; the prompts come from fixed_prompts (need_data=False).
@@ -122,24 +127,7 @@ def make_config(args, variant: str):
     c.train.steps = args.warmup_steps + args.steps
     c.train.progress_bar = False
     c.train.export_final = False
-    c = validate_config(c)
-    if args.remat == "auto":
-        c = auto_remat(c, args.device_memory_gb)
-    return c
-
-
-def auto_remat(cfg, device_memory_gb: float):
-    """model.remat="full" when plan mode's update phase without remat exceeds the device memory
-    (the issue's Qwen3-0.6B shape at 64-sequence micro-batches: hundreds of GB), else "none"."""
-    from delta_jax import plan as plan_lib
-    update = plan_lib.plan_from_config(cfg).phases["update"]
-    if update <= device_memory_gb * plan_lib.GB:
-        return cfg
-    print(f"plan: the update needs {update / plan_lib.GB:.1f} GB per device without remat "
-          f"(> {device_memory_gb:g} GB): model.remat=full", flush=True)
-    cfg = cfg.copy_and_resolve_references()
-    cfg.model.remat = "full"
-    return cfg
+    return validate_config(c)
 
 
 def run_variant(args, variant: str, workdir: str) -> dict:
@@ -152,6 +140,9 @@ def run_variant(args, variant: str, workdir: str) -> dict:
 
     cfg = make_config(args, variant)
     run = build_run(cfg, os.path.join(workdir, variant), need_data=False, need_scorer=False)
+    cfg = run.cfg  # model.remat resolved (auto -> a policy)
+    print(f"  {variant}: model.remat={cfg.model.remat}"
+          + (" (auto)" if args.remat == "auto" else ""), flush=True)
     run.scorer = ParityScorer(args.seed)
     vocab = cfg.model.vocab_size or run.tokenizer.vocab_size
     run.data_iter = fixed_prompts(args.prompts, args.prompt_len, vocab, args.seed)
@@ -186,7 +177,7 @@ def run_variant(args, variant: str, workdir: str) -> dict:
         run.close()
     timed = [s for s in steps if not s["warmup"]]
     median = {k: statistics.median(s[k] for s in timed) for k in PHASES}
-    return {"variant": variant, "median": median, "steps": steps,
+    return {"variant": variant, "remat": cfg.model.remat, "median": median, "steps": steps,
             "counters": counters, "compiled_memory": compiled_memory(cfg, vocab, variant, first_calls)}
 
 
@@ -220,11 +211,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     parser.add_argument("--warmup-steps", type=int, default=1, help="untimed (compiling) steps")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--remat", default="auto", choices=["auto", "none", "full"],
-                        help="model.remat; auto = none unless plan mode's update phase then "
-                             "exceeds --device-memory-gb, else full")
+    parser.add_argument("--remat", default="auto", choices=["auto", *REMAT_POLICIES],
+                        help="model.remat; auto = plan.choose_remat's policy")
     parser.add_argument("--device-memory-gb", type=float, default=80.0,
-                        help="device memory for --remat auto")
+                        help="plan.device_memory_gb: what --remat auto plans against where the "
+                             "backend reports no allocator limit (the CPU)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--pass-impl", default="kernel", choices=["jnp", "kernel"],
                         help="delta.pass_impl of the delta variants")

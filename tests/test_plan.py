@@ -93,6 +93,7 @@ def test_plan_mode_on_the_command_line():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout
     assert "recommended:" in out.stdout
+    assert "remat=auto -> full (planned update per device: none " in out.stdout
 
 
 def _plan_for(mc, prompt_len, response_len):
@@ -593,3 +594,51 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
     planned = p.phases["rollout"] - p.optimizer
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
+
+
+# ----------------------------------------------------------------------------- remat auto
+
+
+def _update_by_policy(cfg, policies=plan.AUTO_REMAT_ORDER):
+    mc = plan.model_config_from_run_config(cfg, remat="full")
+    return {p: plan.plan_from_config(cfg, num_devices=1, model_cfg=mc.replace(remat=p)
+                                     ).phases["update"] for p in policies}
+
+
+def test_choose_remat_takes_the_least_recompute_policy_that_fits():
+    """model.remat=auto: at each capacity, the first of none / dots_with_no_batch_dims_saveable /
+    full whose planned update is within AUTO_REMAT_FILL of it (the plan of that policy, computed
+    here on its own), with what it tried; full when nothing fits, which check_fits then
+    reports like a configured policy."""
+    from tests.rl_fixtures import tiny_rl_config
+    cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
+    assert cfg.model.remat == "auto"  # the default
+    update = _update_by_policy(cfg)
+    order = list(plan.AUTO_REMAT_ORDER)
+    assert order == ["none", "dots_with_no_batch_dims_saveable", "full"]
+    # Less recomputation keeps more: the order is only worth following if the plans fall.
+    assert update["none"] > update["dots_with_no_batch_dims_saveable"] > update["full"]
+    fill = plan.AUTO_REMAT_FILL
+    for i, policy in enumerate(order):
+        enough = update[policy] / fill
+        got, tried = plan.choose_remat(cfg, enough, mesh_shape=(1, 1, 1))
+        assert got == policy and tried == {p: update[p] for p in order[:i + 1]}
+        if i + 1 < len(order):  # a byte less than this policy needs: the next one
+            assert plan.choose_remat(cfg, enough - 1, mesh_shape=(1, 1, 1))[0] == order[i + 1]
+    got, tried = plan.choose_remat(cfg, 0, mesh_shape=(1, 1, 1))
+    assert got == "full" and tried == update
+    # Plan mode resolves it against plan.device_memory_gb and says so.
+    capacity_gb = update["dots_with_no_batch_dims_saveable"] / fill / plan.GB
+    small = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32),
+                           plan=dict(device_memory_gb=capacity_gb, num_devices=1))
+    p = plan.plan_from_config(small)
+    assert p.settings["remat"] == "dots_with_no_batch_dims_saveable"
+    assert p.phases["update"] == update["dots_with_no_batch_dims_saveable"]
+    assert p.settings["remat_auto"] == {k: update[k] for k in order[:2]}
+    assert "remat=auto -> dots_with_no_batch_dims_saveable (planned update" in p.to_text()
+    # A configured policy is planned as it is, auto's line absent.
+    fixed = plan.plan_from_config(tiny_rl_config("dapo", model=dict(remat="none"),
+                                                 rollout=dict(max_new_tokens=32)), num_devices=1)
+    assert fixed.phases["update"] == update["none"] and "remat=auto" not in fixed.to_text()
+    # The ModelConfig a run config describes carries what plan mode picks.
+    assert plan.model_config_from_run_config(small).remat == "dots_with_no_batch_dims_saveable"

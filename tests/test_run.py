@@ -32,3 +32,44 @@ def test_old_policy_pass_returns_h_only_when_delta_reads_it(tmp_path, method, de
             delta.get("feature_cache", "device") if hidden_out else "drop")
     finally:
         run.close()
+
+
+def test_build_run_resolves_remat_auto_against_the_device(tmp_path, monkeypatch):
+    """model.remat=auto: train mode builds the model with plan.choose_remat's policy for the
+    device's allocator limit, or plan.device_memory_gb where the backend reports none (the
+    CPU); eval builds it with full remat (no gradients). Each capacity sits just below what
+    the lighter policy's planned update needs."""
+    from delta_jax import plan
+    from tests.rl_fixtures import single_device_mesh
+
+    cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
+    mc = plan.model_config_from_run_config(cfg, remat="full")
+    update = {p: plan.plan_from_config(cfg, num_devices=1, model_cfg=mc.replace(remat=p)
+                                       ).phases["update"] for p in plan.AUTO_REMAT_ORDER}
+    mesh = single_device_mesh()
+
+    def built_remat(c, name):
+        run = run_lib.build_run(c, str(tmp_path / name), need_data=False, need_scorer=False,
+                                mesh=mesh)
+        try:
+            assert run.model(run.initial_params).cfg.remat == run.cfg.model.remat
+            return run.cfg.model.remat
+        finally:
+            run.close()
+
+    below_none = (update["none"] - 1) / plan.AUTO_REMAT_FILL
+    below_dots = (update["dots_with_no_batch_dims_saveable"] - 1) / plan.AUTO_REMAT_FILL
+    if plan.device_memory_bytes() is None:  # the CPU: plan.device_memory_gb is the capacity
+        assert built_remat(cfg, "default") == "none"
+        small = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32),
+                               plan=dict(device_memory_gb=below_none / plan.GB))
+        assert built_remat(small, "small") == "dots_with_no_batch_dims_saveable"
+    # A device that reports its limit: that, not plan.device_memory_gb.
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: int(below_dots))
+    assert built_remat(cfg, "device") == "full"
+    assert cfg.model.remat == "auto"  # the caller's config is not changed
+    evaluate = cfg.copy_and_resolve_references()
+    evaluate.mode = "eval"  # (eval's own validation wants benchmark files)
+    assert run_lib.resolve_remat(evaluate, mesh, 100).model.remat == "full"
+    fixed = tiny_rl_config("dapo", model=dict(remat="dots_saveable"))
+    assert run_lib.resolve_remat(fixed, mesh, 100) is fixed

@@ -38,7 +38,7 @@ CHOICES = {
     "mode": MODES,
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+    "model.remat": ("auto", "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     "model.attention": ("auto", "xla", "blockwise", "cudnn"),  # models.attention.IMPLS
     "model.logprob_impl": ("chunked", "fused"),
     "delta.pass_impl": ("jnp", "kernel"),
@@ -79,7 +79,9 @@ def default_config() -> config_dict.ConfigDict:
     c.model.preset = ""          # models.get_preset name for random init ("tiny", "qwen3-0.6b", ...)
     c.model.dtype = "float32"    # activations
     c.model.param_dtype = "float32"
-    c.model.remat = "none"
+    # "auto": the least-recompute policy whose planned update fits the device (plan.choose_remat);
+    # or one of models.REMAT_POLICIES.
+    c.model.remat = "auto"
     # Attention implementation (delta_jax/models/attention.py): "xla" materialises the [T, S]
     # scores; "auto" = cuDNN flash on GPU where it applies, else blockwise for long sequences.
     c.model.attention = "auto"

@@ -13,7 +13,7 @@ def paper_config(preset: str, steps: int):
     c.model.preset = preset           # documentation only unless model.random_init=True
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
-    c.model.remat = "full"
+    c.model.remat = "auto"            # plan.choose_remat: full where nothing lighter fits
     c.model.logprob_chunk_tokens = 4096  # = 512 positions x the micro-batch of 8 rows
     c.data.train = ""                 # required: --config.data.train=/path/to/deepmath.jsonl
     c.data.template = "qwen_math"

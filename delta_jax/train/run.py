@@ -5,6 +5,7 @@ placement on the mesh and the KL reference policy's save/restore for resumes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from delta_jax.train.step import make_train_step
 
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim")
+log = logging.getLogger("delta_jax.train")
 
 
 # ----------------------------------------------------------------------------- assets
@@ -69,7 +71,7 @@ def build_model(cfg, vocab_size: int, mesh=None):
     if cfg.model.random_init:
         overrides = {f: cfg.model[f] for f in _SHAPE_FIELDS if cfg.model[f]}
         overrides["attention"] = cfg.model.attention  # models.attention implementation
-        vocab = cfg.model.vocab_size or -(-vocab_size // 64) * 64
+        vocab = _random_init_vocab(cfg, vocab_size)
         mcfg = models.get_preset(cfg.model.preset, vocab_size=vocab, dtype=dtype,
                                  param_dtype=param_dtype, remat=remat, **overrides)
         model = models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
@@ -77,6 +79,36 @@ def build_model(cfg, vocab_size: int, mesh=None):
     shardings = None if mesh is None else sharding_lib.param_sharding_fn(mesh)
     return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
                                   remat=remat, attention=cfg.model.attention, shardings=shardings)
+
+
+def _random_init_vocab(cfg, tokenizer_vocab: int) -> int:
+    """A random-init model's vocabulary: model.vocab_size, else the tokenizer's rounded up to 64."""
+    return cfg.model.vocab_size or -(-tokenizer_vocab // 64) * 64
+
+
+def resolve_remat(cfg, mesh, tokenizer_vocab: int):
+    """`cfg`, or for model.remat="auto" a copy with a policy in its place: in train mode the one
+    plan.choose_remat picks for this mesh against the device's allocator limit
+    (plan.device_memory_gb where the backend reports none, as the CPU), logged with the planned
+    update of each policy tried; in the other modes "full" (eval takes no gradients; sft's own
+    steps are not what the plan models). The model is then built with it."""
+    if cfg.model.remat != "auto":
+        return cfg
+    from delta_jax import plan
+    policy = "full"
+    if cfg.mode == "train":
+        capacity = plan.device_memory_bytes() or cfg.plan.device_memory_gb * plan.GB
+        model_cfg = plan.model_config_from_run_config(cfg, remat="full")
+        if cfg.model.random_init or not cfg.model.path:
+            model_cfg = model_cfg.replace(vocab_size=_random_init_vocab(cfg, tokenizer_vocab))
+        shape = tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES)
+        policy, tried = plan.choose_remat(cfg, capacity, mesh_shape=shape, model_cfg=model_cfg)
+        log.info("model.remat=auto -> %s (planned update per device: %s; capacity %.2f GB)",
+                 policy, ", ".join(f"{k} {v / plan.GB:.2f} GB" for k, v in tried.items()),
+                 capacity / plan.GB)
+    out = cfg.copy_and_resolve_references()
+    out.model.remat = policy
+    return out
 
 
 def make_loss_fn(cfg) -> Callable:
@@ -175,6 +207,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     assets = prepare_assets(cfg, workdir)
     tokenizer = models.load_tokenizer(assets["tokenizer"])
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
+    cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
     if cfg.mode in ("train", "eval"):
         check_memory_plan(cfg, model.cfg, mesh)
