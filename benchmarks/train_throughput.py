@@ -125,15 +125,37 @@ def attention_run(cfg, rows: int, seq: int) -> tuple[str, str | None]:
                  f"{run!r}")
 
 
-def sweep(args, label: str, preset: str, layers: int | None, dtype: str, rows: int, seq: int,
+def auto_remat(args, preset: str, layers: int | None, dtype: str, attention: str,
+               shape: dict) -> str:
+    """What model.remat=auto picks for this step (delta_jax.plan.pick_remat over
+    plan_update_bytes at `shape`), against this device's allocator limit, or
+    --device-memory-gb where the backend reports none (the CPU); printed."""
+    from delta_jax import plan as plan_lib
+    capacity = plan_lib.device_memory_bytes() or args.device_memory_gb * plan_lib.GB
+    policy, tried = plan_lib.pick_remat(lambda p: plan_update_bytes(
+        model_config(preset, layers, dtype, p, attention), **shape), capacity)
+    print(f"remat=auto, attention={attention} -> {policy} (planned update: "
+          + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in tried.items())
+          + f"; capacity {capacity / 2 ** 30:.2f} GiB)", flush=True)
+    return policy
+
+
+def sweep(args, label: str, preset: str, layers: int | None, dtype: str, shape: dict,
           measure) -> list[dict]:
     """measure(cfg, logprob impl) -> dict for each --remat x --attention x --logprob-impls
     combination, as rows {"remat", "attention", "attention_run", "logprob", **measured}, or
-    with "skipped": why where the attention implementation does not apply here."""
+    with "skipped": why where the attention implementation does not apply here. `shape`:
+    plan_update_bytes' keywords for the step measured (remat auto is resolved at it, the row's
+    remat then "auto:<policy>")."""
     out = []
+    rows, seq = shape["micro_batch"] or shape["batch"], shape["seq"]
     for remat, attention in itertools.product(args.remat, args.attention):
-        cfg = model_config(preset, layers, dtype, remat, attention)
+        policy = (auto_remat(args, preset, layers, dtype, attention, shape) if remat == "auto"
+                  else remat)
+        cfg = model_config(preset, layers, dtype, policy, attention)
         run, skipped = attention_run(cfg, rows, seq)
+        if remat == "auto":
+            remat = f"auto:{policy}"
         for impl in args.logprob_impls:
             key = {"remat": remat, "attention": attention, "attention_run": run, "logprob": impl}
             if skipped:  # printed under the table
@@ -293,12 +315,17 @@ def plan_update_bytes(cfg, *, chunk: int, batch: int, micro_batch: int, seq: int
     return memory_plan.phases["update"]
 
 
+def memory_shape(args) -> dict:
+    """plan_update_bytes' keywords for the --memory-* step."""
+    return dict(chunk=args.logprob_chunk, batch=args.memory_batch,
+                micro_batch=args.memory_micro_batch, seq=args.memory_seq,
+                response_len=args.memory_response_len)
+
+
 def peak_memory(args, cfg, impl: str) -> dict:
     """Compiled-memory analysis of the full-shape train step, from abstract shapes only, printed
     beside plan mode's "update" figure for the same shape."""
-    shape = dict(chunk=args.logprob_chunk, batch=args.memory_batch,
-                 micro_batch=args.memory_micro_batch, seq=args.memory_seq,
-                 response_len=args.memory_response_len)
+    shape = memory_shape(args)
     step, state, batch = abstract_step(cfg, impl=impl, **shape)
     plan_bytes = plan_update_bytes(cfg, **shape)
     start = time.perf_counter()
@@ -341,7 +368,12 @@ def main(argv=None):
                         help="rows per micro-batch (0: the whole batch at once)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--remat", nargs="+", default=["full", "dots_with_no_batch_dims_saveable"],
-                        choices=list(models.REMAT_POLICIES))
+                        choices=["auto", *models.REMAT_POLICIES],
+                        help="model.remat values; auto = what the run config's model.remat=auto "
+                             "picks for this step (delta_jax.plan.pick_remat)")
+    parser.add_argument("--device-memory-gb", type=float, default=80.0,
+                        help="capacity --remat auto plans against where the backend reports no "
+                             "allocator limit (the CPU)")
     parser.add_argument("--attention", nargs="+", default=["auto", "xla"],
                         choices=list(CHOICES["model.attention"]),
                         help="model.attention values (auto = cuDNN on an NVIDIA GPU in bf16)")
@@ -389,7 +421,8 @@ def main(argv=None):
               f"({sheet_source}); matmul {matmul / 1e12:.2f} TFLOP/s ({matmul_source})")
         peaks = {"sheet": sheet, "matmul": matmul}
         rows = sweep(args, "timing the train step", args.preset, args.layers, args.dtype,
-                     args.micro_batch or args.batch, args.seq,
+                     dict(chunk=args.logprob_chunk, batch=args.batch, micro_batch=args.micro_batch,
+                          seq=args.seq, response_len=args.response_len),
                      lambda cfg, impl: throughput(args, cfg, impl, peaks))
         timing.print_table(
             f"train step: {args.preset}{f' x{args.layers} layers' if args.layers else ''}, "
@@ -410,8 +443,7 @@ def main(argv=None):
                        peak_matmul_source=matmul_source, throughput=rows)
     if not args.skip_memory:
         rows = sweep(args, f"compiling the {args.memory_preset} step for its memory analysis",
-                     args.memory_preset, None, args.memory_dtype,
-                     args.memory_micro_batch or args.memory_batch, args.memory_seq,
+                     args.memory_preset, None, args.memory_dtype, memory_shape(args),
                      lambda cfg, impl: peak_memory(args, cfg, impl))
         timing.print_table(
             f"compiled train-step memory: {args.memory_preset}, batch {args.memory_batch} "

@@ -576,12 +576,18 @@ def choose_remat(cfg, capacity_bytes: float, *,
     model to plan (its remat is replaced), default the config's. Returns (policy, {policy tried:
     planned update bytes}); nothing is compiled or allocated."""
     base = model_config_from_run_config(cfg, remat="full") if model_cfg is None else model_cfg
+    return pick_remat(lambda policy: plan_from_config(
+        cfg, mesh_shape=mesh_shape, model_cfg=base.replace(remat=policy)).phases["update"],
+        capacity_bytes)
+
+
+def pick_remat(update_bytes, capacity_bytes: float) -> tuple[str, dict]:
+    """choose_remat's rule on any planned update: `update_bytes(policy)` -> the update phase's
+    per-device bytes with that policy (e.g. plan_memory's phases["update"])."""
     tried = {}
     for policy in AUTO_REMAT_ORDER:
-        update = plan_from_config(cfg, mesh_shape=mesh_shape,
-                                  model_cfg=base.replace(remat=policy)).phases["update"]
-        tried[policy] = update
-        if update <= AUTO_REMAT_FILL * capacity_bytes:
+        tried[policy] = update_bytes(policy)
+        if tried[policy] <= AUTO_REMAT_FILL * capacity_bytes:
             return policy, tried
     return "full", tried
 

@@ -9,6 +9,7 @@
 #   bash scripts/gpu_bench.sh step_dapo step_delta   # step_overhead at full defaults, per variant
 #   bash scripts/gpu_bench.sh step_delta-recompute   #   (one call each pair: ~4 min a variant)
 #   bash scripts/gpu_bench.sh train_full         # train_throughput at its defaults (#16)
+#   bash scripts/gpu_bench.sh train_auto         # MFU at 1.7B with model.remat=auto's pick (#16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
@@ -120,6 +121,11 @@ for s in "$@"; do
       stage train 230 python3 benchmarks/train_throughput.py --logprob-impls fused \
         --attention auto xla --remat full dots_with_no_batch_dims_saveable --warmup 1 --iters 3 \
         --skip-memory --out "$OUT/train_throughput.json" ;;
+    train_auto)  # issue 16: MFU at the 1.7B shape with what model.remat=auto picks there
+                 # (the run default; plan.pick_remat against this GPU's allocator limit)
+      stage train_auto 150 python3 benchmarks/train_throughput.py --logprob-impls fused \
+        --attention auto --remat auto --warmup 1 --iters 3 --skip-memory \
+        --out "$OUT/train_throughput_auto.json" ;;
     synthetic)  # issue 19: the GPU-scale config's wall time (target <= 8 minutes)
       stage synthetic 540 python3 -m delta_jax.main --config=experiments/synthetic_gpu.py \
         --workdir=/tmp/synthetic_gpu ;;

@@ -52,3 +52,25 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
                 assert row["peak_estimate_bytes"] > 0 and row["plan_update_bytes"] > 0
     assert "n/a" in printed                               # the data-sheet MFU column
     assert "skipped remat=full attention=cudnn: attention=cudnn does not apply on cpu" in printed
+
+
+def test_remat_auto_rows_name_the_policy_the_plan_picks(tmp_path, capsys):
+    """--remat auto runs what the run config's model.remat=auto would (plan.pick_remat at the
+    step's shape): none where --device-memory-gb holds everything (the CPU reports no limit),
+    full where nothing fits; the row says which ("auto:<policy>"), its plan that policy's."""
+    tt = _load()
+    got = {}
+    for gb in (1000.0, 0.0):
+        out = tmp_path / f"tt_{gb:g}.json"
+        tt.main(["--preset", "tiny", "--layers", "1", "--dtype", "float32", "--skip-throughput",
+                 "--logprob-impls", "chunked", "--remat", "auto", "--attention", "xla",
+                 "--memory-preset", "tiny", "--memory-seq", "32", "--memory-response-len", "16",
+                 "--memory-batch", "2", "--memory-micro-batch", "1", "--memory-dtype", "float32",
+                 "--device-memory-gb", str(gb), "--out", str(out)])
+        (row,) = json.loads(out.read_text())["memory"]
+        got[gb] = row
+    printed = capsys.readouterr().out
+    assert got[1000.0]["remat"] == "auto:none" and got[0.0]["remat"] == "auto:full"
+    assert got[1000.0]["plan_update_bytes"] > got[0.0]["plan_update_bytes"]
+    assert "remat=auto, attention=xla -> none (planned update: none " in printed
+    assert "remat=auto, attention=xla -> full (planned update: none " in printed
