@@ -30,6 +30,9 @@ benchmarks print those where they run; an H100 run of 2026-11-24, Qwen3-1.7B at 
 4096 in bf16, compiled the train step at 0.89-0.93x the plan for remat full and
 dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
 
+model.remat="auto" (the default) is resolved from these plans (choose_remat): the least-recompute
+policy whose planned update fits the device, as plan mode prints and train start-up logs.
+
 The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses
 (delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
 memory chunk by chunk and brings back one recompute_chunk at a time, "recompute" holds one

@@ -1,19 +1,11 @@
-"""Qwen3-1.7B(-Base): the paper's recipe scaled down to a small model and batch.
+"""Qwen3-1.7B(-Base): the paper's recipe scaled down to a small model and batch
+(recipes.small_model_config).
 
     python -m delta_jax.main --config=experiments/qwen3_1_7b.py --workdir=runs/qwen3_1_7b \
         --config.model.path=/path/to/model --config.data.train=/path/to/train.jsonl
 """
-from delta_jax.train.recipes import paper_config
+from delta_jax.train.recipes import small_model_config
 
 
 def get_config():
-    c = paper_config("qwen3-1.7b", steps=200)
-    c.rollout.batch_prompts = 32
-    c.rollout.group_size = 8
-    c.rollout.max_new_tokens = 4096
-    c.rewards.overlong_buffer = 1024
-    c.rl.mini_batch_prompts = 8
-    c.rl.micro_batch_size = 8
-    c.optim.lr = 1e-6
-    c.eval.max_new_tokens = 8192
-    return c
+    return small_model_config("qwen3-1.7b", steps=200)

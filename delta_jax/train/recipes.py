@@ -57,3 +57,17 @@ def paper_config(preset: str, steps: int):
     c.eval.top_p = 0.7
     c.eval.max_new_tokens = 30000
     return c
+
+
+def small_model_config(preset: str, steps: int = 200):
+    """paper_config scaled down to a small model (Qwen3-0.6B / 1.7B) and batch: 32 prompts x 8
+    rollouts of up to 4096 tokens, 4 updates per step in micro-batches of 8 rows."""
+    c = paper_config(preset, steps)
+    c.rollout.batch_prompts = 32
+    c.rollout.group_size = 8
+    c.rollout.max_new_tokens = 4096
+    c.rewards.overlong_buffer = 1024
+    c.rl.mini_batch_prompts = 8
+    c.rl.micro_batch_size = 8
+    c.eval.max_new_tokens = 8192
+    return c
