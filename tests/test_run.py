@@ -61,6 +61,7 @@ def test_build_run_resolves_remat_auto_against_the_device(tmp_path, monkeypatch)
     below_dots = (update["dots_with_no_batch_dims_saveable"] - 1) / plan.AUTO_REMAT_FILL
     if plan.device_memory_bytes() is None:  # the CPU: plan.device_memory_gb is the capacity
         assert built_remat(cfg, "default") == "none"
+        assert run_lib.build_model(cfg, 100).cfg.remat == "none"  # alone, without a mesh
         small = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32),
                                plan=dict(device_memory_gb=below_none / plan.GB))
         assert built_remat(small, "small") == "dots_with_no_batch_dims_saveable"

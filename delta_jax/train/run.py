@@ -64,7 +64,8 @@ def prepare_assets(cfg, workdir: str) -> dict:
 def build_model(cfg, vocab_size: int, mesh=None):
     """Random init from a preset (+ shape overrides) or a Hugging Face directory; with a mesh,
     the parameters are placed by the sharding rules (checkpoint tensors go straight to their
-    shards)."""
+    shards). model.remat="auto" is resolved first (resolve_remat)."""
+    cfg = resolve_remat(cfg, mesh, vocab_size)
     dtype = jnp.dtype(cfg.model.dtype)
     param_dtype = jnp.dtype(cfg.model.param_dtype)
     remat = cfg.model.remat
@@ -88,7 +89,8 @@ def _random_init_vocab(cfg, tokenizer_vocab: int) -> int:
 
 def resolve_remat(cfg, mesh, tokenizer_vocab: int):
     """`cfg`, or for model.remat="auto" a copy with a policy in its place: in train mode the one
-    plan.choose_remat picks for this mesh against the device's allocator limit
+    plan.choose_remat picks for this mesh (None: config.mesh over the devices present) against
+    the device's allocator limit
     (plan.device_memory_gb where the backend reports none, as the CPU), logged with the planned
     update of each policy tried; in the other modes "full" (eval takes no gradients; sft's own
     steps are not what the plan models). The model is then built with it."""
@@ -101,7 +103,8 @@ def resolve_remat(cfg, mesh, tokenizer_vocab: int):
         model_cfg = plan.model_config_from_run_config(cfg, remat="full")
         if cfg.model.random_init or not cfg.model.path:
             model_cfg = model_cfg.replace(vocab_size=_random_init_vocab(cfg, tokenizer_vocab))
-        shape = tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES)
+        shape = (None if mesh is None
+                 else tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES))
         policy, tried = plan.choose_remat(cfg, capacity, mesh_shape=shape, model_cfg=model_cfg)
         log.info("model.remat=auto -> %s (planned update per device: %s; capacity %.2f GB)",
                  policy, ", ".join(f"{k} {v / plan.GB:.2f} GB" for k, v in tried.items()),
