@@ -656,7 +656,8 @@ def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,
         return
     lines = []
     for name, need in over:
-        knobs = list(PHASE_KNOBS.get(name, ()))
+        knobs = [k for k in PHASE_KNOBS.get(name, ())
+                 if k != f"model.remat={memory_plan.settings.get('remat')}"]  # not what it is
         if name == "old-policy pass + DelTA" and memory_plan.recommended_feature_cache not in (
                 "", "none", memory_plan.settings.get("feature_cache")):
             knobs.insert(0, f"delta.feature_cache={memory_plan.recommended_feature_cache} "

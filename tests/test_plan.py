@@ -330,6 +330,11 @@ def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
         for knob in plan.PHASE_KNOBS[name]:
             assert knob in text
         plan.check_fits(memory_plan, below, phases=[n for n in peaks if n not in over])
+    # Already remat full (what auto falls back to): not offered again.
+    full = plan.plan_from_config(tiny_rl_config("delta", model=dict(remat="full")),
+                                 num_devices=1)
+    with pytest.raises(ConfigError, match=r"rl\.micro_batch_size, model\.logprob_chunk_tokens"):
+        plan.check_fits(full, 0, phases=["update"])
     # A feature cache too big for the device: the plan's recommendation is named first.
     memory_plan.recommended_feature_cache = "recompute"
     with pytest.raises(ConfigError, match="delta.feature_cache=recompute .recommended"):
