@@ -90,10 +90,9 @@ def _random_init_vocab(cfg, tokenizer_vocab: int) -> int:
 def resolve_remat(cfg, mesh, tokenizer_vocab: int):
     """`cfg`, or for model.remat="auto" a copy with a policy in its place: in train mode the one
     plan.choose_remat picks for this mesh (None: config.mesh over the devices present) against
-    the device's allocator limit
-    (plan.device_memory_gb where the backend reports none, as the CPU), logged with the planned
-    update of each policy tried; in the other modes "full" (eval takes no gradients; sft's own
-    steps are not what the plan models). The model is then built with it."""
+    the device's allocator limit (plan.device_memory_gb where the backend reports none, as the
+    CPU), logged with the planned update of each policy tried; in the other modes "full" (eval
+    takes no gradients; sft's own steps are not what the plan models)."""
     if cfg.model.remat != "auto":
         return cfg
     from delta_jax import plan
