@@ -40,7 +40,7 @@ def run(cfg, workdir: str):
     cfg = validate_config(cfg)
     if cfg.mode == "plan":
         from delta_jax import plan
-        result = plan.plan_from_config(cfg)
+        result = plan.plan_from_config(cfg, target=cfg.plan.target)
         print(result.to_text())
         return result
     from delta_jax import sharding

@@ -110,27 +110,38 @@ def _div(n: int, parts: int) -> int:
     return n // parts if parts > 1 and n % parts == 0 else n
 
 
-def attention_kind(mc: models.ModelConfig, seq: int) -> str:
+# plan.target: the backend a plan is for ("" = the one it runs on).
+TARGETS = ("", "cpu", "cuda", "tpu")
+
+
+def _target_cuda(target: str) -> Optional[bool]:
+    """attention.resolve_impl's `cuda` for a plan target: None (look at this backend) for ""."""
+    if target not in TARGETS:
+        raise ValueError(f"plan.target must be one of {TARGETS}, got {target!r}")
+    return None if not target else target == "cuda"
+
+
+def attention_kind(mc: models.ModelConfig, seq: int, target: str = "") -> str:
     """The attention implementation the model runs for causal self-attention over `seq` tokens
-    on the current JAX backend (attention.resolve_impl, the dispatch attend() itself uses):
-    "xla" (materialised scores) or "blockwise" (stands for cudnn too: both keep no [T, S] array).
-    So "auto" in bf16 plans as cuDNN on a CUDA GPU at every length (no score arrays; an H100 run
-    of 2026-11-24 showed the old xla-at-short-lengths assumption over-estimating the 0.6B step's
-    update 2.1x), and by the length threshold elsewhere; plan mode run on a CPU for a GPU target
-    plans the CPU's choice (an over-estimate at short lengths)."""
-    return "xla" if _resolved_attention(mc, seq) == "xla" else "blockwise"
+    on the `target` backend ("" = the current one; attention.resolve_impl, the dispatch attend()
+    itself uses): "xla" (materialised scores) or "blockwise" (stands for cudnn too: both keep no
+    [T, S] array). So "auto" in bf16 plans as cuDNN on a CUDA GPU at every length (no score
+    arrays; an H100 run of 2026-11-24 showed the old xla-at-short-lengths assumption
+    over-estimating the 0.6B step's update 2.1x), and by the length threshold elsewhere."""
+    return "xla" if _resolved_attention(mc, seq, target) == "xla" else "blockwise"
 
 
-def _resolved_attention(mc: models.ModelConfig, seq: int) -> str:
-    """attention.resolve_impl for causal self-attention over `seq` tokens: "xla", "blockwise"
-    or "cudnn" (attention_kind without folding cudnn into blockwise)."""
+def _resolved_attention(mc: models.ModelConfig, seq: int, target: str = "") -> str:
+    """attention.resolve_impl for causal self-attention over `seq` tokens on `target`: "xla",
+    "blockwise" or "cudnn" (attention_kind without folding cudnn into blockwise)."""
     from delta_jax.models import attention
     return attention.resolve_impl(mc.attention, (1, seq, mc.num_heads, mc.head_dim), mc.dtype,
-                                  kv_len=seq)
+                                  kv_len=seq, cuda=_target_cuda(target))
 
 
 def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int,
-                            attention: Optional[str] = None, backward: bool = True) -> dict:
+                            attention: Optional[str] = None, backward: bool = True,
+                            target: str = "") -> dict:
     """Estimated bytes of one decoder layer's intermediates for `rows` x `seq` tokens on one
     device (heads and MLP columns split over `tensor` when it divides them).
 
@@ -176,7 +187,7 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
       (4 K D per token); with backward=False (a forward-only pass) only the forward's block of
       scores and probabilities (2 float32 + 1 activation-dtype copy) and one query block's
       running statistics and accumulator.
-    `attention`: "xla" | "blockwise" | "cudnn" (default: as the backend resolves it for mc;
+    `attention`: "xla" | "blockwise" | "cudnn" (default: as the `target` backend resolves it;
     cudnn is counted as blockwise but for batched_dots). The returned "attention" is
     attention_kind's "xla" | "blockwise".
     """
@@ -189,7 +200,7 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
         linear = tokens * a * (6 * H + 4 * n_loc * D + 4 * k_loc * D + 6 * i_loc)
     else:
         linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
-    impl = attention or _resolved_attention(mc, seq)
+    impl = attention or _resolved_attention(mc, seq, target)
     kind = "xla" if impl == "xla" else "blockwise"
     if kind == "xla":
         score_elems = tokens * n_loc * seq
@@ -310,7 +321,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
-                name: str = "") -> MemoryPlan:
+                name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
 
     rollout_rows: sequences per RL step (prompts x group size); prompt_len / response_len: the
@@ -318,12 +329,14 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     optimizer step / per forward-backward (0 = the mini-batch). feature_cache: the
     delta.feature_cache mode ("device" | "host" | "recompute") whose on-device features the
     old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
-    AdamW as in train/state.py). Nothing is allocated.
+    AdamW as in train/state.py). target: the backend planned for, "" = the one this runs on
+    (TARGETS; it decides what model.attention="auto" runs). Nothing is allocated.
     """
     import optax
     if feature_cache not in FEATURE_CACHE_MODES:
         raise ValueError(f"delta.feature_cache must be one of {FEATURE_CACHE_MODES}, got "
                          f"{feature_cache!r}")
+    _target_cuda(target)  # an unknown target: ValueError naming plan.target
     data, fsdp, tensor = mesh_shape
     mesh = abstract_mesh(data, fsdp, tensor)
     num_devices = data * fsdp * tensor
@@ -385,7 +398,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                      "dots_saveable": dots}
         return {"none": none, "full": full, "configured": by_policy[policy]}
 
-    layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor)
+    layer = _layer_activation_bytes(model_cfg, m_rows, seq, tensor, target=target)
     act = activations(layer)
     act_none, act_full, act_cfg = (sum(act[k]) for k in ("none", "full", "configured"))
     # LM head: float32 logits of one chunk of logprob_chunk_tokens tokens (positions =
@@ -423,7 +436,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         pre = _layer_activation_bytes(model_cfg, p_rows, P, tensor, kind, backward=False)
         return pre["scores"] + pre["attn_transient"]
 
-    prefill_kind = attention_kind(model_cfg, P)
+    prefill_kind = attention_kind(model_cfg, P, target)
     prefill = prefill_bytes(prefill_kind)
 
     # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
@@ -440,7 +453,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                           + o_layer["linear"] // 8)
         return max(attention_peak, lp_old)
 
-    o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor, backward=False)
+    o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor, backward=False,
+                                      target=target)
     old_pass = old_pass_bytes(o_layer)
 
     feat_row = response_len * H * 2  # bfloat16 hidden states
@@ -485,7 +499,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
-        "attention_prefill": prefill_kind, "attention_backend": jax.default_backend(),
+        "attention_prefill": prefill_kind, "attention_backend": target or jax.default_backend(),
     }
     return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
                       optimizer=opt_bytes, activations_remat_none=act_none,
@@ -503,11 +517,11 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
     """The ModelConfig a run would build, from config.json (model.path) or the preset, without
     reading weights or a tokenizer (a preset's own vocabulary unless model.vocab_size is set).
     remat: the policy to build it with (default model.remat; "auto" is what choose_remat picks
-    against plan.device_memory_gb on the config's mesh, as plan mode does)."""
+    against plan.device_memory_gb on the config's mesh for plan.target, as plan mode does)."""
     dtype, param_dtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
     remat = cfg.model.remat if remat is None else remat
     if remat == "auto":
-        remat = choose_remat(cfg, cfg.plan.device_memory_gb * GB)[0]
+        remat = choose_remat(cfg, cfg.plan.device_memory_gb * GB, target=cfg.plan.target)[0]
     if cfg.model.random_init or not cfg.model.path:
         overrides = {f: cfg.model[f] for f in ("hidden_size", "intermediate_size", "num_layers",
                                                "num_heads", "num_kv_heads", "head_dim",
@@ -538,25 +552,29 @@ def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):
 
 def plan_from_config(cfg, num_devices: Optional[int] = None, *,
                      mesh_shape: Optional[tuple[int, int, int]] = None,
-                     model_cfg: Optional[models.ModelConfig] = None) -> MemoryPlan:
+                     model_cfg: Optional[models.ModelConfig] = None,
+                     target: str = "") -> MemoryPlan:
     """plan_memory for a validated run config: the mesh from config.mesh over
     config.plan.num_devices devices (0 = the devices present), or `mesh_shape` (data, fsdp,
     tensor) when given; `model_cfg` overrides the model the config describes (e.g. the built
     model, whose vocabulary follows the tokenizer; its remat policy is the one planned).
     Without `model_cfg`, model.remat="auto" is resolved by choose_remat against
-    plan.device_memory_gb, and the plan's settings record what it tried."""
+    plan.device_memory_gb, and the plan's settings record what it tried. `target`: the backend
+    planned for (plan_memory; "" = this one: start-up checks; plan mode passes plan.target)."""
     if mesh_shape is None:
         n = num_devices or cfg.plan.num_devices or len(jax.devices())
         mesh_shape = sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp,
                                                      cfg.mesh.tensor, num_devices=n)
     if model_cfg is None and cfg.model.remat == "auto":
-        policy, tried = choose_remat(cfg, cfg.plan.device_memory_gb * GB, mesh_shape=mesh_shape)
-        result = plan_from_config(cfg, mesh_shape=mesh_shape,
+        policy, tried = choose_remat(cfg, cfg.plan.device_memory_gb * GB, mesh_shape=mesh_shape,
+                                     target=target)
+        result = plan_from_config(cfg, mesh_shape=mesh_shape, target=target,
                                   model_cfg=model_config_from_run_config(cfg, remat=policy))
         result.settings["remat_auto"] = tried
         return result
     return _plan_from_config(cfg, mesh_shape,
-                             model_config_from_run_config(cfg) if model_cfg is None else model_cfg)
+                             model_config_from_run_config(cfg) if model_cfg is None else model_cfg,
+                             target)
 
 
 # model.remat="auto" (choose_remat): the policies it considers, least recomputation first. On an
@@ -566,22 +584,24 @@ def plan_from_config(cfg, num_devices: Optional[int] = None, *,
 # blocks, and it was not measured faster than dots_with_no_batch_dims_saveable.
 AUTO_REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "full")
 # The fraction of the device memory the planned update phase may fill for a policy to be chosen:
-# the plan agrees with compiled figures within 15% (XLA:GPU's train step: 0.89-1.00x the plan).
-AUTO_REMAT_FILL = 0.9
+# the plan agrees with compiled figures within 15% (tests/test_plan.py's grid; XLA:GPU's train
+# step: 0.89-1.00x the plan), so a plan 15% under the compiled figure still fits (0.85 x 1.15).
+AUTO_REMAT_FILL = 0.85
 
 
 def choose_remat(cfg, capacity_bytes: float, *,
                  mesh_shape: Optional[tuple[int, int, int]] = None,
-                 model_cfg: Optional[models.ModelConfig] = None) -> tuple[str, dict]:
+                 model_cfg: Optional[models.ModelConfig] = None,
+                 target: str = "") -> tuple[str, dict]:
     """model.remat="auto": the first policy of AUTO_REMAT_ORDER whose planned "update" phase
     (per device, on `mesh_shape`; plan_from_config) is at most AUTO_REMAT_FILL x capacity_bytes,
     else "full" (which check_fits then judges like any configured policy). `model_cfg`: the
-    model to plan (its remat is replaced), default the config's. Returns (policy, {policy tried:
-    planned update bytes}); nothing is compiled or allocated."""
+    model to plan (its remat is replaced), default the config's; `target`: plan_memory's.
+    Returns (policy, {policy tried: planned update bytes}); nothing is compiled or allocated."""
     base = model_config_from_run_config(cfg, remat="full") if model_cfg is None else model_cfg
     return pick_remat(lambda policy: plan_from_config(
-        cfg, mesh_shape=mesh_shape, model_cfg=base.replace(remat=policy)).phases["update"],
-        capacity_bytes)
+        cfg, mesh_shape=mesh_shape, model_cfg=base.replace(remat=policy),
+        target=target).phases["update"], capacity_bytes)
 
 
 def pick_remat(update_bytes, capacity_bytes: float) -> tuple[str, dict]:
@@ -595,8 +615,8 @@ def pick_remat(update_bytes, capacity_bytes: float) -> tuple[str, dict]:
     return "full", tried
 
 
-def _plan_from_config(cfg, mesh_shape: tuple[int, int, int],
-                      mc: models.ModelConfig) -> MemoryPlan:
+def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelConfig,
+                      target: str) -> MemoryPlan:
     from delta_jax.train.state import optimizer_from_config
     n = math.prod(mesh_shape)
     G = cfg.rollout.group_size
@@ -614,7 +634,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int],
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
         kv_budget_bytes=budget,
-        devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path)
+        devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path, target=target)
 
 
 # The config fields that shrink each phase's planned peak (named by `check_fits`).

@@ -81,26 +81,37 @@ def test_figures_follow_the_shapes():
     assert "optimizer state" in text and "DelTA features, device" in text
 
 
-def test_plan_mode_on_the_command_line():
-    out = subprocess.run(
+def _plan_mode(*flags):
+    return subprocess.run(
         [sys.executable, "-m", "delta_jax.main", "--config=experiments/qwen3_8b.py",
          "--config.mode=plan", "--config.model.random_init=True", "--config.mesh.data=1",
          "--config.mesh.fsdp=-1", "--config.plan.num_devices=8",
-         "--config.plan.device_memory_gb=80"],
+         "--config.plan.device_memory_gb=80", *flags],
         capture_output=True, text=True, timeout=120,
         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
         env={**__import__("os").environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+
+
+def test_plan_mode_on_the_command_line():
+    out = _plan_mode()
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout
     assert "recommended:" in out.stdout
     assert "remat=auto -> full (planned update per device: none " in out.stdout
+    assert "as resolved on the cpu backend" in out.stdout
+    # Planned for a CUDA GPU from this CPU; a target that is not one names the field.
+    cuda = _plan_mode("--config.plan.target=cuda")
+    assert cuda.returncode == 0, cuda.stderr[-2000:]
+    assert "as resolved on the cuda backend" in cuda.stdout
+    bad = _plan_mode("--config.plan.target=gpu")
+    assert bad.returncode != 0 and "plan.target: 'gpu' is not one of" in bad.stdout + bad.stderr
 
 
-def _plan_for(mc, prompt_len, response_len):
+def _plan_for(mc, prompt_len, response_len, **kw):
     return plan.plan_memory(mc, mesh_shape=(1, 4, 2), device_memory_gb=1.0, rollout_rows=16,
                             prompt_len=prompt_len, response_len=response_len, sampler_rows=16,
                             group_size=4, mini_batch_rows=8, micro_batch_rows=0,
-                            logprob_chunk_tokens=32, recompute_chunk=4)
+                            logprob_chunk_tokens=32, recompute_chunk=4, **kw)
 
 
 def test_activation_estimate_follows_the_configured_attention():
@@ -225,6 +236,26 @@ def test_attention_kind_follows_the_backends_dispatch(monkeypatch):
     assert gpu_auto.phases == blockwise.phases
     assert gpu_auto.phases["update"] < cpu_auto.phases["update"]
     assert gpu_auto.settings["attention_prefill"] == "blockwise"
+    dots = {impl: _plan_for(bf16.replace(attention=impl, remat="dots_saveable"), *short)
+            for impl in ("auto", "blockwise")}
+    monkeypatch.undo()
+    # plan.target="cuda" plans on this (CPU) backend what the CUDA dispatch above gave, cuDNN
+    # included (dots_saveable keeps no blockwise score blocks under it); "cpu" the CPU's own.
+    assert jax.default_backend() != "cpu" or not attention._cuda_backend()
+    for impl, want in (("auto", gpu_auto), ("blockwise", blockwise)):
+        assert _plan_for(bf16.replace(attention=impl), *short, target="cuda").phases == want.phases
+    for impl, want in dots.items():
+        got = _plan_for(bf16.replace(attention=impl, remat="dots_saveable"), *short,
+                        target="cuda")
+        assert got.phases == want.phases
+    assert dots["auto"].phases["update"] < dots["blockwise"].phases["update"]
+    targeted = _plan_for(bf16.replace(attention="auto"), *short, target="cuda")
+    assert "as resolved on the cuda backend" in targeted.to_text()
+    if jax.default_backend() == "cpu":
+        assert (_plan_for(bf16.replace(attention="auto"), *short, target="cpu").phases
+                == cpu_auto.phases)
+    with pytest.raises(ValueError, match="plan.target must be one of"):
+        _plan_for(bf16, *short, target="gpu")
 
 
 def test_run_config_attention_reaches_the_plan():

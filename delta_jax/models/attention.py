@@ -578,11 +578,13 @@ def _cuda_backend() -> bool:
   return "cuda" in str(getattr(device.client, "platform_version", "")).lower()
 
 
-def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int, causal: bool) -> bool:
-  """Whether the "cudnn" path can express this call exactly on the current backend."""
+def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int, causal: bool,
+                    cuda: Optional[bool] = None) -> bool:
+  """Whether the "cudnn" path can express this call exactly on the current backend (`cuda`:
+  whether that is a CUDA GPU; None = look, plan mode passes its target's answer)."""
   T, D = q_shape[1], q_shape[3]
   static_zero_offset = isinstance(q_offset, (int, np.integer)) and int(q_offset) == 0
-  return (_cuda_backend() and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
+  return ((_cuda_backend() if cuda is None else cuda) and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
           and causal and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
 
 
@@ -615,12 +617,13 @@ def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax
 
 
 def resolve_impl(impl: str, q_shape, dtype, *, kv_len: int, q_offset=0,
-                 causal: bool = True) -> str:
-  """The implementation attend() will run: "xla", "blockwise" or "cudnn"."""
+                 causal: bool = True, cuda: Optional[bool] = None) -> str:
+  """The implementation attend() will run: "xla", "blockwise" or "cudnn" (`cuda`: as
+  cudnn_supported; None = this backend)."""
   if impl not in IMPLS:
     raise ValueError(f"attend: impl must be one of {IMPLS}, got {impl!r}")
   if impl in ("auto", "cudnn") and cudnn_supported(q_shape, dtype, q_offset=q_offset,
-                                                    kv_len=kv_len, causal=causal):
+                                                    kv_len=kv_len, causal=causal, cuda=cuda):
     return "cudnn"
   if impl == "auto":
     return "blockwise" if q_shape[1] * kv_len > AUTO_BLOCKWISE_MIN_SCORES else "xla"

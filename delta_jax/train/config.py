@@ -40,6 +40,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("auto", "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     "model.attention": ("auto", "xla", "blockwise", "cudnn"),  # models.attention.IMPLS
+    "plan.target": ("", "cpu", "cuda", "tpu"),  # plan.TARGETS
     "model.logprob_impl": ("chunked", "fused"),
     "delta.pass_impl": ("jnp", "kernel"),
     "rl.advantage": ("grpo", "drgrpo", "rloo"),
@@ -259,6 +260,9 @@ def default_config() -> config_dict.ConfigDict:
     c.plan.device_memory_gb = 80.0   # HBM per device (H100 80 GB; v5p 95 GB)
     c.plan.num_devices = 0           # 0 = the devices present
     c.plan.host_memory_gb = 0.0      # host RAM per process, for feature_cache=host (0 = unknown)
+    # The backend plan mode plans for: "" = the one it runs on; "cuda" / "tpu" / "cpu" (decides
+    # what model.attention=auto runs: cuDNN flash on CUDA GPUs in bf16, else by the length).
+    c.plan.target = ""
     # train / eval start-up: fail (naming the phase and the fields to turn) when a phase's planned
     # per-device peak exceeds what the device's allocator may use (GPU / TPU; the CPU reports no
     # limit and is not checked).
