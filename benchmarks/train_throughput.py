@@ -346,7 +346,7 @@ def print_skipped(rows) -> None:
         print(f"skipped remat={remat} attention={attention}: {reason}")
 
 
-KEY_COLUMNS = [("remat", "remat", "32s"), ("attention", "attention", "9s"),
+KEY_COLUMNS = [("remat", "remat", "37s"), ("attention", "attention", "9s"),
                ("attn run", lambda r: "skipped" if "skipped" in r else r["attention_run"], "9s"),
                ("logprob", "logprob", "8s")]
 
