@@ -99,8 +99,9 @@ def parse_args(argv=None):
                         "call per refill; Sampler(prefill_ahead=False))")
     p.add_argument("--repeats", type=int, default=2, help="timed runs (best is kept)")
     p.add_argument("--profile", default="",
-                   help="fixed workload: trace one more generate() into this folder and print "
-                        "the device time by kernel (kernels.timing.trace_summary)")
+                   help="trace one more generate() of each workload (and each longtail mode) "
+                        "into this folder and print the device time by kernel and the device's "
+                        "kernel time against the wall time (kernels.timing.trace_summary)")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     p.add_argument("--hf", choices=["auto", "always", "never"], default="auto",
                    help="transformers baseline: auto = only when torch has CUDA")
@@ -288,20 +289,33 @@ def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict
     return out
 
 
-def profile_generate(sampler: Sampler, prompts, args, label: str) -> dict:
+def profile_generate(sampler: Sampler, prompts, args, label: str, max_new_tokens=None) -> dict:
     """One more (already compiled) generate() under jax.profiler.trace into --profile/label; prints
     and returns the device time by kernel, per decode step (the whole generate, prefill included,
-    divided by its decode steps)."""
+    divided by its decode steps), and the device's summed kernel time against the generate's
+    wall time (the rest: host work, launches and idle gaps). max_new_tokens: generate's (default
+    --new-tokens; a list per prompt for the long-tailed workload)."""
     folder = os.path.join(args.profile, label)
+    new = args.new_tokens if max_new_tokens is None else max_new_tokens
     with jax.profiler.trace(folder, create_perfetto_trace=True):
-        stats = sampler.generate(prompts, **generate_kwargs(args, args.new_tokens)).stats
-    rows = timing.trace_summary(folder, top=25)
+        stats = sampler.generate(prompts, **generate_kwargs(args, new)).stats
+    every = timing.trace_summary(folder, top=None)
+    rows = every[:25]
     steps = max(1, stats["decode_steps"])
+    device = [r for r in every if r["process"].startswith("/device:")]
+    # Without device processes (XLA:CPU) the trace's rows are host events, nested: no sum.
+    device_s = sum(r["total_us"] for r in device) / 1e6 if device else None
     timing.print_table(f"device time by kernel, {label} ({steps} decode steps; us per step)", [
         ("kernel", lambda r: r["name"][:70], "70s"), ("us/step", lambda r: r["total_us"] / steps,
                                                        "10.1f"),
         ("calls/step", lambda r: r["count"] / steps, "10.1f"), ("share", "share", "7.3f")], rows)
-    return {"decode_steps": steps, "seconds": stats["seconds"], "kernels": rows}
+    print(f"{label}: device kernels "
+          f"{'n/a (no device in the trace)' if device_s is None else f'{device_s:.3f} s'} of "
+          f"{stats['seconds']:.3f} s wall ({stats['decode_calls']} decode calls, "
+          f"{stats['prefill_calls']} prefill calls)", flush=True)
+    return {"decode_steps": steps, "seconds": stats["seconds"], "device_kernel_s": device_s,
+            "decode_calls": stats["decode_calls"], "prefill_calls": stats["prefill_calls"],
+            "kernels": rows}
 
 
 def longtail_lengths(args, count: int) -> list:
@@ -320,13 +334,16 @@ def longtail_workload(model, batch: int, impl: str, args) -> dict:
     out = {"samples": count, "mean_length": float(np.mean(lengths)),
            "max_length": int(max(lengths))}
     for mode, continuous in (("continuous", True), ("static", False)):
-        stats = timed_generate(make_sampler(model, batch, impl, args, continuous), prompts,
-                               lengths, args)
+        sampler = make_sampler(model, batch, impl, args, continuous)
+        stats = timed_generate(sampler, prompts, lengths, args)
         if stats["generated_tokens"] != sum(lengths):
             raise RuntimeError(f"{mode}: generated {stats['generated_tokens']} tokens, "
                                f"expected {sum(lengths)}")
         out[mode] = {"useful_tokens_per_s": stats["generated_tokens"] / stats["seconds"],
                      "stats": stats}
+        if args.profile:  # where the continuous run's time goes beside the static one's
+            out[mode]["profile"] = profile_generate(sampler, prompts, args,
+                                                    f"longtail_b{batch}_{impl}_{mode}", lengths)
     out["speedup_vs_static"] = (out["continuous"]["useful_tokens_per_s"]
                                 / out["static"]["useful_tokens_per_s"])
     return out

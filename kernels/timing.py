@@ -126,12 +126,12 @@ def print_recorded_memory(calls: dict, prefix: str = "", plan_bytes: dict | None
     return out
 
 
-def trace_summary(trace_dir, top: int = 25) -> list[dict]:
+def trace_summary(trace_dir, top: int | None = 25) -> list[dict]:
     """The newest `*.trace.json.gz` under trace_dir (as jax.profiler.trace(trace_dir,
     create_perfetto_trace=True) writes it) summed by event: [{"process", "name", "total_us",
     "count", "share"}] for the complete ("X") events of the device processes (those named
     "/device:..."; every process where none is), largest total first, `top` rows; share = the
-    fraction of those processes' summed time."""
+    fraction of those processes' summed time (top=None: every row)."""
     traces = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"),
                     key=lambda f: f.stat().st_mtime)
     if not traces:

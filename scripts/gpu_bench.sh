@@ -14,6 +14,7 @@
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
+#   bash scripts/gpu_bench.sh profile_longtail   # long tail at batch 64, device time by kernel (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   DECODE_ATTENTION=mosaic bash scripts/gpu_bench.sh profile longtail   # decode with it
@@ -74,6 +75,14 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput_longtail$SUFFIX.json" ;;
+    profile_longtail)  # issue 15: the long-tailed workload at batch 64, continuous and static,
+                       # each traced once more: device time by kernel and kernel time vs wall
+                       # (where continuous batching's extra time goes: calls, copies, prefill)
+      stage profile_longtail 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
+        --profile /tmp/decode_profile_longtail \
+        --output "$OUT/decode_profile_longtail$SUFFIX.json" ;;
     longtail_noahead)  # issue 15: the long-tailed workload with one prefill call per refill
                        # (Sampler(prefill_ahead=False)), to compare with the decode stage's
       stage longtail_noahead 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
