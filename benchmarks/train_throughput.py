@@ -131,7 +131,7 @@ def auto_remat(args, preset: str, layers: int | None, dtype: str, attention: str
     plan_update_bytes at `shape`), against this device's allocator limit, or
     --device-memory-gb where the backend reports none (the CPU); printed."""
     from delta_jax import plan as plan_lib
-    capacity = plan_lib.device_memory_bytes() or args.device_memory_gb * plan_lib.GB
+    capacity = plan_lib.capacity_bytes(args.device_memory_gb)
     policy, tried = plan_lib.pick_remat(lambda p: plan_update_bytes(
         model_config(preset, layers, dtype, p, attention), **shape), capacity)
     print(f"remat=auto, attention={attention} -> {policy} (planned update: "

@@ -561,20 +561,26 @@ def plan_from_config(cfg, num_devices: Optional[int] = None, *,
     Without `model_cfg`, model.remat="auto" is resolved by choose_remat against
     plan.device_memory_gb, and the plan's settings record what it tried. `target`: the backend
     planned for (plan_memory; "" = this one: start-up checks; plan mode passes plan.target)."""
-    if mesh_shape is None:
-        n = num_devices or cfg.plan.num_devices or len(jax.devices())
-        mesh_shape = sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp,
-                                                     cfg.mesh.tensor, num_devices=n)
+    mesh_shape = _config_mesh_shape(cfg, mesh_shape, num_devices)
     if model_cfg is None and cfg.model.remat == "auto":
-        policy, tried = choose_remat(cfg, cfg.plan.device_memory_gb * GB, mesh_shape=mesh_shape,
-                                     target=target)
-        result = plan_from_config(cfg, mesh_shape=mesh_shape, target=target,
-                                  model_cfg=model_config_from_run_config(cfg, remat=policy))
-        result.settings["remat_auto"] = tried
+        policy, plans = _remat_plans(cfg, cfg.plan.device_memory_gb * GB, mesh_shape, None,
+                                     target)
+        result = plans[policy]
+        result.settings["remat_auto"] = _updates(plans)
         return result
     return _plan_from_config(cfg, mesh_shape,
                              model_config_from_run_config(cfg) if model_cfg is None else model_cfg,
                              target)
+
+
+def _config_mesh_shape(cfg, mesh_shape=None, num_devices=None) -> tuple[int, int, int]:
+    """`mesh_shape`, or config.mesh over num_devices / config.plan.num_devices / the devices
+    present."""
+    if mesh_shape is not None:
+        return tuple(mesh_shape)
+    n = num_devices or cfg.plan.num_devices or len(jax.devices())
+    return sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
+                                           num_devices=n)
 
 
 # model.remat="auto" (choose_remat): the policies it considers, least recomputation first. On an
@@ -598,10 +604,27 @@ def choose_remat(cfg, capacity_bytes: float, *,
     else "full" (which check_fits then judges like any configured policy). `model_cfg`: the
     model to plan (its remat is replaced), default the config's; `target`: plan_memory's.
     Returns (policy, {policy tried: planned update bytes}); nothing is compiled or allocated."""
+    policy, plans = _remat_plans(cfg, capacity_bytes, _config_mesh_shape(cfg, mesh_shape),
+                                 model_cfg, target)
+    return policy, _updates(plans)
+
+
+def _remat_plans(cfg, capacity_bytes: float, mesh_shape: tuple[int, int, int],
+                 model_cfg: Optional[models.ModelConfig], target: str) -> tuple[str, dict]:
+    """choose_remat's policy and the whole plan of each policy tried, in order."""
     base = model_config_from_run_config(cfg, remat="full") if model_cfg is None else model_cfg
-    return pick_remat(lambda policy: plan_from_config(
-        cfg, mesh_shape=mesh_shape, model_cfg=base.replace(remat=policy),
-        target=target).phases["update"], capacity_bytes)
+    plans = {}
+
+    def update_bytes(policy):
+        plans[policy] = _plan_from_config(cfg, mesh_shape, base.replace(remat=policy), target)
+        return plans[policy].phases["update"]
+
+    policy, _ = pick_remat(update_bytes, capacity_bytes)
+    return policy, plans
+
+
+def _updates(plans: dict) -> dict:
+    return {policy: p.phases["update"] for policy, p in plans.items()}
 
 
 def pick_remat(update_bytes, capacity_bytes: float) -> tuple[str, dict]:
@@ -661,6 +684,12 @@ def device_memory_bytes(device=None) -> Optional[int]:
         return None
     limit = (stats or {}).get("bytes_limit")
     return int(limit) if limit else None
+
+
+def capacity_bytes(fallback_gb: float) -> float:
+    """What remat auto plans against: the device's allocator limit (device_memory_bytes), or
+    `fallback_gb` where the backend reports none (the CPU)."""
+    return device_memory_bytes() or fallback_gb * GB
 
 
 def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,

@@ -584,7 +584,8 @@ def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int, causal: bool,
   whether that is a CUDA GPU; None = look, plan mode passes its target's answer)."""
   T, D = q_shape[1], q_shape[3]
   static_zero_offset = isinstance(q_offset, (int, np.integer)) and int(q_offset) == 0
-  return ((_cuda_backend() if cuda is None else cuda) and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
+  cuda = _cuda_backend() if cuda is None else cuda
+  return (cuda and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
           and causal and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
 
 

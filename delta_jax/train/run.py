@@ -98,19 +98,23 @@ def resolve_remat(cfg, mesh, tokenizer_vocab: int):
     from delta_jax import plan
     policy = "full"
     if cfg.mode == "train":
-        capacity = plan.device_memory_bytes() or cfg.plan.device_memory_gb * plan.GB
+        capacity = plan.capacity_bytes(cfg.plan.device_memory_gb)
         model_cfg = plan.model_config_from_run_config(cfg, remat="full")
         if cfg.model.random_init or not cfg.model.path:
             model_cfg = model_cfg.replace(vocab_size=_random_init_vocab(cfg, tokenizer_vocab))
-        shape = (None if mesh is None
-                 else tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES))
-        policy, tried = plan.choose_remat(cfg, capacity, mesh_shape=shape, model_cfg=model_cfg)
+        policy, tried = plan.choose_remat(cfg, capacity, mesh_shape=_mesh_shape(mesh),
+                                          model_cfg=model_cfg)
         log.info("model.remat=auto -> %s (planned update per device: %s; capacity %.2f GB)",
                  policy, ", ".join(f"{k} {v / plan.GB:.2f} GB" for k, v in tried.items()),
                  capacity / plan.GB)
     out = cfg.copy_and_resolve_references()
     out.model.remat = policy
     return out
+
+
+def _mesh_shape(mesh):
+    """(data, fsdp, tensor) sizes of a mesh, as plan.plan_from_config takes them; None for None."""
+    return None if mesh is None else tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES)
 
 
 def make_loss_fn(cfg) -> Callable:
@@ -190,8 +194,7 @@ def check_memory_plan(cfg, model_cfg, mesh) -> None:
     capacity = plan.device_memory_bytes() if cfg.plan.check_memory else None
     if capacity is None:
         return
-    shape = tuple(int(mesh.shape[a]) for a in sharding_lib.MESH_AXES)
-    memory_plan = plan.plan_from_config(cfg, mesh_shape=shape, model_cfg=model_cfg)
+    memory_plan = plan.plan_from_config(cfg, mesh_shape=_mesh_shape(mesh), model_cfg=model_cfg)
     device = jax.local_devices()[0]
     plan.check_fits(memory_plan, capacity, phases=plan.PHASES_BY_MODE[cfg.mode],
                     source=f"the allocator limit of {device.platform}:{device.id}; on GPUs "
