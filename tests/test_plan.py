@@ -84,7 +84,7 @@ def test_figures_follow_the_shapes():
 def _plan_mode(*flags):
     return subprocess.run(
         [sys.executable, "-m", "delta_jax.main", "--config=experiments/qwen3_8b.py",
-         "--config.mode=plan", "--config.model.random_init=True", "--config.mesh.data=1",
+         "--config.mode=plan", "--config.mesh.data=1",
          "--config.mesh.fsdp=-1", "--config.plan.num_devices=8",
          "--config.plan.device_memory_gb=80", *flags],
         capture_output=True, text=True, timeout=120,
@@ -105,6 +105,11 @@ def test_plan_mode_on_the_command_line():
     assert "as resolved on the cuda backend" in cuda.stdout
     bad = _plan_mode("--config.plan.target=gpu")
     assert bad.returncode != 0 and "plan.target: 'gpu' is not one of" in bad.stdout + bad.stderr
+    # Shapes only: the recipe's preset stands in for a checkpoint (no model.path, no
+    # random_init, no tokenizer above); with neither, the error names the field.
+    none = _plan_mode("--config.model.preset=")
+    assert none.returncode != 0
+    assert "model.path: plan mode needs the model's shapes" in none.stdout + none.stderr
 
 
 def _plan_for(mc, prompt_len, response_len, **kw):

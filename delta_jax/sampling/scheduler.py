@@ -83,7 +83,6 @@ class _Sample:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     tempered: list = dataclasses.field(default_factory=list)
-    next_token: int = 0
     stopped: bool = False
 
 
@@ -180,9 +179,15 @@ class Sampler:
 
     # ---------------------------------------------------------------------------------------
     def _put(self, x):
-        """Place a host array on the device(s): rows over the sampler's batch axes with a mesh
-        (every process of a multi-host mesh holds the same host value)."""
-        return sharding_lib.put_rows(x, self.mesh, batch_axes=self._batch_axes)
+        """A host array for a jitted program: placed rows over the sampler's batch axes with a
+        mesh (every process of a multi-host mesh holds the same host value); without one a
+        numpy copy, which the jitted call transfers in its own (C++) dispatch path, cheaper per
+        call than a separate device_put. A copy because the run keeps mutating its per-slot
+        arrays while a dispatched program may still read them (XLA:CPU can alias numpy
+        memory)."""
+        x = np.array(x)
+        return x if self.mesh is None else sharding_lib.put_rows(x, self.mesh,
+                                                                 batch_axes=self._batch_axes)
 
     def _prepare_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -350,6 +355,16 @@ class _Run:
         self.prefilled = self.preemptions = 0
         self.prefill_seconds = self.decode_seconds = 0.0
         self.refill_at = max(1, sampler.num_slots // 32)
+        # The decode program's per-slot inputs, kept up to date as samples are admitted, given
+        # pages, advanced and removed (not rebuilt from the samples every call); a free slot's
+        # row is zeros.
+        S = sampler.num_slots
+        self.tables = np.zeros((S, plan.pages_per_seq), np.int32)
+        self.num_pages = np.zeros(S, np.int64)  # table entries in use
+        self.token, self.length, self.generated = (np.zeros(S, np.int32) for _ in range(3))
+        self.active = np.zeros(S, bool)
+        self.prompt_index, self.sample_index = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        self.limit = np.ones(S, np.int32)
 
     # ---------------------------------------------------------------------------------------
     def loop(self):
@@ -384,8 +399,7 @@ class _Run:
         while self.waiting and any(free):
             i, j = self.waiting[0]
             prompt = self.prompts[i]
-            sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len,
-                             next_token=prompt.ids[-1])
+            sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len)
             own = self._need(sample)
             shard = self._place(i, own, free)
             if shard is None:
@@ -404,12 +418,13 @@ class _Run:
                 copies.append((shard, prompt.pages[shard][-1], sample.own[0]))
             prompt.live[shard] += 1
             self.slots[slot] = sample
+            self._occupy(slot, sample, prompt.pages[shard][:prompt.kv_len // self.ps] + sample.own)
         if to_prefill and self.s.prefill_ahead and self.s.continuous:
             to_prefill += self._ahead(to_prefill)
         start = time.perf_counter()
         self._prefill(to_prefill)
         self._copy(copies)
-        if to_prefill or copies:
+        if to_prefill:  # timed (the copies alone are left to run beside the host's work)
             jax.block_until_ready(self.cache)
             self.prefill_seconds += time.perf_counter() - start
 
@@ -547,7 +562,11 @@ class _Run:
                         or self._evict_prompt(shard)):
                     break
             if need <= alloc.num_free:
-                sample.own += alloc.take(need)
+                pages = alloc.take(need)
+                sample.own += pages
+                at = self.num_pages[slot]
+                self.tables[slot, at:at + need] = pages
+                self.num_pages[slot] = at + need
             elif any(self.slots[k] is not None and self.slots[k] is not sample
                      for k in self._shard_slots(shard)):
                 self._preempt(slot)  # older samples hold the rest: wait for them
@@ -566,7 +585,7 @@ class _Run:
     def _preempt(self, slot):
         sample = self.slots[slot]
         shard = self.shard_of(slot)
-        self.slots[slot] = None
+        self._vacate(slot)
         self.allocs[shard].give(sample.own)
         self.prompts[sample.prompt].live[shard] -= 1
         self.waiting.appendleft((sample.prompt, sample.index))
@@ -580,35 +599,41 @@ class _Run:
                 return True
         return False
 
+    def _occupy(self, slot: int, sample: _Sample, pages: list):
+        """Slot `slot` now decodes `sample` (just admitted: its first input is the prompt's last
+        token) over `pages`."""
+        self.tables[slot] = 0
+        self.tables[slot, :len(pages)] = pages
+        self.num_pages[slot] = len(pages)
+        prompt = self.prompts[sample.prompt]
+        self.token[slot], self.length[slot], self.generated[slot] = (
+            prompt.ids[-1], sample.length, len(sample.tokens))
+        self.active[slot] = True
+        self.prompt_index[slot], self.sample_index[slot] = sample.prompt, sample.index
+        self.limit[slot] = self.limits[sample.prompt]
+
+    def _vacate(self, slot: int):
+        self.slots[slot] = None
+        self.tables[slot] = 0
+        self.num_pages[slot] = 0
+        for a in (self.token, self.length, self.generated, self.prompt_index, self.sample_index):
+            a[slot] = 0
+        self.active[slot] = False
+        self.limit[slot] = 1
+
     def decode(self):
         s = self.s
-        S = len(self.slots)
-        tables = np.zeros((S, self.plan.pages_per_seq), np.int32)
-        token, length, generated = (np.zeros(S, np.int32) for _ in range(3))
-        active = np.zeros(S, bool)
-        prompt_index, sample_index = np.zeros(S, np.int32), np.zeros(S, np.int32)
-        limit = np.ones(S, np.int32)
-        for k, sample in enumerate(self.slots):
-            if sample is None:
-                continue
-            prompt = self.prompts[sample.prompt]
-            pages = prompt.pages[self.shard_of(k)][:prompt.kv_len // self.ps] + sample.own
-            tables[k, :len(pages)] = pages
-            token[k], length[k], generated[k] = (sample.next_token, sample.length,
-                                                 len(sample.tokens))
-            active[k] = True
-            prompt_index[k], sample_index[k] = sample.prompt, sample.index
-            limit[k] = self.limits[sample.prompt]
-        if not active.any():
+        if not self.active.any():
             return
         refill = self.waiting and self.s.continuous
-        exit_after = min(self.refill_at, len(self.waiting)) if refill else S + 1
+        exit_after = min(self.refill_at, len(self.waiting)) if refill else len(self.slots) + 1
         start = time.perf_counter()
         out = programs.decode(
             s.graphdef, self.state, self.cache, *(s._put(x) for x in (
-                tables, token, length, generated, active, prompt_index, sample_index)),
-            self.seed, jax.numpy.asarray(self.stop_ids), np.float32(self.params.temperature),
-            np.float32(self.params.top_p), s._put(limit), np.int32(s.pad_id),
+                self.tables, self.token, self.length, self.generated, self.active,
+                self.prompt_index, self.sample_index)),
+            self.seed, self.stop_ids, np.float32(self.params.temperature),
+            np.float32(self.params.top_p), s._put(self.limit), np.int32(s.pad_id),
             np.int32(max(1, exit_after)),
             num_steps=s.decode_steps_per_call,
             top_k=self.params.effective_top_k(s.cfg.vocab_size),
@@ -620,16 +645,18 @@ class _Run:
         self.decode_seconds += time.perf_counter() - start
         self.decode_steps += int(steps)
         self.decode_calls += 1
-        for k, sample in enumerate(self.slots):
-            if sample is None:
-                continue
-            count = int(gen_out[k]) - int(generated[k])
+        live = np.flatnonzero(self.active)
+        counts = gen_out[live].astype(np.int64) - self.generated[live]
+        moved = live[counts > 0]
+        self.token[moved] = toks[moved, counts[counts > 0] - 1]
+        self.length[live] += counts.astype(np.int32)
+        self.generated[live] = gen_out[live]
+        for k, count in zip(live.tolist(), counts.tolist()):
+            sample = self.slots[k]
             sample.tokens += toks[k, :count].tolist()
             sample.logprobs += logp[k, :count].tolist()
             sample.tempered += tlogp[k, :count].tolist()
             sample.length += count
-            if count:
-                sample.next_token = int(toks[k, count - 1])
             if stopped[k] or len(sample.tokens) >= self.limits[sample.prompt]:
                 sample.stopped = bool(stopped[k])
                 self._finish(k)
@@ -641,7 +668,7 @@ class _Run:
     def _finish(self, slot):
         sample = self.slots[slot]
         shard = self.shard_of(slot)
-        self.slots[slot] = None
+        self._vacate(slot)
         self.results[sample.prompt][sample.index] = sample
         self.allocs[shard].give(sample.own)
         prompt = self.prompts[sample.prompt]

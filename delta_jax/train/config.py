@@ -364,13 +364,18 @@ def _require(ok, name, message):
 
 
 def _check_combinations(c):
-    _require(c.model.random_init or c.model.path, "model.path",
-             "a Hugging Face model directory is required (or set model.random_init=True with "
-             "model.preset)")
+    if c.mode == "plan":  # shapes only: config.json, or a preset's; no weights, no tokenizer
+        _require(c.model.path or c.model.preset, "model.path",
+                 "plan mode needs the model's shapes: a Hugging Face model directory (its "
+                 "config.json) or model.preset (e.g. 'qwen3-8b')")
+    else:
+        _require(c.model.random_init or c.model.path, "model.path",
+                 "a Hugging Face model directory is required (or set model.random_init=True "
+                 "with model.preset)")
+        _require(c.model.random_init or c.tokenizer.path or c.model.path, "tokenizer.path",
+                 "no tokenizer: set tokenizer.path or model.path")
     _require(not c.model.random_init or c.model.preset, "model.preset",
              "random init needs a preset name (e.g. 'tiny')")
-    _require(c.model.random_init or c.tokenizer.path or c.model.path, "tokenizer.path",
-             "no tokenizer: set tokenizer.path or model.path")
     if c.mode in ("train", "sft"):
         _require(c.data.train, "data.train", "training data is required (file path(s) or "
                  "'synthetic')")
