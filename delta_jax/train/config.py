@@ -48,6 +48,7 @@ CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "delta.feature_cache": ("device", "host", "recompute"),
     "rl.kl_type": ("k1", "k2", "k3"),
+    "rl.rollout_is": ("none", "tis", "mis"),  # rl.rollout_correction.MODES
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
     "delta.assignment": ("soft", "hard"),
@@ -173,6 +174,11 @@ def default_config() -> config_dict.ConfigDict:
     # runs one extra forward pass per step (reference log-probs, in the old-policy phase).
     c.rl.kl_coef = 0.0
     c.rl.kl_type = "k3"           # k1 | k2 | k3 (Schulman's estimators; GRPO uses k3)
+    # Sampler-vs-trainer mismatch correction (rl/rollout_correction.py): "none" (the paper's
+    # surrogate), "tis" (weight min(pi_old / pi_rollout, cap) per token) or "mis" (drop tokens
+    # whose ratio exceeds cap). Its metrics (rollout/is_*, rollout/mismatch_k3) are logged always.
+    c.rl.rollout_is = "none"
+    c.rl.rollout_is_cap = 2.0
     c.rl.mini_batch_prompts = 32  # prompts per optimizer step (x group_size sequences)
     c.rl.micro_batch_size = 0     # sequences per forward/backward (0 = whole mini-batch)
     c.rl.epochs = 1
@@ -446,6 +452,8 @@ def _check_combinations(c):
              "delta.stats_mode", "per_shard statistics need delta.feature_cache='device' (the "
              "streaming host/recompute modes compute global statistics only)")
     _require(c.rl.kl_coef >= 0, "rl.kl_coef", f"must be >= 0 (0 = off), got {c.rl.kl_coef}")
+    _require(c.rl.rollout_is_cap >= 1, "rl.rollout_is_cap",
+             f"must be >= 1 (a ratio of 1 is on-policy), got {c.rl.rollout_is_cap}")
     _require(c.optim.lr > 0, "optim.lr", "must be > 0")
     _require(c.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 = off)")
     _require(c.rewards.overlong_buffer < c.rollout.max_new_tokens or not c.rewards.overlong,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import sharding as sharding_lib
-from delta_jax.rl import credit, losses
+from delta_jax.rl import credit, losses, rollout_correction
 from delta_jax.rl.advantages import compute_advantages
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
@@ -65,7 +65,7 @@ class PreparedBatch:
     (numpy); batch: the device arrays of train_step (input_ids, attention_mask, response_mask,
     advantages, old_logp, token_weights[, ref_logp]), placed on the run's mesh; delta_weights:
     fp32 [N, R] DelTA weights when the run computes them (run.with_delta; token_weights for
-    method delta), else None; delta_diagnostics: scalars of the DelTA fit ({} without DelTA);
+    method delta without rl.rollout_is), else None; delta_diagnostics: scalars of the DelTA fit ({} without DelTA);
     metrics: rollout and timing metrics so far; credit_classes: int8 [N, R] ground-truth credit
     classes of the response tokens (rl.credit codes) once credit_report has labelled the batch
     (runs with a run.credit_labeller: the synthetic task), else None.
@@ -121,7 +121,8 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
 def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
     """Rollout, rewards, advantages, the old-policy (and reference) pass and, when the run
     computes them (run.with_delta), the DelTA weights of RL step `step`; token_weights are the
-    DelTA weights for method delta and the response mask otherwise."""
+    DelTA weights for method delta and the response mask otherwise, times the sampler-vs-trainer
+    importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py)."""
     cfg = run.cfg
     settings = method_settings(cfg)
     G = cfg.rollout.group_size
@@ -164,8 +165,10 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
         metrics["time/ref_policy_s"] = time.perf_counter() - t0
     ntok = float(jnp.sum(mask))
     metrics["rollout/old_entropy"] = float(jnp.sum(old.entropy * mask)) / max(ntok, 1.0)
-    metrics["rollout/sampler_logp_abs_diff_max"] = float(jnp.max(
-        jnp.abs(old.logp - jnp.asarray(rb.sampler_logp)) * mask))
+    is_weights, is_metrics = rollout_correction.rollout_is_weights(
+        old.logp, sharding_lib.put_rows(rb.sampler_logp, run.mesh), mask,
+        mode=cfg.rl.rollout_is, cap=cfg.rl.rollout_is_cap)
+    metrics.update({k: float(v) for k, v in jax.device_get(is_metrics).items()})
 
     t0 = time.perf_counter()
     weights, delta_w, diag = mask, None, {}
@@ -185,6 +188,8 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
             weights = delta_w
         metrics.update({f"delta/{k}": v for k, v in diag.items()})
     metrics["time/delta_s"] = time.perf_counter() - t0
+    if cfg.rl.rollout_is != "none":  # sampler-vs-trainer correction on top of any DelTA weight
+        weights = weights * is_weights
     batch["token_weights"] = weights.astype(jnp.float32)
     return PreparedBatch(rollout=roll, packed=rb, batch=batch, delta_weights=delta_w,
                          delta_diagnostics=diag, metrics=metrics)
