@@ -56,6 +56,12 @@ def test_agreement_gives_the_mask_and_no_mismatch():
         assert float(m["rollout/mismatch_k3"]) == 0.0
         assert float(m["rollout/is_ratio_mean"]) == pytest.approx(1.0)
         assert float(m["rollout/is_beyond_cap_fraction"]) == 0.0
+    # Near agreement (fp32 rounding, what a CPU run sees): the KL estimate is its second-order
+    # value mean(d^2 / 2) (r - 1 - d in fp32 cancels to 0 or below there).
+    tiny = logp + jnp.asarray(np.random.default_rng(2).normal(0.0, 1e-5, (3, 7)), jnp.float32)
+    _, m = rollout_is_weights(tiny, logp, mask, mode="none")
+    d = np.asarray(tiny - logp, np.float64)[np.asarray(mask) > 0]
+    np.testing.assert_allclose(float(m["rollout/mismatch_k3"]), np.mean(d * d / 2), rtol=0.05)
 
 
 def test_weights_are_constants_of_the_loss():

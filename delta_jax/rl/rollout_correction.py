@@ -70,7 +70,8 @@ def rollout_is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.A
     metrics = {
         "rollout/is_ratio_mean": jnp.sum(r * mask) / count,
         "rollout/is_beyond_cap_fraction": jnp.sum(beyond.astype(jnp.float32)) / count,
-        "rollout/mismatch_k3": jnp.sum((r - 1.0 - d) * mask) / count,
+        # r - 1 - d >= 0 per token; expm1 and the floor keep fp32 rounding from going negative
+        "rollout/mismatch_k3": jnp.sum(jnp.maximum(jnp.expm1(d) - d, 0.0) * mask) / count,
         "rollout/sampler_logp_abs_diff_mean": jnp.sum(jnp.abs(raw) * mask) / count,
         "rollout/sampler_logp_abs_diff_max": jnp.max(jnp.abs(raw) * mask),
     }
