@@ -20,6 +20,9 @@ step_s; each phase ends with block_until_ready). --warmup-steps steps run first 
 they compile every program (sampler prefill/decode, old-policy pass, DelTA, train step), and the
 shapes stay fixed afterwards (prompts of one length, responses padded to --new-tokens), so the
 --steps timed steps that follow run compiled code only. Reported: median over the timed steps.
+Each step also records how far the sampler's log-probs are from the old-policy pass's on this
+backend (rollout/mismatch_k3, sampler_logp_abs_diff_mean / _max, is_beyond_cap_fraction at
+rl.rollout_is_cap: rl/rollout_correction.py).
 Memory: after each variant, XLA's memory analysis of every jitted program the steps ran (the
 old-policy pass, the train step, ...; compiled again from its first call's shapes on the backend
 that ran it), printed beside plan mode's figure for its phase (delta_jax.plan.plan_from_config:
@@ -52,6 +55,8 @@ import numpy as np
 from delta_jax.models import REMAT_POLICIES
 
 PHASES = ("rollout_s", "reward_s", "old_policy_s", "delta_s", "update_s", "step_s")
+MISMATCH = ("mismatch_k3", "sampler_logp_abs_diff_mean", "sampler_logp_abs_diff_max",
+            "is_beyond_cap_fraction")
 VARIANTS = ("dapo", "delta", "delta-recompute")
 QWEN3_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizers",
                                "qwen3")
@@ -169,9 +174,14 @@ def run_variant(args, variant: str, workdir: str) -> dict:
                                                    metrics.get("rollout/accuracy", np.nan)))
             row["delta_tokens_pos"] = float(metrics.get("delta/tokens_pos", 0.0))
             row["delta_tokens_neg"] = float(metrics.get("delta/tokens_neg", 0.0))
+            # The sampler's log-probs against the old-policy pass's (rl/rollout_correction.py):
+            # how far this backend's decode and training numerics disagree.
+            for k in MISMATCH:
+                row[k] = float(metrics[f"rollout/{k}"])
             steps.append(row)
             print(f"  {variant} step {step}{' (warm-up)' if row['warmup'] else ''}: "
-                  + " ".join(f"{k}={row[k]:.3f}" for k in PHASES), flush=True)
+                  + " ".join(f"{k}={row[k]:.3f}" for k in PHASES)
+                  + " " + " ".join(f"{k}={row[k]:.3g}" for k in MISMATCH), flush=True)
         jax.block_until_ready(state.params)
     finally:
         run.close()
