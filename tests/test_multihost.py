@@ -1,7 +1,8 @@
 """Two processes on CPU (jax.distributed with a local coordinator, gloo collectives), each with
-2 local CPU devices, run an old-policy pass, DelTA coefficients and a train step on one
-(data=1, fsdp=2, tensor=2) mesh spanning both processes; the updated parameters and DelTA weights
-equal the single-process result. A second pair keeps the DelTA features in the host cache (each
+2 local CPU devices, run an old-policy pass, DelTA coefficients, a train step and a rollout
+(Sampler.generate, slots over both processes) on one (data=1, fsdp=2, tensor=2) mesh spanning
+both processes; the updated parameters, DelTA weights and sampled tokens equal the
+single-process result. A second pair keeps the DelTA features in the host cache (each
 process holds its own shards) and exports the policy from both processes into one directory.
 
 The workers are this file run as a script, in a fresh environment without the test session's
@@ -81,6 +82,34 @@ def one_step(mesh):
     return new_state, weights, metrics
 
 
+# Rollout prompts: 3 prompts x 2 samples in 4 slots (2 per fsdp batch shard of the (1, 2, 2)
+# mesh, whose devices span both processes), so slots are refilled; stop id 5 ends some early.
+ROLLOUT_PROMPTS = [[7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+ROLLOUT_NEW = 6
+
+
+def rollout(mesh):
+    """Sampler.generate of ROLLOUT_PROMPTS (temperature 1) on the mesh, or on one device:
+    (response ids [6, ROLLOUT_NEW] padded with -1, their log-probs padded with 0)."""
+    from flax import nnx
+
+    from delta_jax import models, sharding
+    from delta_jax.sampling import Sampler
+
+    model = models.Transformer(model_config(), rngs=nnx.Rngs(0))
+    if mesh is not None:
+        sharding.shard_model(model, mesh)
+    out = Sampler(model, max_batch_size=4, mesh=mesh, page_size=4).generate(
+        ROLLOUT_PROMPTS, n=2, temperature=1.0, max_new_tokens=ROLLOUT_NEW, stop_token_ids=(5,),
+        seed=3)
+    ids = np.full((6, ROLLOUT_NEW), -1, np.int32)
+    logp = np.zeros((6, ROLLOUT_NEW), np.float32)
+    for row, (r, lp) in enumerate(zip([r for g in out.response_ids for r in g],
+                                      [x for g in out.logprobs for x in g])):
+        ids[row, :len(r)], logp[row, :len(lp)] = r, lp
+    return ids, logp
+
+
 def flat_params(params):
     import jax
     return {jax.tree_util.keystr(p): np.asarray(x)
@@ -128,6 +157,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
     cached = host_cache_and_export(mesh, new_state, export_dir) if export_dir else {}
+    roll = None if export_dir else rollout(mesh)  # the sampler's slots span both processes
     gathered = multihost_utils.process_allgather(
         {"params": new_state.params, "weights": weights, "cached": cached}, tiled=True)
     if index == 0:
@@ -135,6 +165,8 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
                "m/loss": np.asarray(jax.device_get(metrics["loss"]))}
         out.update({"c/" + k: np.asarray(v) for k, v in gathered["cached"].items()})
         out.update({"p/" + k: v for k, v in flat_params(gathered["params"]).items()})
+        if roll is not None:
+            out["r/ids"], out["r/logp"] = roll
         np.savez(out_path, **out)
     multihost_utils.sync_global_devices("done")
     jax.distributed.shutdown()
@@ -192,6 +224,13 @@ def test_two_processes_match_one(tmp_path):
     for name, value in ref.items():
         # One AdamW step of lr 1e-3 moves each weight by ~1e-3; allow 2% of that.
         np.testing.assert_allclose(got["p/" + name], value, atol=2e-5, err_msg=name)
+    # The rollout engine over the same two processes: per-sample randomness, so the same tokens
+    # (and log-probs) as one device, whatever the slots, shards and processes.
+    with jax.default_device(jax.devices()[0]):
+        ref_ids, ref_logp = rollout(None)
+    assert (ref_ids >= 0).sum() > 12 and (ref_ids == -1).any()  # real work; some stop early
+    np.testing.assert_array_equal(got["r/ids"], ref_ids)
+    np.testing.assert_allclose(got["r/logp"], ref_logp, atol=1e-4)
 
 
 def test_host_feature_cache_and_export_across_processes(tmp_path):
