@@ -62,8 +62,9 @@ class GenerationOutput:
       generated_tokens, slot_utilization (mean fraction of slots holding a live sample per
       decode step = generated_tokens / (decode_steps * slots)), slots, decode_calls,
       prefill_calls, prefilled_prompts, preemptions, kv_pages / kv_page_size / kv_bytes (the page
-      pool), prefill_seconds / decode_seconds (wall time in those programs, synchronised),
-      seconds.
+      pool), prefill_seconds / decode_seconds (wall time in those programs, synchronised; a
+      refill's page copies run unsynchronised before the next decode call and count in its
+      decode_seconds: until 2026-11-24 a synchronised copy counted as prefill), seconds.
     """
 
     prompt_ids: list
