@@ -3,12 +3,17 @@ resumes past an unreadable newest checkpoint, and eval mode reports without touc
 eval files."""
 import json
 import logging
+import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
 
 from delta_jax.train import loop
+from delta_jax.train import rl_step as rl_step_lib
+from delta_jax.train.preemption import TrainingInterrupted
 from delta_jax.train.config import validate_config
 from tests.rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config
 
@@ -39,6 +44,38 @@ def test_resume_writes_each_step_once_after_a_crash_past_the_last_checkpoint(tmp
     shutil.rmtree(tmp_path / "checkpoints" / "4")
     _train(_config(5, save_every=2), tmp_path)
     assert _rl_steps(tmp_path) == [1, 2, 3, 4, 5]
+
+
+def test_a_stop_before_the_updates_abandons_the_step_and_the_resume_redoes_it(tmp_path,
+                                                                             monkeypatch):
+    """SIGTERM while step 2's batch is being prepared (before any of its updates): train() saves
+    checkpoint 1 with the data position from before step 2 and raises TrainingInterrupted; the
+    same run resumed redoes step 2 on the same prompts and ends with the parameters of an
+    uninterrupted run (a wrong data position or a half-applied step 2 would not)."""
+    import jax
+
+    ref = jax.device_get(_train(_config(3, save_every=10), tmp_path / "ref").params)
+    prepare = rl_step_lib.prepare_batch
+
+    def prepare_then_signal(run, params, step):
+        out = prepare(run, params, step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs at the next bytecode boundary
+        return out
+
+    monkeypatch.setattr(rl_step_lib, "prepare_batch", prepare_then_signal)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(_config(3, save_every=10), tmp_path / "cut")
+    assert stopped.value.step == 1 and stopped.value.signum == signal.SIGTERM
+    assert _rl_steps(tmp_path / "cut") == [1]  # step 2 wrote nothing
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()
+                  if p.name.isdigit()) == ["0", "1"]
+    monkeypatch.undo()
+    resumed = jax.device_get(_train(_config(3, save_every=10), tmp_path / "cut").params)
+    assert _rl_steps(tmp_path / "cut") == [1, 2, 3]
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ref, resumed))
+    assert max(moved) <= 1e-6, max(moved)
 
 
 def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, caplog):

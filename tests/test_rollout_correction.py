@@ -5,7 +5,8 @@
   extreme log-ratios stay finite; bad input names what is wrong.
 * In an RL step (prepare_batch) with the sampler holding other weights than the trainer: the
   batch's token_weights are mask x min(pi_old / pi_rollout, cap), recomputed here from the batch's
-  own old_logp and the sampler's log-probs; "none" leaves the mask and still logs the metrics.
+  own old_logp and the sampler's log-probs; "none" leaves the mask and still logs the metrics;
+  with DelTA ("mis") they are the DelTA weights x the masked ratio.
 """
 import math
 
@@ -98,11 +99,11 @@ def test_bad_input_names_the_problem():
         tiny_rl_config("dapo", rl=dict(rollout_is="sequence"))
 
 
-def _prepared(tmp_path, mode):
-    """prepare_batch of a tiny dapo run whose sampler keeps the initial weights while the
-    trainer's are perturbed (a stale or numerically different sampler)."""
-    run = build_scored_run(tiny_rl_config("dapo", rl=dict(rollout_is=mode, rollout_is_cap=1.2)),
-                           tmp_path / mode)
+def _prepared(tmp_path, mode, method="dapo"):
+    """prepare_batch of a tiny run whose sampler keeps the initial weights while the trainer's
+    are perturbed (a stale or numerically different sampler)."""
+    run = build_scored_run(tiny_rl_config(method, rl=dict(rollout_is=mode, rollout_is_cap=1.2)),
+                           tmp_path / f"{method}_{mode}")
     try:
         run.sampler.update_params = lambda *_: None  # the sampler keeps the initial weights
         params = initial_state(run).params
@@ -132,3 +133,13 @@ def test_prepare_batch_weights_tokens_by_the_truncated_ratio(tmp_path):
     plain, plain_prep = _prepared(tmp_path, "none")
     np.testing.assert_array_equal(plain["token_weights"], plain["response_mask"])
     assert plain_prep.metrics["rollout/mismatch_k3"] > 0.01  # logged whatever the mode
+
+
+def test_with_delta_the_importance_and_delta_weights_multiply(tmp_path):
+    batch, prep = _prepared(tmp_path, "mis", method="delta")
+    ratio = np.exp(batch["old_logp"] - prep.packed.sampler_logp)
+    delta = np.asarray(jax.device_get(prep.delta_weights))
+    expected = delta * np.where(ratio > 1.2, 0.0, ratio) * batch["response_mask"]
+    np.testing.assert_allclose(batch["token_weights"], expected, rtol=1e-5, atol=1e-6)
+    valid = batch["response_mask"] > 0
+    assert np.std(delta[valid]) > 0.01 and np.mean(ratio[valid] > 1.2) > 0.05  # both act
