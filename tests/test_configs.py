@@ -6,7 +6,7 @@ import pytest
 from absl import flags
 from ml_collections import config_dict, config_flags
 
-from delta_jax.train.config import (METHOD_DEFAULTS, ConfigError, default_config,
+from delta_jax.train.config import (ConfigError, default_config, method_settings,
                                     validate_config)
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
@@ -70,18 +70,27 @@ def test_paper_settings():
         assert (c.eval.k, c.eval.top_p, c.eval.max_new_tokens) == (16, 0.7, 30000)
 
 
+# README's method table, written out here (independent of config.METHOD_DEFAULTS): advantage,
+# clip low / high, dual clip (0 = off), aggregation, overlong penalty, DelTA weights.
+README_METHODS = {
+    "grpo": ("grpo", 0.2, 0.2, 0.0, "token-mean", False, False),
+    "dapo": ("grpo", 0.2, 0.28, 10.0, "token-mean", True, False),
+    "delta": ("grpo", 0.2, 0.28, 10.0, "token-mean", True, True),
+}
+
+
 @pytest.mark.parametrize("method", ["grpo", "dapo", "delta"])
 def test_method_switch_is_one_flag(method):
     cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", f"--config.method={method}"])
     c = validate_config(cfg)
-    for field, value in METHOD_DEFAULTS[method].items():
-        section, name = field.split(".")
-        if field == "rl.dynamic_sampling":  # tiny.py sets it, and an explicit value wins
-            assert c.rl.dynamic_sampling is True
-            continue
-        assert c[section][name] == value
-    assert (c.rl.eps_high == 0.2) == (method == "grpo")
-    assert (c.rl.dual_clip == 0.0) == (method == "grpo")
+    settings = method_settings(c)
+    assert (c.rl.advantage, c.rl.eps_low, c.rl.eps_high, c.rl.dual_clip, c.rl.agg,
+            c.rewards.overlong, settings.use_delta) == README_METHODS[method]
+    assert c.rl.dynamic_sampling is True  # tiny.py sets it: an explicit value beats the method's
+    base = default_config()
+    base.method, base.model.random_init, base.model.preset = method, True, "tiny"
+    base.data.train = "synthetic"
+    assert validate_config(base).rl.dynamic_sampling is False  # the methods' default (paper)
 
 
 def test_explicit_override_beats_method_default():
