@@ -109,3 +109,33 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys):
     assert json.loads((tmp_path / "eval" / "standalone_step_1.json").read_text())
     assert (tmp_path / "metrics.jsonl").read_bytes() == rows_before
     assert metrics and all(np.isfinite(v) for v in metrics.values())
+    # A workdir without a checkpoint: the configured model itself (here a random init).
+    fresh = tmp_path / "fresh"
+    loop.eval_only(validate_config(eval_cfg), str(fresh))
+    assert "eval of random init (tiny)" in capsys.readouterr().out
+    assert json.loads((fresh / "eval" / "standalone_step_0.json").read_text())
+
+
+def test_sft_mode_trains_the_warm_start_and_exports_it(tmp_path):
+    """Mode sft: sft.steps steps of the warm start alone (a metrics row every 10 steps and at
+    the last; no RL), exported as a Hugging Face directory (workdir/sft) that loads back to the
+    returned parameters."""
+    import jax
+    from flax import nnx
+
+    from delta_jax import models
+
+    cfg = tiny_rl_config("dapo", sft=dict(steps=12, batch_size=4, max_len=32, warmup_steps=0))
+    with cfg.unlocked():
+        cfg.mode = "sft"
+    params = jax.device_get(loop.sft_only(validate_config(cfg), str(tmp_path)))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "sft/loss" in r] == [10, 12]
+    assert not any("policy/loss" in r for r in rows)
+    exported = tmp_path / "sft"
+    assert (exported / "config.json").is_file() and (exported / "tokenizer.json").is_file()
+    loaded = nnx.state(models.from_pretrained(str(exported)), nnx.Param)
+    got, want = jax.tree.leaves(loaded), jax.tree.leaves(params)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
