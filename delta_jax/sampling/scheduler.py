@@ -182,8 +182,8 @@ class Sampler:
         """A host array for a jitted program: placed rows over the sampler's batch axes with a
         mesh (every process of a multi-host mesh holds the same host value); without one a
         numpy copy, which the jitted call transfers in its own (C++) dispatch path, cheaper per
-        call than a separate device_put. A copy because the run keeps mutating its per-slot
-        arrays while a dispatched program may still read them (XLA:CPU can alias numpy
+        call than a separate device_put. A copy, so that a dispatched program never shares
+        memory with the per-slot arrays the run keeps updating (XLA:CPU can alias numpy
         memory)."""
         x = np.array(x)
         return x if self.mesh is None else sharding_lib.put_rows(x, self.mesh,
