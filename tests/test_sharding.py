@@ -170,3 +170,22 @@ def test_distributed_settings():
         sharding.distributed_settings("h:1", 2, 5, env={})
     # No coordinator and no cluster: a single-process run, nothing is initialised.
     assert sharding.initialize_distributed(env={}) == (0, 1)
+
+
+@pytest.mark.parametrize("env,started", [
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, True),        # a multi-host TPU pod slice
+    ({"TPU_WORKER_HOSTNAMES": "t0"}, False),                # one TPU host
+    ({"SLURM_NTASKS": "8", "SLURM_JOB_ID": "42"}, True),    # a SLURM job of 8 tasks
+    ({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "42"}, False),   # a one-task SLURM job
+    ({"SLURM_NTASKS": "8"}, False),                         # not inside a job
+])
+def test_a_pod_slice_or_slurm_job_starts_jax_distributed_with_its_own_settings(
+        env, started, monkeypatch):
+    """Without explicit settings, jax.distributed.initialize is called (with no address, so JAX
+    reads the cluster's) exactly on a multi-host TPU slice or a multi-task SLURM job."""
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    assert sharding.initialize_distributed(env=env) == (0, 1)  # the patched call starts nothing
+    assert calls == ([{"local_device_ids": None}] if started else [])
