@@ -601,8 +601,7 @@ class _Run:
 
     def _occupy(self, slot: int, sample: _Sample, pages: list):
         """Slot `slot` now decodes `sample` (just admitted: its first input is the prompt's last
-        token) over `pages`."""
-        self.tables[slot] = 0
+        token) over `pages` (its row is zeros while free)."""
         self.tables[slot, :len(pages)] = pages
         self.num_pages[slot] = len(pages)
         prompt = self.prompts[sample.prompt]

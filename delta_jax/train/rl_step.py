@@ -65,10 +65,11 @@ class PreparedBatch:
     (numpy); batch: the device arrays of train_step (input_ids, attention_mask, response_mask,
     advantages, old_logp, token_weights[, ref_logp]), placed on the run's mesh; delta_weights:
     fp32 [N, R] DelTA weights when the run computes them (run.with_delta; token_weights for
-    method delta without rl.rollout_is), else None; delta_diagnostics: scalars of the DelTA fit ({} without DelTA);
-    metrics: rollout and timing metrics so far; credit_classes: int8 [N, R] ground-truth credit
-    classes of the response tokens (rl.credit codes) once credit_report has labelled the batch
-    (runs with a run.credit_labeller: the synthetic task), else None.
+    method delta without rl.rollout_is), else None; delta_diagnostics: scalars of the DelTA
+    fit ({} without DelTA); metrics: rollout and timing metrics so far; credit_classes: int8
+    [N, R] ground-truth credit classes of the response tokens (rl.credit codes) once
+    credit_report has labelled the batch (runs with a run.credit_labeller: the synthetic task),
+    else None.
     """
     rollout: phases.Rollout
     packed: rollout_lib.RolloutBatch
