@@ -179,6 +179,30 @@ def test_synthetic_assets_are_made_once_and_remade_when_their_settings_change(tm
     assert os.path.getmtime(os.path.join(tok, "tokenizer.json")) == mtime
 
 
+def test_synthetic_assets_are_replaced_whole_never_rewritten_in_place(tmp_path):
+    """Every process of a multi-host run prepares the assets in a shared workdir: a process that
+    is reading the old files while another remakes them reads them whole (the new files take
+    the old names by os.replace, not by truncating them), and no private directory is left."""
+    from delta_jax.data import tiny_task
+
+    out = str(tmp_path / "s")
+    paths = tiny_task.prepare_synthetic_splits(out, num_train=50, num_test=10, seed=2)
+    with open(paths["train"], encoding="utf-8") as f:
+        old = f.read()
+    for remake in (dict(num_train=30), dict(num_train=30, seed=3)):
+        with open(paths["train"], encoding="utf-8") as reader:  # open across the remake
+            tiny_task.prepare_synthetic_splits(out, num_test=10, **{"seed": 2, **remake})
+            assert reader.read() == old
+        with open(paths["train"], encoding="utf-8") as f:
+            new = f.read()
+        assert new != old and len(new.splitlines()) == 30
+        old = new
+    tok = tiny_task.prepare_tiny_tokenizer(str(tmp_path / "tok"))
+    assert sorted(os.listdir(out)) == ["manifest.json", "test.jsonl", "train.jsonl"]
+    assert "manifest.json" in os.listdir(tok)
+    assert not [n for n in os.listdir(tok) if n.startswith(".")]
+
+
 # ----------------------------------------------------------------------------- pinned output
 # Records of seed 0 as the generator wrote them before the difficulty knobs (steps, digits,
 # distractors) existed: the default knobs must keep generating exactly these problems (the

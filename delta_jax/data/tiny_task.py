@@ -8,12 +8,17 @@ tokenizer.path = "synthetic"); train.run.prepare_assets calls these for the run'
 
 Both are idempotent: a manifest records what the files were made from, and they are rewritten
 only when that changes (other data.synthetic_* values give other data, never the old files).
+They are safe for several processes of one run on a shared workdir (every host of a multi-host
+job prepares them): each writes into a private directory and moves the finished files into
+place (os.replace, atomic), the manifest last, so no process reads a half-written file.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+import shutil
+import tempfile
+from typing import Callable, Sequence
 
 from delta_jax.data import synthetic, tiny_tokenizer
 
@@ -31,9 +36,20 @@ def _up_to_date(out_dir: str, manifest: dict, paths: Sequence[str]) -> bool:
         return False  # unreadable: make the files again
 
 
-def _write_manifest(out_dir: str, manifest: dict):
-    with open(os.path.join(out_dir, _MANIFEST), "w", encoding="utf-8") as f:
-        json.dump(manifest, f)
+def _make(out_dir: str, manifest: dict, write: Callable[[str], object]):
+    """write(private_dir) makes the files; they replace out_dir's (atomically, one by one),
+    then the manifest that says what they were made from."""
+    os.makedirs(out_dir, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".making-", dir=out_dir)
+    try:
+        write(private)
+        with open(os.path.join(private, _MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f)
+        names = sorted(os.listdir(private))
+        for name in [n for n in names if n != _MANIFEST] + [_MANIFEST]:
+            os.replace(os.path.join(private, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def prepare_synthetic_splits(out_dir: str, num_train: int = 20_000, num_test: int = 500,
@@ -49,9 +65,9 @@ def prepare_synthetic_splits(out_dir: str, num_train: int = 20_000, num_test: in
                 "levels": [int(x) for x in levels], "steps": int(steps), "digits": int(digits),
                 "distractors": int(distractors), "format": 1}
     if not _up_to_date(out_dir, manifest, list(paths.values())):
-        synthetic.write_synthetic_splits(out_dir, num_train, num_test, seed=seed, levels=levels,
-                                         steps=steps, digits=digits, distractors=distractors)
-        _write_manifest(out_dir, manifest)
+        _make(out_dir, manifest, lambda d: synthetic.write_synthetic_splits(
+            d, num_train, num_test, seed=seed, levels=levels, steps=steps, digits=digits,
+            distractors=distractors))
     return paths
 
 
@@ -59,6 +75,5 @@ def prepare_tiny_tokenizer(out_dir: str) -> str:
     """Writes (or reuses) the tiny tokenizer of the synthetic task in out_dir; returns out_dir."""
     manifest = {"vocab_size": tiny_tokenizer.DEFAULT_VOCAB_SIZE, "format": 1}
     if not _up_to_date(out_dir, manifest, [os.path.join(out_dir, "tokenizer.json")]):
-        tiny_tokenizer.build_tiny_tokenizer(out_dir)
-        _write_manifest(out_dir, manifest)
+        _make(out_dir, manifest, tiny_tokenizer.build_tiny_tokenizer)
     return out_dir

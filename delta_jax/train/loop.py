@@ -88,8 +88,9 @@ StepHook = Callable[[Run, int, StepOutput], None]
 
 
 def write_weight_histogram(run: Run, step: int, out: StepOutput):
-    """Per-side histograms of the step's DelTA weights (workdir/delta_weights.jsonl, plots.py)."""
-    if run.cfg.method == "delta" and jax.process_index() == 0:
+    """Per-side histograms of the step's DelTA weights (workdir/delta_weights.jsonl, plots.py).
+    Collective: every process computes the histograms of the global arrays; process 0 writes."""
+    if run.cfg.method == "delta":
         from delta_jax.train import plots
         b = out.batch
         plots.append_weight_histogram(run.workdir, step, b["token_weights"], b["advantages"],
