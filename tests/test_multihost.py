@@ -12,9 +12,12 @@ The workers are this file run as a script, in a fresh environment without the te
 """
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -147,6 +150,26 @@ def host_cache_and_export(mesh, new_state, export_dir):
     return weights
 
 
+def stop_agreement(index: int) -> int:
+    """A SIGTERM that reaches process 1 alone stops both: StopOnSignal.requested() is false on
+    both before it and true on both after it; process 0's own SIGTERM arriving after that is
+    its first, not a second one that exits at once (a pod's hosts get theirs at different
+    times). Returns the signal this process stops with."""
+    from delta_jax.train.preemption import StopOnSignal
+    with StopOnSignal() as stop:
+        assert not stop.requested()
+        if index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            while stop.signum is None:  # the handler runs between bytecodes, soon
+                time.sleep(0.001)
+        assert stop.requested()
+        if index == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # an exit here would fail the test (exit code 143)
+        assert stop.requested()
+        return stop.signum
+
+
 def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     from delta_jax import sharding
     index, count = sharding.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
@@ -155,6 +178,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     assert count == 2 and index == process_id
     assert len(jax.local_devices()) == 2 and len(jax.devices()) == 4
     mesh = sharding.make_mesh(1, 2, 2)
+    signum = stop_agreement(index)
     new_state, weights, metrics = one_step(mesh)
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
@@ -163,7 +187,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     gathered = multihost_utils.process_allgather(
         {"params": new_state.params, "weights": weights, "cached": cached}, tiled=True)
     if index == 0:
-        out = {"w/weights": np.asarray(gathered["weights"]),
+        out = {"s/signum": np.asarray(signum), "w/weights": np.asarray(gathered["weights"]),
                "m/loss": np.asarray(jax.device_get(metrics["loss"]))}
         out.update({"c/" + k: np.asarray(v) for k, v in gathered["cached"].items()})
         out.update({"p/" + k: v for k, v in flat_params(gathered["params"]).items()})
@@ -188,10 +212,11 @@ def run_two_processes(tmp_path, *extra):
     return dict(np.load(out_path))
 
 
-def launch_two(command):
+def launch_two(command, while_running=None, returncode=0):
     """Runs command(process_id) for process ids 0 and 1 (2 CPU devices each, no inherited
-    jax.distributed settings); fails the test unless both exit 0 within TIMEOUT_S. Returns
-    their outputs."""
+    jax.distributed settings); while_running(processes), if given, is called once they have
+    started. Fails the test unless both exit with `returncode` within TIMEOUT_S. Returns their
+    outputs."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -200,6 +225,8 @@ def launch_two(command):
                               stderr=subprocess.STDOUT, text=True) for pid in range(2)]
     logs = []
     try:
+        if while_running is not None:
+            while_running(procs)
         for p in procs:
             logs.append(p.communicate(timeout=TIMEOUT_S)[0])
     except subprocess.TimeoutExpired:
@@ -208,7 +235,7 @@ def launch_two(command):
         tails = [f"process {pid}:\n{p.communicate()[0][-2000:]}" for pid, p in enumerate(procs)]
         pytest.fail(f"the two processes did not finish within {TIMEOUT_S} s\n" + "\n".join(tails))
     for pid, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {pid} failed:\n{log[-3000:]}"
+        assert p.returncode == returncode, f"process {pid} exited {p.returncode}:\n{log[-3000:]}"
     return logs
 
 
@@ -216,6 +243,7 @@ def test_two_processes_match_one(tmp_path):
     import jax
 
     got = run_two_processes(tmp_path)
+    assert int(got["s/signum"]) == 15  # process 0 stops with process 1's SIGTERM
     with jax.default_device(jax.devices()[0]):
         ref_state, ref_weights, ref_metrics = one_step(None)
     np.testing.assert_allclose(got["w/weights"], np.asarray(ref_weights), atol=1e-4)
@@ -260,10 +288,11 @@ def test_host_feature_cache_and_export_across_processes(tmp_path):
 
 def test_main_across_two_processes_trains_as_one(tmp_path):
     """`python -m delta_jax.main` in two processes on one workdir, the parameters fsdp-sharded
-    over both (mesh 1 x 4 x 1): both finish; process 0 alone writes the metrics, the DelTA
-    weight histograms, the eval files and the report; the checkpoint reads back into this
-    process and holds the parameters of the same run done here in one process on 4 of its
-    devices (the same mesh)."""
+    over both (mesh 1 x 4 x 1): a SIGTERM to process 1 alone stops both at the same step with a
+    checkpoint (exit 143); the same command resumes; process 0 alone writes the metrics, the
+    DelTA weight histograms, the eval files and the report, each step once; the final checkpoint
+    reads back into this process and holds the parameters of the same run done here, without
+    a stop, in one process on 4 of its devices (the same mesh)."""
     import json
 
     import jax
@@ -284,10 +313,27 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in settings.items()]
     workdir = tmp_path / "two"
     port = _free_port()
-    logs = launch_two(lambda pid: [
-        sys.executable, "-m", "delta_jax.main", f"--config={config_path}", f"--workdir={workdir}",
-        *flags, f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-        "--config.distributed.num_processes=2", f"--config.distributed.process_id={pid}"])
+
+    def command(pid):
+        return [sys.executable, "-m", "delta_jax.main", f"--config={config_path}",
+                f"--workdir={workdir}", *flags,
+                f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                "--config.distributed.num_processes=2", f"--config.distributed.process_id={pid}"]
+
+    def preempt_process_1(procs):
+        """SIGTERM to process 1 alone, once checkpoint 0 is on disk (mid-run, at whatever
+        point of its step process 1 then is)."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while (not (workdir / "checkpoints" / "0").is_dir() and procs[0].poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+
+    first = launch_two(command, preempt_process_1, returncode=143)  # both stop, none hangs
+    assert "SIGTERM received by another process" in first[0]
+    stopped_at = [int(re.search(r"checkpoint step (\d+) saved", log).group(1)) for log in first]
+    assert stopped_at[0] == stopped_at[1] < 2, stopped_at
+    logs = launch_two(command)  # the same command resumes and finishes
     assert "metrics: " in logs[0] and "metrics: " not in logs[1]  # the report: process 0's
 
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]

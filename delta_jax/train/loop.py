@@ -55,17 +55,19 @@ def run_sft(run: Run, params, log_every: int = 10,
                                     logprob_impl=cfg.model.logprob_impl)
     state = init_train_state(params, optimizer)
     bar = _progress(cfg, cfg.sft.steps, "sft")
+    stopped = False
     for step in range(1, cfg.sft.steps + 1):
         batch = sft_lib.sft_batch(examples, cfg.sft.batch_size, cfg.seed, step)
         state, m = step_fn(state, jax.tree.map(jnp.asarray, batch))
         if step % log_every == 0 or step == cfg.sft.steps:
             scalars = run.writer.write(step, jax.device_get(m))
             _bar_update(bar, step, f"sft loss {scalars['sft/loss']:.3f}")
-        if should_stop():
+        stopped = should_stop()
+        if stopped:
             break
     if bar is not None:
         bar.close()
-    return None if should_stop() else state.params
+    return None if stopped else state.params
 
 
 def _progress(cfg, total, desc):
@@ -187,9 +189,9 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps
                 and not stop.requested()):  # before the checkpoint, whose offset includes it
             write_eval(run, state.params, step)
-        save(step, state, run.data_iter.get_state(),
-             force=step == cfg.train.steps or stop.requested())
-        if stop.requested():
+        stopping = stop.requested()  # asked once: the save and the stop agree
+        save(step, state, run.data_iter.get_state(), force=step == cfg.train.steps or stopping)
+        if stopping:
             raise interrupted(step)
     if bar is not None:
         bar.close()

@@ -8,6 +8,11 @@ The first SIGINT or SIGTERM only sets a flag: the loop finishes (or abandons, if
 not started) the step in hand, saves a checkpoint, closes the reward workers and raises
 TrainingInterrupted, which delta_jax.main turns into a one-line message and exit code 128 + signal
 (130 for SIGINT, 143 for SIGTERM). A second signal exits at once with that code.
+
+In a run of several processes (multi-host) a signal reaches each host on its own, at any point
+of its step, and the hosts must still stop at the same step: requested() is then a collective
+(every process calls it at the same points, as the loop does), true on all processes as soon as
+any of them has a signal.
 """
 from __future__ import annotations
 
@@ -39,23 +44,39 @@ class TrainingInterrupted(Exception):
 
 class StopOnSignal:
     """Context manager: SIGINT / SIGTERM set `signum` (the first) instead of killing the process;
-    a second one exits at once with 128 + signal. Outside the main thread (where Python cannot
-    install handlers) it does nothing and `requested()` stays False."""
+    a second one to this process exits at once with 128 + signal. Outside the main thread (where
+    Python cannot install handlers) it does nothing and `requested()` stays False (but still
+    takes part in the agreement of a multi-process run)."""
 
     def __init__(self, signals=STOP_SIGNALS):
         self.signals = tuple(signals)
-        self.signum: int | None = None
+        self.signum: int | None = None     # the signal the run stops with
+        self._received: int | None = None  # the first signal this process itself received
         self._previous: dict = {}
 
     def requested(self) -> bool:
-        return self.signum is not None
+        """Whether to stop. Collective when there are several processes: all get the same
+        answer, and one that had no signal takes the signal of one that had."""
+        import jax
+        if jax.process_count() == 1:
+            return self._received is not None
+        # The agreed answer alone: a signal that lands after this process's part was sent is
+        # agreed on at the next call, by every process alike.
+        agreed = agreed_signal(self._received or 0)
+        if agreed and self.signum is None:
+            self.signum = agreed
+            print(f"{signal.Signals(agreed).name} received by another process: stopping "
+                  "after the step in hand with it", file=sys.stderr, flush=True)
+        return agreed != 0
 
     def _handle(self, signum, frame):
-        if self.signum is not None:
+        if self._received is not None:
             print(f"second {signal.Signals(signum).name}: exiting now without saving",
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        self.signum = signum
+        self._received = signum
+        if self.signum is None:
+            self.signum = signum
         print(f"{signal.Signals(signum).name} received: stopping after the step in hand and "
               "saving a checkpoint (send it again to exit at once)", file=sys.stderr, flush=True)
 
@@ -70,3 +91,10 @@ class StopOnSignal:
             signal.signal(s, handler)
         self._previous.clear()
         return False
+
+
+def agreed_signal(local: int) -> int:
+    """The largest of every process's `local` signal number (0 = none); a collective."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return int(np.max(multihost_utils.process_allgather(np.int32(local))))
