@@ -119,17 +119,14 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
     return generate_and_score
 
 
-# What a rollout keeps of the scorer's info: per response, and counts (phases.collect_rollout).
-_SCORE_ROWS, _SCORE_COUNTS = ("accuracy",), ("num_timeouts", "num_no_box")
-
-
 def score_over_processes(score, responses, golds, response_lengths, truncated):
     """score(responses, golds, response_lengths=, truncated=) -> (rewards [N], info), shared out
     over the processes of a multi-host run: each scores a contiguous share of the N responses
     (the sandboxes' and graders' work is split) and every process gets all N rewards and
-    accuracies and the summed counts. The rewards must be the same on every process (dynamic
-    sampling's rounds and the global batch are built from them), and a wall-clock timeout of a
-    grader or a program could otherwise land differently on two hosts. One process: score()."""
+    accuracies and the summed counts num_timeouts / num_no_box (what phases.collect_rollout
+    keeps of info). The rewards must be the same on every process (dynamic sampling's rounds and
+    the global batch are built from them), and a wall-clock timeout of a grader or a program
+    could otherwise land differently on two hosts. One process: score()."""
     count = jax.process_count()
     if count == 1:
         return score(responses, golds, response_lengths=response_lengths, truncated=truncated)
@@ -139,14 +136,13 @@ def score_over_processes(score, responses, golds, response_lengths, truncated):
     lo, hi = min(jax.process_index() * per, n), min((jax.process_index() + 1) * per, n)
     rewards, info = score(responses[lo:hi], golds[lo:hi], response_lengths=response_lengths[lo:hi],
                           truncated=truncated[lo:hi])
-    rows = np.zeros((1 + len(_SCORE_ROWS), per), np.float32)  # this share, padded to `per`
-    rows[:, :hi - lo] = [rewards] + [info[k] for k in _SCORE_ROWS]
-    counts = np.asarray([info.get(k, 0) for k in _SCORE_COUNTS], np.float32)
-    rows, counts = multihost_utils.process_allgather((rows, counts))  # [P, ...] each
-    rows = np.moveaxis(np.asarray(rows), 0, 1).reshape(len(rows[0]), count * per)[:, :n]
-    info = {k: rows[1 + i] for i, k in enumerate(_SCORE_ROWS)}
-    info.update({k: float(c) for k, c in zip(_SCORE_COUNTS, np.asarray(counts).sum(0))})
-    return rows[0].astype(np.float32), info
+    share = np.zeros((per, 2), np.float32)  # (reward, accuracy) of this share, padded to `per`
+    share[:hi - lo, 0], share[:hi - lo, 1] = rewards, info["accuracy"]
+    counts = np.asarray([[info.get("num_timeouts", 0), info.get("num_no_box", 0)]], np.float32)
+    share, counts = multihost_utils.process_allgather((share, counts), tiled=True)  # in order
+    share, counts = np.asarray(share)[:n], np.asarray(counts).sum(0)
+    return share[:, 0].copy(), {"accuracy": share[:, 1].copy(),
+                                "num_timeouts": float(counts[0]), "num_no_box": float(counts[1])}
 
 
 def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
