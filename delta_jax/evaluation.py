@@ -351,7 +351,10 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
              scorer=None, limit: int | None = None, prompts_per_call: int | None = None,
              settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
              ) -> EvalResult:
-    """Samples k responses per question and scores them with the math reward.
+    """Samples k responses per question and scores them with the math (or code) reward.
+
+    In a multi-host run every process calls it (generate_fn gives each the same responses) and
+    each scores a share of them (rl.rewards.score_across_processes); all get the whole result.
 
     Args:
       generate_fn: prompts (list[str]) , n -> n response texts per prompt.
@@ -370,7 +373,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
     Returns:
       EvalResult.
     """
-    from delta_jax.rl.rewards import RewardScorer  # the pool is only needed when evaluating
+    # the pool is only needed when evaluating
+    from delta_jax.rl.rewards import RewardScorer, score_across_processes
 
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -414,7 +418,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                 responses += _generate_checked(generate_fn, prompts[start:start + step], k, name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
-            _, info = scorer_for(kind).score(flat, golds)
+            _, info = score_across_processes(scorer_for(kind).score, flat, golds)
             num_correct = info["accuracy"].reshape(len(rows), k).sum(axis=1).round().astype(int)
             results[name] = BenchmarkResult(
                 name=name, ids=[r["id"] for r in rows], num_correct=num_correct, k=k,

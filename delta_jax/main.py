@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -45,9 +46,12 @@ def run(cfg, workdir: str):
         return result
     from delta_jax import sharding
     sharding.initialize_distributed(cfg.distributed.coordinator_address,
-                                    cfg.distributed.num_processes, cfg.distributed.process_id)
+                                    cfg.distributed.num_processes, cfg.distributed.process_id,
+                                    heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
     os.makedirs(workdir, exist_ok=True)
     import jax
+    if jax.process_index() != 0:  # one console: the other hosts log only warnings and errors
+        logging.getLogger("delta_jax").setLevel(logging.WARNING)
 
     from delta_jax.train.workdir_lock import WorkdirLock
     lock = WorkdirLock(workdir) if jax.process_index() == 0 else None
@@ -160,13 +164,36 @@ def main(argv):
         run(_CONFIG.value, _WORKDIR.value)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except WorkdirBusy as e:
+        exit_alone(2)
+    except WorkdirBusy as e:  # process 0 alone holds the lock: the others are not stopping
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except TrainingInterrupted as e:
+        exit_alone(1)
+    except TrainingInterrupted as e:  # every process stops at the same step (agreed)
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except Exception:  # noqa: BLE001 - reported, then the process leaves at once
+        from delta_jax import sharding
+        if not sharding.distributed_started():
+            raise
+        traceback.print_exc()
+        exit_alone(1)
+
+
+def exit_alone(code: int):
+    """Exits with `code`. In a multi-process run this process may be the only one stopping:
+    leaving through Python's exit would wait in jax.distributed's shutdown barrier for processes
+    that are waiting for it in a collective (minutes, then an abort of all). Instead it leaves
+    at once (output flushed, no exit handlers: Orbax keeps only checkpoints it finished), and
+    the distributed runtime stops the others: at once when this is process 0 (it hosts the
+    coordination service), else when this process's heartbeats are missed
+    (distributed.heartbeat_timeout_s)."""
+    from delta_jax import sharding
+    if not sharding.distributed_started():
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

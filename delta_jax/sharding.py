@@ -367,8 +367,15 @@ def _cluster_detected(env: Mapping[str, str]) -> bool:
     return int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env
 
 
+def distributed_started() -> bool:
+    """Whether jax.distributed has been started in this process (a multi-process run)."""
+    from jax._src import distributed as _dist  # is_initialized is not public in jax 0.10
+    return getattr(_dist.global_state, "client", None) is not None
+
+
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
                            process_id: int = -1, *, local_device_ids=None,
+                           heartbeat_timeout_s: int = 100,
                            env: Optional[Mapping[str, str]] = None) -> tuple[int, int]:
     """Starts jax.distributed when the run has several processes; returns
     (process_index, process_count). Call before anything touches the devices.
@@ -381,9 +388,9 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
     settings = distributed_settings(coordinator_address, num_processes, process_id, env)
     if not settings and not _cluster_detected(env):
         return 0, 1
-    from jax._src import distributed as _dist  # is_initialized is not public in jax 0.10
-    if getattr(_dist.global_state, "client", None) is None:
+    if not distributed_started():
         if "cpu" in str(env.get("JAX_PLATFORMS", "")).lower():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(local_device_ids=local_device_ids, **settings)
+        jax.distributed.initialize(local_device_ids=local_device_ids,
+                                   heartbeat_timeout_seconds=int(heartbeat_timeout_s), **settings)
     return jax.process_index(), jax.process_count()

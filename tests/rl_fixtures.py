@@ -70,7 +70,8 @@ class TextLengthScorer:
 
     def score(self, texts, golds, response_lengths=None, truncated=None):
         rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
-        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts)}
+        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts),
+                         "num_errors": 0}
 
     def close(self):
         pass

@@ -2,7 +2,7 @@
 2 local CPU devices, run an old-policy pass, DelTA coefficients, a train step and a rollout
 (Sampler.generate, slots over both processes) on one (data=1, fsdp=2, tensor=2) mesh spanning
 both processes; the updated parameters, DelTA weights and sampled tokens equal the
-single-process result. A second pair keeps the DelTA features in the host cache (each
+single-process result, and evaluation splits its scoring between them. A second pair keeps the DelTA features in the host cache (each
 process holds its own shards) and exports the policy from both processes into one directory.
 A third pair is the product itself: `python -m delta_jax.main` in two processes sharing a
 workdir (a DelTA run with eval before and after), against the same config in this process.
@@ -25,6 +25,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROWS, PROMPT, RESP = 8, 4, 6
 TIMEOUT_S = 240
+GRACE_S = 20  # a survivor's wait for its partner's collective, once the partner failed
 
 
 def model_config():
@@ -170,6 +171,37 @@ def stop_agreement(index: int) -> int:
         return stop.signum
 
 
+class RecordingScorer:
+    """Accuracy 1 for a response that is its gold answer; records what it was asked to score."""
+
+    def __init__(self):
+        self.seen = []
+
+    def score(self, texts, golds, response_lengths=None, truncated=None):
+        self.seen += list(texts)
+        acc = np.asarray([float(t == g) for t, g in zip(texts, golds)], np.float32)
+        return acc, {"accuracy": acc, "num_timeouts": 0, "num_no_box": int((acc == 0).sum()),
+                     "num_errors": len(texts)}
+
+
+def eval_scoring_shares(index: int):
+    """evaluation.evaluate in two processes: 3 questions x k 3 = 9 responses, each process
+    scores its own share (5 and 4) and both get every question's count and the summed counts."""
+    from delta_jax import evaluation
+    rows = [{"id": str(i), "problem": f"q{i}", "answer": str(i)} for i in range(3)]
+
+    def generate_fn(prompts, n):  # question i: i of its n responses are right
+        return [[str(i) if j < i else "wrong" for j in range(n)] for i in range(len(prompts))]
+
+    scorer = RecordingScorer()
+    result = evaluation.evaluate(generate_fn, {"b": rows}, k=3, scorer=scorer)
+    share = [str(i) if j < i else "wrong" for i in range(3) for j in range(3)]
+    assert scorer.seen == (share[:5] if index == 0 else share[5:]), (index, scorer.seen)
+    got = result.benchmarks["b"]
+    assert list(got.num_correct) == [0, 1, 2], got.num_correct
+    assert (got.num_no_box, got.num_timeouts, got.num_errors) == (6, 0, 9)
+
+
 def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     from delta_jax import sharding
     index, count = sharding.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
@@ -179,6 +211,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     assert len(jax.local_devices()) == 2 and len(jax.devices()) == 4
     mesh = sharding.make_mesh(1, 2, 2)
     signum = stop_agreement(index)
+    eval_scoring_shares(index)
     new_state, weights, metrics = one_step(mesh)
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
@@ -215,27 +248,51 @@ def run_two_processes(tmp_path, *extra):
 def launch_two(command, while_running=None, returncode=0):
     """Runs command(process_id) for process ids 0 and 1 (2 CPU devices each, no inherited
     jax.distributed settings); while_running(processes), if given, is called once they have
-    started. Fails the test unless both exit with `returncode` within TIMEOUT_S. Returns their
-    outputs."""
+    started. Fails the test unless both exit with `returncode` (or returncode[process id]; None:
+    any failure) within TIMEOUT_S; once one has exited otherwise, or failed where None is
+    wanted, the other (left waiting in a collective) gets GRACE_S before it is killed. Returns
+    their outputs."""
+    want = tuple(returncode) if isinstance(returncode, (tuple, list)) else (returncode,) * 2
+
+    def wrong_or_failed(code, wanted):
+        return code is not None and (code != wanted if wanted is not None else code != 0)
+
+    def wrong(code, wanted):
+        return code != wanted if wanted is not None else code in (0, -signal.SIGKILL)
+    import tempfile
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen(command(pid), env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+    outs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    procs = [subprocess.Popen(command(pid), env=env, cwd=str(REPO), stdout=outs[pid],
                               stderr=subprocess.STDOUT, text=True) for pid in range(2)]
-    logs = []
     try:
         if while_running is not None:
             while_running(procs)
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(wrong_or_failed(p.poll(), w) for p, w in zip(procs, want)):
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+            time.sleep(0.1)
+    finally:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        tails = [f"process {pid}:\n{p.communicate()[0][-2000:]}" for pid, p in enumerate(procs)]
-        pytest.fail(f"the two processes did not finish within {TIMEOUT_S} s\n" + "\n".join(tails))
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = []
+    for out in outs:
+        out.seek(0)
+        logs.append(out.read())
+        out.close()
     for pid, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == returncode, f"process {pid} exited {p.returncode}:\n{log[-3000:]}"
+        if wrong(p.returncode, want[pid]):
+            tails = "\n".join(f"process {i}, exit {q.returncode}:\n{text[-3000:]}"
+                              for i, (q, text) in enumerate(zip(procs, logs)))
+            wanted = want[pid] if want[pid] is not None else "a failure of its own"
+            pytest.fail(f"process {pid} exited {p.returncode}, want {wanted} (negative: "
+                        f"killed, e.g. after {TIMEOUT_S} s or {GRACE_S} s after the other "
+                        f"failed)\n{tails}")
     return logs
 
 
@@ -290,9 +347,10 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     """`python -m delta_jax.main` in two processes on one workdir, the parameters fsdp-sharded
     over both (mesh 1 x 4 x 1). A SIGTERM to process 1 alone stops both at the same step with a
     checkpoint (exit 143); the same command resumes. Each process scores half the responses
-    (rl_step.score_over_processes); the gathered rewards are the one-process run's, row for row
+    (rewards.score_across_processes); the gathered rewards are the one-process run's, row for row
     (the parameters below move 3e-3 when the halves are swapped). Process 0 alone writes the
-    metrics, the DelTA weight histograms, the eval files and the report, each step once. The
+    metrics, the DelTA weight histograms, the eval files and the report, each step once, and
+    prints the progress bar and the info log lines (process 1: warnings and errors only). The
     final checkpoint reads back into this process and holds the parameters of the same run done
     here, without a stop, in one process on 4 of its devices (the same mesh)."""
     import json
@@ -310,8 +368,8 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     config_path = tmp_path / "config.py"
     config_path.write_text(TEST_CONFIG)
     settings = dict(method="delta", train__steps=2, train__save_every=2, sft__steps=0,
-                    train__eval_before=True, train__eval_after=True, mesh__data=1,
-                    mesh__fsdp=-1)
+                    train__eval_before=True, train__eval_after=True, train__progress_bar=True,
+                    mesh__data=1, mesh__fsdp=-1)
     flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in settings.items()]
     workdir = tmp_path / "two"
     port = _free_port()
@@ -337,6 +395,8 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     assert stopped_at[0] == stopped_at[1] < 2, stopped_at
     logs = launch_two(command)  # the same command resumes and finishes
     assert "metrics: " in logs[0] and "metrics: " not in logs[1]  # the report: process 0's
+    for text in ("rl (delta)", "step 2 | ", "eval step 2: "):  # one console: process 0's bar
+        assert text in logs[0] and text not in logs[1], text  # and its info log lines
 
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows if "policy/loss" in r] == [1, 2]  # once each, not twice
@@ -365,10 +425,59 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     assert diff <= 1e-4, diff
 
 
+def test_a_process_failing_alone_stops_the_other_at_once(tmp_path):
+    """`python -m delta_jax.main` as two processes where one fails alone: it reports its error
+    and exits at once, and the other, left waiting for it in a collective, is stopped soon
+    after, instead of both waiting (Python's exit waits in jax.distributed's shutdown barrier,
+    300 s, for a partner that waits for it: past TIMEOUT_S here). Process 1 failing mid-run
+    (its eval file is missing, at the eval before step 1; process 0 is sampling by then).
+    Process 0 failing (the workdir is held by another run; only process 0 takes the lock):
+    within 25 s (waiting, process 1 would give up after gloo's 30 s set-up timeout)."""
+    from delta_jax.train.workdir_lock import WorkdirLock
+    from tests.test_main import TEST_CONFIG
+
+    config_path = tmp_path / "config.py"
+    config_path.write_text(TEST_CONFIG)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    missing = tmp_path / "not_here.jsonl"
+
+    def command_for(port):
+        def command(pid):
+            return [sys.executable, "-m", "delta_jax.main", f"--config={config_path}",
+                    f"--workdir={workdir}", "--config.train.steps=2", "--config.sft.steps=0",
+                    "--config.train.eval_before=True", "--config.mesh.data=1",
+                    "--config.mesh.fsdp=-1", "--config.distributed.heartbeat_timeout_s=5",
+                    f"--config.data.eval={'synthetic' if pid == 0 else missing}",
+                    f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                    "--config.distributed.num_processes=2", f"--config.distributed.process_id={pid}"]
+        return command
+
+    logs = launch_two(command_for(_free_port()), returncode=(None, 1))
+    assert "not_here.jsonl" in logs[1] and "Traceback" in logs[1]
+    assert not (workdir / "checkpoints" / "0").exists()  # stopped before checkpoint 0
+
+    lock = WorkdirLock(str(workdir))
+    lock.acquire()
+    try:
+        t0 = time.monotonic()
+        logs = launch_two(command_for(_free_port()), returncode=(1, None))
+        assert time.monotonic() - t0 < 25
+    finally:
+        lock.release()
+    assert "is in use by another run" in logs[0]
+
+
 def _param_state(model):
     from flax import nnx
     return nnx.state(model, nnx.Param)
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    try:
+        worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    except BaseException:  # leave at once: the partner, waiting in a collective, is stopped by
+        import traceback   # the distributed runtime (Python's exit would wait minutes for it)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -188,4 +188,5 @@ def test_a_pod_slice_or_slurm_job_starts_jax_distributed_with_its_own_settings(
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     assert sharding.initialize_distributed(env=env) == (0, 1)  # the patched call starts nothing
-    assert calls == ([{"local_device_ids": None}] if started else [])
+    assert calls == ([{"local_device_ids": None, "heartbeat_timeout_seconds": 100}] if started
+                     else [])

@@ -4,6 +4,8 @@
     extract_last_boxed(text) -> str | None          content of the last \\boxed{} / \\fbox{}
     RewardScorer(name="math", ...).score(responses, golds, response_lengths, truncated)
         -> (rewards float32 [N], info)              batch scoring in a process pool
+    score_across_processes(scorer.score, ...)       the same, each host of a multi-host run
+                                                    scoring a share, all getting every reward
 
 Correctness is decided by math-verify (`verify(parse(gold), parse(pred))`, gold first: the check
 is not symmetric). math-verify's own timeouts use SIGALRM, which only works on a main thread and
@@ -464,6 +466,38 @@ class RewardScorer:
             **extra,
         }
         return rewards.astype(np.float32), info
+
+
+def score_across_processes(score, responses: Sequence[str], golds: Sequence[str],
+                           response_lengths=None, truncated=None):
+    """score(responses, golds, response_lengths=, truncated=) -> (rewards [N], info), shared out
+    over the processes of a multi-host run: each scores a contiguous share of the N responses
+    (the sandboxes' and graders' work is split) and every process gets all N rewards and
+    accuracies and the summed counts num_timeouts / num_no_box / num_errors (what training's
+    rollout and evaluation keep of info). Every process must pass the same N responses. The
+    rewards must be the same on every process (dynamic sampling's rounds and the global batch
+    are built from them), and a wall-clock timeout of a grader or a program could otherwise land
+    differently on two hosts. One process: score() itself, its whole info."""
+    import jax
+    count = jax.process_count()
+    if count == 1:
+        return score(responses, golds, response_lengths=response_lengths, truncated=truncated)
+    from jax.experimental import multihost_utils
+    n = len(responses)
+    per = -(-n // count)
+    lo, hi = min(jax.process_index() * per, n), min((jax.process_index() + 1) * per, n)
+    share_of = lambda x: None if x is None else x[lo:hi]  # noqa: E731
+    rewards, info = score(responses[lo:hi], golds[lo:hi],
+                          response_lengths=share_of(response_lengths),
+                          truncated=share_of(truncated))
+    share = np.zeros((per, 2), np.float32)  # (reward, accuracy) of this share, padded to `per`
+    share[:hi - lo, 0], share[:hi - lo, 1] = rewards, info["accuracy"]
+    counts = np.asarray([[info["num_timeouts"], info["num_no_box"], info["num_errors"]]],
+                        np.float32)
+    share, counts = multihost_utils.process_allgather((share, counts), tiled=True)  # in order
+    share, counts = np.asarray(share)[:n], np.asarray(counts).sum(0)
+    return share[:, 0].copy(), {"accuracy": share[:, 1].copy(), "num_timeouts": int(counts[0]),
+                                "num_no_box": int(counts[1]), "num_errors": int(counts[2])}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -260,6 +260,9 @@ def default_config() -> config_dict.ConfigDict:
     c.distributed.coordinator_address = ""   # "host:port" of process 0
     c.distributed.num_processes = 0
     c.distributed.process_id = -1
+    # Seconds without heartbeats after which the runtime declares a process dead and stops the
+    # others (a process that fails alone exits at once; the rest follow within this time).
+    c.distributed.heartbeat_timeout_s = 100
 
     # mode=plan (delta_jax/plan.py): per-device memory of this config on a planned machine.
     c.plan = config_dict.ConfigDict()
@@ -465,6 +468,8 @@ def _check_combinations(c):
     _require([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh.data",
              "at most one mesh axis may be -1")
     _require(c.distributed.num_processes >= 0, "distributed.num_processes", "must be >= 0")
+    _require(c.distributed.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s",
+             "must be >= 1")
     _require(c.plan.device_memory_gb > 0, "plan.device_memory_gb", "must be > 0")
     _require(c.plan.num_devices >= 0, "plan.num_devices", "must be >= 0 (0 = present devices)")
     for p in str(c.eval.pass_k).split(","):

@@ -71,7 +71,7 @@ def run_sft(run: Run, params, log_every: int = 10,
 
 
 def _progress(cfg, total, desc):
-    if not cfg.train.progress_bar:
+    if not cfg.train.progress_bar or jax.process_index() != 0:  # one bar in a multi-host run
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, dynamic_ncols=True)

@@ -26,6 +26,7 @@ import numpy as np
 
 from delta_jax import sharding as sharding_lib
 from delta_jax.rl import credit, losses, rollout_correction
+from delta_jax.rl import rewards as rewards_lib
 from delta_jax.rl.advantages import compute_advantages
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
@@ -109,7 +110,7 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
             seed=rollout_lib.step_seed(cfg.seed, step, _ROLLOUT_SALT + round_index))
         t1 = time.perf_counter()
         golds = [str(r["answer"]) for r in records for _ in range(cfg.rollout.group_size)]
-        rewards, info = score_over_processes(
+        rewards, info = rewards_lib.score_across_processes(
             run.scorer.score, rollout_lib.flat(samples.texts), golds,
             np.asarray(rollout_lib.flat(samples.response_lengths)),
             np.asarray(rollout_lib.flat(samples.truncated)))
@@ -117,32 +118,6 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
         return samples, rewards, info
 
     return generate_and_score
-
-
-def score_over_processes(score, responses, golds, response_lengths, truncated):
-    """score(responses, golds, response_lengths=, truncated=) -> (rewards [N], info), shared out
-    over the processes of a multi-host run: each scores a contiguous share of the N responses
-    (the sandboxes' and graders' work is split) and every process gets all N rewards and
-    accuracies and the summed counts num_timeouts / num_no_box (what phases.collect_rollout
-    keeps of info). The rewards must be the same on every process (dynamic sampling's rounds and
-    the global batch are built from them), and a wall-clock timeout of a grader or a program
-    could otherwise land differently on two hosts. One process: score()."""
-    count = jax.process_count()
-    if count == 1:
-        return score(responses, golds, response_lengths=response_lengths, truncated=truncated)
-    from jax.experimental import multihost_utils
-    n = len(responses)
-    per = -(-n // count)
-    lo, hi = min(jax.process_index() * per, n), min((jax.process_index() + 1) * per, n)
-    rewards, info = score(responses[lo:hi], golds[lo:hi], response_lengths=response_lengths[lo:hi],
-                          truncated=truncated[lo:hi])
-    share = np.zeros((per, 2), np.float32)  # (reward, accuracy) of this share, padded to `per`
-    share[:hi - lo, 0], share[:hi - lo, 1] = rewards, info["accuracy"]
-    counts = np.asarray([[info.get("num_timeouts", 0), info.get("num_no_box", 0)]], np.float32)
-    share, counts = multihost_utils.process_allgather((share, counts), tiled=True)  # in order
-    share, counts = np.asarray(share)[:n], np.asarray(counts).sum(0)
-    return share[:, 0].copy(), {"accuracy": share[:, 1].copy(),
-                                "num_timeouts": float(counts[0]), "num_no_box": float(counts[1])}
 
 
 def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
