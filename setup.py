@@ -41,6 +41,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8.0",
+            "pytest-xdist>=3.5",  # scripts/test.sh runs the files on two workers
             # CPU build used by the transformers parity tests.
             "torch==2.13.0",
         ],
