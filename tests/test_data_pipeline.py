@@ -136,3 +136,39 @@ def test_bad_arguments_are_clear_errors(source):
         pipeline.make_prompt_pipeline([{"problem": "p"}], 2, 0, shard_index=1, shard_count=2)
     with pytest.raises(ValueError, match="batch_size"):
         pipeline.make_prompt_pipeline(source, 0, 0)
+
+
+def test_prompts_over_the_limit_are_left_out_refused_or_kept(source):
+    """A prompt's length is counted in tokens of template(problem) (here one per character):
+    "drop" leaves the longer records out of every epoch and counts them, "error" refuses the
+    data naming the knobs, "truncate" keeps all (the sampler cuts them); none left: an error."""
+    encode = list  # one token per character
+    template = templates.make_template("plain")
+    lengths = {source[i]["id"]: len(template(source[i]["problem"])) for i in range(len(source))}
+    limit = sorted(lengths.values())[len(lengths) // 2]  # about half of the prompts are longer
+    short = {k for k, n in lengths.items() if n <= limit}
+    assert 0 < len(short) < len(lengths)
+
+    it = pipeline.make_prompt_pipeline(source, batch_size=3, seed=1, num_epochs=2,
+                                       template="plain", encode_fn=encode,
+                                       max_prompt_tokens=limit)
+    records = [r for batch in it for r in batch]
+    assert [r["id"] for r in records].count(next(iter(short))) == 2  # each kept one, each epoch
+    assert {r["id"] for r in records} == short and len(records) == 2 * len(short)
+    assert all(len(r["prompt_ids"]) <= limit for r in records)
+    assert it.num_overlong == len(lengths) - len(short) and it.num_records == len(short)
+    assert it.longest_prompt == max(lengths.values())
+
+    with pytest.raises(ValueError, match=r"data.max_prompt_len=.*data.overlong_prompts"):
+        pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,
+                                      max_prompt_tokens=limit, overlong_prompts="error")
+    it = pipeline.make_prompt_pipeline(source, 3, 1, num_epochs=1, template="plain",
+                                       encode_fn=encode, max_prompt_tokens=limit,
+                                       overlong_prompts="truncate")
+    assert {r["id"] for batch in it for r in batch} == set(lengths) and it.num_overlong == 0
+    with pytest.raises(ValueError, match="none is left; raise data.max_prompt_len"):
+        pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,
+                                      max_prompt_tokens=min(lengths.values()) - 1)
+    with pytest.raises(ValueError, match="data.overlong_prompts: must be one of"):
+        pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,
+                                      max_prompt_tokens=limit, overlong_prompts="cut")

@@ -74,3 +74,43 @@ def test_build_run_resolves_remat_auto_against_the_device(tmp_path, monkeypatch)
     assert run_lib.resolve_remat(evaluate, mesh, 100).model.remat == "full"
     fixed = tiny_rl_config("dapo", model=dict(remat="dots_saveable"))
     assert run_lib.resolve_remat(fixed, mesh, 100) is fixed
+
+
+def test_training_prompts_over_data_max_prompt_len_are_left_out_with_a_warning(tmp_path,
+                                                                                caplog):
+    """data.overlong_prompts: "drop" (default) leaves the training records whose templated
+    prompt is over data.max_prompt_len tokens out of the prompt pipeline, with a warning that
+    counts them; "error" refuses the run at build time naming the knobs. The expected count is
+    read from the task's JSONL with the run's tokenizer and template."""
+    import json
+    import logging
+    import os
+
+    from tests.rl_fixtures import single_device_mesh
+
+    first = run_lib.build_run(tiny_rl_config("grpo", data=dict(max_prompt_len=256)),
+                              str(tmp_path), need_scorer=False, mesh=single_device_mesh())
+    try:
+        with open(first.assets["train"]) as f:
+            problems = [json.loads(line)["problem"] for line in f]
+        lengths = sorted(len(first.tokenizer.encode(first.template(p))) for p in problems)
+        assert first.data_iter.num_overlong == 0
+    finally:
+        first.close()
+    limit = lengths[len(lengths) // 2]
+    over = sum(n > limit for n in lengths)
+    assert 0 < over < len(lengths)
+    cfg = tiny_rl_config("grpo", data=dict(max_prompt_len=limit))
+    with caplog.at_level(logging.WARNING, logger="delta_jax.train"):
+        run = run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=single_device_mesh())
+    try:
+        assert run.data_iter.num_overlong == over
+        assert (f"data.train: left out {over} of {len(lengths)} records whose prompt is over "
+                f"data.max_prompt_len={limit} tokens (the longest: {lengths[-1]}") in caplog.text
+        assert all(len(r["prompt_ids"]) <= limit for r in next(run.data_iter))
+    finally:
+        run.close()
+    cfg = tiny_rl_config("grpo", data=dict(max_prompt_len=limit, overlong_prompts="error"))
+    with pytest.raises(ValueError, match=f"{over} of {len(lengths)} records of data.train"):
+        run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=single_device_mesh())
+    assert os.path.isdir(tmp_path / "synthetic")

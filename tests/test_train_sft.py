@@ -47,3 +47,35 @@ def test_sft_step_logs_the_learning_rate_of_its_own_update():
                    for t in (grads, before, st.params))
         i = int(np.argmax(np.abs(g)))
         np.testing.assert_allclose((b[i] - a[i]) / g[i], logged, rtol=1e-3)
+
+
+class _CharTokenizer:
+    """One token per character (its code point); pad 0, EOS 1."""
+    pad_token_id, eos_token_id = 0, 1
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_tokenize_examples_masks_the_target_and_counts_what_max_len_cuts():
+    """The loss mask covers solution + EOS only; a row longer than max_len keeps its first
+    max_len tokens (counted in num_truncated); a row whose prompt alone fills max_len has no
+    target token left and is left out (num_dropped; the loop warns), and when that is every
+    row the error names sft.max_len (before, such rows trained on nothing at loss 0)."""
+    import pytest
+
+    tok, template = _CharTokenizer(), (lambda problem: problem + ":")
+    recs = [{"problem": "ab", "solution": "xy"},      # 3 + 2 + EOS = 6 tokens: fits 7
+            {"problem": "abcd", "solution": "xyz"},   # 5 + 3 + EOS = 9: cut to 7
+            {"problem": "abcdefg", "solution": "x"},  # the prompt alone is 8: left out
+            {"problem": "q", "solution": ""}]         # no solution: not an SFT example
+    ex = sft.tokenize_examples(recs, tok, template, max_len=7)
+    assert ex.input_ids.shape == (2, 7) and (ex.num_truncated, ex.num_dropped) == (1, 1)
+    np.testing.assert_array_equal(ex.input_ids[0], tok.encode("ab:xy") + [1, 0])
+    np.testing.assert_array_equal(ex.loss_mask[0], [0, 0, 0, 1, 1, 1, 0])
+    np.testing.assert_array_equal(ex.attention_mask[0], [1] * 6 + [0])
+    np.testing.assert_array_equal(ex.input_ids[1], tok.encode("abcd:xy"))
+    np.testing.assert_array_equal(ex.loss_mask[1], [0] * 5 + [1, 1])
+    with pytest.raises(ValueError, match=r"sft.max_len=3 leaves no solution token .* 3 to 8 "
+                                         r"tokens; raise sft.max_len"):
+        sft.tokenize_examples(recs, tok, template, max_len=3)

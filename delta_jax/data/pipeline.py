@@ -1,6 +1,7 @@
 """Grain pipelines of prompt batches with deterministic per-epoch shuffling and resumable state.
 
     source (random access: RecordSource from builders.py, or any list of record dicts)
+      -> records whose prompt is over max_prompt_tokens left out (counted) or refused
       -> this host's shard: records shard_index, shard_index + shard_count, ...
       -> shuffle with seed + epoch (grain's per-epoch index shuffle), repeat num_epochs
       -> add "prompt" = template(problem), "epoch" (and "prompt_ids" when an encode_fn is given)
@@ -19,15 +20,62 @@ import grain
 from delta_jax.data import templates as templates_lib
 
 STATE_VERSION = 1
+OVERLONG_PROMPTS = ("drop", "error", "truncate")
+
+
+class _Subset:
+    """The records of `source` at `indices` (random access, in that order)."""
+
+    def __init__(self, source: Sequence[dict], indices: Sequence[int]):
+        self._source, self._indices = source, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return self._source[self._indices[i]]
+
+
+def prompt_lengths(source: Sequence[dict], template_fn: Callable[[str], str],
+                   encode_fn: Callable[[str], Sequence[int]]) -> list[int]:
+    """Token count of every record's prompt (template(problem)), in source order."""
+    return [len(encode_fn(template_fn(source[i]["problem"]))) for i in range(len(source))]
+
+
+def within_prompt_limit(source: Sequence[dict], template_fn, encode_fn, max_tokens: int,
+                        overlong: str, name: str = "data.train"):
+    """(the records of `source` whose prompt has at most max_tokens tokens, how many were left
+    out, the longest prompt). overlong: "drop" leaves the longer ones out (an error when none
+    is left), "error" refuses the data when any is longer, "truncate" keeps them all (the sampler
+    keeps a long prompt's last max_tokens tokens)."""
+    if overlong not in OVERLONG_PROMPTS:
+        raise ValueError(f"data.overlong_prompts: must be one of {OVERLONG_PROMPTS}, got "
+                         f"{overlong!r}")
+    if overlong == "truncate":
+        return source, 0, None
+    lengths = prompt_lengths(source, template_fn, encode_fn)
+    keep = [i for i, n in enumerate(lengths) if n <= max_tokens]
+    dropped, longest = len(lengths) - len(keep), max(lengths, default=0)
+    what = (f"{dropped} of {len(lengths)} records of {name} have a prompt over "
+            f"data.max_prompt_len={max_tokens} tokens (the longest: {longest})")
+    if dropped and overlong == "error":
+        raise ValueError(f"{what}; raise data.max_prompt_len, or set data.overlong_prompts to "
+                         "'drop' (leave them out) or 'truncate' (keep their last tokens)")
+    if not keep:
+        raise ValueError(f"{what}: none is left; raise data.max_prompt_len")
+    return (_Subset(source, keep) if dropped else source), dropped, longest
 
 
 class PromptIterator:
     """Iterates batches (list[dict]) of records with a "prompt"; get_state()/set_state() resume."""
 
-    def __init__(self, dataset: "grain.IterDataset", settings: dict):
+    def __init__(self, dataset: "grain.IterDataset", settings: dict, num_overlong: int = 0,
+                 longest_prompt: int | None = None):
         self._dataset = dataset
         self._iterator = iter(dataset)
         self.settings = settings  # what the order depends on; checked on restore
+        self.num_overlong = num_overlong      # records left out: prompt over max_prompt_tokens
+        self.longest_prompt = longest_prompt  # tokens, over all records (None: not measured)
 
     @property
     def num_records(self) -> int:
@@ -75,6 +123,8 @@ def make_prompt_pipeline(
     encode_fn: Callable[[str], Sequence[int]] | None = None,
     num_threads: int = 1,
     prefetch_buffer_size: int | None = None,
+    max_prompt_tokens: int | None = None,
+    overlong_prompts: str = "drop",
 ) -> PromptIterator:
     """Batches of {id, problem, answer, solution, level, index?, epoch, prompt[, prompt_ids]}.
 
@@ -91,6 +141,9 @@ def make_prompt_pipeline(
       drop_remainder: drop a last incomplete batch (only matters when num_epochs is finite).
       encode_fn: optional str -> token ids (e.g. lambda s: tok.encode(s)); adds "prompt_ids".
       num_threads, prefetch_buffer_size: grain read threads and read-ahead (elements).
+      max_prompt_tokens, overlong_prompts: with an encode_fn, the records whose prompt has more
+        tokens are left out ("drop": counted in num_overlong, an error when none is left),
+        refused ("error") or kept ("truncate"), before sharding (within_prompt_limit).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -99,6 +152,13 @@ def make_prompt_pipeline(
     if num_epochs is not None and num_epochs < 1:
         raise ValueError(f"num_epochs must be None or >= 1, got {num_epochs}")
     template_fn = templates_lib.make_template(template)
+    num_overlong, longest = 0, None
+    if max_prompt_tokens is not None:
+        if encode_fn is None:
+            raise ValueError("max_prompt_tokens needs an encode_fn (prompts are measured in "
+                             "tokens)")
+        source, num_overlong, longest = within_prompt_limit(
+            source, template_fn, encode_fn, max_prompt_tokens, overlong_prompts)
 
     ds = grain.MapDataset.source(source)[shard_index::shard_count]
     num_records = len(ds)
@@ -132,4 +192,4 @@ def make_prompt_pipeline(
         "shard_index": shard_index,
         "shard_count": shard_count,
     }
-    return PromptIterator(iter_ds, settings)
+    return PromptIterator(iter_ds, settings, num_overlong, longest)

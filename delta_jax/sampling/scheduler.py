@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, Optional, Sequence
@@ -57,6 +58,7 @@ from delta_jax.sampling.kv_cache import PageAllocator, pages_for, plan_kv
 from delta_jax.sampling.output import GenerationOutput, bucket_size, fetch_global
 from delta_jax.sampling_utils import SamplingParams
 
+log = logging.getLogger("delta_jax.sampling")
 DEFAULT_BATCH_AXES = tuple(sharding_lib.DEFAULT_RULES["batch"])  # ("data", "fsdp")
 # Tokens (rows x bucketed length) per prefill call, at most (one prompt at least).
 MAX_PREFILL_TOKENS = 32768
@@ -200,7 +202,7 @@ class Sampler:
             if limit < 1:
                 raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
                                  f"(max_position_embeddings={self.cfg.max_position_embeddings})")
-        out = []
+        out, cut = [], []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 if self.tokenizer is None:
@@ -217,8 +219,13 @@ class Sampler:
                 if self.truncate_prompts == "error":
                     raise ValueError(f"prompts[{i}] has {len(prompt)} tokens, more than the limit "
                                      f"max_prompt_len={limit} (use truncate_prompts='left')")
+                cut.append(len(prompt))
                 prompt = prompt[-limit:]
             out.append(prompt)
+        if cut:
+            log.warning("%d of %d prompts are over max_prompt_len=%d tokens (the longest: %d): "
+                        "generating from their last %d tokens", len(cut), len(prompts), limit,
+                        max(cut), limit)
         return out
 
     def _pool_sharding(self):

@@ -55,6 +55,7 @@ CHOICES = {
     "delta.weight": ("lambda", "alpha"),
     "data.template": ("qwen_math", "base", "chat", "plain", "code"),  # data.templates.KINDS
     "data.on_error": ("raise", "skip"),
+    "data.overlong_prompts": ("drop", "error", "truncate"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
     # models.attention.DECODE_IMPLS
     "rollout.decode_attention": ("auto", "reference", "pallas", "mosaic"),
@@ -112,6 +113,9 @@ def default_config() -> config_dict.ConfigDict:
     c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
     c.data.template = "qwen_math"   # delta_jax.data.templates.KINDS
     c.data.max_prompt_len = 2048
+    # Training records whose prompt is longer: "drop" (left out, counted in a warning), "error"
+    # (refused at start-up) or "truncate" (their last max_prompt_len tokens are kept).
+    c.data.overlong_prompts = "drop"
     # Reading data.train (data/records.py): "auto" detects the layout; or a preset name, or a
     # JSON object string {"problem": "<column>", "answer": "<column>"}. on_error: raise | skip
     # (malformed rows are counted and left out).

@@ -46,6 +46,11 @@ def run_sft(run: Run, params, log_every: int = 10,
     recs, _ = records_lib.load_records(run.assets["train"], fields=cfg.data.fields,
                                        on_error=cfg.data.on_error)
     examples = sft_lib.tokenize_examples(recs, run.tokenizer, run.template, cfg.sft.max_len)
+    if examples.num_truncated or examples.num_dropped:
+        total = examples.input_ids.shape[0] + examples.num_dropped
+        log.warning("sft: %d of %d examples cut at sft.max_len=%d tokens, %d more left out (their "
+                    "prompt leaves no solution token)", examples.num_truncated, total,
+                    cfg.sft.max_len, examples.num_dropped)
     schedule = learning_rate_schedule(cfg.sft.lr, "cosine", cfg.sft.warmup_steps, cfg.sft.steps,
                                       0.1)
     optimizer = make_optimizer(schedule, weight_decay=cfg.sft.weight_decay,

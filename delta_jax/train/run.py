@@ -276,7 +276,15 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                                             fields=cfg.data.fields, on_error=cfg.data.on_error)
         run.data_iter = pipeline.make_prompt_pipeline(
             source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
-            template=template, encode_fn=tokenizer.encode)
+            template=template, encode_fn=tokenizer.encode,
+            max_prompt_tokens=cfg.data.max_prompt_len,
+            overlong_prompts=cfg.data.overlong_prompts)
+        if run.data_iter.num_overlong:
+            log.warning("data.train: left out %d of %d records whose prompt is over "
+                        "data.max_prompt_len=%d tokens (the longest: %d; "
+                        "data.overlong_prompts=drop)", run.data_iter.num_overlong,
+                        run.data_iter.num_overlong + run.data_iter.num_records,
+                        cfg.data.max_prompt_len, run.data_iter.longest_prompt)
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
     return run

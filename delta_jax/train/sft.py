@@ -32,27 +32,38 @@ class SFTExamples:
     input_ids: np.ndarray
     attention_mask: np.ndarray
     loss_mask: np.ndarray
-    num_truncated: int
+    num_truncated: int   # kept, their target cut at max_len
+    num_dropped: int = 0  # left out: the prompt alone fills max_len (no target token left)
 
 
 def tokenize_examples(records, tokenizer, template, max_len: int) -> SFTExamples:
-    """Tokenizes template(problem) + solution + EOS; rows longer than max_len are cut (counted)."""
+    """Tokenizes template(problem) + solution + EOS; rows longer than max_len are cut (counted in
+    num_truncated), and rows whose prompt leaves no target token within max_len are left out
+    (num_dropped; an error naming sft.max_len when that is every row)."""
     rows = [r for r in records if r.get("solution")]
     if not rows:
         raise ValueError("SFT needs records with a 'solution' field (none found in data.train)")
-    ids = np.full((len(rows), max_len), tokenizer.pad_token_id, np.int32)
-    attn = np.zeros((len(rows), max_len), np.int32)
-    loss = np.zeros((len(rows), max_len), np.float32)
-    truncated = 0
-    for i, r in enumerate(rows):
+    encoded = []
+    for r in rows:
         prompt = tokenizer.encode(template(r["problem"]))
-        target = tokenizer.encode(r["solution"]) + [tokenizer.eos_token_id]
+        encoded.append((prompt, tokenizer.encode(r["solution"]) + [tokenizer.eos_token_id]))
+    kept = [(p, t) for p, t in encoded if len(p) < max_len]
+    if not kept:
+        raise ValueError(
+            f"sft.max_len={max_len} leaves no solution token in any of the {len(rows)} records "
+            f"with a solution: their prompts alone have {min(len(p) for p, _ in encoded)} to "
+            f"{max(len(p) for p, _ in encoded)} tokens; raise sft.max_len")
+    ids = np.full((len(kept), max_len), tokenizer.pad_token_id, np.int32)
+    attn = np.zeros((len(kept), max_len), np.int32)
+    loss = np.zeros((len(kept), max_len), np.float32)
+    truncated = 0
+    for i, (prompt, target) in enumerate(kept):
         seq = (prompt + target)[:max_len]
         truncated += len(prompt) + len(target) > max_len
         ids[i, :len(seq)] = seq
         attn[i, :len(seq)] = 1
         loss[i, len(prompt):len(seq)] = 1.0
-    return SFTExamples(ids, attn, loss, int(truncated))
+    return SFTExamples(ids, attn, loss, int(truncated), len(rows) - len(kept))
 
 
 def sft_batch(examples: SFTExamples, batch_size: int, seed: int, step: int) -> dict:
