@@ -158,6 +158,9 @@ def test_prompts_over_the_limit_are_left_out_refused_or_kept(source):
     assert all(len(r["prompt_ids"]) <= limit for r in records)
     assert it.num_overlong == len(lengths) - len(short) and it.num_records == len(short)
     assert it.longest_prompt == max(lengths.values())
+    kept_all = pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode)
+    with pytest.raises(ValueError, match="num_records.*resumes with data.overlong_prompts=trunc"):
+        it.set_state(kept_all.get_state())  # a run from before prompts were left out
 
     with pytest.raises(ValueError, match=r"data.max_prompt_len=.*data.overlong_prompts"):
         pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,

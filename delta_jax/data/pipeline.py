@@ -103,9 +103,14 @@ class PromptIterator:
         saved = state.get("settings", {})
         diff = {k: (saved.get(k), v) for k, v in self.settings.items() if saved.get(k) != v}
         if diff:
+            hint = ""
+            if "num_records" in diff and self.num_overlong:
+                hint = (f" ({self.num_overlong} records with a prompt over the length limit are "
+                        "left out now; a run started when they were kept resumes with "
+                        "data.overlong_prompts=truncate)")
             raise ValueError(
                 "the saved data-iterator state was made with other pipeline settings "
-                f"(saved, current): {diff}; resuming would not continue the same order"
+                f"(saved, current): {diff}; resuming would not continue the same order{hint}"
             )
         self._iterator.set_state(state["grain"])
 
