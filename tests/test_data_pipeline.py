@@ -145,6 +145,10 @@ def test_prompts_over_the_limit_are_left_out_refused_or_kept(source):
     encode = list  # one token per character
     template = templates.make_template("plain")
     lengths = {source[i]["id"]: len(template(source[i]["problem"])) for i in range(len(source))}
+    in_order = [len(template(source[i]["problem"])) for i in range(len(source))]
+    for src in (source, [source[i] for i in range(len(source))]):  # __getitems__, or one by one
+        assert pipeline.prompt_lengths(src, template, lambda ts: [list(t) for t in ts],
+                                       chunk=7) == in_order
     limit = sorted(lengths.values())[len(lengths) // 2]  # about half of the prompts are longer
     short = {k for k, n in lengths.items() if n <= limit}
     assert 0 < len(short) < len(lengths)

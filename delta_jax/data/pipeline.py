@@ -13,12 +13,15 @@ identical remaining order.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable, Sequence
 
 import grain
 
 from delta_jax.data import templates as templates_lib
 
+log = logging.getLogger("delta_jax.data")
 STATE_VERSION = 1
 OVERLONG_PROMPTS = ("drop", "error", "truncate")
 
@@ -37,12 +40,21 @@ class _Subset:
 
 
 def prompt_lengths(source: Sequence[dict], template_fn: Callable[[str], str],
-                   encode_fn: Callable[[str], Sequence[int]]) -> list[int]:
-    """Token count of every record's prompt (template(problem)), in source order."""
-    return [len(encode_fn(template_fn(source[i]["problem"]))) for i in range(len(source))]
+                   encode_batch_fn: Callable[[list[str]], Sequence[Sequence[int]]],
+                   chunk: int = 4096) -> list[int]:
+    """Token count of every record's prompt (template(problem)), in source order; records are
+    read and encoded `chunk` at a time (a source's __getitems__ reads many at once: 100k records
+    of an ArrayRecord source in ~5 s where one by one took ~30 s)."""
+    many = getattr(source, "__getitems__", None)
+    out = []
+    for start in range(0, len(source), chunk):
+        index = range(start, min(start + chunk, len(source)))
+        rows = many(index) if many is not None else [source[i] for i in index]
+        out += [len(ids) for ids in encode_batch_fn([template_fn(r["problem"]) for r in rows])]
+    return out
 
 
-def within_prompt_limit(source: Sequence[dict], template_fn, encode_fn, max_tokens: int,
+def within_prompt_limit(source: Sequence[dict], template_fn, encode_batch_fn, max_tokens: int,
                         overlong: str, name: str = "data.train"):
     """(the records of `source` whose prompt has at most max_tokens tokens, how many were left
     out, the longest prompt). overlong: "drop" leaves the longer ones out (an error when none
@@ -53,7 +65,10 @@ def within_prompt_limit(source: Sequence[dict], template_fn, encode_fn, max_toke
                          f"{overlong!r}")
     if overlong == "truncate":
         return source, 0, None
-    lengths = prompt_lengths(source, template_fn, encode_fn)
+    t0 = time.perf_counter()
+    lengths = prompt_lengths(source, template_fn, encode_batch_fn)
+    if len(lengths) >= 10000:
+        log.info("%s: measured %d prompts in %.1f s", name, len(lengths), time.perf_counter() - t0)
     keep = [i for i, n in enumerate(lengths) if n <= max_tokens]
     dropped, longest = len(lengths) - len(keep), max(lengths, default=0)
     what = (f"{dropped} of {len(lengths)} records of {name} have a prompt over "
@@ -130,6 +145,7 @@ def make_prompt_pipeline(
     prefetch_buffer_size: int | None = None,
     max_prompt_tokens: int | None = None,
     overlong_prompts: str = "drop",
+    encode_batch_fn: Callable[[list[str]], Sequence[Sequence[int]]] | None = None,
 ) -> PromptIterator:
     """Batches of {id, problem, answer, solution, level, index?, epoch, prompt[, prompt_ids]}.
 
@@ -148,7 +164,9 @@ def make_prompt_pipeline(
       num_threads, prefetch_buffer_size: grain read threads and read-ahead (elements).
       max_prompt_tokens, overlong_prompts: with an encode_fn, the records whose prompt has more
         tokens are left out ("drop": counted in num_overlong, an error when none is left),
-        refused ("error") or kept ("truncate"), before sharding (within_prompt_limit).
+        refused ("error") or kept ("truncate"), before sharding (within_prompt_limit);
+        encode_batch_fn (list of str -> token ids each; default: encode_fn on each) measures
+        them a chunk at a time (e.g. a fast tokenizer's batch encode).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -162,8 +180,9 @@ def make_prompt_pipeline(
         if encode_fn is None:
             raise ValueError("max_prompt_tokens needs an encode_fn (prompts are measured in "
                              "tokens)")
+        batch_fn = encode_batch_fn or (lambda texts: [encode_fn(t) for t in texts])
         source, num_overlong, longest = within_prompt_limit(
-            source, template_fn, encode_fn, max_prompt_tokens, overlong_prompts)
+            source, template_fn, batch_fn, max_prompt_tokens, overlong_prompts)
 
     ds = grain.MapDataset.source(source)[shard_index::shard_count]
     num_records = len(ds)

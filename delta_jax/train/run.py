@@ -277,7 +277,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         run.data_iter = pipeline.make_prompt_pipeline(
             source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
             template=template, encode_fn=tokenizer.encode,
-            max_prompt_tokens=cfg.data.max_prompt_len,
+            encode_batch_fn=tokenizer.encode_batch, max_prompt_tokens=cfg.data.max_prompt_len,
             overlong_prompts=cfg.data.overlong_prompts)
         if run.data_iter.num_overlong:
             log.warning("data.train: left out %d of %d records whose prompt is over "
