@@ -172,11 +172,17 @@ def main(argv):
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except Exception:  # noqa: BLE001 - reported, then the process leaves at once
-        from delta_jax import sharding
-        if not sharding.distributed_started():
+        if not _distributed_started():
             raise
         traceback.print_exc()
         exit_alone(1)
+
+
+def _distributed_started() -> bool:
+    if "jax" not in sys.modules:  # a config error before anything imported jax: one process
+        return False
+    from delta_jax import sharding
+    return sharding.distributed_started()
 
 
 def exit_alone(code: int):
@@ -187,8 +193,7 @@ def exit_alone(code: int):
     the distributed runtime stops the others: at once when this is process 0 (it hosts the
     coordination service), else when this process's heartbeats are missed
     (distributed.heartbeat_timeout_s)."""
-    from delta_jax import sharding
-    if not sharding.distributed_started():
+    if not _distributed_started():
         sys.exit(code)
     logging.shutdown()
     sys.stdout.flush()
