@@ -2,8 +2,9 @@
 2 local CPU devices, run an old-policy pass, DelTA coefficients, a train step and a rollout
 (Sampler.generate, slots over both processes) on one (data=1, fsdp=2, tensor=2) mesh spanning
 both processes; the updated parameters, DelTA weights and sampled tokens equal the
-single-process result, and evaluation splits its scoring between them. A second pair keeps the DelTA features in the host cache (each
-process holds its own shards) and exports the policy from both processes into one directory.
+single-process result, and evaluation splits its scoring between them. A second pair keeps the
+DelTA features in the host cache (each process holds its own shards) and exports the policy from
+both processes into one directory.
 A third pair is the product itself: `python -m delta_jax.main` in two processes sharing a
 workdir (a DelTA run with eval before and after), against the same config in this process.
 
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -249,17 +251,14 @@ def launch_two(command, while_running=None, returncode=0):
     """Runs command(process_id) for process ids 0 and 1 (2 CPU devices each, no inherited
     jax.distributed settings); while_running(processes), if given, is called once they have
     started. Fails the test unless both exit with `returncode` (or returncode[process id]; None:
-    any failure) within TIMEOUT_S; once one has exited otherwise, or failed where None is
-    wanted, the other (left waiting in a collective) gets GRACE_S before it is killed. Returns
-    their outputs."""
+    any failure of its own) within TIMEOUT_S; once one has exited with a nonzero code, the other
+    (perhaps left waiting in a collective) gets GRACE_S before it is killed. Returns their
+    outputs."""
     want = tuple(returncode) if isinstance(returncode, (tuple, list)) else (returncode,) * 2
-
-    def wrong_or_failed(code, wanted):
-        return code is not None and (code != wanted if wanted is not None else code != 0)
 
     def wrong(code, wanted):
         return code != wanted if wanted is not None else code in (0, -signal.SIGKILL)
-    import tempfile
+
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -272,7 +271,7 @@ def launch_two(command, while_running=None, returncode=0):
             while_running(procs)
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(wrong_or_failed(p.poll(), w) for p, w in zip(procs, want)):
+            if any(p.poll() not in (None, 0) for p in procs):
                 deadline = min(deadline, time.monotonic() + GRACE_S)
             time.sleep(0.1)
     finally:
