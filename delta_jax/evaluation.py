@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from delta_jax.data.templates import BOXED_INSTRUCTION, CODE_INSTRUCTION
+from delta_jax.errors import InputError, MissingInputError
 from delta_jax.stats import t_interval
 
 # The paper's evaluation sampling (k samples per question at these settings).
@@ -93,7 +94,7 @@ def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[di
     (answer as str) or "code" rows (answer = the test spec as JSON; see _code_row)."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"benchmark file not found: {path}")
+        raise MissingInputError(f"{path}: no such benchmark file")
     rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -102,17 +103,17 @@ def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[di
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[e.start]:02x} "
+                raise InputError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[e.start]:02x} "
                                  f"at column {e.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
+                raise InputError(f"{path}:{line_no}: invalid JSON ({e})") from None
             rows.append(_check_row(row, f"{path}:{line_no}", len(rows)))
     if not rows:
-        raise ValueError(f"benchmark file {path} has no rows")
+        raise InputError(f"{path}: the benchmark file has no rows")
     return rows
 
 
@@ -148,27 +149,27 @@ def _code_row(row: Mapping, where: str, index: int) -> dict | None:
     try:
         rec = records.PRESETS[layout](row)
     except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"{where}: {layout} row: {e}") from None
+        raise InputError(f"{where}: {layout} row: {e}") from None
     return {"id": str(rec["id"] if rec["id"] not in (None, "") else index),
             "problem": rec["problem"], "answer": rec["answer"], "kind": "code"}
 
 
 def _check_row(row: Any, where: str, index: int) -> dict:
     if not isinstance(row, Mapping):
-        raise ValueError(f"{where}: row must be an object, got {type(row).__name__}")
+        raise InputError(f"{where}: row must be an object, got {type(row).__name__}")
     code = _code_row(row, where, index)
     if code is not None:
         return code
     for field in ("problem", "answer"):
         if field not in row:
-            raise ValueError(f"{where}: row has no {field!r} field (keys: {sorted(row)})")
+            raise InputError(f"{where}: row has no {field!r} field (keys: {sorted(row)})")
     if not isinstance(row["problem"], str) or not row["problem"].strip():
-        raise ValueError(f"{where}: 'problem' must be a non-empty string")
+        raise InputError(f"{where}: 'problem' must be a non-empty string")
     answer = row["answer"]
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
-        raise ValueError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
+        raise InputError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
     return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": answer,
             "kind": "math"}
 

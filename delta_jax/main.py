@@ -11,8 +11,10 @@ The config file's get_config() gives an ml_collections ConfigDict (see
 delta_jax/train/config.py for every field); each field can be overridden with --config.a.b=value.
 The config is validated before anything is built: an unknown field, a wrong type or an impossible
 combination stops the program with a message naming the field (exit code 2), as does a config
-file that does not load. A run resumes automatically from the latest checkpoint in --workdir that
-reads back; a resume whose config changes a field that changes results lists the changes and stops
+file that does not load. A missing or malformed input (data, benchmark, tokenizer or checkpoint
+file; data that does not fit the config: delta_jax/errors.py) stops it with one line naming the
+file and field (exit code 1). A run resumes automatically from the latest checkpoint in --workdir
+that reads back; a resume whose config changes a field that changes results lists the changes and stops
 unless --config.train.allow_config_change=True. One process at a time may use a workdir.
 
 SIGINT / SIGTERM (Ctrl-C, preemption) stop a training run after the step in hand with a checkpoint,
@@ -29,6 +31,7 @@ import traceback
 from absl import app, flags
 from ml_collections import config_flags
 
+from delta_jax.errors import InputError
 from delta_jax.train.config import ConfigError, field_names, resume_changes, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (get_config())",
@@ -165,8 +168,8 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         exit_alone(2)
-    except WorkdirBusy as e:  # process 0 alone holds the lock: the others are not stopping
-        print(f"error: {e}", file=sys.stderr)
+    except (InputError, WorkdirBusy) as e:  # a missing / malformed file, data that does not
+        print(f"error: {e}", file=sys.stderr)  # fit; a busy workdir (process 0 alone holds it)
         exit_alone(1)
     except TrainingInterrupted as e:  # every process stops at the same step (agreed)
         print(str(e), file=sys.stderr, flush=True)

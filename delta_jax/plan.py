@@ -59,6 +59,7 @@ from jax.sharding import AbstractMesh
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
+from delta_jax.errors import naming
 from delta_jax.models.logprobs import positions_per_chunk
 from delta_jax.sampling import bucket_size, plan_kv
 
@@ -531,9 +532,10 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
                                  **overrides)
     import os
     path = os.path.join(cfg.model.path, "config.json")
-    return models.config_from_hf(models.read_config_json(cfg.model.path), where=path,
-                                 dtype=dtype, param_dtype=param_dtype, remat=remat
-                                 ).replace(attention=cfg.model.attention)
+    with naming("model.path"):
+        return models.config_from_hf(models.read_config_json(cfg.model.path), where=path,
+                                     dtype=dtype, param_dtype=param_dtype, remat=remat
+                                     ).replace(attention=cfg.model.attention)
 
 
 def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):

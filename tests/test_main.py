@@ -235,6 +235,16 @@ def test_config_errors_are_one_short_message(tmp_path):
         assert re.search(pattern, lines[0]), (args, lines)
 
 
+def test_a_bad_input_is_one_line_naming_field_and_file(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    out = _main([f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={tmp_path / 'w'}",
+                 f"--config.data.train={missing}"])
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: data.train: {missing}: no such file, directory or glob")
+
+
 def test_a_second_process_on_the_same_workdir_is_refused(tmp_path):
     from delta_jax.train.workdir_lock import WorkdirLock
 

@@ -25,6 +25,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
 from delta_jax.data import records as records_lib
+from delta_jax.errors import InputError, MissingInputError
 
 DEFAULT_DATA_DIR_ENV = "DELTA_JAX_DATA_DIR"
 _TEXT_KEYS = ("id", "problem", "answer", "solution")
@@ -79,7 +80,7 @@ class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
             source, fields=json.loads(config.fields_json), on_error=config.on_error, split=config.split
         )
         if not recs:
-            raise ValueError(f"{config.paths}: no records to prepare (load stats: {stats})")
+            raise InputError(f"{config.paths}: no records to prepare (load stats: {stats})")
         # Saved with the dataset (metadata.json), so a cache hit reports the same stats.
         self.info.metadata["load_stats"] = stats.to_json()
         for index, rec in enumerate(recs):
@@ -163,7 +164,7 @@ def build_tfds_source(
     if not files:
         hub = os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else ""
         if not records_lib.looks_like_hub_name(hub):
-            raise FileNotFoundError(f"{paths}: no such file, directory or glob")
+            raise MissingInputError(f"{paths}: no such file, directory or glob")
         files = [hub]
     files = [os.path.abspath(f) if os.path.exists(f) else f for f in files]
     if isinstance(fields, Mapping):

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import grain
 
 from delta_jax.data import templates as templates_lib
+from delta_jax.errors import InputError
 
 log = logging.getLogger("delta_jax.data")
 STATE_VERSION = 1
@@ -61,7 +62,7 @@ def within_prompt_limit(source: Sequence[dict], template_fn, encode_batch_fn, ma
     is left), "error" refuses the data when any is longer, "truncate" keeps them all (the sampler
     keeps a long prompt's last max_tokens tokens)."""
     if overlong not in OVERLONG_PROMPTS:
-        raise ValueError(f"data.overlong_prompts: must be one of {OVERLONG_PROMPTS}, got "
+        raise InputError(f"data.overlong_prompts: must be one of {OVERLONG_PROMPTS}, got "
                          f"{overlong!r}")
     if overlong == "truncate":
         return source, 0, None
@@ -74,10 +75,10 @@ def within_prompt_limit(source: Sequence[dict], template_fn, encode_batch_fn, ma
     what = (f"{dropped} of {len(lengths)} records of {name} have a prompt over "
             f"data.max_prompt_len={max_tokens} tokens (the longest: {longest})")
     if dropped and overlong == "error":
-        raise ValueError(f"{what}; raise data.max_prompt_len, or set data.overlong_prompts to "
+        raise InputError(f"{what}; raise data.max_prompt_len, or set data.overlong_prompts to "
                          "'drop' (leave them out) or 'truncate' (keep their last tokens)")
     if not keep:
-        raise ValueError(f"{what}: none is left; raise data.max_prompt_len")
+        raise InputError(f"{what}: none is left; raise data.max_prompt_len")
     return (_Subset(source, keep) if dropped else source), dropped, longest
 
 
@@ -123,7 +124,7 @@ class PromptIterator:
                 hint = (f" ({self.num_overlong} records with a prompt over the length limit are "
                         "left out now; a run started when they were kept resumes with "
                         "data.overlong_prompts=truncate)")
-            raise ValueError(
+            raise InputError(
                 "the saved data-iterator state was made with other pipeline settings "
                 f"(saved, current): {diff}; resuming would not continue the same order{hint}"
             )

@@ -39,6 +39,7 @@ import pathlib
 import re
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+from delta_jax.errors import InputError, MissingInputError
 from delta_jax.rl.rewards import extract_last_boxed
 
 RECORD_KEYS = ("id", "problem", "answer", "solution", "level")
@@ -52,7 +53,7 @@ _DAPO_PREFIX = (
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
-class MalformedRecordError(ValueError):
+class MalformedRecordError(InputError):
     """A row that cannot be turned into a record; the message names the file and the row."""
 
 
@@ -363,22 +364,22 @@ def parse_fields(fields: str | Mapping[str, str]) -> str | Mapping[str, str]:
     if isinstance(fields, Mapping):
         return fields
     if not isinstance(fields, str):
-        raise ValueError(f"data.fields: expected a preset name or a JSON object, got "
+        raise InputError(f"data.fields: expected a preset name or a JSON object, got "
                          f"{type(fields).__name__} {fields!r}")
     text = fields.strip()
     if text.startswith("{"):
         try:
             mapping = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"data.fields: not a preset name or a JSON object ({e.msg} at "
+            raise InputError(f"data.fields: not a preset name or a JSON object ({e.msg} at "
                              f"column {e.colno}): {fields!r}") from None
         if not isinstance(mapping, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
-            raise ValueError(f"data.fields: the JSON object must map record keys to source key "
+            raise InputError(f"data.fields: the JSON object must map record keys to source key "
                              f"strings, got {fields!r}")
         return mapping
     if text != "auto" and text not in PRESETS:
-        raise ValueError(f"data.fields: unknown preset {fields!r}; known: 'auto', "
+        raise InputError(f"data.fields: unknown preset {fields!r}; known: 'auto', "
                          f"{sorted(PRESETS)}, or a JSON object mapping record keys to source keys")
     return text
 
@@ -386,7 +387,7 @@ def parse_fields(fields: str | Mapping[str, str]) -> str | Mapping[str, str]:
 def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
     unknown = set(fields) - set(RECORD_KEYS)
     if unknown or "problem" not in fields or "answer" not in fields:
-        raise ValueError(
+        raise InputError(
             f"data.fields: a mapping needs 'problem' and 'answer' and only keys from "
             f"{RECORD_KEYS}; got {dict(fields)}"
         )
@@ -493,7 +494,7 @@ def iter_rows(path: str):
         return _iter_json_array(path)
     if suffix == ".parquet":
         return _iter_parquet(path)
-    raise ValueError(f"{path}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}")
+    raise InputError(f"{path}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}")
 
 
 def records_from_rows(
@@ -507,7 +508,7 @@ def records_from_rows(
 ) -> list[dict]:
     """Map raw rows to records (see the module docstring); errors name `where`."""
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"data.on_error: must be 'raise' or 'skip', got {on_error!r}")
+        raise InputError(f"data.on_error: must be 'raise' or 'skip', got {on_error!r}")
     fields = parse_fields(fields)
     stats = stats if stats is not None else LoadStats()
     mapper = None
@@ -561,17 +562,17 @@ def resolve_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike]
                 if f.lower().endswith(SUPPORTED_SUFFIXES)
             )
             if not found:
-                raise FileNotFoundError(f"{item}: directory has no {SUPPORTED_SUFFIXES} files")
+                raise MissingInputError(f"{item}: directory has no {SUPPORTED_SUFFIXES} files")
             files += found
         elif os.path.isfile(item):
             files.append(item)
         elif glob.has_magic(item):
             found = sorted(glob.glob(item))
             if not found:
-                raise FileNotFoundError(f"{item}: the pattern matches no file")
+                raise MissingInputError(f"{item}: the pattern matches no file")
             files += found
         elif len(items) > 1:
-            raise FileNotFoundError(f"{item}: no such file")
+            raise MissingInputError(f"{item}: no such file")
     return files
 
 
@@ -601,7 +602,7 @@ def load_records(
         name = os.fspath(path_or_name)  # type: ignore[arg-type]
         if isinstance(path_or_name, (str, os.PathLike)) and looks_like_hub_name(name):
             return load_hub_records(name, fields=fields, on_error=on_error, split=split)
-        raise FileNotFoundError(f"{name}: no such file, directory or glob (and not an org/name hub id)")
+        raise MissingInputError(f"{name}: no such file, directory or glob (and not an org/name hub id)")
     records: list[dict] = []
     for path in files:
         records += records_from_rows(
@@ -655,5 +656,5 @@ def load_hub_records(
     split_files = [p for p in files if split in pathlib.Path(p).relative_to(local).as_posix()]
     files = split_files or files
     if not files:
-        raise FileNotFoundError(f"hub data set {name!r} has no parquet/JSONL files for split {split!r}")
+        raise MissingInputError(f"hub data set {name!r} has no parquet/JSONL files for split {split!r}")
     return load_records(files, fields=fields, on_error=on_error)

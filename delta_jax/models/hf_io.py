@@ -24,6 +24,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from delta_jax.errors import InputError, MissingInputError
 from delta_jax.models.config import ModelConfig
 from delta_jax.models.transformer import LAYER_AXES, Transformer, layer_param_shapes
 
@@ -54,7 +55,7 @@ _IN_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, 
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
   """A checkpoint directory that cannot be loaded (names the file and field/tensor)."""
 
 
@@ -68,8 +69,11 @@ class UnsupportedModelError(CheckpointError):
 def read_config_json(path) -> dict:
   """Parsed config.json of an HF directory, with clear errors for missing/malformed files."""
   file = pathlib.Path(path) / CONFIG_NAME
+  if not pathlib.Path(path).is_dir():
+    raise MissingInputError(f"{path}: no such checkpoint directory")
   if not file.is_file():
-    raise FileNotFoundError(f"{file}: no config.json in checkpoint directory {path}")
+    raise MissingInputError(f"{path}: no config.json in this checkpoint directory (a Hugging "
+                            "Face model directory has config.json and *.safetensors)")
   try:
     data = json.loads(file.read_text())
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -216,13 +220,13 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
       raise CheckpointError(f"{index}: malformed safetensors index ({e!r})") from e
     missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
     if missing:
-      raise FileNotFoundError(f"{index}: lists shard files that do not exist: {missing}")
+      raise MissingInputError(f"{index}: lists shard files that do not exist: {missing}")
     return {name: path / f for name, f in weight_map.items()}
   files = sorted(path.glob("*.safetensors"))
   if not files:
     pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
     hint = f" (found {pickles}: pickle checkpoints are refused)" if pickles else ""
-    raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
+    raise MissingInputError(f"{path}: no *.safetensors weights{hint}")
   mapping = {}
   for f in files:
     with _open_safetensors(f) as handle:
@@ -323,8 +327,6 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
     and placed with jax.device_put as it is read.
   """
   path = pathlib.Path(path)
-  if not path.is_dir():
-    raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
   hf = read_config_json(path)
   cfg = config_from_hf(hf, where=str(path / CONFIG_NAME), dtype=dtype, param_dtype=param_dtype,
                        remat=remat, attention=attention)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pathlib
 from typing import Optional, Sequence
 
+from delta_jax.errors import InputError, MissingInputError
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -21,7 +23,7 @@ class Tokenizer:
   def __init__(self, hf_tokenizer):
     self.hf = hf_tokenizer
     if hf_tokenizer.eos_token_id is None:
-      raise ValueError("tokenizer has no eos_token configured (tokenizer_config.json)")
+      raise InputError("tokenizer has no eos_token configured (tokenizer_config.json)")
     self.eos_token_id: int = int(hf_tokenizer.eos_token_id)
     pad = hf_tokenizer.pad_token_id
     self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_id
@@ -59,7 +61,7 @@ class Tokenizer:
     to templates that read it (Qwen3) when given.
     """
     if getattr(self.hf, "chat_template", None) is None:
-      raise ValueError("tokenizer has no chat_template (tokenizer_config.json / "
+      raise InputError("tokenizer has no chat_template (tokenizer_config.json / "
                        "chat_template.jinja)")
     if enable_thinking is not None:
       template_kwargs["enable_thinking"] = enable_thinking
@@ -86,11 +88,14 @@ def load_tokenizer(path) -> Tokenizer:
   local = pathlib.Path(path)
   if local.exists():
     if not local.is_dir():
-      raise NotADirectoryError(f"{local}: expected a tokenizer directory")
+      raise MissingInputError(f"{local}: expected a tokenizer directory, found a file")
     if not (local / "tokenizer.json").is_file():
-      raise FileNotFoundError(f"{local}: no tokenizer.json (a fast tokenizer is required)")
+      raise MissingInputError(f"{local}: no tokenizer.json (a fast tokenizer is required)")
     hf = AutoTokenizer.from_pretrained(str(local), trust_remote_code=False,
                                        local_files_only=True)
   else:
+    from delta_jax.data.records import looks_like_hub_name
+    if not looks_like_hub_name(str(path)):
+      raise MissingInputError(f"{path}: no such tokenizer directory (and not an org/name hub id)")
     hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
   return Tokenizer(hf)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from delta_jax import models
+from delta_jax.errors import naming
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
@@ -43,8 +44,9 @@ def run_sft(run: Run, params, log_every: int = 10,
     from delta_jax.train.state import learning_rate_schedule, make_optimizer
 
     cfg = run.cfg
-    recs, _ = records_lib.load_records(run.assets["train"], fields=cfg.data.fields,
-                                       on_error=cfg.data.on_error)
+    with naming("data.train"):
+        recs, _ = records_lib.load_records(run.assets["train"], fields=cfg.data.fields,
+                                           on_error=cfg.data.on_error)
     examples = sft_lib.tokenize_examples(recs, run.tokenizer, run.template, cfg.sft.max_len)
     if examples.num_truncated or examples.num_dropped:
         total = examples.input_ids.shape[0] + examples.num_dropped

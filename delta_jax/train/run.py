@@ -15,6 +15,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
+from delta_jax.errors import naming
 from delta_jax.sampling import Sampler
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
@@ -61,6 +62,15 @@ def prepare_assets(cfg, workdir: str) -> dict:
     return out
 
 
+def check_benchmarks(benchmarks: dict) -> None:
+    """Reads every data.eval benchmark file once at start-up, so a missing or malformed one stops
+    the run before it trains (the evaluations read them again when they run)."""
+    from delta_jax import evaluation
+    for path in benchmarks.values():
+        with naming("data.eval"):
+            evaluation.load_benchmark(path)
+
+
 def build_model(cfg, vocab_size: int, mesh=None):
     """Random init from a preset (+ shape overrides) or a Hugging Face directory; with a mesh,
     the parameters are placed by the sharding rules (checkpoint tensors go straight to their
@@ -78,8 +88,10 @@ def build_model(cfg, vocab_size: int, mesh=None):
         model = models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
         return model if mesh is None else sharding_lib.shard_model(model, mesh)
     shardings = None if mesh is None else sharding_lib.param_sharding_fn(mesh)
-    return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat, attention=cfg.model.attention, shardings=shardings)
+    with naming("model.path"):
+        return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
+                                      remat=remat, attention=cfg.model.attention,
+                                      shardings=shardings)
 
 
 def _random_init_vocab(cfg, tokenizer_vocab: int) -> int:
@@ -210,7 +222,13 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
 
     os.makedirs(workdir, exist_ok=True)
     assets = prepare_assets(cfg, workdir)
-    tokenizer = models.load_tokenizer(assets["tokenizer"])
+    check_benchmarks(assets["eval"])
+    with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
+        tokenizer = models.load_tokenizer(assets["tokenizer"])
+    template = templates.make_template(cfg.data.template, tokenizer=tokenizer)
+    # The data before the model: a bad data.train stops the run before weights are read.
+    data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
+                 if need_data and cfg.mode == "train" else None)
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
@@ -220,7 +238,6 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
     state_shardings = sharding_lib.tree_shardings(
         jax.eval_shape(lambda p: init_train_state(p, optimizer), params), mesh)
-    template = templates.make_template(cfg.data.template, tokenizer=tokenizer)
     sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
                       max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
                       pad_id=tokenizer.pad_token_id, mesh=mesh,
@@ -235,7 +252,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         ckpt=Checkpointer(os.path.join(workdir, "checkpoints"), save_every=cfg.train.save_every,
                           keep=cfg.train.keep),
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
-        initial_params=params, mesh=mesh, state_shardings=state_shardings,
+        initial_params=params, mesh=mesh, state_shardings=state_shardings, data_iter=data_iter,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
     if cfg.mode == "train":
         run.train_step = make_train_step(
@@ -269,25 +286,29 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
             run.ref_params = copy_tree(params)
     if cfg.data.train == "synthetic":
         run.credit_labeller = make_credit_labeller(tokenizer)
-    if need_data and cfg.mode == "train":
-        from delta_jax.data import builders, pipeline
-        source = builders.build_tfds_source(assets["train"],
-                                            data_dir=os.path.join(workdir, "tfds"),
-                                            fields=cfg.data.fields, on_error=cfg.data.on_error)
-        run.data_iter = pipeline.make_prompt_pipeline(
-            source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
-            template=template, encode_fn=tokenizer.encode,
-            encode_batch_fn=tokenizer.encode_batch, max_prompt_tokens=cfg.data.max_prompt_len,
-            overlong_prompts=cfg.data.overlong_prompts)
-        if run.data_iter.num_overlong:
-            log.warning("data.train: left out %d of %d records whose prompt is over "
-                        "data.max_prompt_len=%d tokens (the longest: %d; "
-                        "data.overlong_prompts=drop)", run.data_iter.num_overlong,
-                        run.data_iter.num_overlong + run.data_iter.num_records,
-                        cfg.data.max_prompt_len, run.data_iter.longest_prompt)
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
     return run
+
+
+def make_data_iter(cfg, train_files, workdir: str, tokenizer, template):
+    """The training prompts (data.train, prepared once into workdir/tfds) as a resumable,
+    shuffled pipeline of rollout.batch_prompts records; prompts over data.max_prompt_len are
+    handled as data.overlong_prompts says (a warning counts those left out)."""
+    from delta_jax.data import builders, pipeline
+    with naming("data.train"):
+        source = builders.build_tfds_source(train_files, data_dir=os.path.join(workdir, "tfds"),
+                                            fields=cfg.data.fields, on_error=cfg.data.on_error)
+    data_iter = pipeline.make_prompt_pipeline(
+        source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
+        template=template, encode_fn=tokenizer.encode, encode_batch_fn=tokenizer.encode_batch,
+        max_prompt_tokens=cfg.data.max_prompt_len, overlong_prompts=cfg.data.overlong_prompts)
+    if data_iter.num_overlong:
+        log.warning("data.train: left out %d of %d records whose prompt is over "
+                    "data.max_prompt_len=%d tokens (the longest: %d; data.overlong_prompts=drop)",
+                    data_iter.num_overlong, data_iter.num_overlong + data_iter.num_records,
+                    cfg.data.max_prompt_len, data_iter.longest_prompt)
+    return data_iter
 
 
 def make_credit_labeller(tokenizer) -> Callable:

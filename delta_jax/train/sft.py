@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from delta_jax import models
+from delta_jax.errors import InputError
 from delta_jax.train.rollout import step_seed
 from delta_jax.train.state import TrainState, apply_if_finite
 
@@ -42,14 +43,14 @@ def tokenize_examples(records, tokenizer, template, max_len: int) -> SFTExamples
     (num_dropped; an error naming sft.max_len when that is every row)."""
     rows = [r for r in records if r.get("solution")]
     if not rows:
-        raise ValueError("SFT needs records with a 'solution' field (none found in data.train)")
+        raise InputError("SFT needs records with a 'solution' field (none found in data.train)")
     encoded = []
     for r in rows:
         prompt = tokenizer.encode(template(r["problem"]))
         encoded.append((prompt, tokenizer.encode(r["solution"]) + [tokenizer.eos_token_id]))
     kept = [(p, t) for p, t in encoded if len(p) < max_len]
     if not kept:
-        raise ValueError(
+        raise InputError(
             f"sft.max_len={max_len} leaves no solution token in any of the {len(rows)} records "
             f"with a solution: their prompts alone have {min(len(p) for p, _ in encoded)} to "
             f"{max(len(p) for p, _ in encoded)} tokens; raise sft.max_len")

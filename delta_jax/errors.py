@@ -1,0 +1,34 @@
+"""Errors in the user's input: a missing or malformed data, benchmark, tokenizer or checkpoint
+file, or data that does not fit the config. Their messages name the file, row and config field;
+`delta_jax.main` prints them as one line (exit code 1) instead of a traceback, like the
+config's own errors (train/config.ConfigError, exit code 2).
+
+Both classes keep the built-in types callers catch: an InputError is a ValueError, a
+MissingInputError also a FileNotFoundError.
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+class InputError(ValueError):
+    """Input the user can fix; the message says which file / row / field and what is wrong."""
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """A data, benchmark, tokenizer or checkpoint path that names nothing usable."""
+
+
+@contextlib.contextmanager
+def naming(field: str):
+    """Prefixes "field: " to the message of an InputError raised inside, so a message that names
+    only a file (e.g. "x.jsonl: no such file") also says which config field gave it; a message
+    that already starts with a config field is kept as it is."""
+    try:
+        yield
+    except InputError as e:
+        from delta_jax.train.config import field_names
+        text = str(e)
+        if text.split(": ", 1)[0] not in field_names():
+            e.args = (f"{field}: {text}",)
+        raise
