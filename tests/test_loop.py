@@ -1,6 +1,6 @@
 """delta_jax.train.loop on the tiny RL config in-process: a resumed run writes every step once,
-resumes past an unreadable newest checkpoint, and eval mode reports without touching training's
-eval files."""
+resumes past an unreadable newest checkpoint, eval mode reports without touching training's
+eval files, sft mode exports its warm start, and a code task runs with unit-test rewards."""
 import json
 import logging
 import os
@@ -11,8 +11,10 @@ import time
 import numpy as np
 import pytest
 
+from delta_jax.rl import sandbox
 from delta_jax.train import loop
 from delta_jax.train import rl_step as rl_step_lib
+from delta_jax.train import run as run_lib
 from delta_jax.train.preemption import TrainingInterrupted
 from delta_jax.train.config import validate_config
 from tests.rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config
@@ -139,3 +141,61 @@ def test_sft_mode_trains_the_warm_start_and_exports_it(tmp_path):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
+    """rewards.name=code end to end: MBPP-style training rows and a code benchmark go through
+    loop.train; the training scorer gets each response with its own record's unit tests as the
+    gold (it gives a right program 1 and a wrong one 0 for them), and the evaluation reports
+    the benchmark as code with pass@k."""
+    ops = {"plus": "+", "times": "*", "minus": "-"}
+    rows = []
+    for i, (word, op) in enumerate(ops.items()):
+        for k in (2, 3):
+            tests = [f"assert f({x}) == {eval(f'{x} {op} {k}')}" for x in (1, 5)]
+            rows.append({"task_id": 10 * i + k, "text": f"Write f(x) that returns x {word} {k}.",
+                         "test_list": tests, "code": f"def f(x):\n    return x {op} {k}"})
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    cfg = tiny_rl_config(
+        "dapo", data=dict(train=str(train), eval=str(bench), template="code", max_prompt_len=256),
+        rewards=dict(name="code", num_workers=1),
+        train=dict(steps=1, eval_before=False, eval_after=True, export_final=False),
+        eval=dict(k=2, pass_k="1,2", max_new_tokens=8))
+    run = run_lib.build_run(cfg, str(tmp_path / "w"))
+    seen = []
+    score = run.scorer.score
+
+    def recording(responses, golds, *args, **kwargs):
+        seen.append((list(responses), list(golds)))
+        return score(responses, golds, *args, **kwargs)
+
+    run.scorer.score = recording
+    checked = []
+
+    def check_golds(run_, step, out):
+        responses, golds = seen[-1]
+        specs = {json.dumps(r["test_list"]): r["code"] for r in rows}
+        right, wrong = [], []
+        for gold in golds:
+            spec = sandbox.parse_spec(gold)
+            code = specs[json.dumps(spec["tests"])]  # the gold is one record's own tests
+            right.append(f"```python\n{code}\n```")
+            wrong.append(f"```python\n{code.replace('return x', 'return 100 + x')}\n```")
+        rewards, _ = run_.scorer.score(right + wrong, golds + golds,
+                                       response_lengths=np.ones(2 * len(golds), np.int32))
+        checked.append(rewards)
+
+    try:
+        loop.train(cfg, str(tmp_path / "w"), run=run, step_hooks=(check_golds,))
+    finally:
+        run.close()
+    n = cfg.rollout.batch_prompts * cfg.rollout.group_size
+    assert len(seen[0][0]) == n and len(checked) == 1
+    np.testing.assert_array_equal(checked[0], [1.0] * n + [0.0] * n)
+    result = json.loads((tmp_path / "w" / "eval" / "step_1.json").read_text())
+    bench_result = result["benchmarks"]["bench"]
+    assert [q["id"] for q in bench_result["per_question"]] == ["2", "3"]
+    assert bench_result["k"] == 2 and "pass@2" in bench_result
