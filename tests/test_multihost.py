@@ -429,9 +429,10 @@ def test_a_process_failing_alone_stops_the_other_at_once(tmp_path):
     and exits at once, and the other, left waiting for it in a collective, is stopped soon
     after, instead of both waiting (Python's exit waits in jax.distributed's shutdown barrier,
     300 s, for a partner that waits for it: past TIMEOUT_S here). Process 1 failing mid-run
-    (its eval file is missing, at the eval before step 1; process 0 is sampling by then).
-    Process 0 failing (the workdir is held by another run; only process 0 takes the lock):
-    within 25 s (waiting, process 1 would give up after gloo's 30 s set-up timeout)."""
+    (an error in its evaluation, raised by the test's wrapper, at the eval before step 1;
+    process 0 is sampling by then): its traceback. Process 0 failing (the workdir is held by
+    another run; only process 0 takes the lock): within 25 s (waiting, process 1 would give up
+    after gloo's 30 s set-up timeout)."""
     from delta_jax.train.workdir_lock import WorkdirLock
     from tests.test_main import TEST_CONFIG
 
@@ -439,21 +440,26 @@ def test_a_process_failing_alone_stops_the_other_at_once(tmp_path):
     config_path.write_text(TEST_CONFIG)
     workdir = tmp_path / "run"
     workdir.mkdir()
-    missing = tmp_path / "not_here.jsonl"
+    failing_main = ("import runpy\nfrom delta_jax import evaluation\n"
+                    "def evaluate(*args, **kwargs):\n"
+                    "    raise RuntimeError('an evaluation bug in process 1')\n"
+                    "evaluation.evaluate = evaluate\n"
+                    "runpy.run_module('delta_jax.main', run_name='__main__', alter_sys=True)\n")
 
     def command_for(port):
         def command(pid):
-            return [sys.executable, "-m", "delta_jax.main", f"--config={config_path}",
+            main = ["-c", failing_main] if pid == 1 else ["-m", "delta_jax.main"]
+            return [sys.executable, *main, f"--config={config_path}",
                     f"--workdir={workdir}", "--config.train.steps=2", "--config.sft.steps=0",
                     "--config.train.eval_before=True", "--config.mesh.data=1",
                     "--config.mesh.fsdp=-1", "--config.distributed.heartbeat_timeout_s=5",
-                    f"--config.data.eval={'synthetic' if pid == 0 else missing}",
+                    "--config.data.eval=synthetic",
                     f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                     "--config.distributed.num_processes=2", f"--config.distributed.process_id={pid}"]
         return command
 
     logs = launch_two(command_for(_free_port()), returncode=(None, 1))
-    assert "not_here.jsonl" in logs[1] and "Traceback" in logs[1]
+    assert "Traceback" in logs[1] and "RuntimeError: an evaluation bug in process 1" in logs[1]
     assert not (workdir / "checkpoints" / "0").exists()  # stopped before checkpoint 0
 
     lock = WorkdirLock(str(workdir))
