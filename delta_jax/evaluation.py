@@ -348,7 +348,8 @@ def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name:
 
 def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EVAL_K,
              pass_ks: Sequence[int] | None = None,
-             format_prompt: Callable[[str], str] = default_format_prompt,
+             format_prompt: Callable[[str], str] | Mapping[str, Callable[[str], str]] =
+             default_format_prompt,
              scorer=None, limit: int | None = None, prompts_per_call: int | None = None,
              settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
              ) -> EvalResult:
@@ -363,10 +364,12 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
       k: samples per question (avg@k is over these).
       pass_ks: k' values for pass@k' (each <= k); default 1, 2, 4, ... up to k, and k.
       format_prompt: problem -> prompt text (default: the boxed-answer instruction for math, the
-        code instruction for code benchmarks).
+        code instruction for code benchmarks), or {kind: that} per kind of benchmark ("math",
+        "code"; a kind it lacks gets the default).
       scorer: a delta_jax.rl.rewards.RewardScorer to use for every benchmark (its accuracy, not
-        its shaped reward); default: a 2-worker "math" or "code" scorer per kind of benchmark,
-        created here and closed at the end.
+        its shaped reward), or {kind: scorer}; default (and for a kind the mapping lacks): a
+        2-worker "math" or "code" scorer per kind of benchmark, created here and closed at the
+        end.
       limit: first `limit` questions of each benchmark (quick runs).
       prompts_per_call: prompts per generate_fn call (default: a whole benchmark at once).
       settings: recorded in the result (e.g. temperature, top_p, checkpoint step).
@@ -391,7 +394,9 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
     own_scorers: dict[str, Any] = {}
 
     def scorer_for(kind: str):
-        if scorer is not None:
+        if isinstance(scorer, Mapping) and kind in scorer:
+            return scorer[kind]
+        if scorer is not None and not isinstance(scorer, Mapping):
             return scorer
         if kind not in own_scorers:
             own_scorers[kind] = RewardScorer(kind, num_workers=2)
@@ -410,8 +415,11 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             if len(kinds) > 1:
                 raise ValueError(f"{name}: mixes math and code rows; split it in two benchmarks")
             kind = kinds.pop()
-            fmt = default_code_prompt if (kind == "code" and format_prompt is
-                                          default_format_prompt) else format_prompt
+            default = default_code_prompt if kind == "code" else default_format_prompt
+            if isinstance(format_prompt, Mapping):
+                fmt = format_prompt.get(kind, default)
+            else:
+                fmt = default if format_prompt is default_format_prompt else format_prompt
             prompts = [fmt(r["problem"]) for r in rows]
             step = prompts_per_call or len(prompts)
             responses = []

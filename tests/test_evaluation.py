@@ -237,6 +237,36 @@ def test_evaluate_creates_and_closes_its_own_scorer():
     assert result.benchmarks["b"].num_correct.tolist() == [1]
 
 
+def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):
+    """format_prompt / scorer as {kind: ...}: a math and a code benchmark in one evaluation each
+    get their kind's prompt and scorer; a kind the prompt mapping lacks gets the default."""
+    spec = json.dumps({"tests": ["assert f(2) == 4"]})
+    benchmarks = {"m": [{"problem": "1 + 1?", "answer": "2"}],
+                  "c": [{"problem": "f(x) = 2x", "answer": spec}]}
+
+    class CodeScorer:  # stands in for the code sandbox: every program passes
+        calls = []
+
+        def score(self, responses, golds, response_lengths=None, truncated=None):
+            self.calls.append(list(golds))
+            n = len(responses)
+            return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),
+                                            "num_no_box": 0, "num_timeouts": 0, "num_errors": 0}
+
+    prompts = []
+
+    def gen(batch, n):
+        prompts.extend(batch)
+        return [["\\boxed{2}"] * n for _ in batch]
+
+    result = ev.evaluate(gen, benchmarks, k=2, format_prompt={"math": lambda p: f"M: {p}"},
+                         scorer={"math": scorer, "code": CodeScorer()})
+    assert prompts == ["M: 1 + 1?", ev.default_code_prompt("f(x) = 2x")]
+    assert CodeScorer.calls == [[spec, spec]]  # the code golds went to the code scorer only
+    assert result.benchmarks["m"].num_correct.tolist() == [2]
+    assert result.benchmarks["c"].num_correct.tolist() == [2]
+
+
 def test_sampler_generate_fn_uses_eval_settings():
     seen = []
 

@@ -144,10 +144,10 @@ def test_sft_mode_trains_the_warm_start_and_exports_it(tmp_path):
 
 
 def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
-    """rewards.name=code end to end: MBPP-style training rows and a code benchmark go through
-    loop.train; the training scorer gets each response with its own record's unit tests as the
-    gold (it gives a right program 1 and a wrong one 0 for them), and the evaluation reports
-    the benchmark as code with pass@k."""
+    """rewards.name=code end to end: MBPP-style training rows, a code and a math benchmark go
+    through loop.train; the training scorer gets each response with its own record's unit tests
+    as the gold (it gives a right program 1 and a wrong one 0 for them), and the evaluation
+    grades each benchmark with its own kind's reward."""
     ops = {"plus": "+", "times": "*", "minus": "-"}
     rows = []
     for i, (word, op) in enumerate(ops.items()):
@@ -159,8 +159,11 @@ def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     bench = tmp_path / "bench.jsonl"
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    math_bench = tmp_path / "math_bench.jsonl"
+    math_bench.write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
     cfg = tiny_rl_config(
-        "dapo", data=dict(train=str(train), eval=str(bench), template="code", max_prompt_len=256),
+        "dapo", data=dict(train=str(train), eval=f"{bench},{math_bench}", template="code",
+                          max_prompt_len=256),
         rewards=dict(name="code", num_workers=1),
         train=dict(steps=1, eval_before=False, eval_after=True, export_final=False),
         eval=dict(k=2, pass_k="1,2", max_new_tokens=8))
@@ -199,3 +202,6 @@ def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
     bench_result = result["benchmarks"]["bench"]
     assert [q["id"] for q in bench_result["per_question"]] == ["2", "3"]
     assert bench_result["k"] == 2 and "pass@2" in bench_result
+    assert result["benchmarks"]["math_bench"]["num_questions"] == 1
+    assert {kind: s.name for kind, s in run.eval_scorers.items()} == {"code": "code",
+                                                                       "math": "math"}

@@ -70,3 +70,19 @@ def test_code_template():
         "Add two numbers.<|im_end|>\n<|im_start|>assistant\n")
     assert "```python" in templates.CODE_INSTRUCTION
     assert templates.PromptTemplate("code", instruction="Custom.")("x").count("Custom.") == 1
+
+
+def test_for_task_asks_for_the_other_tasks_answer_in_the_same_layout():
+    math, code = templates.make_template("qwen_math"), templates.make_template("code")
+    assert templates.for_task(math, "code")("x") == code("x")
+    assert templates.for_task(code, "math")("x") == math("x")
+    assert templates.for_task(math, "math")("x") == math("x")
+    base = templates.for_task(templates.make_template("base"), "code")("Add two numbers.")
+    assert base == ("Question: Add two numbers.\n" + templates.CODE_INSTRUCTION +
+                    "\nAnswer: Let's think step by step.")
+    plain = templates.make_template(None)  # no instruction: the task's is added
+    assert templates.for_task(plain, "math")("x") == "x\n" + templates.BOXED_INSTRUCTION
+    custom = lambda problem: f"<{problem}>"  # noqa: E731
+    assert templates.for_task(custom, "code") is custom
+    with pytest.raises(ValueError, match="task must be 'math' or 'code'"):
+        templates.for_task(math, "proof")

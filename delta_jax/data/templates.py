@@ -75,6 +75,22 @@ class PromptTemplate:
         return text
 
 
+def for_task(template: Callable[[str], str], task: str) -> Callable[[str], str]:
+    """`template`'s layout asking for the answer form of `task`: "math" (the \\boxed{}
+    instruction; kind "code" becomes "qwen_math") or "code" (the code instruction; "qwen_math"
+    becomes "code"). For evaluating a benchmark of the other task than the run's (a code run's
+    math benchmark, a math run's HumanEval); a custom callable is returned as it is."""
+    if task not in ("math", "code"):
+        raise ValueError(f"task must be 'math' or 'code', got {task!r}")
+    if not isinstance(template, PromptTemplate):
+        return template
+    kind = template.kind
+    if kind in ("qwen_math", "code"):
+        kind = "code" if task == "code" else "qwen_math"
+    instruction = CODE_INSTRUCTION if task == "code" else BOXED_INSTRUCTION
+    return dataclasses.replace(template, kind=kind, instruction=instruction)
+
+
 def make_template(
     template: str | PromptTemplate | Callable[[str], str] | None = "qwen_math",
     tokenizer: Any = None,

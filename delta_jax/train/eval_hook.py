@@ -21,13 +21,20 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     eval/<file_stem>.json (default step_<step>) and returns (flat metrics, the evaluation
     result), ({}, None) without eval benchmarks."""
     cfg = run.cfg
-    if not run.assets["eval"]:
+    if not run.benchmarks:
         return {}, None
     from delta_jax import evaluation
-    from delta_jax.train.run import make_scorer
+    from delta_jax.data.templates import for_task
+    from delta_jax.train.run import make_scorer, reward_task
 
-    if run.eval_scorer is None:  # the run's reward (math or code), accuracy only
-        run.eval_scorer = make_scorer(cfg, shaped=False)
+    # Each benchmark is graded by its own kind's reward (accuracy only) and asked for that kind's
+    # answer form: a math run's HumanEval runs unit tests on a ```python block.
+    kinds = {row["kind"] for rows in run.benchmarks.values() for row in rows}
+    prompts = {}
+    for kind in kinds:
+        if kind not in run.eval_scorers:
+            run.eval_scorers[kind] = make_scorer(cfg, shaped=False, task=kind)
+        prompts[kind] = run.template if kind == reward_task(cfg) else for_task(run.template, kind)
     run.sampler.update_params(run.model(params))
     generate_fn = evaluation.sampler_generate_fn(
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
@@ -37,8 +44,8 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     t0 = time.perf_counter()
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]
     result = evaluation.evaluate(
-        generate_fn, run.assets["eval"], k=cfg.eval.k, pass_ks=pass_k,
-        format_prompt=run.template, limit=cfg.eval.limit or None, scorer=run.eval_scorer,
+        generate_fn, run.benchmarks, k=cfg.eval.k, pass_ks=pass_k,
+        format_prompt=prompts, limit=cfg.eval.limit or None, scorer=run.eval_scorers,
         settings={"step": step, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                   "max_new_tokens": cfg.eval.max_new_tokens})
     metrics = _flatten_eval(result)

@@ -62,13 +62,15 @@ def prepare_assets(cfg, workdir: str) -> dict:
     return out
 
 
-def check_benchmarks(benchmarks: dict) -> None:
-    """Reads every data.eval benchmark file once at start-up, so a missing or malformed one stops
-    the run before it trains (the evaluations read them again when they run)."""
+def load_benchmarks(paths: dict) -> dict:
+    """{name: rows} of the data.eval benchmark files {name: path}, read at start-up, so a missing
+    or malformed one stops the run before it trains."""
     from delta_jax import evaluation
-    for path in benchmarks.values():
+    benchmarks = {}
+    for name, path in paths.items():
         with naming("data.eval"):
-            evaluation.load_benchmark(path)
+            benchmarks[name] = evaluation.load_benchmark(path)
+    return benchmarks
 
 
 def build_model(cfg, vocab_size: int, mesh=None):
@@ -174,7 +176,8 @@ class Run:
     writer: MetricsWriter
     data_iter: Any = None
     scorer: Any = None
-    eval_scorer: Any = None      # accuracy only (no overlong shaping); made on first eval
+    benchmarks: dict = dataclasses.field(default_factory=dict)  # data.eval: name -> rows
+    eval_scorers: dict = dataclasses.field(default_factory=dict)  # kind -> scorer (accuracy)
     with_delta: bool = False     # the old-policy pass feeds DelTA (method delta, token view)
     initial_params: Any = None
     mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
@@ -190,7 +193,7 @@ class Run:
         return nnx.merge(self.graphdef, params, self.rest)
 
     def close(self):
-        for scorer in (self.scorer, self.eval_scorer):
+        for scorer in (self.scorer, *self.eval_scorers.values()):
             if scorer is not None:
                 scorer.close()
         self.ckpt.close()
@@ -222,7 +225,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
 
     os.makedirs(workdir, exist_ok=True)
     assets = prepare_assets(cfg, workdir)
-    check_benchmarks(assets["eval"])
+    benchmarks = load_benchmarks(assets["eval"])
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
     template = templates.make_template(cfg.data.template, tokenizer=tokenizer)
@@ -253,6 +256,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                           keep=cfg.train.keep),
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
         initial_params=params, mesh=mesh, state_shardings=state_shardings, data_iter=data_iter,
+        benchmarks=benchmarks,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
     if cfg.mode == "train":
         run.train_step = make_train_step(
@@ -339,15 +343,21 @@ def make_credit_labeller(tokenizer) -> Callable:
     return labeller
 
 
-def make_scorer(cfg, *, shaped: bool):
+def reward_task(cfg) -> str:
+    """What the run's reward grades: "code" (unit tests, rewards.name=code) or "math"."""
+    return "code" if cfg.rewards.name == "code" else "math"
+
+
+def make_scorer(cfg, *, shaped: bool, task: str | None = None):
     """The run's RewardScorer from rewards.*: shaped=True adds the method's DAPO overlong
-    penalty (training rewards); shaped=False grades accuracy only (evaluation)."""
+    penalty (training rewards); shaped=False grades accuracy only (evaluation). task: "math" or
+    "code" for a benchmark of the other task than the run's (rewards.name is the run's own)."""
     from delta_jax.rl.rewards import RewardScorer
 
     r = cfg.rewards
     overlong = shaped and r.overlong
     return RewardScorer(
-        name=r.name, num_workers=r.num_workers, timeout_s=r.timeout_s,
+        name=r.name if task in (None, reward_task(cfg)) else task, num_workers=r.num_workers, timeout_s=r.timeout_s,
         max_response_len=cfg.rollout.max_new_tokens if shaped else None,
         overlong_buffer_len=r.overlong_buffer if overlong else 0,
         overlong_penalty_factor=r.overlong_factor, code_sandbox=r.code_sandbox,

@@ -43,7 +43,9 @@ def tokenize_examples(records, tokenizer, template, max_len: int) -> SFTExamples
     (num_dropped; an error naming sft.max_len when that is every row)."""
     rows = [r for r in records if r.get("solution")]
     if not rows:
-        raise InputError("SFT needs records with a 'solution' field (none found in data.train)")
+        raise InputError("sft.steps: the SFT warm start needs records with a worked 'solution' "
+                         "and data.train has none; set sft.steps=0 to start RL from the model "
+                         "as it is")
     encoded = []
     for r in rows:
         prompt = tokenizer.encode(template(r["problem"]))
