@@ -114,3 +114,25 @@ def test_training_prompts_over_data_max_prompt_len_are_left_out_with_a_warning(t
     with pytest.raises(ValueError, match=f"{over} of {len(lengths)} records of data.train"):
         run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=single_device_mesh())
     assert os.path.isdir(tmp_path / "synthetic")
+
+
+def test_the_reward_must_fit_the_training_answers():
+    """rewards.name=code needs unit tests as answers, a math reward math answers: a mismatch in
+    the first records stops the run at start-up, naming both."""
+    import json
+
+    from delta_jax.errors import InputError
+
+    spec = json.dumps({"tests": ["assert f(1) == 2"]})
+    math_rows, code_rows = [{"answer": "5"}] * 3, [{"answer": spec}] * 3
+    run_lib.check_reward_fits_data(math_rows, "math")
+    run_lib.check_reward_fits_data(math_rows, "math_format")
+    run_lib.check_reward_fits_data(code_rows, "code")
+    with pytest.raises(InputError, match=r"^rewards\.name=math: 1 of the first 4 records of "
+                                         r"data\.train are code problems"):
+        run_lib.check_reward_fits_data(math_rows + code_rows[:1], "math")
+    with pytest.raises(InputError, match=r"^rewards\.name=code: 3 of the first 4 records .* "
+                                         r"\(e\.g\. '5'\)"):
+        run_lib.check_reward_fits_data(code_rows[:1] + math_rows, "code")
+    # Only the first `sample` records are read.
+    run_lib.check_reward_fits_data(code_rows + math_rows, "code", sample=3)

@@ -303,6 +303,7 @@ def make_data_iter(cfg, train_files, workdir: str, tokenizer, template):
     with naming("data.train"):
         source = builders.build_tfds_source(train_files, data_dir=os.path.join(workdir, "tfds"),
                                             fields=cfg.data.fields, on_error=cfg.data.on_error)
+    check_reward_fits_data(source, cfg.rewards.name)
     data_iter = pipeline.make_prompt_pipeline(
         source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
         template=template, encode_fn=tokenizer.encode, encode_batch_fn=tokenizer.encode_batch,
@@ -313,6 +314,37 @@ def make_data_iter(cfg, train_files, workdir: str, tokenizer, template):
                     data_iter.num_overlong, data_iter.num_overlong + data_iter.num_records,
                     cfg.data.max_prompt_len, data_iter.longest_prompt)
     return data_iter
+
+
+def check_reward_fits_data(source, reward_name: str, sample: int = 64) -> None:
+    """The training records' answers must be what rewards.name grades: unit-test specs for
+    "code", math answers for the others. Checked on the first `sample` records, so a math
+    reward on code problems (rewards 0) or the code reward on math answers (a crash at the
+    first step's scoring) stops the run at start-up."""
+    from delta_jax.errors import InputError
+    from delta_jax.rl import sandbox
+
+    def is_spec(answer):
+        try:
+            sandbox.parse_spec(answer)
+            return True
+        except sandbox.SpecError:
+            return False
+
+    answers = [source[i]["answer"] for i in range(min(len(source), sample))]
+    specs = [is_spec(a) for a in answers]
+    if reward_name == "code" and not all(specs):
+        example = answers[specs.index(False)]
+        raise InputError(
+            f"rewards.name=code: {specs.count(False)} of the first {len(answers)} records of "
+            f"data.train have no unit tests as their answer (e.g. {example[:60]!r}); code "
+            "training needs a code layout (data.fields: mbpp, humaneval, taco, codecontests) "
+            "or test specs as answers")
+    if reward_name != "code" and any(specs):
+        raise InputError(
+            f"rewards.name={reward_name}: {specs.count(True)} of the first {len(answers)} "
+            "records of data.train are code problems (their answers are unit tests); train "
+            "them with --config.rewards.name=code --config.data.template=code")
 
 
 def make_credit_labeller(tokenizer) -> Callable:
