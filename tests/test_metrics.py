@@ -11,13 +11,13 @@ def test_jsonl_and_tensorboard(tmp_path):
     w = MetricsWriter(str(tmp_path))
     w.write(1, {"rollout/reward_mean": np.float32(0.5), "policy/loss": 1.25, "skip": "text",
                 "vec": np.ones(3), "bad": float("nan")})
-    w.write(2, {"rollout/reward_mean": 0.75})
+    w.write(2, {"rollout/reward_mean": 0.75, "eval/aime 24/pass@4": 0.5})
     w.close()
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert rows[0]["step"] == 1 and rows[0]["rollout/reward_mean"] == 0.5
     assert rows[0]["policy/loss"] == 1.25 and rows[0]["bad"] == "nan"
     assert "skip" not in rows[0] and "vec" not in rows[0]
-    assert rows[1] == {"step": 2, "rollout/reward_mean": 0.75}
+    assert rows[1] == {"step": 2, "rollout/reward_mean": 0.75, "eval/aime 24/pass@4": 0.5}
 
     events = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
     assert events
@@ -36,6 +36,7 @@ def test_jsonl_and_tensorboard(tmp_path):
             values[(v.tag, ev.step)] = v.simple_value
     assert values[("rollout/reward_mean", 1)] == 0.5
     assert values[("rollout/reward_mean", 2)] == 0.75
+    assert values[("eval/aime_24/pass_at_4", 2)] == 0.5  # TensorBoard's tag characters only
 
 
 def test_summary_line_and_scalars():

@@ -1,13 +1,16 @@
 """Metrics output: TensorBoard event files (tensorboardX), <workdir>/metrics.jsonl, console line.
 
 `MetricsWriter.write(step, metrics)` takes a flat dict of Python/NumPy/JAX scalars; names use "/"
-to group ("rollout/reward_mean", "time/update_s", "delta/gamma_pos").
+to group ("rollout/reward_mean", "time/update_s", "delta/gamma_pos"). metrics.jsonl keeps the
+names as given; TensorBoard tags allow only letters, digits, "_", "-", "/" and ".", so there "@"
+reads "_at_" ("eval/average/pass_at_4") and any other character "_".
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from typing import Mapping
 
 import numpy as np
@@ -41,6 +44,12 @@ def summary_line(step: int, scalars: Mapping[str, float]) -> str:
     return " | ".join(parts)
 
 
+def tensorboard_tag(name: str) -> str:
+    """`name` as a TensorBoard tag (tensorboardX would rename an illegal one itself, logging a
+    line each time: ~20 lines per evaluation)."""
+    return re.sub(r"[^-/\w.]", "_", name.replace("@", "_at_"))
+
+
 class MetricsWriter:
     """Appends each step's scalars to metrics.jsonl and TensorBoard events in `workdir`."""
 
@@ -62,7 +71,7 @@ class MetricsWriter:
         self._jsonl.flush()
         if self._tb is not None:
             for k, v in scalars.items():
-                self._tb.add_scalar(k, v, global_step=int(step))
+                self._tb.add_scalar(tensorboard_tag(k), v, global_step=int(step))
             self._tb.flush()
         return scalars
 
