@@ -154,6 +154,19 @@ def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
         validate_config(cfg)
 
 
+def test_the_prompt_asks_for_what_the_reward_reads():
+    """A task-specific template (code, qwen_math) with the other task's reward is refused; the
+    task-neutral layouts (base, chat, plain) take the reward's instruction in the run."""
+    tiny = f"--config={EXPERIMENTS / 'tiny.py'}"
+    with pytest.raises(ConfigError, match=r"^data\.template: 'code' asks for a ```python"):
+        validate_config(parse([tiny, "--config.data.template=code"]))
+    with pytest.raises(ConfigError, match=r"^data\.template: 'qwen_math' .* set data\.template="):
+        validate_config(parse([tiny, "--config.rewards.name=code"]))
+    for template in ("code", "base", "plain"):
+        validate_config(parse([tiny, "--config.rewards.name=code",
+                               f"--config.data.template={template}"]))
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo"])
 def test_one_response_per_prompt_is_refused_for_every_advantage(advantage):
     """Group-relative advantages are all 0 with one response per prompt (RLOO has no

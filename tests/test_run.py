@@ -136,3 +136,18 @@ def test_the_reward_must_fit_the_training_answers():
         run_lib.check_reward_fits_data(code_rows[:1] + math_rows, "code")
     # Only the first `sample` records are read.
     run_lib.check_reward_fits_data(code_rows + math_rows, "code", sample=3)
+
+
+def test_a_neutral_template_asks_for_the_rewards_answer(tmp_path):
+    from delta_jax.data import templates
+    from tests.rl_fixtures import single_device_mesh
+
+    for reward, instruction in (("code", templates.CODE_INSTRUCTION),
+                                ("math", templates.BOXED_INSTRUCTION)):
+        cfg = tiny_rl_config("grpo", rewards=dict(name=reward), data=dict(template="plain"))
+        run = run_lib.build_run(cfg, str(tmp_path / reward), need_data=False, need_scorer=False,
+                                mesh=single_device_mesh())
+        try:
+            assert run.template("Add 2.") == f"Add 2.\n{instruction}"
+        finally:
+            run.close()

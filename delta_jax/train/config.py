@@ -431,6 +431,14 @@ def _check_combinations(c):
     from delta_jax.rl import rewards as rewards_lib
     _require(c.rewards.name in rewards_lib.REWARD_FNS, "rewards.name",
              f"{c.rewards.name!r} is not one of {sorted(rewards_lib.REWARD_FNS)}")
+    # qwen_math and code are task-specific prompts; base / chat / plain get the reward's task's
+    # instruction (templates.for_task).
+    _require(c.data.template != "code" or c.rewards.name == "code", "data.template",
+             f"'code' asks for a ```python program, which rewards.name={c.rewards.name!r} does "
+             "not run: set rewards.name=code, or a math template (qwen_math, base, chat, plain)")
+    _require(c.data.template != "qwen_math" or c.rewards.name != "code", "data.template",
+             "'qwen_math' asks for a \\boxed{} answer, which rewards.name='code' does not read: "
+             "set data.template=code (or base, chat, plain: they ask for a program then)")
     _require(c.rewards.num_workers >= 1, "rewards.num_workers",
              f"must be >= 1, got {c.rewards.num_workers}")
     _require(c.rewards.timeout_s > 0, "rewards.timeout_s",

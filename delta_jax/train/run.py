@@ -228,7 +228,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     benchmarks = load_benchmarks(assets["eval"])
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
-    template = templates.make_template(cfg.data.template, tokenizer=tokenizer)
+    template = templates.for_task(templates.make_template(cfg.data.template, tokenizer=tokenizer),
+                                  reward_task(cfg))
     # The data before the model: a bad data.train stops the run before weights are read.
     data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
                  if need_data and cfg.mode == "train" else None)
