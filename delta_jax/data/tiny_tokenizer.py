@@ -74,8 +74,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, out_dir: str, model_max_length: int = 256) -> str:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+def save_tokenizer(tok: Tokenizer, out_dir: str, model_max_length: int = 2048) -> str:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir.
+    model_max_length: the "tiny" preset's max_position_embeddings (transformers warns about any
+    text encoded longer than it)."""
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     added = {
