@@ -168,6 +168,10 @@ def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
         train=dict(steps=1, eval_before=False, eval_after=True, export_final=False),
         eval=dict(k=2, pass_k="1,2", max_new_tokens=8))
     run = run_lib.build_run(cfg, str(tmp_path / "w"))
+    # One accuracy scorer per kind of benchmark, started with the run (a code sandbox that
+    # cannot start stops the run then, not at the first evaluation).
+    assert {kind: s.name for kind, s in run.eval_scorers.items()} == {"code": "code",
+                                                                       "math": "math"}
     seen = []
     score = run.scorer.score
 
@@ -203,5 +207,3 @@ def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
     assert [q["id"] for q in bench_result["per_question"]] == ["2", "3"]
     assert bench_result["k"] == 2 and "pass@2" in bench_result
     assert result["benchmarks"]["math_bench"]["num_questions"] == 1
-    assert {kind: s.name for kind, s in run.eval_scorers.items()} == {"code": "code",
-                                                                       "math": "math"}

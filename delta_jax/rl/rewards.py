@@ -33,6 +33,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from delta_jax.errors import InputError
+
 from delta_jax.rl import verify_pool as vp
 
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +511,7 @@ _SANDBOX_FN = "delta_jax.rl.sandbox:worker_entry"
 log = logging.getLogger("delta_jax.rewards")
 
 
-class IsolationUnavailable(RuntimeError):
+class IsolationUnavailable(InputError, RuntimeError):
     """The host cannot isolate model-written programs (the message says why and how to opt out)."""
 
 

@@ -293,6 +293,9 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         run.credit_labeller = make_credit_labeller(tokenizer)
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
+    if need_scorer:  # made now: a scorer that cannot start (code isolation) stops the run here
+        for kind in sorted({row["kind"] for rows in benchmarks.values() for row in rows}):
+            run.eval_scorers[kind] = make_scorer(cfg, shaped=False, task=kind)
     return run
 
 
