@@ -158,11 +158,12 @@ def test_humaneval_canonical_pass_and_stub_fail(scorer, shared_dir):
 
 
 def _host_processes():
-    """(pid, start time) of the processes that can belong to this test's programs: those in
-    another pid namespace than ours (a sandboxed program and anything it forks stay in its
-    namespace, setsid or not), our own descendants (a launcher left behind) and orphans adopted
-    by init (a daemon that got out of an unisolated run). Unrelated processes that others start
-    on the host meanwhile (a shell and its children) are not counted."""
+    """(pid, start time) of the processes that can belong to this test's programs: our own
+    descendants (a sandboxed program and anything it forks stay in its pid namespace, setsid or
+    not, under our launcher), orphans adopted by init (a daemon that got out of an unisolated
+    run) and the trees of orphaned pid namespaces. Unrelated processes that others start on the
+    host meanwhile (a shell and its children, the reward pools of another pytest worker, whose
+    ancestry reaches init only through our shared ancestors) are not counted."""
     own_ns, me = os.readlink("/proc/self/ns/pid"), os.getpid()
     stats = {}
     for entry in os.listdir("/proc"):
@@ -176,12 +177,14 @@ def _host_processes():
             stats[int(entry)] = (int(fields[1]), fields[19], ns)  # (ppid, start, pid namespace)
 
     def ours(pid):
-        seen = set()
+        start, seen = pid, set()
         while pid in stats and pid not in seen:
             seen.add(pid)
             ppid, _, ns = stats[pid]
-            if ns != own_ns or ppid in (me, 1):
+            if ppid == me:
                 return True
+            if ppid == 1:  # an orphan: a sandbox's pid namespace or a daemon that got out;
+                return ns != own_ns or pid == start  # not a process of another test worker
             pid = ppid
         return False
 
