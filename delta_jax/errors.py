@@ -1,8 +1,8 @@
 """Errors in the user's input: a missing or malformed data, benchmark, tokenizer or checkpoint
 file, data that does not fit the config, or a config this host cannot run (rewards.py's
-IsolationUnavailable: no user namespaces for the code sandbox). Their messages name the file, row and config field;
-`delta_jax.main` prints them as one line (exit code 1) instead of a traceback, like the
-config's own errors (train/config.ConfigError, exit code 2).
+IsolationUnavailable: no user namespaces for the code sandbox). Their messages name the file,
+row and config field; `delta_jax.main` prints them as one line (exit code 1) instead of a
+traceback, like the config's own errors (train/config.ConfigError, exit code 2).
 
 Both classes keep the built-in types callers catch: an InputError is a ValueError, a
 MissingInputError also a FileNotFoundError.

@@ -114,7 +114,16 @@ def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[di
             rows.append(_check_row(row, f"{path}:{line_no}", len(rows)))
     if not rows:
         raise InputError(f"{path}: the benchmark file has no rows")
+    benchmark_kind(str(path), rows)
     return rows
+
+
+def benchmark_kind(name: str, rows: Sequence[Mapping]) -> str:
+    """"math" or "code": the kind of every row of a benchmark (a mix is an InputError)."""
+    kinds = {r["kind"] for r in rows}
+    if len(kinds) > 1:
+        raise InputError(f"{name}: mixes math and code rows; split it in two benchmarks")
+    return kinds.pop()
 
 
 def default_code_prompt(problem: str) -> str:
@@ -411,10 +420,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             else:
                 rows = [_check_row(r, f"benchmark {name!r} row {i}", i)
                         for i, r in enumerate(source)][:limit]
-            kinds = {r["kind"] for r in rows}
-            if len(kinds) > 1:
-                raise ValueError(f"{name}: mixes math and code rows; split it in two benchmarks")
-            kind = kinds.pop()
+            kind = benchmark_kind(name, rows)
             default = default_code_prompt if kind == "code" else default_format_prompt
             if isinstance(format_prompt, Mapping):
                 fmt = format_prompt.get(kind, default)

@@ -14,8 +14,8 @@ combination stops the program with a message naming the field (exit code 2), as 
 file that does not load. A missing or malformed input (data, benchmark, tokenizer or checkpoint
 file; data that does not fit the config: delta_jax/errors.py) stops it with one line naming the
 file and field (exit code 1). A run resumes automatically from the latest checkpoint in --workdir
-that reads back; a resume whose config changes a field that changes results lists the changes and stops
-unless --config.train.allow_config_change=True. One process at a time may use a workdir.
+that reads back; a resume whose config changes a field that changes results lists the changes and
+stops unless --config.train.allow_config_change=True. One process at a time may use a workdir.
 
 SIGINT / SIGTERM (Ctrl-C, preemption) stop a training run after the step in hand with a checkpoint,
 a one-line message and exit code 130 / 143; a second signal exits at once.

@@ -69,8 +69,14 @@ def test_load_benchmark(tmp_path):
     bad.write_text('{"id": "a", "problem": "x", "answer": "1"}\n{"id": "b", "question": "y"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: row has no 'problem'"):
         ev.load_benchmark(bad)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl: no such benchmark file"):
         ev.load_benchmark(tmp_path / "missing.jsonl")
+    mixed = tmp_path / "mixed.jsonl"
+    spec = json.dumps({"tests": ["assert f() == 1"]})
+    mixed.write_text('{"problem": "1+1?", "answer": "2"}\n' +
+                     json.dumps({"problem": "f", "answer": spec}) + "\n")
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: mixes math and code rows"):
+        ev.load_benchmark(mixed)
 
 
 def test_load_benchmark_non_utf8_names_file_and_line(tmp_path):

@@ -78,8 +78,10 @@ class PromptTemplate:
 def for_task(template: Callable[[str], str], task: str) -> Callable[[str], str]:
     """`template`'s layout asking for the answer form of `task`: "math" (the \\boxed{}
     instruction; kind "code" becomes "qwen_math") or "code" (the code instruction; "qwen_math"
-    becomes "code"). For evaluating a benchmark of the other task than the run's (a code run's
-    math benchmark, a math run's HumanEval); a custom callable is returned as it is."""
+    becomes "code"). A run's prompt is its template for its reward's task (base / chat / plain
+    ask for a program in a code run), and a benchmark of the other task is evaluated with the
+    template for that one (a code run's AIME, a math run's HumanEval). A custom callable is
+    returned as it is."""
     if task not in ("math", "code"):
         raise ValueError(f"task must be 'math' or 'code', got {task!r}")
     if not isinstance(template, PromptTemplate):

@@ -34,7 +34,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from delta_jax.errors import InputError
-
 from delta_jax.rl import verify_pool as vp
 
 # ---------------------------------------------------------------------------------------------

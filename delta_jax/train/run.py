@@ -294,8 +294,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
     if need_scorer:  # made now: a scorer that cannot start (code isolation) stops the run here
-        for kind in sorted({row["kind"] for rows in benchmarks.values() for row in rows}):
-            run.eval_scorers[kind] = make_scorer(cfg, shaped=False, task=kind)
+        add_eval_scorers(cfg, benchmarks, run.eval_scorers)
     return run
 
 
@@ -400,6 +399,17 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction)
+
+
+def add_eval_scorers(cfg, benchmarks: dict, scorers: dict) -> dict:
+    """Adds to `scorers` ({kind: scorer}) an accuracy scorer for each kind of benchmark in
+    `benchmarks` ({name: rows}) it lacks: the run's reward for the run's own task, the other
+    task's plain reward for the other (a math run's HumanEval runs unit tests)."""
+    from delta_jax.evaluation import benchmark_kind
+    for kind in sorted({benchmark_kind(name, rows) for name, rows in benchmarks.items()}):
+        if kind not in scorers:
+            scorers[kind] = make_scorer(cfg, shaped=False, task=kind)
+    return scorers
 
 
 class _NullWriter:
