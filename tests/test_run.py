@@ -151,3 +151,38 @@ def test_a_neutral_template_asks_for_the_rewards_answer(tmp_path):
             assert run.template("Add 2.") == f"Add 2.\n{instruction}"
         finally:
             run.close()
+
+
+def test_long_eval_prompts_are_reported_at_start_up(tmp_path, caplog):
+    """Prompts of data.eval benchmarks over data.max_prompt_len (they would be evaluated from
+    their last tokens) are counted per benchmark in a warning at start-up; a math run's code
+    benchmark is measured with the code instruction it is asked with."""
+    import json
+    import logging
+
+    from delta_jax.data import templates
+    from tests.rl_fixtures import single_device_mesh
+
+    spec = json.dumps({"tests": ["assert f(1) == 2"]})
+    math_rows = [{"problem": "1 + 1?", "answer": "2"},
+                 {"problem": "What is " + " plus ".join(["1"] * 40) + "?", "answer": "40"}]
+    code_rows = [{"problem": "Write f(x) = x + 1.", "answer": spec}]
+    for name, rows in (("m", math_rows), ("c", code_rows)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_rl_config("grpo", data=dict(eval=f"{tmp_path}/m.jsonl,{tmp_path}/c.jsonl"))
+    with caplog.at_level(logging.WARNING, logger="delta_jax.train"):
+        run = run_lib.build_run(cfg, str(tmp_path / "w"), need_data=False, need_scorer=False,
+                                mesh=single_device_mesh())
+    try:
+        limit = cfg.data.max_prompt_len
+        for name, rows, template in (("m", math_rows, run.template),
+                                     ("c", code_rows, templates.for_task(run.template, "code"))):
+            lengths = [len(run.tokenizer.encode(template(r["problem"]))) for r in rows]
+            over = [n for n in lengths if n > limit]
+            assert over, (name, lengths)  # the test's rows are long enough to be reported
+            assert (f"data.eval: {name}: {len(over)} of {len(rows)} prompts are over "
+                    f"data.max_prompt_len={limit} tokens (the longest: {max(lengths)})"
+                    ) in caplog.text
+        assert caplog.text.count("data.eval: m:") == 1  # one warning per benchmark
+    finally:
+        run.close()

@@ -24,14 +24,12 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     if not run.benchmarks:
         return {}, None
     from delta_jax import evaluation
-    from delta_jax.data.templates import for_task
-    from delta_jax.train.run import add_eval_scorers, reward_task
+    from delta_jax.train.run import add_eval_scorers, eval_prompts
 
     # Each benchmark is graded by its own kind's reward (accuracy only) and asked for that kind's
     # answer form: a math run's HumanEval runs unit tests on a ```python block.
     add_eval_scorers(cfg, run.benchmarks, run.eval_scorers)
-    prompts = {kind: run.template if kind == reward_task(cfg) else for_task(run.template, kind)
-               for kind in run.eval_scorers}
+    prompts = eval_prompts(cfg, run.template, run.benchmarks)
     run.sampler.update_params(run.model(params))
     generate_fn = evaluation.sampler_generate_fn(
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,

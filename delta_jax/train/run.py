@@ -233,6 +233,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     # The data before the model: a bad data.train stops the run before weights are read.
     data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
                  if need_data and cfg.mode == "train" else None)
+    warn_long_eval_prompts(cfg, benchmarks, eval_prompts(cfg, template, benchmarks), tokenizer)
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
@@ -399,6 +400,34 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction)
+
+
+def eval_prompts(cfg, template, benchmarks: dict) -> dict:
+    """{kind: prompt format} for the kinds of `benchmarks`: the run's template for the run's own
+    task, the same layout asking for the other task's answer for the other
+    (templates.for_task: a math run's HumanEval asks for a ```python program)."""
+    from delta_jax.data.templates import for_task
+    from delta_jax.evaluation import benchmark_kind
+    kinds = {benchmark_kind(name, rows) for name, rows in benchmarks.items()}
+    return {kind: template if kind == reward_task(cfg) else for_task(template, kind)
+            for kind in sorted(kinds)}
+
+
+def warn_long_eval_prompts(cfg, benchmarks: dict, prompts: dict, tokenizer) -> None:
+    """Warns at start-up, per data.eval benchmark, of prompts (of the eval.limit questions
+    evaluated) over data.max_prompt_len tokens: the sampler keeps their last tokens only, so
+    those questions are evaluated without their beginning."""
+    from delta_jax.data.pipeline import prompt_lengths
+    from delta_jax.evaluation import benchmark_kind
+    limit = cfg.data.max_prompt_len
+    for name, rows in benchmarks.items():
+        fmt = prompts[benchmark_kind(name, rows)]
+        lengths = prompt_lengths(rows[:cfg.eval.limit or None], fmt, tokenizer.encode_batch)
+        over = sum(n > limit for n in lengths)
+        if over:
+            log.warning("data.eval: %s: %d of %d prompts are over data.max_prompt_len=%d tokens "
+                        "(the longest: %d); they are evaluated from their last %d tokens", name,
+                        over, len(lengths), limit, max(lengths), limit)
 
 
 def add_eval_scorers(cfg, benchmarks: dict, scorers: dict) -> dict:
