@@ -64,8 +64,7 @@ def run(cfg, workdir: str):
         if cfg.mode in ("train", "sft"):
             check_resume_config(cfg, workdir)
         if jax.process_index() == 0 and cfg.mode != "eval":
-            with open(os.path.join(workdir, "config.json"), "w") as f:
-                json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
+            write_config(cfg, workdir)
         from delta_jax.train import loop  # heavy imports only after the config is known good
 
         if cfg.mode == "sft":
@@ -81,6 +80,21 @@ def run(cfg, workdir: str):
     finally:
         if lock is not None:
             lock.release()
+
+
+def write_config(cfg, workdir: str) -> None:
+    """workdir/config.json, replaced at once (a temporary file, then os.replace): the other
+    processes of a multi-host run read it in check_resume_config while process 0 writes it, and
+    a file rewritten in place can be read half-written."""
+    path = os.path.join(workdir, "config.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def check_resume_config(cfg, workdir: str):

@@ -276,3 +276,24 @@ def test_resume_with_a_changed_config_lists_the_changes(tmp_path):
     with changed.unlocked():
         changed.train.allow_config_change = True
     main_lib.check_resume_config(changed, str(workdir))  # explicitly allowed
+
+
+def test_config_json_is_replaced_whole(tmp_path, monkeypatch):
+    """config.json is never seen half-written (the other processes of a multi-host run read it
+    while process 0 writes it): a write that fails midway leaves the old file and no temporary."""
+    from delta_jax import main as main_lib
+
+    cfg = validate_config(load_config(REPO / "experiments" / "tiny.py"))
+    main_lib.write_config(cfg, str(tmp_path))
+    old = (tmp_path / "config.json").read_text()
+    assert json.loads(old) == cfg.to_dict()
+
+    def dump_half(obj, f, **kwargs):
+        f.write('{"half": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(json, "dump", dump_half)
+    with pytest.raises(OSError, match="disk full"):
+        main_lib.write_config(cfg, str(tmp_path))
+    assert (tmp_path / "config.json").read_text() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
