@@ -142,9 +142,7 @@ def _code_row(row: Mapping, where: str, index: int) -> dict | None:
     if "problem" in row and isinstance(answer, (str, Mapping)):
         if isinstance(answer, str) and not answer.lstrip().startswith("{"):
             return None
-        try:
-            sandbox.parse_spec(answer)
-        except sandbox.SpecError:
+        if not sandbox.is_spec(answer):
             return None
         spec = answer if isinstance(answer, str) else json.dumps(answer, sort_keys=True)
         return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": spec,

@@ -62,6 +62,8 @@ def test_extract_program():
 
 def test_parse_spec_layouts_and_errors():
     assert sb.parse_spec({"prompt": "", "entry_point": "f", "test": ""})["kind"] == "function"
+    assert sb.is_spec('{"tests": ["assert True"]}') and not sb.is_spec("{1, 2}")
+    assert not sb.is_spec("42") and not sb.is_spec({"tests": []})
     assert sb.parse_spec('{"inputs": ["1"], "outputs": ["1"]}')["kind"] == "stdio"
     assert sb.parse_spec({"inputs": [[1]], "outputs": [1], "fn_name": "f"})["kind"] == "call"
     assert sb.parse_spec({"tests": ["assert 1"]})["kind"] == "assert"

@@ -158,6 +158,15 @@ def parse_spec(spec: Mapping[str, Any] | str) -> dict:
                     "(stdin/stdout or call-based), {tests[, setup]} (assert list)")
 
 
+def is_spec(value: Any) -> bool:
+    """Whether `value` (a dict or its JSON string) is a test spec parse_spec accepts."""
+    try:
+        parse_spec(value)
+        return True
+    except SpecError:
+        return False
+
+
 def num_tests(spec: dict) -> int:
     return {"function": 1, "stdio": len(spec.get("inputs", ())),
             "call": len(spec.get("inputs", ())), "assert": len(spec.get("tests", ()))}[spec["kind"]]

@@ -24,12 +24,11 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     if not run.benchmarks:
         return {}, None
     from delta_jax import evaluation
-    from delta_jax.train.run import add_eval_scorers, eval_prompts
+    from delta_jax.train.run import add_eval_scorers
 
     # Each benchmark is graded by its own kind's reward (accuracy only) and asked for that kind's
-    # answer form: a math run's HumanEval runs unit tests on a ```python block.
-    add_eval_scorers(cfg, run.benchmarks, run.eval_scorers)
-    prompts = eval_prompts(cfg, run.template, run.benchmarks)
+    # answer form (run.eval_prompts): a math run's HumanEval runs unit tests on a ```python block.
+    add_eval_scorers(cfg, run.eval_prompts, run.eval_scorers)
     run.sampler.update_params(run.model(params))
     generate_fn = evaluation.sampler_generate_fn(
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
@@ -40,7 +39,7 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]
     result = evaluation.evaluate(
         generate_fn, run.benchmarks, k=cfg.eval.k, pass_ks=pass_k,
-        format_prompt=prompts, limit=cfg.eval.limit or None, scorer=run.eval_scorers,
+        format_prompt=run.eval_prompts, limit=cfg.eval.limit or None, scorer=run.eval_scorers,
         settings={"step": step, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                   "max_new_tokens": cfg.eval.max_new_tokens})
     metrics = _flatten_eval(result)

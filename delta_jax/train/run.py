@@ -15,7 +15,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
-from delta_jax.errors import naming
+from delta_jax.errors import InputError, naming
 from delta_jax.sampling import Sampler
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
@@ -177,6 +177,7 @@ class Run:
     data_iter: Any = None
     scorer: Any = None
     benchmarks: dict = dataclasses.field(default_factory=dict)  # data.eval: name -> rows
+    eval_prompts: dict = dataclasses.field(default_factory=dict)  # kind -> prompt format
     eval_scorers: dict = dataclasses.field(default_factory=dict)  # kind -> scorer (accuracy)
     with_delta: bool = False     # the old-policy pass feeds DelTA (method delta, token view)
     initial_params: Any = None
@@ -233,7 +234,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     # The data before the model: a bad data.train stops the run before weights are read.
     data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
                  if need_data and cfg.mode == "train" else None)
-    warn_long_eval_prompts(cfg, benchmarks, eval_prompts(cfg, template, benchmarks), tokenizer)
+    prompts = eval_prompts(cfg, template, benchmarks)
+    warn_long_eval_prompts(cfg, benchmarks, prompts, tokenizer)
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
@@ -258,7 +260,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                           keep=cfg.train.keep),
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
         initial_params=params, mesh=mesh, state_shardings=state_shardings, data_iter=data_iter,
-        benchmarks=benchmarks,
+        benchmarks=benchmarks, eval_prompts=prompts,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
     if cfg.mode == "train":
         run.train_step = make_train_step(
@@ -295,7 +297,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
     if need_scorer:  # made now: a scorer that cannot start (code isolation) stops the run here
-        add_eval_scorers(cfg, benchmarks, run.eval_scorers)
+        add_eval_scorers(cfg, prompts, run.eval_scorers)
     return run
 
 
@@ -325,18 +327,10 @@ def check_reward_fits_data(source, reward_name: str, sample: int = 64) -> None:
     "code", math answers for the others. Checked on the first `sample` records, so a math
     reward on code problems (rewards 0) or the code reward on math answers (a crash at the
     first step's scoring) stops the run at start-up."""
-    from delta_jax.errors import InputError
     from delta_jax.rl import sandbox
 
-    def is_spec(answer):
-        try:
-            sandbox.parse_spec(answer)
-            return True
-        except sandbox.SpecError:
-            return False
-
     answers = [source[i]["answer"] for i in range(min(len(source), sample))]
-    specs = [is_spec(a) for a in answers]
+    specs = [sandbox.is_spec(a) for a in answers]
     if reward_name == "code" and not all(specs):
         example = answers[specs.index(False)]
         raise InputError(
@@ -393,7 +387,8 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
     r = cfg.rewards
     overlong = shaped and r.overlong
     return RewardScorer(
-        name=r.name if task in (None, reward_task(cfg)) else task, num_workers=r.num_workers, timeout_s=r.timeout_s,
+        name=r.name if task in (None, reward_task(cfg)) else task, num_workers=r.num_workers,
+        timeout_s=r.timeout_s,
         max_response_len=cfg.rollout.max_new_tokens if shaped else None,
         overlong_buffer_len=r.overlong_buffer if overlong else 0,
         overlong_penalty_factor=r.overlong_factor, code_sandbox=r.code_sandbox,
@@ -430,12 +425,11 @@ def warn_long_eval_prompts(cfg, benchmarks: dict, prompts: dict, tokenizer) -> N
                         over, len(lengths), limit, max(lengths), limit)
 
 
-def add_eval_scorers(cfg, benchmarks: dict, scorers: dict) -> dict:
-    """Adds to `scorers` ({kind: scorer}) an accuracy scorer for each kind of benchmark in
-    `benchmarks` ({name: rows}) it lacks: the run's reward for the run's own task, the other
-    task's plain reward for the other (a math run's HumanEval runs unit tests)."""
-    from delta_jax.evaluation import benchmark_kind
-    for kind in sorted({benchmark_kind(name, rows) for name, rows in benchmarks.items()}):
+def add_eval_scorers(cfg, kinds, scorers: dict) -> dict:
+    """Adds to `scorers` ({kind: scorer}) an accuracy scorer for each of the benchmark `kinds`
+    ("math", "code") it lacks: the run's reward for the run's own task, the other task's plain
+    reward for the other (a math run's HumanEval runs unit tests)."""
+    for kind in sorted(kinds):
         if kind not in scorers:
             scorers[kind] = make_scorer(cfg, shaped=False, task=kind)
     return scorers
