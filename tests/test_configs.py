@@ -117,6 +117,11 @@ def test_bad_overrides_name_the_field():
     cfg = parse([base, "--config.rl.micro_batch_size=5"])
     with pytest.raises(ConfigError, match=r"^rl\.micro_batch_size"):
         validate_config(cfg)
+    cfg = parse([base, "--config.rl.ratio_level=group"])
+    with pytest.raises(ConfigError, match=r"^rl\.ratio_level"):
+        validate_config(cfg)
+    cfg = validate_config(parse([base, "--config.rl.ratio_level=sequence"]))
+    assert cfg.rl.ratio_level == "sequence"
 
 
 def test_unknown_and_mistyped_fields_in_a_config_file():

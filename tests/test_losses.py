@@ -1,12 +1,15 @@
-"""Policy loss: hand-computed DAPO example, finite-difference gradients, exact accumulation."""
+"""Policy loss: hand-computed DAPO example, finite-difference gradients, exact accumulation,
+GSPO's sequence-level ratio against its paper's sequence objective."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from delta_jax.rl.losses import (AGG_MODES, PolicyLossConfig, aggregate, finalize_metrics,
-                                 kl_penalty, policy_loss)
+from delta_jax.rl.losses import (AGG_MODES, RATIO_LEVELS, PolicyLossConfig, aggregate,
+                                 finalize_metrics, kl_penalty, policy_loss)
 
 
 def _dapo_example():
@@ -117,8 +120,9 @@ def test_gradient_matches_finite_differences(agg):
         assert np.abs(g_lp).max() > 1e-3
 
 
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("agg", AGG_MODES)
-def test_micro_batch_accumulation_is_exact(agg):
+def test_micro_batch_accumulation_is_exact(agg, ratio_level):
     rng = np.random.default_rng(3)
     B, T = 6, 7
     old = rng.normal(size=(B, T)) - 2
@@ -130,7 +134,7 @@ def test_micro_batch_accumulation_is_exact(agg):
     ent = rng.uniform(0, 2, size=(B, T))
     ref = old + rng.normal(scale=0.2, size=(B, T))
     cfg = PolicyLossConfig(agg=agg, drgrpo_norm=16.0, kl_type="k2", kl_coef=0.05,
-                           entropy_coef=0.01)
+                           entropy_coef=0.01, ratio_level=ratio_level)
     as_j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
 
     def run(rows, t_max=T):
@@ -179,6 +183,8 @@ def test_aggregate_and_config_errors():
         PolicyLossConfig(dual_clip=1.1)
     with pytest.raises(ValueError, match="kl_type"):
         PolicyLossConfig(kl_type="k4")
+    with pytest.raises(ValueError, match="ratio_level"):
+        PolicyLossConfig(ratio_level="group")
     logp, old, adv, mask = _dapo_example()
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(kl_type="k3", kl_coef=0.1))
@@ -186,3 +192,100 @@ def test_aggregate_and_config_errors():
         policy_loss(logp, old[:, :2], adv, mask)
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(logp, old, adv[:1], mask)
+
+
+# ----------------------------------------------------------------------------- GSPO
+
+
+def _gspo_reference(logp, old, adv, mask, eps_low, eps_high):
+    """GSPO's objective as its paper writes it (arXiv 2507.18071, eqs. 5-7), as a loss:
+    s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|), loss = -(1/G) sum_i min(s_i A_i,
+    clip(s_i, 1 - eps_low, 1 + eps_high) A_i) over the responses with a token."""
+    m = mask > 0
+    n = m.sum(-1)
+    s = jnp.exp(jnp.where(m, logp - old, 0.0).sum(-1) / jnp.maximum(n, 1))
+    per_seq = jnp.minimum(s * adv, jnp.clip(s, 1 - eps_low, 1 + eps_high) * adv)
+    return -jnp.where(n > 0, per_seq, 0.0).sum() / (n > 0).sum()
+
+
+def test_sequence_ratio_is_gspo_sequence_objective():
+    """ratio_level="sequence" with seq-mean-token-mean and per-response advantages: value and
+    gradient equal GSPO's sequence objective (float64), whose responses cover every case: ratio
+    inside the clip range, clipped high (A > 0), clipped low (A < 0), clipped on the side that does
+    not bind, a response of one token, one without any (all padding) and inf in the padding."""
+    rng = np.random.default_rng(5)
+    B, T = 7, 6
+    lengths = np.array([6, 4, 5, 3, 1, 0, 6])
+    # Mean log-ratio per response; the paper's clip range is 3e-4 / 4e-4.
+    seq_shift = np.array([1e-4, 9e-4, -9e-4, 9e-4, -2e-4, 0.0, -9e-4])
+    adv = np.array([1.0, 0.7, -1.3, -0.4, 2.0, 1.0, 0.5])
+    with jax.enable_x64(True):
+        old = rng.normal(size=(B, T)) - 2
+        noise = rng.normal(scale=0.05, size=(B, T))
+        mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float64)
+        # Token log-ratios spread around the response's mean (noise with its own mean removed).
+        noise -= (noise * mask).sum(-1, keepdims=True) / np.maximum(mask.sum(-1, keepdims=True), 1)
+        logp = old + (seq_shift[:, None] + noise) * mask
+        logp[mask == 0] = np.inf
+        logp, old, adv, mask = map(jnp.asarray, (logp, old, adv, mask))
+        cfg = PolicyLossConfig(eps_low=3e-4, eps_high=4e-4, dual_clip=None,
+                               agg="seq-mean-token-mean", ratio_level="sequence")
+
+        def ours(lp):
+            s, d, _ = policy_loss(lp, old, adv, mask, cfg=cfg)
+            return s / d
+
+        def reference(lp):
+            return _gspo_reference(lp, old, adv, mask, 3e-4, 4e-4)
+
+        finite = jnp.where(mask > 0, logp, old)  # the reference needs finite padding
+        np.testing.assert_allclose(ours(logp), reference(finite), rtol=1e-12)
+        g, g_ref = jax.grad(ours)(logp), jax.grad(reference)(finite)
+        assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[np.asarray(mask) == 0] == 0)
+        np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-14)
+        # Rows 1 (A > 0, s > 1 + eps_high) and 2 (A < 0, s < 1 - eps_low) are clipped: no gradient;
+        # row 3 (A < 0, s > 1 + eps_high) is not; row 0 sits inside the range.
+        grad_rows = np.abs(np.asarray(g)).sum(-1)
+        assert grad_rows[1] == 0 and grad_rows[2] == 0 and grad_rows[5] == 0
+        assert np.all(grad_rows[[0, 3, 4, 6]] > 1e-3)
+        # The token-level ratio on the same inputs is another objective (its clipping differs).
+        s, d, _ = policy_loss(logp, old, adv, mask,
+                              cfg=dataclasses.replace(cfg, ratio_level="token"))
+        assert abs(float(s / d) - float(ours(logp))) > 1e-6
+
+
+def test_sequence_ratio_with_token_advantages_and_weights():
+    """GSPO-token: inside the clip range the gradient of token t of response i is
+    -A_{i,t} w_{i,t} s_i / |y_i| per response (seq-mean-token-mean over G responses), the
+    sequence's ratio s_i multiplying each token's own score; every token of a response reports
+    the same ratio, and the KL metrics stay per token."""
+    rng = np.random.default_rng(6)
+    B, T = 3, 5
+    lengths = np.array([5, 2, 4])
+    mask = jnp.asarray((np.arange(T)[None] < lengths[:, None]).astype(np.float32))
+    old = jnp.asarray(rng.normal(size=(B, T)) - 2, jnp.float32)
+    log_r = jnp.asarray(rng.normal(scale=0.1, size=(B, T)), jnp.float32)
+    logp = old + log_r
+    adv = jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, size=(B, T)), jnp.float32)
+    cfg = PolicyLossConfig(eps_low=0.9, eps_high=10.0, dual_clip=None, agg="seq-mean-token-mean",
+                           ratio_level="sequence")
+    g = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, token_weights=w, cfg=cfg)[0])(logp)
+    m = np.asarray(mask)
+    s = np.exp((np.asarray(log_r) * m).sum(-1) / lengths)
+    expected = -np.asarray(adv) * np.asarray(w) * s[:, None] / lengths[:, None] * m
+    np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-7)
+    _, _, metrics = policy_loss(logp, old, adv, mask, token_weights=w, cfg=cfg)
+    fm = finalize_metrics(metrics)
+    np.testing.assert_allclose(fm["ratio_mean"], (s * lengths).sum() / lengths.sum(), rtol=1e-5)
+    token = finalize_metrics(policy_loss(logp, old, adv, mask, token_weights=w,
+                                         cfg=dataclasses.replace(cfg, ratio_level="token"))[2])
+    for key in ("approx_kl", "approx_kl_k1"):
+        np.testing.assert_allclose(fm[key], token[key], rtol=1e-6)
+    # Responses whose token ratios are all equal: the two levels are the same loss.
+    flat = old + jnp.asarray([[0.05], [-0.2], [0.4]], jnp.float32)
+    for level_cfg in (cfg, PolicyLossConfig(ratio_level="sequence")):
+        a = policy_loss(flat, old, adv, mask, token_weights=w, cfg=level_cfg)[0]
+        b = policy_loss(flat, old, adv, mask, token_weights=w,
+                        cfg=dataclasses.replace(level_cfg, ratio_level="token"))[0]
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -160,6 +160,46 @@ def test_fused_logprob_step_matches_chunked(setup, sgd_steps):
     assert moved > 1e-3
 
 
+def test_sequence_ratio_step_follows_gspo(setup):
+    """rl.ratio_level=sequence through the run's loss (run.make_loss_fn of a validated config)
+    and the train step, in two micro-batches: SGD(lr=1) moves the parameters by minus the
+    gradient of GSPO's sequence objective computed from full logits, with one response clipped
+    (its mean log-ratio beyond the range) and the others inside it."""
+    from delta_jax.train import run as run_lib
+    from tests.rl_fixtures import tiny_rl_config
+    from tests.test_losses import _gspo_reference
+
+    graphdef, params, rest, batch = setup
+    cfg = tiny_rl_config("dapo", rl=dict(ratio_level="sequence", eps_low=3e-3, eps_high=4e-3,
+                                         agg="seq-mean-token-mean"))
+    mask = batch["response_mask"]
+    # Token log-ratios of +-0.02 around each response's mean (far outside the clip range token
+    # by token, so a token-level ratio would clip most of them); row 0's mean (A > 0) is past
+    # 1 + eps_high: clipped, no gradient.
+    noise = 0.02 * np.where(np.arange(R) % 2, 1.0, -1.0)[None] * np.asarray(mask)
+    noise -= (noise.sum(-1) / np.asarray(mask).sum(-1))[:, None] * np.asarray(mask)
+    shift = np.asarray([[-0.01], [0.001], [-0.002], [0.0015]])
+    old = reference_logp(graphdef, params, rest, batch) + jnp.asarray(shift - noise, jnp.float32)
+    batch = dict(batch, old_logp=old, token_weights=mask)
+
+    def ref_loss(p):
+        return _gspo_reference(reference_logp(graphdef, p, rest, batch), old,
+                               batch["advantages"], mask, 3e-3, 4e-3)
+
+    ref_grads = jax.grad(ref_loss)(params)
+    opt = optax.sgd(1.0)
+    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
+                           chunk_size=4, micro_batch_size=2)
+    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss(params)), rtol=1e-4)
+    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
+                       jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
+                                   rtol=1e-3)
+    assert float(metrics["clip_frac_high"]) == float(jnp.sum(mask[0]))  # row 0's tokens
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
+
+
 def test_sft_loss_fused_matches_chunked(setup):
     from delta_jax.train import sft
 

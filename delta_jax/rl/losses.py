@@ -6,6 +6,12 @@ Optimization Algorithms", https://arxiv.org/abs/1707.06347) with
 * dual clip for negative advantages: loss <= -A * c (Ye et al. 2020, "Mastering Complex Control
   in MOBA Games with Deep RL", https://arxiv.org/abs/1912.09729),
 * a clamp of the log-ratio before exp (numerical safety, as in verl),
+* optionally a sequence-level ratio (GSPO, Zheng et al. 2025, "Group Sequence Policy
+  Optimization", https://arxiv.org/abs/2507.18071): every token of response i uses
+  s_i = exp(mean_t log(pi / pi_old)) in place of its own ratio, clipped like it, in GSPO-token's
+  form log s_{i,t} = sg(log s_i) + log pi(y_t) - sg(log pi(y_t)); with per-sequence advantages
+  its value and gradient are GSPO's sequence objective (seq-mean-token-mean aggregation),
+  and per-token advantages or weights act per token as in GSPO-token,
 * optional per-token weights (e.g. DelTA coefficients, rl/delta.py) multiplying the per-token
   surrogate loss before aggregation; for positive weights this equals replacing A by A * w (spec
   2.8), because every branch of the clipped surrogate is linear in A,
@@ -41,6 +47,7 @@ Array = jax.Array
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = (None, "k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +60,8 @@ class PolicyLossConfig:
     agg: one of AGG_MODES. drgrpo_norm: the constant of "seq-mean-token-sum-norm" (required there).
     kl_type: None, "k1", "k2" or "k3"; kl_coef: its weight (needs ref_logp).
     entropy_coef: weight of the entropy bonus (subtracted from the loss; needs entropy).
+    ratio_level: "token" (PPO's per-token ratio) or "sequence" (GSPO's length-normalised
+      sequence ratio, see the module doc; its paper clips it at eps 3e-4 / 4e-4).
     """
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -63,6 +72,7 @@ class PolicyLossConfig:
     kl_type: str | None = None
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    ratio_level: str = "token"
 
     def __post_init__(self):
         if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
@@ -83,6 +93,9 @@ class PolicyLossConfig:
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"PolicyLossConfig: kl_type must be one of {KL_TYPES}, "
                              f"got {self.kl_type!r}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"PolicyLossConfig: ratio_level must be one of {RATIO_LEVELS}, "
+                             f"got {self.ratio_level!r}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("PolicyLossConfig: kl_coef and entropy_coef must be >= 0")
 
@@ -112,6 +125,19 @@ def clipped_surrogate(log_ratio: Array, advantages: Array, eps_low: float, eps_h
     else:
         flags["dual"] = jnp.zeros_like(clip_active)
     return loss, {k: v.astype(loss.dtype) for k, v in flags.items()}
+
+
+def sequence_log_ratio(token_log_ratio: Array, logp: Array, valid: Array) -> Array:
+    """GSPO-token's log s_{i,t} = sg(log s_i) + log pi(y_t) - sg(log pi(y_t)), [B, T]: the value
+    of every valid token of row i is log s_i, the mean of the row's token log-ratios over its
+    valid tokens, and its gradient is that of log pi(y_t) (0 on padding; a row without valid
+    tokens gets 0)."""
+    sg = jax.lax.stop_gradient
+    count = valid.sum(axis=-1, keepdims=True)
+    seq = jnp.where(valid, token_log_ratio, 0.0).sum(axis=-1, keepdims=True) / jnp.maximum(
+        count, 1)
+    logp = jnp.where(valid, logp, 0.0)
+    return sg(seq) + logp - sg(logp)
 
 
 def kl_penalty(logp: Array, ref_logp: Array, kl_type: str, log_ratio_clamp: float | None = 20.0
@@ -216,13 +242,15 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     mask = _upcast(mask)
     adv = sg(_upcast(advantages))
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, shape)
-    log_ratio = logp - sg(_upcast(old_logp))
-    if cfg.log_ratio_clamp is not None:
-        log_ratio = jnp.clip(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    surrogate, flags = clipped_surrogate(log_ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
-    pg = surrogate if token_weights is None else surrogate * sg(_upcast(token_weights))
     # Padding may hold anything (even inf): select it away rather than multiply by the mask.
     valid = mask > 0
+    token_log_ratio = logp - sg(_upcast(old_logp))
+    if cfg.log_ratio_clamp is not None:
+        token_log_ratio = jnp.clip(token_log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    log_ratio = (token_log_ratio if cfg.ratio_level == "token"
+                 else sequence_log_ratio(token_log_ratio, logp, valid))
+    surrogate, flags = clipped_surrogate(log_ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    pg = surrogate if token_weights is None else surrogate * sg(_upcast(token_weights))
     pg = jnp.where(valid, pg, 0.0)
     per_token = pg
     pg_sum, denom = aggregate(pg, mask, cfg.agg, cfg.drgrpo_norm)
@@ -230,8 +258,9 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     def token_sum(x):
         return jnp.where(valid, x, 0.0).sum()
 
+    # The ratio the surrogate used (per token, or its sequence's); KL(pi_old || pi) per token.
     ratio = jnp.where(valid, jnp.exp(sg(log_ratio)), 0.0)
-    neg_log_ratio = -sg(log_ratio)
+    neg_log_ratio = -sg(token_log_ratio)
     metrics = {
         "tokens": mask.sum(),
         "sequences": (mask.sum(-1) > 0).sum().astype(mask.dtype),

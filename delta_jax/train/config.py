@@ -49,6 +49,7 @@ CHOICES = {
     "delta.feature_cache": ("device", "host", "recompute"),
     "rl.kl_type": ("k1", "k2", "k3"),
     "rl.rollout_is": ("none", "tis", "mis"),  # rl.rollout_correction.MODES
+    "rl.ratio_level": ("token", "sequence"),  # rl.losses.RATIO_LEVELS
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
     "delta.assignment": ("soft", "hard"),
@@ -172,6 +173,11 @@ def default_config() -> config_dict.ConfigDict:
     c.rl.dual_clip = _P(float)   # 0 disables
     c.rl.agg = _P(str)
     c.rl.log_ratio_clamp = 20.0
+    # The importance ratio of the clipped surrogate: "token" (PPO / GRPO / DAPO, the paper's) or
+    # "sequence" (GSPO: each response's length-normalised ratio exp(mean_t log pi / pi_old) for
+    # all its tokens; its paper clips at rl.eps_low=3e-4, rl.eps_high=4e-4, rl.agg=
+    # seq-mean-token-mean). DelTA's token weights and rl.rollout_is still act per token.
+    c.rl.ratio_level = "token"
     c.rl.entropy_coef = 0.0
     # KL penalty to a frozen reference policy (the initial policy, after any SFT warm start).
     # 0 = off (the paper's setting). When on, the run keeps a second copy of the parameters and
