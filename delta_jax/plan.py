@@ -344,8 +344,12 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     params = abstract_params(model_cfg)
     if optimizer is None:
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
-    opt_state = jax.eval_shape(optimizer.init, params)
+    # Gradients and optimizer state cover the trainable parameters only (LoRA: the adapters).
+    from delta_jax.train.state import split_trainable
+    trainable = split_trainable(params)[0]
+    opt_state = jax.eval_shape(optimizer.init, trainable)
     param_bytes = tree_device_bytes(params, mesh, rules)
+    trainable_bytes = tree_device_bytes(trainable, mesh, rules)
     opt_bytes = tree_device_bytes(opt_state, mesh, rules)
 
     def rows_per_device(rows):
@@ -355,7 +359,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     micro = micro_batch_rows if 0 < micro_batch_rows < mini_batch_rows else mini_batch_rows
     # The step accumulates micro-batch gradients into a buffer: two gradient trees with
     # micro-batching, one without.
-    grad_bytes = param_bytes * (2 if micro < mini_batch_rows else 1)
+    grad_bytes = trainable_bytes * (2 if micro < mini_batch_rows else 1)
 
     L, H, V = model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size
     a = jnp.dtype(model_cfg.dtype).itemsize
@@ -426,7 +430,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # whole call (XLA:CPU's buffer assignment: the decode program's temporaries are these bytes
     # plus the logits; tests/test_plan.py). Whether XLA:GPU does the same is not measured.
     from delta_jax.models.transformer import NORM_NAMES
-    layer_weights = {k: v for k, v in params["layers"].items() if k not in NORM_NAMES}
+    layer_weights = {k: v for k, v in params["layers"].items()
+                     if k not in NORM_NAMES and "_lora_" not in k}
     decode_copy = (tree_device_bytes(layer_weights, mesh, rules) * a
                    // jnp.dtype(model_cfg.param_dtype).itemsize)
     prefill_prompts = max(1, sampler_rows // group_size)
@@ -523,19 +528,22 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
     remat = cfg.model.remat if remat is None else remat
     if remat == "auto":
         remat = choose_remat(cfg, cfg.plan.device_memory_gb * GB, target=cfg.plan.target)[0]
+    from delta_jax.train.config import lora_targets
+    lora = dict(lora_rank=cfg.model.lora_rank, lora_alpha=float(cfg.model.lora_alpha),
+                lora_targets=lora_targets(cfg) if cfg.model.lora_rank else ())
     if cfg.model.random_init or not cfg.model.path:
         overrides = {f: cfg.model[f] for f in ("hidden_size", "intermediate_size", "num_layers",
                                                "num_heads", "num_kv_heads", "head_dim",
                                                "vocab_size") if cfg.model[f]}
         return models.get_preset(cfg.model.preset, dtype=dtype, param_dtype=param_dtype,
                                  remat=remat, attention=cfg.model.attention,
-                                 **overrides)
+                                 **overrides, **lora)
     import os
     path = os.path.join(cfg.model.path, "config.json")
     with naming("model.path"):
         return models.config_from_hf(models.read_config_json(cfg.model.path), where=path,
                                      dtype=dtype, param_dtype=param_dtype, remat=remat
-                                     ).replace(attention=cfg.model.attention)
+                                     ).replace(attention=cfg.model.attention, **lora)
 
 
 def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):

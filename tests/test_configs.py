@@ -6,7 +6,8 @@ import pytest
 from absl import flags
 from ml_collections import config_dict, config_flags
 
-from delta_jax.train.config import (ConfigError, default_config, method_settings,
+from delta_jax import models
+from delta_jax.train.config import (ConfigError, default_config, lora_targets, method_settings,
                                     validate_config)
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
@@ -122,6 +123,16 @@ def test_bad_overrides_name_the_field():
         validate_config(cfg)
     cfg = validate_config(parse([base, "--config.rl.ratio_level=sequence"]))
     assert cfg.rl.ratio_level == "sequence"
+    for override, field in [("model.lora_rank=-1", "model.lora_rank"),
+                            ("model.lora_alpha=0", "model.lora_alpha"),
+                            ("model.lora_targets=q_proj,qkv", "model.lora_targets"),
+                            ("model.lora_targets=q_proj,q_proj", "model.lora_targets")]:
+        with pytest.raises(ConfigError, match=rf"^{field}"):
+            validate_config(parse([base, f"--config.{override}"]))
+    cfg = validate_config(parse([base, "--config.model.lora_rank=8",
+                                 "--config.model.lora_targets=q_proj, v_proj"]))
+    assert lora_targets(cfg) == ("q_proj", "v_proj")
+    assert lora_targets(default_config()) == models.LORA_TARGETS  # "all": the model's list
 
 
 def test_unknown_and_mistyped_fields_in_a_config_file():

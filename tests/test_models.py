@@ -1,4 +1,4 @@
-"""Transformer behaviour: presets, axis names, KV-cache decoding, masking, dtype, remat."""
+"""Transformer behaviour: presets, axis names, KV-cache decoding, masking, dtype, remat, LoRA."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +19,20 @@ def model():
     var = getattr(m.layers, name)
     key, sub = jax.random.split(key)
     var.set_value(1.0 + 0.3 * jax.random.normal(sub, var.shape))
+  return m
+
+
+@pytest.fixture(scope="module")
+def lora_model(model):
+  """`model` with LoRA adapters (rank 3, alpha 6) on every projection, B non-zero (a fresh
+  adapter changes nothing)."""
+  m = nnx.clone(model).add_lora(3, 6.0, seed=2)
+  key = jax.random.key(3)
+  for name in m.layers.lora_names():
+    if name.endswith("_lora_b"):
+      var = getattr(m.layers, name)
+      key, sub = jax.random.split(key)
+      var.set_value(0.2 * jax.random.normal(sub, var.shape))
   return m
 
 
@@ -95,6 +109,11 @@ def _reference_forward(m, ids):
     return v * cos[:, None] + rot * sin[:, None]
 
   p = {k: np.asarray(v) for k, v in m.layers.arrays().items()}
+  for name in [k for k in p if k.endswith("_lora_a")]:  # W + (alpha / r) A B, layer by layer
+    target = name[:-len("_lora_a")]
+    a, b = p.pop(name), p.pop(f"{target}_lora_b")
+    p[target] = p[target] + cfg.lora_alpha / cfg.lora_rank * np.stack(
+        [np.tensordot(a[i], b[i], axes=1) for i in range(cfg.num_layers)])
   for layer in range(cfg.num_layers):
     h = norm(x, p["input_norm"][layer])
     q = np.einsum("th,hnd->tnd", h, p["q_proj"][layer])
@@ -117,7 +136,11 @@ def _reference_forward(m, ids):
   return hidden @ np.asarray(m.lm_head_weight()), hidden
 
 
-def test_forward_matches_naive_reference(model):
+@pytest.mark.parametrize("which", ["model", "lora_model"])
+def test_forward_matches_naive_reference(request, which):
+  """The layer scan (with LoRA: W x + scale (x A) B, never merged) against a numpy forward
+  (with LoRA: on the merged W + scale A B)."""
+  model = request.getfixturevalue(which)
   ids = np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 7))
   out = model(jnp.asarray(ids, jnp.int32))
   for b in range(2):
@@ -176,10 +199,13 @@ def test_kv_cache_decoding_matches_full_forward(model):
   assert step._cache_size() == 2  # one prefill + one decode program
 
 
-def test_paged_decoding_matches_full_forward(model):
+@pytest.mark.parametrize("which", ["model", "lora_model"])
+def test_paged_decoding_matches_full_forward(request, which):
   """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
   by token with decode_paged (rows of different lengths, a padding row on the scratch page):
-  the logits of a full forward pass."""
+  the logits of a full forward pass. With LoRA the decode step runs the merged weights
+  (DecoderLayers.unstacked), the full pass the unmerged adapters."""
+  model = request.getfixturevalue(which)
   rng = np.random.RandomState(5)
   B, G, page_size, pages_per_seq = 3, 6, 4, 4
   prompt_lens = [5, 2, 7]
@@ -267,3 +293,36 @@ def test_return_logits_false_and_cache_index_required(model):
     model(ids, cache=models.init_cache(CFG, 1, 4))
   with pytest.raises(ValueError, match="overflows"):
     model(ids, cache=models.init_cache(CFG, 1, 4), cache_index=2)
+
+
+def test_lora_adapters(model, lora_model):
+  """A fresh adapter leaves the outputs as they were (B = 0); the factors are LoRAParam
+  variables of the documented shapes and logical axes (the rank axis unsharded); the adapted
+  model differs; bad settings are refused naming the field."""
+  ids = jnp.asarray(np.random.RandomState(7).randint(0, CFG.vocab_size, (2, 6)), jnp.int32)
+  fresh = nnx.clone(model).add_lora(4, 8.0, targets=("q_proj", "down_proj"), seed=0)
+  np.testing.assert_array_equal(fresh(ids).logits, model(ids).logits)
+  assert fresh.cfg.lora_rank == 4 and fresh.cfg.lora_scale == 2.0
+  assert fresh.layers.lora_names() == ("q_proj_lora_a", "q_proj_lora_b", "down_proj_lora_a",
+                                       "down_proj_lora_b")
+  L, H, I, N, D = CFG.num_layers, CFG.hidden_size, CFG.intermediate_size, CFG.num_heads, CFG.head_dim
+  shapes = {"q_proj_lora_a": (L, H, 3), "q_proj_lora_b": (L, 3, N, D),
+            "o_proj_lora_a": (L, N, D, 3), "o_proj_lora_b": (L, 3, H),
+            "down_proj_lora_a": (L, I, 3), "down_proj_lora_b": (L, 3, H)}
+  for name, shape in shapes.items():
+    var = getattr(lora_model.layers, name)
+    assert isinstance(var, models.LoRAParam) and var.shape == shape, name
+    axes = var.get_metadata()["out_sharding"]
+    base = models.LAYER_AXES[name.split("_lora_")[0]]
+    assert None in axes and set(axes) - {None} <= set(base), (name, axes)
+  a = np.asarray(lora_model.layers.q_proj_lora_a[...])
+  assert abs(a.std() * np.sqrt(H) - 1) < 0.2  # N(0, 1 / fan-in)
+  assert lora_model.cfg.num_lora_params() == sum(
+      int(np.prod(getattr(lora_model.layers, n).shape)) for n in lora_model.layers.lora_names())
+  assert np.abs(np.asarray(lora_model(ids).logits - model(ids).logits)).max() > 1e-2
+  with pytest.raises(ValueError, match="already has LoRA"):
+    nnx.clone(lora_model).add_lora(2)
+  with pytest.raises(ValueError, match="lora_targets"):
+    CFG.replace(lora_rank=2, lora_targets=("qkv",))
+  with pytest.raises(ValueError, match="lora_alpha"):
+    CFG.replace(lora_rank=2, lora_targets=("q_proj",), lora_alpha=0.0)

@@ -20,32 +20,41 @@ SMALL = models.get_preset("tiny").replace(vocab_size=96, hidden_size=36, interme
 
 
 def real_device0_bytes(mcfg, mesh_shape, optimizer):
-    """Place a real model + optimizer state by the rules; sum device 0's shard bytes."""
+    """Place a real model + optimizer state by the rules; sum device 0's shard bytes of the
+    parameters, of the optimizer state and of the LoRA adapters (the LoRAParam variables)."""
     mesh = sharding.make_mesh(*mesh_shape)
     model = sharding.shard_model(models.Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
     _, params, _ = split_model(model)
     state = init_train_state(params, optimizer)
     state = sharding.shard_tree(state, sharding.tree_shardings(state, mesh))
     device0 = jax.devices()[0]
+    adapters = nnx.split_state(state.params, models.LoRAParam, ...)[0]
     return (sharding.local_shard_bytes(state.params, device0),
-            sharding.local_shard_bytes(state.opt_state, device0))
+            sharding.local_shard_bytes(state.opt_state, device0),
+            sharding.local_shard_bytes(adapters, device0))
 
 
-@pytest.mark.parametrize("mesh_shape,dtype", [((1, 4, 2), jnp.float32),
-                                              ((2, 2, 2), jnp.bfloat16),
-                                              ((1, 8, 1), jnp.float32)])
+@pytest.mark.parametrize("mesh_shape,dtype,lora_rank", [((1, 4, 2), jnp.float32, 0),
+                                                        ((2, 2, 2), jnp.bfloat16, 0),
+                                                        ((1, 8, 1), jnp.float32, 0),
+                                                        ((1, 4, 2), jnp.bfloat16, 4)])
 @pytest.mark.devices(8)
-def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype):
-    mcfg = SMALL.replace(param_dtype=dtype)
+def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype, lora_rank):
+    """With LoRA (rank 4 on every projection) the parameters include the float32 adapters while
+    the optimizer state and the gradients cover the adapters alone."""
+    mcfg = SMALL.replace(param_dtype=dtype, lora_rank=lora_rank,
+                         lora_targets=models.LORA_TARGETS if lora_rank else ())
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    want_params, want_opt = real_device0_bytes(mcfg, mesh_shape, optimizer)
+    want_params, want_opt, adapters = real_device0_bytes(mcfg, mesh_shape, optimizer)
     p = plan.plan_memory(mcfg, mesh_shape=mesh_shape, device_memory_gb=1.0, rollout_rows=16,
                          prompt_len=8, response_len=8, sampler_rows=16, group_size=4,
                          mini_batch_rows=8, micro_batch_rows=0, logprob_chunk_tokens=32,
                          recompute_chunk=4, optimizer=optimizer)
     assert p.params == want_params
     assert p.optimizer == want_opt
-    assert p.gradients == p.params  # no micro-batching: one gradient tree
+    # No micro-batching: one gradient tree, of the whole model or of the adapters.
+    assert p.gradients == (adapters if lora_rank else p.params)
+    assert (adapters > 0) == bool(lora_rank)
 
 
 def test_figures_follow_the_shapes():
@@ -526,6 +535,18 @@ def _planned_and_compiled_update(mc, micro_batch, seq, response_len):
     step, state, batch = tt.abstract_step(mc, impl="chunked", **shape)
     compiled = timing.compiled_memory_bytes(step, state, batch)["peak_estimate_bytes"]
     return tt.plan_update_bytes(mc, **shape), compiled
+
+
+def test_update_phase_agrees_with_the_compiled_train_step_with_lora():
+    """The update test for a LoRA model (rank 8 on every projection): the adapters' gradients
+    and optimizer state, the base weights frozen (measured 2026-11-25: plan / compiled 0.93 at
+    this point, 0.95 at S remat none 8 x 128, left out for CI time)."""
+    mc = models.get_preset("tiny", **GRID_MODELS["M"], dtype=jnp.float32,
+                           param_dtype=jnp.float32, remat="full", attention="auto", lora_rank=8,
+                           lora_targets=models.LORA_TARGETS)
+    planned, compiled = _planned_and_compiled_update(mc, 2, 512, 384)
+    assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
+                                                 planned / compiled)
 
 
 # The dots_* remat policies, with materialised scores ("xla") and with blockwise attention in

@@ -186,3 +186,32 @@ def test_long_eval_prompts_are_reported_at_start_up(tmp_path, caplog):
         assert caplog.text.count("data.eval: m:") == 1  # one warning per benchmark
     finally:
         run.close()
+
+
+@pytest.mark.devices(4)
+def test_build_model_adds_lora_to_a_loaded_checkpoint_on_its_mesh(tmp_path):
+    """model.path + model.lora_rank on a (1, 2, 2) mesh: the checkpoint's weights, plus fresh
+    adapters on the targets asked for, every variable placed by the sharding rules (the
+    adapters' rank axis replicated); the outputs are the checkpoint's (B = 0)."""
+    import numpy as np
+    from flax import nnx
+
+    from delta_jax import models, sharding
+
+    base = models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(4))
+    models.save_pretrained(base, tmp_path / "ckpt")
+    cfg = tiny_rl_config("dapo", model=dict(random_init=False, path=str(tmp_path / "ckpt"),
+                                            lora_rank=2, lora_targets="q_proj,up_proj"),
+                         mesh=dict(data=1, fsdp=2, tensor=2))
+    mesh = sharding.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    model = run_lib.build_model(cfg, 256, mesh=mesh)
+    assert model.layers.lora_names() == ("q_proj_lora_a", "q_proj_lora_b", "up_proj_lora_a",
+                                         "up_proj_lora_b")
+    state = nnx.state(model)
+    want = sharding.tree_shardings(state, mesh)
+    for got_var, want_var in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        assert got_var.sharding == want_var, (got_var.shape, got_var.sharding, want_var)
+    up_b = model.layers.up_proj_lora_b[...]
+    assert up_b.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")  # [L, r, mlp]
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, 256, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(model(ids).logits, base(ids).logits, atol=1e-5)

@@ -186,18 +186,62 @@ def test_sequence_ratio_step_follows_gspo(setup):
         return _gspo_reference(reference_logp(graphdef, p, rest, batch), old,
                                batch["advantages"], mask, 3e-3, 4e-3)
 
-    ref_grads = jax.grad(ref_loss)(params)
+    ref_grads = jax.jit(jax.grad(ref_loss))(params)
     opt = optax.sgd(1.0)
     step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
                            chunk_size=4, micro_batch_size=2)
     new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss(params)), rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
     for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
                        jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
                                    rtol=1e-3)
     assert float(metrics["clip_frac_high"]) == float(jnp.sum(mask[0]))  # row 0's tokens
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
+
+
+def test_lora_step_trains_the_adapters_only(setup):
+    """With LoRA adapters, in two micro-batches: the base weights come back bit for bit, the
+    optimizer state mirrors the adapters alone, and SGD(lr=1) moves each factor by minus the
+    gradient of the reference loss (full logits) with respect to it; the base weights' own
+    gradient is not zero (freezing them is a real difference)."""
+    graphdef0, params0, rest0, batch = setup
+    model = nnx.merge(graphdef0, jax.tree.map(jnp.copy, params0), rest0).add_lora(2, 4.0, seed=1)
+    for name in model.layers.lora_names():  # B = 0 would leave A without gradient
+        if name.endswith("_lora_b"):
+            var = getattr(model.layers, name)
+            var.set_value(0.3 * jax.random.normal(jax.random.key(len(name)), var.shape))
+    graphdef, params, rest = state_lib.split_model(model)
+    old = reference_logp(graphdef, params, rest, batch)
+    batch = dict(batch, old_logp=old)
+
+    def ref_loss(p):
+        logp = reference_logp(graphdef, p, rest, batch)
+        m = batch["response_mask"]
+        return -jnp.sum(batch["advantages"][:, None] * batch["token_weights"] * logp * m) / jnp.sum(m)
+
+    ref_grads = jax.jit(jax.grad(ref_loss))(params)
+    opt = optax.sgd(1.0, momentum=0.5)
+    step = make_train_step(graphdef, rest, opt, _loss_fn, temperature=T, chunk_size=4,
+                           micro_batch_size=2)
+    st = state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt)
+    lora_count = len(model.layers.lora_names())
+    assert len(jax.tree.leaves(st.opt_state)) == lora_count  # one momentum trace per factor
+    new, metrics = step(st, batch)
+    assert int(metrics["skipped"]) == 0
+    new_t, new_f = state_lib.split_trainable(new.params)
+    old_t, old_f = state_lib.split_trainable(params)
+    grad_t, grad_f = state_lib.split_trainable(ref_grads)
+    assert len(jax.tree.leaves(new_t)) == lora_count
+    for a, b in zip(jax.tree.leaves(new_f), jax.tree.leaves(old_f)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b, g in zip(jax.tree.leaves(new_t), jax.tree.leaves(old_t), jax.tree.leaves(grad_t)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
+                                   rtol=1e-3)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grad_t)),
+                               rtol=1e-4)
+    assert min(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grad_t)) > 1e-4
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grad_f)) > 1e-3
 
 
 def test_sft_loss_fused_matches_chunked(setup):

@@ -5,21 +5,24 @@
     model = models.from_pretrained(path, dtype=jnp.bfloat16)
     out = model(input_ids, attention_mask=mask)     # ModelOutput(logits, hidden, cache)
     logp, ent = models.token_logprobs(model, out.hidden, labels, temperature=1.0)
-    models.save_pretrained(model, path)
+    models.save_pretrained(model, path)             # LoRA adapters merged into the weights
+    model.add_lora(rank=16)                         # low-rank adapters (model.lora_rank)
     tok = models.load_tokenizer(path)
 """
 from delta_jax.models.cache import (CACHE_AXES, PAGE_AXES, KVCache, PagedKVCache, init_cache,
                                     init_paged_cache, page_bytes)
-from delta_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
+from delta_jax.models.config import (LORA_TARGETS, PRESETS, REMAT_POLICIES, ModelConfig,
+                                     get_preset)
 from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, config_from_hf,
                                     from_pretrained, hf_config_dict, read_config_json,
                                     save_pretrained)
 from delta_jax.models.logprobs import logprobs_from_logits, map_sequence_chunks, token_logprobs
 from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
-from delta_jax.models.transformer import LAYER_AXES, ModelOutput, Transformer
+from delta_jax.models.transformer import LAYER_AXES, LoRAParam, ModelOutput, Transformer
 
 __all__ = [
-    "CACHE_AXES", "CheckpointError", "KVCache", "LAYER_AXES", "ModelConfig", "ModelOutput",
+    "CACHE_AXES", "CheckpointError", "KVCache", "LAYER_AXES", "LORA_TARGETS", "LoRAParam",
+    "ModelConfig", "ModelOutput",
     "PAGE_AXES", "PRESETS", "PagedKVCache", "REMAT_POLICIES", "Tokenizer", "Transformer",
     "UnsupportedModelError", "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict",
     "init_cache", "init_paged_cache", "load_tokenizer", "logprobs_from_logits",

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # delta_jax.models.attention.IMPLS
+# The projections a LoRA adapter can sit on (ModelConfig.lora_targets).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,9 @@ class ModelConfig:
   attention: "auto" | "xla" | "blockwise" | "cudnn" (see delta_jax.models.attention: "xla"
   materialises the [B, N, T, S] scores, the others do not); attention_block_q / _kv: the block
   sizes of the blockwise implementation.
+  lora_rank > 0: low-rank adapters (LoRA, Hu et al. 2021, https://arxiv.org/abs/2106.09685) on
+  the projections named in lora_targets (a subset of LORA_TARGETS), W x + (alpha / rank) B A x
+  (models.transformer; models.add_lora adds them to a built model).
   """
   vocab_size: int
   hidden_size: int
@@ -45,6 +50,9 @@ class ModelConfig:
   attention: str = "auto"
   attention_block_q: int = 512
   attention_block_kv: int = 512
+  lora_rank: int = 0
+  lora_alpha: float = 32.0
+  lora_targets: tuple = ()
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -62,6 +70,15 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
     if not self.rms_norm_eps > 0:
       raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"ModelConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}")
+    if self.lora_rank:
+      unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+      if not self.lora_targets or unknown or len(set(self.lora_targets)) < len(self.lora_targets):
+        raise ValueError(f"ModelConfig.lora_targets must be distinct names from {LORA_TARGETS}, "
+                         f"got {self.lora_targets!r}")
+      if not self.lora_alpha > 0:
+        raise ValueError(f"ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
     self.remat_policy  # validates
     if self.attention not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, "
@@ -80,6 +97,11 @@ class ModelConfig:
                      f"got {self.remat!r}")
 
   @property
+  def lora_scale(self) -> float:
+    """LoRA's alpha / rank (0 without adapters)."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+  @property
   def num_groups(self) -> int:
     """Query heads per key/value head (grouped-query attention)."""
     return self.num_heads // self.num_kv_heads
@@ -87,8 +109,18 @@ class ModelConfig:
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 
+  def num_lora_params(self) -> int:
+    """Parameters of the LoRA adapters (0 without): rank x (fan-in + fan-out) per target and
+    layer."""
+    h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+    n, k = self.num_heads * d, self.num_kv_heads * d
+    sizes = {"q_proj": h + n, "k_proj": h + k, "v_proj": h + k, "o_proj": n + h,
+             "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+    return self.num_layers * self.lora_rank * sum(sizes[t] for t in self.lora_targets)
+
   def num_params(self, include_embeddings: bool = True) -> int:
-    """Exact parameter count of the model this config builds.
+    """Exact parameter count of the base model this config builds (its LoRA adapters, if any:
+    num_lora_params).
 
     include_embeddings=False leaves out the embedding table and the LM head (the
     "non-embedding" count of model cards).

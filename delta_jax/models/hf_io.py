@@ -26,7 +26,8 @@ from safetensors.numpy import save_file
 
 from delta_jax.errors import InputError, MissingInputError
 from delta_jax.models.config import ModelConfig
-from delta_jax.models.transformer import LAYER_AXES, Transformer, layer_param_shapes
+from delta_jax.models.transformer import (LAYER_AXES, Transformer, layer_param_shapes,
+                                          merge_lora)
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -395,10 +396,18 @@ def _hf_tensors(model: Transformer) -> list[tuple[str, tuple[int, ...], Callable
   cfg = model.cfg
   out = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size),
           lambda: _fetch(model.embed[...]))]
+  lora = model.layers.lora_names()
+
+  def layer_weight(name, i):  # with its LoRA pair (if any) merged in
+    if f"{name}_lora_a" not in lora:
+      return _fetch(getattr(model.layers, name)[i])
+    p = {n: _fetch(getattr(model.layers, n)[i]) for n in (name, f"{name}_lora_a",
+                                                           f"{name}_lora_b")}
+    return np.asarray(merge_lora(model.layers.lora_scale, p)[name])
+
   for i in range(cfg.num_layers):
     for name, shape in layer_param_shapes(cfg).items():
-      getter = (lambda name=name, i=i:
-                _to_hf(name, _fetch(getattr(model.layers, name)[i])))
+      getter = (lambda name=name, i=i: _to_hf(name, layer_weight(name, i)))
       out.append((f"model.layers.{i}.{_LAYER_HF_NAMES[name]}", _hf_shape(name, shape[1:]),
                   getter))
   out.append(("model.norm.weight", (cfg.hidden_size,),
@@ -411,7 +420,8 @@ def _hf_tensors(model: Transformer) -> list[tuple[str, tuple[int, ...], Callable
 
 def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_size="5GB",
                     extra_config: Optional[dict] = None) -> pathlib.Path:
-  """Write an HF directory (config.json + safetensors) that transformers can load.
+  """Write an HF directory (config.json + safetensors) that transformers can load. A model
+  with LoRA adapters is written merged: each projection as W + (alpha / r) A B.
 
   dtype: storage dtype of the tensors (default: the parameters' dtype).
   max_shard_size: bytes or a string like "5GB"; above it the weights are split into

@@ -24,6 +24,14 @@ for the scores and logits; logits are returned in float32. Attention runs throug
 delta_jax.models.attention.attend with cfg.attention ("auto" never materialises the [T, S] scores
 of long sequences).
 
+LoRA (cfg.lora_rank > 0, or add_lora on a built model): each target projection W of every layer
+gets float32 factors A ("<name>_lora_a", [L, *fan-in dims, r]) and B ("<name>_lora_b",
+[L, r, *fan-out dims]) of type LoRAParam; the layer scan computes W x + scale (x A) B with
+scale = alpha / r, so nothing of W's size is built and no gradient of W is needed, while the
+decode step (and the Hugging Face export) uses the merged W + scale A B of each layer, made once
+per call (DecoderLayers.unstacked, merge_lora). A starts N(0, 1 / fan-in), B at zero: a fresh
+adapter leaves the model as it was.
+
 Two cache paths: __call__(..., cache=KVCache, cache_index=...) writes into and attends a
 layer-stacked contiguous cache (simple loops, tests); decode_paged(...) is the rollout engine's
 decode step over a PagedKVCache (one page pool per layer, read in place by
@@ -44,7 +52,7 @@ from flax import nnx
 
 from delta_jax.models import attention
 from delta_jax.models.cache import KVCache, PagedKVCache
-from delta_jax.models.config import ModelConfig
+from delta_jax.models.config import LORA_TARGETS, ModelConfig
 
 LAYER_AXES = {
     "input_norm": ("layers", "norm"),
@@ -60,6 +68,12 @@ LAYER_AXES = {
     "down_proj": ("layers", "mlp", "embed"),
 }
 NORM_NAMES = ("input_norm", "post_attn_norm", "q_norm", "k_norm")
+# Weight dimensions (after the layer axis) a LoRA A factor contracts: o_proj's (heads, head_dim).
+_LORA_FAN_IN_DIMS = {"o_proj": 2}
+
+
+class LoRAParam(nnx.Param):
+  """A LoRA factor: with adapters, the only parameters training updates (train.state)."""
 
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -76,6 +90,62 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["q_norm"] = (L, D)
     shapes["k_norm"] = (L, D)
   return shapes
+
+
+def lora_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Shapes of the stacked LoRA factors, {"<target>_lora_a": [L, *in, r], "_lora_b": [L, r,
+  *out]} ({} without adapters)."""
+  shapes = layer_param_shapes(cfg)
+  out = {}
+  for target in cfg.lora_targets if cfg.lora_rank else ():
+    n_in, shape = _LORA_FAN_IN_DIMS.get(target, 1), shapes[target]
+    out[f"{target}_lora_a"] = (shape[0], *shape[1:1 + n_in], cfg.lora_rank)
+    out[f"{target}_lora_b"] = (shape[0], cfg.lora_rank, *shape[1 + n_in:])
+  return out
+
+
+def _lora_axes(name: str) -> tuple:
+  """Logical axes of a LoRA factor: its weight's, with the rank axis unsharded (None)."""
+  target, factor = name.rsplit("_lora_", 1)
+  axes, n_in = LAYER_AXES[target], _LORA_FAN_IN_DIMS.get(target, 1)
+  return (axes[0], *axes[1:1 + n_in], None) if factor == "a" else (axes[0], None,
+                                                                    *axes[1 + n_in:])
+
+
+def init_lora_arrays(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
+  """Fresh float32 LoRA factors: A ~ N(0, 1 / fan-in), B = 0."""
+  shapes = lora_param_shapes(cfg)
+  keys = iter(jax.random.split(key, max(len(shapes), 1)))
+  out = {}
+  for name, shape in shapes.items():
+    if name.endswith("_lora_a"):
+      fan_in = math.prod(shape[1:-1])
+      out[name] = jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)
+    else:
+      out[name] = jnp.zeros(shape, jnp.float32)
+  return out
+
+
+def merge_lora(scale: float, p: dict) -> dict:
+  """One layer's weights with each LoRA pair folded into its projection: W + scale A B
+  (A [*in, r], B [r, *out]), computed in float32 and stored in W's dtype; the factors dropped."""
+  out = {k: v for k, v in p.items() if "_lora_" not in k}
+  for name, w in out.items():
+    if f"{name}_lora_a" in p:
+      delta = jnp.tensordot(p[f"{name}_lora_a"].astype(jnp.float32),
+                            p[f"{name}_lora_b"].astype(jnp.float32), axes=1)
+      out[name] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+  return out
+
+
+def _lora(cfg: ModelConfig, p: dict, name: str, x: jax.Array):
+  """scale (x A) B of projection `name` for input x [..., *in] when it has an adapter, else 0."""
+  a = p.get(f"{name}_lora_a")
+  if a is None:
+    return 0
+  xa = jnp.tensordot(x, a.astype(x.dtype), axes=a.ndim - 1)
+  return (cfg.lora_scale * jnp.tensordot(xa, p[f"{name}_lora_b"].astype(x.dtype), axes=1)
+          ).astype(x.dtype)
 
 
 @flax.struct.dataclass
@@ -124,9 +194,9 @@ def _attend(cfg: ModelConfig, q, k, v, q_offset, kv_valid) -> jax.Array:
 def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
   """Pre-norm, q/k/v projections, optional per-head q/k RMSNorm and RoPE."""
   h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("bth,hnd->btnd", h, p["q_proj"])
-  k = jnp.einsum("bth,hkd->btkd", h, p["k_proj"])
-  v = jnp.einsum("bth,hkd->btkd", h, p["v_proj"])
+  q = jnp.einsum("bth,hnd->btnd", h, p["q_proj"]) + _lora(cfg, p, "q_proj", h)
+  k = jnp.einsum("bth,hkd->btkd", h, p["k_proj"]) + _lora(cfg, p, "k_proj", h)
+  v = jnp.einsum("bth,hkd->btkd", h, p["v_proj"]) + _lora(cfg, p, "v_proj", h)
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -139,11 +209,13 @@ def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> j
   # transposes the [N, D, H] weight in every layer of every decode step.
   b, t, n, d = attn.shape
   o_proj = p["o_proj"].reshape(n * d, -1)
-  x = x + jnp.einsum("btf,fh->bth", attn.reshape(b, t, n * d), o_proj)
+  x = x + jnp.einsum("btf,fh->bth", attn.reshape(b, t, n * d), o_proj) + _lora(cfg, p, "o_proj",
+                                                                              attn)
   h = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
-  gate = jnp.einsum("bth,hi->bti", h, p["gate_proj"])
-  up = jnp.einsum("bth,hi->bti", h, p["up_proj"])
-  return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, p["down_proj"])
+  gate = jnp.einsum("bth,hi->bti", h, p["gate_proj"]) + _lora(cfg, p, "gate_proj", h)
+  up = jnp.einsum("bth,hi->bti", h, p["up_proj"]) + _lora(cfg, p, "up_proj", h)
+  act = jax.nn.silu(gate) * up
+  return x + jnp.einsum("bti,ih->bth", act, p["down_proj"]) + _lora(cfg, p, "down_proj", act)
 
 
 def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
@@ -196,18 +268,32 @@ class DecoderLayers(nnx.Module):
   def __init__(self, cfg: ModelConfig, arrays: dict):
     for name in layer_param_shapes(cfg):
       setattr(self, name, _param(arrays[f"layers.{name}"], LAYER_AXES[name]))
+    self.set_lora(cfg, {k[len("layers."):]: v for k, v in arrays.items() if "_lora_" in k})
+
+  def set_lora(self, cfg: ModelConfig, arrays: dict) -> None:
+    """Adds (or replaces) the LoRA factors {"<target>_lora_a"/"_b": stacked array}."""
+    self.lora_scale = cfg.lora_scale
+    for name, value in arrays.items():
+      setattr(self, name, LoRAParam(value, out_sharding=_lora_axes(name), eager_sharding=False))
+
+  def lora_names(self) -> tuple[str, ...]:
+    return tuple(n for n in vars(self) if "_lora_" in n)
 
   def arrays(self) -> dict[str, jax.Array]:
-    return {name: getattr(self, name)[...] for name in LAYER_AXES if hasattr(self, name)}
+    """The stacked parameters by name, LoRA factors included."""
+    names = [n for n in LAYER_AXES if hasattr(self, n)] + list(self.lora_names())
+    return {name: getattr(self, name)[...] for name in names}
 
   def unstacked(self) -> tuple[dict[str, jax.Array], ...]:
-    """Each layer's parameters as its own arrays (static slices of the stacked ones). A decode
-    loop takes them once, outside its steps: XLA:GPU otherwise copies every weight of every
-    layer out of the stacked arrays at every step (a memcpy per matrix before its gemm; 14% of a
-    decode step at batch 64 on an H100, BENCHMARKS.md)."""
+    """Each layer's parameters as its own arrays (static slices of the stacked ones), LoRA
+    factors merged into their projections (merge_lora). A decode loop takes them once, outside
+    its steps: XLA:GPU otherwise copies every weight of every layer out of the stacked arrays at
+    every step (a memcpy per matrix before its gemm; 14% of a decode step at batch 64 on an
+    H100, BENCHMARKS.md)."""
     arrays = self.arrays()
     num_layers = next(iter(arrays.values())).shape[0]
-    return tuple({name: w[i] for name, w in arrays.items()} for i in range(num_layers))
+    return tuple(merge_lora(self.lora_scale, {name: w[i] for name, w in arrays.items()})
+                 for i in range(num_layers))
 
 
 class Transformer(nnx.Module):
@@ -215,12 +301,28 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    arrays = init_arrays(cfg, rngs.params())
+    key = rngs.params()
+    arrays = init_arrays(cfg, key)
+    # The adapters from their own key: the base weights are those of the same seed without.
+    arrays.update({f"layers.{k}": v for k, v in
+                   init_lora_arrays(cfg, jax.random.fold_in(key, 1)).items()})
     self.embed = _param(arrays["embed"], ("vocab", "embed"))
     self.layers = DecoderLayers(cfg, arrays)
     self.final_norm = _param(arrays["final_norm"], ("norm",))
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(arrays["lm_head"], ("embed", "vocab"))
+
+  def add_lora(self, rank: int, alpha: float = 32.0, targets=LORA_TARGETS, *, seed: int = 0
+               ) -> "Transformer":
+    """Adds fresh LoRA adapters (A ~ N(0, 1 / fan-in), B = 0: the model's outputs do not
+    change) to a built or loaded model, in place; returns it. Placement on a mesh is the
+    caller's (sharding.shard_model)."""
+    if self.layers.lora_names():
+      raise ValueError("add_lora: the model already has LoRA adapters")
+    cfg = self.cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=tuple(targets))
+    self.cfg = cfg
+    self.layers.set_lora(cfg, init_lora_arrays(cfg, jax.random.key(seed)))
+    return self
 
   def lm_head_weight(self) -> jax.Array:
     """The output projection [H, V] (the transposed embedding when tied)."""

@@ -105,6 +105,14 @@ def default_config() -> config_dict.ConfigDict:
     # time (models.token_logprobs); "fused" = kernels.lm_head_logprob (tiled over the
     # vocabulary with an online log-sum-exp and a custom VJP, never materialising [T, V] logits).
     c.model.logprob_impl = "chunked"
+    # LoRA (models.transformer): rank 0 = full fine-tuning; > 0 trains only low-rank adapters on
+    # the projections in lora_targets ("all" = q,k,v,o,gate,up,down, or a comma-separated
+    # subset), scaled by lora_alpha / rank, and exports W + (alpha / rank) B A merged. The base
+    # weights get no gradient and no optimizer state. LoRA usually wants a larger optim.lr than
+    # full fine-tuning (~10x).
+    c.model.lora_rank = 0
+    c.model.lora_alpha = 32.0
+    c.model.lora_targets = "all"
 
     c.tokenizer = config_dict.ConfigDict()
     c.tokenizer.path = ""        # "" = model.path; "synthetic" = build the tiny tokenizer in workdir
@@ -377,6 +385,17 @@ def validate_config(cfg: config_dict.ConfigDict) -> config_dict.ConfigDict:
     return cfg
 
 
+# models.LORA_TARGETS (not imported: this module loads before jax).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets(cfg) -> tuple[str, ...]:
+    """model.lora_targets as a tuple of projection names ("all" = every one)."""
+    if cfg.model.lora_targets == "all":
+        return LORA_TARGETS
+    return tuple(t.strip() for t in cfg.model.lora_targets.split(",") if t.strip())
+
+
 def _require(ok, name, message):
     if not ok:
         raise ConfigError(f"{name}: {message}")
@@ -472,6 +491,14 @@ def _check_combinations(c):
     _require(c.delta.stats_mode == "global" or c.delta.feature_cache == "device",
              "delta.stats_mode", "per_shard statistics need delta.feature_cache='device' (the "
              "streaming host/recompute modes compute global statistics only)")
+    _require(c.model.lora_rank >= 0, "model.lora_rank",
+             f"must be >= 0 (0 = full fine-tuning), got {c.model.lora_rank}")
+    _require(c.model.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {c.model.lora_alpha}")
+    _require(c.model.lora_targets == "all" or (
+        set(lora_targets(c)) <= set(LORA_TARGETS) and len(set(lora_targets(c))) ==
+        len(lora_targets(c)) > 0), "model.lora_targets",
+        f"'all' or distinct names from {', '.join(LORA_TARGETS)}, comma separated; got "
+        f"{c.model.lora_targets!r}")
     _require(c.rl.kl_coef >= 0, "rl.kl_coef", f"must be >= 0 (0 = off), got {c.rl.kl_coef}")
     _require(c.rl.rollout_is_cap >= 1, "rl.rollout_is_cap",
              f"must be >= 1 (a ratio of 1 is on-policy), got {c.rl.rollout_is_cap}")

@@ -17,6 +17,7 @@ from delta_jax import models
 from delta_jax import sharding as sharding_lib
 from delta_jax.errors import InputError, naming
 from delta_jax.sampling import Sampler
+from delta_jax.train import config as config_lib
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.metrics import MetricsWriter, to_scalars
@@ -87,13 +88,24 @@ def build_model(cfg, vocab_size: int, mesh=None):
         vocab = _random_init_vocab(cfg, vocab_size)
         mcfg = models.get_preset(cfg.model.preset, vocab_size=vocab, dtype=dtype,
                                  param_dtype=param_dtype, remat=remat, **overrides)
-        model = models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+        model = add_lora(cfg, models.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))
         return model if mesh is None else sharding_lib.shard_model(model, mesh)
     shardings = None if mesh is None else sharding_lib.param_sharding_fn(mesh)
     with naming("model.path"):
-        return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
-                                      remat=remat, attention=cfg.model.attention,
-                                      shardings=shardings)
+        model = add_lora(cfg, models.from_pretrained(
+            cfg.model.path, dtype=dtype, param_dtype=param_dtype, remat=remat,
+            attention=cfg.model.attention, shardings=shardings))
+    # The base weights are on their shards already; the adapters go to theirs.
+    return model if mesh is None or not cfg.model.lora_rank else sharding_lib.shard_model(
+        model, mesh)
+
+
+def add_lora(cfg, model):
+    """The model with fresh LoRA adapters when model.lora_rank > 0 (from the run's seed)."""
+    if cfg.model.lora_rank:
+        model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha, config_lib.lora_targets(cfg),
+                       seed=cfg.seed)
+    return model
 
 
 def _random_init_vocab(cfg, tokenizer_vocab: int) -> int:

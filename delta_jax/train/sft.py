@@ -21,7 +21,7 @@ from flax import nnx
 from delta_jax import models
 from delta_jax.errors import InputError
 from delta_jax.train.rollout import step_seed
-from delta_jax.train.state import TrainState, apply_if_finite
+from delta_jax.train.state import TrainState, apply_if_finite, trainable_value_and_grad
 
 _SFT_SALT = 7
 
@@ -100,7 +100,7 @@ def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def sft_step(state: TrainState, batch):
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        (loss, count), grads = trainable_value_and_grad(loss_fn, state.params, batch)
         grad_norm = optax.tree.norm(grads)
         new_state, finite = apply_if_finite(state, grads, optimizer, loss=loss,
                                             grad_norm=grad_norm)

@@ -1,7 +1,7 @@
 """Train state (parameters + optimizer state + step) and the Optax optimizer built from config."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -15,27 +15,55 @@ class TrainState:
     """Everything the pure train step updates. A pytree; donated to the jitted step.
 
     step:      int32 scalar, optimizer updates applied so far (skipped updates do not count).
-    params:    nnx.State of the model's nnx.Param variables.
-    opt_state: the Optax state for `params`.
+    params:    nnx.State of the model's nnx.Param variables (the whole policy).
+    opt_state: the Optax state of the trainable part of `params` (split_trainable): all of it,
+               or only the LoRA factors of a model with adapters.
     """
     step: jax.Array
     params: Any
     opt_state: Any
 
 
+def split_trainable(params):
+    """(trainable, frozen) parts of a model's parameter State: (params, None) for full
+    fine-tuning; with LoRA adapters (models.LoRAParam variables) the factors and the rest."""
+    from delta_jax.models import LoRAParam
+    if isinstance(params, nnx.State):
+        trainable, frozen = nnx.split_state(params, LoRAParam, ...)
+        if jax.tree.leaves(trainable):
+            return trainable, frozen
+    return params, None
+
+
+def merge_trainable(trainable, frozen):
+    """The whole parameter State from split_trainable's parts."""
+    return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
+def trainable_value_and_grad(fn: Callable, params, *args):
+    """((value, aux), grads) of fn(params, *args) -> (value, aux), differentiated with respect to
+    the trainable part of `params` only (split_trainable): no gradient of frozen base weights is
+    formed."""
+    trainable, frozen = split_trainable(params)
+    return jax.value_and_grad(lambda t, *a: fn(merge_trainable(t, frozen), *a),
+                              has_aux=True)(trainable, *args)
+
+
 def apply_if_finite(state: TrainState, grads, optimizer: optax.GradientTransformation, *,
                     loss: jax.Array, grad_norm: jax.Array) -> tuple[TrainState, jax.Array]:
-    """(new state, finite): the optimizer update of `grads` applied only if `loss` and
-    `grad_norm` are finite; otherwise parameters, optimizer state and step are kept (jnp.where,
-    so it runs inside jit). `finite` is a bool scalar (the step's metrics report 1 - finite as
-    "skipped")."""
+    """(new state, finite): the optimizer update of `grads` (of the trainable parameters,
+    split_trainable) applied only if `loss` and `grad_norm` are finite; otherwise parameters,
+    optimizer state and step are kept (jnp.where, so it runs inside jit). `finite` is a bool
+    scalar (the step's metrics report 1 - finite as "skipped")."""
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    trainable, frozen = split_trainable(state.params)
+    updates, new_opt = optimizer.update(grads, state.opt_state, trainable)
+    new_trainable = optax.apply_updates(trainable, updates)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    new_state = TrainState(step=state.step + finite.astype(jnp.int32),
-                           params=jax.tree.map(keep, new_params, state.params),
-                           opt_state=jax.tree.map(keep, new_opt, state.opt_state))
+    new_state = TrainState(
+        step=state.step + finite.astype(jnp.int32),
+        params=merge_trainable(jax.tree.map(keep, new_trainable, trainable), frozen),
+        opt_state=jax.tree.map(keep, new_opt, state.opt_state))
     return new_state, finite
 
 
@@ -88,4 +116,4 @@ def split_model(model: nnx.Module):
 
 def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
+                      opt_state=optimizer.init(split_trainable(params)[0]))

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from delta_jax.train.features import response_forward
+from delta_jax.train import state as state_lib
 from delta_jax.train.state import TrainState, apply_if_finite
 
 # loss_fn(logp, old_logp, advantages, mask, token_weights, entropy[, ref_logp=...])
@@ -66,7 +67,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
                                            **extra)
         return loss_sum, (denom, dict(metrics))
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    def grad_fn(params, mb):  # gradients of the trainable parameters (all, or LoRA's)
+        return state_lib.trainable_value_and_grad(micro_loss, params, mb)
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
 
@@ -84,8 +86,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
             return (jax.tree.map(jnp.add, grads, g), loss_sum + l, denom + d,
                     jax.tree.map(jnp.add, msum, m)), None
 
-        init = (jax.tree.map(jnp.zeros_like, state.params), zeros(l_shape), zeros(d_shape),
-                zeros(m_shape))
+        init = (jax.tree.map(jnp.zeros_like, state_lib.split_trainable(state.params)[0]),
+                zeros(l_shape), zeros(d_shape), zeros(m_shape))
         (grads, loss_sum, denom, msum), _ = jax.lax.scan(body, init, micro)
 
         safe_denom = jnp.maximum(denom, 1e-8)
