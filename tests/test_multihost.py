@@ -417,11 +417,15 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     ckpt.close()
     assert meta["step"] == 2
     # 2 steps x 2 AdamW updates of lr 1e-3 move weights by up to ~4e-3; the cross-process
-    # reductions (gloo) add in another order, which Adam's normalisation magnifies for the
-    # weights whose gradients are ~0: allow 2.5% of that movement (measured: 4e-5).
-    assert tree_max_abs_diff(ref_state.params, initial) > 2e-3  # the run did move
+    # reductions (gloo) add in another order, which Adam's normalisation magnifies where a
+    # weight's gradients nearly cancel: allow 5% of the run's own movement. Measured: 4e-5 (1%)
+    # on an AVX-512 Xeon (2026-11-24), 1.28e-4 (3.2%, in 67 of 47k weights above 1e-5, the rest
+    # below) on an AMD EPYC (2026-11-25, where the former fixed 1e-4 failed on unchanged code);
+    # swapping the two processes' score halves gives 3.1e-3 (~78%).
+    moved = tree_max_abs_diff(ref_state.params, initial)
+    assert moved > 2e-3  # the run did move
     diff = tree_max_abs_diff(restored.params, ref_state.params)
-    assert diff <= 1e-4, diff
+    assert diff <= 0.05 * moved, (diff, moved)
 
 
 def test_a_process_failing_alone_stops_the_other_at_once(tmp_path):
