@@ -46,6 +46,16 @@ def reference_logp(graphdef, params, rest, batch):
     return logp[:, P - 1:]
 
 
+def on_policy_loss(graphdef, rest, batch):
+    """params -> the token-mean surrogate at ratio 1 (old_logp = current logp: nothing clipped),
+    whose gradient is -sum(A w grad log p) / num_tokens, from full logits."""
+    def loss(p):
+        logp = reference_logp(graphdef, p, rest, batch)
+        m = batch["response_mask"]
+        return -jnp.sum(batch["advantages"][:, None] * batch["token_weights"] * logp * m) / jnp.sum(m)
+    return loss
+
+
 def test_old_policy_pass_matches_full_logits(setup):
     graphdef, params, rest, batch = setup
     fn = features.make_old_policy_pass(graphdef, rest, temperature=T, chunk_size=3)
@@ -83,13 +93,8 @@ def test_step_gradient_and_micro_batches(setup, sgd_steps):
     """With old_logp = current logp (ratio 1, no clipping) the token-mean surrogate's gradient is
     -sum(A w grad log p) / num_tokens; SGD(lr=1) makes the update equal to minus that."""
     graphdef, params, rest, batch = setup
-    old = reference_logp(graphdef, params, rest, batch)
-    batch = dict(batch, old_logp=old)
-
-    def ref_loss(p):
-        logp = reference_logp(graphdef, p, rest, batch)
-        m = batch["response_mask"]
-        return -jnp.sum(batch["advantages"][:, None] * batch["token_weights"] * logp * m) / jnp.sum(m)
+    batch = dict(batch, old_logp=reference_logp(graphdef, params, rest, batch))
+    ref_loss = on_policy_loss(graphdef, rest, batch)
 
     ref_grads = jax.grad(ref_loss)(params)
     opt, steps = sgd_steps
@@ -212,13 +217,8 @@ def test_lora_step_trains_the_adapters_only(setup):
             var = getattr(model.layers, name)
             var.set_value(0.3 * jax.random.normal(jax.random.key(len(name)), var.shape))
     graphdef, params, rest = state_lib.split_model(model)
-    old = reference_logp(graphdef, params, rest, batch)
-    batch = dict(batch, old_logp=old)
-
-    def ref_loss(p):
-        logp = reference_logp(graphdef, p, rest, batch)
-        m = batch["response_mask"]
-        return -jnp.sum(batch["advantages"][:, None] * batch["token_weights"] * logp * m) / jnp.sum(m)
+    batch = dict(batch, old_logp=reference_logp(graphdef, params, rest, batch))
+    ref_loss = on_policy_loss(graphdef, rest, batch)
 
     ref_grads = jax.jit(jax.grad(ref_loss))(params)
     opt = optax.sgd(1.0, momentum=0.5)

@@ -138,14 +138,15 @@ def merge_lora(scale: float, p: dict) -> dict:
   return out
 
 
-def _lora(cfg: ModelConfig, p: dict, name: str, x: jax.Array):
-  """scale (x A) B of projection `name` for input x [..., *in] when it has an adapter, else 0."""
+def _lora(cfg: ModelConfig, p: dict, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """y (= x W of projection `name`, x [..., *in]) plus scale (x A) B when the projection has an
+  adapter in p; y itself otherwise (the program without adapters is unchanged)."""
   a = p.get(f"{name}_lora_a")
   if a is None:
-    return 0
+    return y
   xa = jnp.tensordot(x, a.astype(x.dtype), axes=a.ndim - 1)
-  return (cfg.lora_scale * jnp.tensordot(xa, p[f"{name}_lora_b"].astype(x.dtype), axes=1)
-          ).astype(x.dtype)
+  return y + (cfg.lora_scale * jnp.tensordot(xa, p[f"{name}_lora_b"].astype(x.dtype), axes=1)
+              ).astype(y.dtype)
 
 
 @flax.struct.dataclass
@@ -194,9 +195,9 @@ def _attend(cfg: ModelConfig, q, k, v, q_offset, kv_valid) -> jax.Array:
 def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
   """Pre-norm, q/k/v projections, optional per-head q/k RMSNorm and RoPE."""
   h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("bth,hnd->btnd", h, p["q_proj"]) + _lora(cfg, p, "q_proj", h)
-  k = jnp.einsum("bth,hkd->btkd", h, p["k_proj"]) + _lora(cfg, p, "k_proj", h)
-  v = jnp.einsum("bth,hkd->btkd", h, p["v_proj"]) + _lora(cfg, p, "v_proj", h)
+  q = _lora(cfg, p, "q_proj", h, jnp.einsum("bth,hnd->btnd", h, p["q_proj"]))
+  k = _lora(cfg, p, "k_proj", h, jnp.einsum("bth,hkd->btkd", h, p["k_proj"]))
+  v = _lora(cfg, p, "v_proj", h, jnp.einsum("bth,hkd->btkd", h, p["v_proj"]))
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -209,13 +210,13 @@ def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> j
   # transposes the [N, D, H] weight in every layer of every decode step.
   b, t, n, d = attn.shape
   o_proj = p["o_proj"].reshape(n * d, -1)
-  x = x + jnp.einsum("btf,fh->bth", attn.reshape(b, t, n * d), o_proj) + _lora(cfg, p, "o_proj",
-                                                                              attn)
+  x = x + _lora(cfg, p, "o_proj", attn,
+                jnp.einsum("btf,fh->bth", attn.reshape(b, t, n * d), o_proj))
   h = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
-  gate = jnp.einsum("bth,hi->bti", h, p["gate_proj"]) + _lora(cfg, p, "gate_proj", h)
-  up = jnp.einsum("bth,hi->bti", h, p["up_proj"]) + _lora(cfg, p, "up_proj", h)
+  gate = _lora(cfg, p, "gate_proj", h, jnp.einsum("bth,hi->bti", h, p["gate_proj"]))
+  up = _lora(cfg, p, "up_proj", h, jnp.einsum("bth,hi->bti", h, p["up_proj"]))
   act = jax.nn.silu(gate) * up
-  return x + jnp.einsum("bti,ih->bth", act, p["down_proj"]) + _lora(cfg, p, "down_proj", act)
+  return x + _lora(cfg, p, "down_proj", act, jnp.einsum("bti,ih->bth", act, p["down_proj"]))
 
 
 def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
