@@ -30,7 +30,7 @@ class ModelConfig:
   sizes of the blockwise implementation.
   lora_rank > 0: low-rank adapters (LoRA, Hu et al. 2021, https://arxiv.org/abs/2106.09685) on
   the projections named in lora_targets (a subset of LORA_TARGETS), W x + (alpha / rank) B A x
-  (models.transformer; models.add_lora adds them to a built model).
+  (models.transformer; Transformer.add_lora adds them to a built or loaded model).
   """
   vocab_size: int
   hidden_size: int
