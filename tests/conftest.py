@@ -24,6 +24,16 @@ comparisons by 3e-4 to 5e-2 (issue #16). The pin is read when a function is trac
 per precision), so it holds inside jit and inside Pallas kernel bodies. On CPU it changes nothing:
 XLA:CPU computes fp32 matmuls in fp32 either way. Set the variable yourself (e.g. to "default") to
 run the suite at the backend's own precision.
+
+Compilation cache. Most of the suite's time is XLA compiles, and many tests compile the same
+programs: the tests that run `python -m delta_jax.main` in subprocesses (each one compiles the
+whole run), the two pytest workers, fixtures that rebuild a step per module. JAX's persistent
+compilation cache (JAX_COMPILATION_CACHE_DIR, default `.jax_cache/tests` in the checkout, shared by
+the workers and every subprocess a test starts) compiles each of them once per run. Its key is the
+program, the compile options, the devices and the jax/jaxlib versions, so a hit runs the same
+executable a compile would have built (only source-line metadata in `as_text()` differs). A clean
+clone starts empty; later runs in the same checkout start warm. JAX_COMPILATION_CACHE_DIR="" turns
+it off.
 """
 import os
 import pathlib
@@ -34,10 +44,18 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".jax_cache" / "tests"))
+if not os.environ["JAX_COMPILATION_CACHE_DIR"]:
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+# Cache compiles from 0.1 s (JAX's default is 1 s; most of the suite's compiles are shorter but
+# repeat) and keep the directory under 2 GiB, least recently used first.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import pytest  # noqa: E402
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = _REPO
 SHARED_DIR = REPO_ROOT.parent / "shared"
 GPU_MARKER = "gpu: needs a GPU as JAX's default backend (JAX_PLATFORMS=cuda,cpu); skipped elsewhere"
 DEVICES_MARKER = ("devices(n): needs n JAX devices (the CPU backend has eight here); skipped on a "
