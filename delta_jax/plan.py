@@ -6,8 +6,8 @@ computed from shapes (jax.eval_shape) and the sharding rules, without the device
     check_fits(plan, device_memory_bytes())  # what train / eval start-up runs (plan.check_memory)
 
 Exact figures (from the parameter / optimizer-state shapes and the rules table, identical to what
-the placed arrays hold on device 0): parameters, gradients, optimizer state, rollout KV cache,
-DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
+the placed arrays hold on device 0): parameters, gradients, optimizer state, a KL term's reference
+policy, rollout KV cache, DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
 the update (each remat policy of models.REMAT_POLICIES: none, full, and the dots_* policies from
 the matmul outputs they save), the rollout prefill's attention scores, the old-policy pass.
 
@@ -260,6 +260,8 @@ class MemoryPlan:
     recommended_feature_cache_flash: str = ""
     # The decode program's copy of the layer weights (see plan_memory's rollout phase).
     decode_weight_copy: int = 0
+    # rl.kl_coef > 0: the frozen reference policy's own copy (train.run.reference_part).
+    kl_reference: int = 0
 
     def to_text(self) -> str:
         s = self.settings
@@ -284,6 +286,9 @@ class MemoryPlan:
             f"  parameters                     {g(self.params)}",
             f"  gradients                      {g(self.gradients)}",
             f"  optimizer state                {g(self.optimizer)}",
+            *([f"  KL reference policy            {g(self.kl_reference)}"
+               + ("  (the adapters; the base is shared)" if s.get("lora") else "")]
+              if self.kl_reference else []),
             f"  activations, remat none        {g(self.activations_remat_none)}  (estimate)",
             f"  activations, remat full        {g(self.activations_remat_full)}  (estimate)",
             *([f"  activations, configured remat  {g(self.activations_configured)}  "
@@ -320,7 +325,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 logprob_chunk_tokens: int, recompute_chunk: int, num_refine: int = 1,
                 feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
-                devices_per_host: int = 8,
+                devices_per_host: int = 8, kl_reference: bool = False,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
@@ -330,7 +335,9 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     optimizer step / per forward-backward (0 = the mini-batch). feature_cache: the
     delta.feature_cache mode ("device" | "host" | "recompute") whose on-device features the
     old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
-    AdamW as in train/state.py). target: the backend planned for, "" = the one this runs on
+    AdamW as in train/state.py). kl_reference: a KL term's frozen reference policy is resident
+    (rl.kl_coef > 0): a copy of the trainable parameters (all of them, or the LoRA adapters,
+    whose base it shares). target: the backend planned for, "" = the one this runs on
     (TARGETS; it decides what model.attention="auto" runs). Nothing is allocated.
     """
     import optax
@@ -351,6 +358,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     param_bytes = tree_device_bytes(params, mesh, rules)
     trainable_bytes = tree_device_bytes(trainable, mesh, rules)
     opt_bytes = tree_device_bytes(opt_state, mesh, rules)
+    ref_bytes = trainable_bytes if kl_reference else 0
 
     def rows_per_device(rows):
         spec = sharding_lib.logical_to_spec(("batch",), (rows,), mesh, rules)
@@ -472,7 +480,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # What each cache mode holds on the device while DelTA runs (host: one chunk brought back).
     features_on_device = {"device": f_device, "host": f_host_chunk, "recompute": f_recompute}
 
-    resident = param_bytes + opt_bytes
+    resident = param_bytes + opt_bytes + ref_bytes
     mem = device_memory_gb * GB
     host_ok = host_memory_gb <= 0 or f_host_ram * devices_per_host <= host_memory_gb * GB
 
@@ -504,6 +512,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
+        "lora": trainable_bytes < param_bytes,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
         "attention_prefill": prefill_kind, "attention_backend": target or jax.default_backend(),
     }
@@ -516,7 +525,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                       features_recompute=f_recompute, phases=phases,
                       feature_cache_fits=fits, recommended_feature_cache=recommended,
                       phases_flash=phases_flash, feature_cache_fits_flash=fits_flash,
-                      recommended_feature_cache_flash=rec_flash, decode_weight_copy=decode_copy)
+                      recommended_feature_cache_flash=rec_flash, decode_weight_copy=decode_copy,
+                      kl_reference=ref_bytes)
 
 
 def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.ModelConfig:
@@ -666,7 +676,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         recompute_chunk=cfg.delta.recompute_chunk, num_refine=cfg.delta.num_refine,
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
-        kv_budget_bytes=budget,
+        kv_budget_bytes=budget, kl_reference=cfg.rl.kl_coef > 0,
         devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path, target=target)
 
 

@@ -210,20 +210,24 @@ def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
 
 
 def test_a_lora_run_trains_the_adapters_resumes_and_exports_them_merged(tmp_path):
-    """model.lora_rank=4 through loop.train (SFT warm start, two DelTA steps, checkpoints): the
-    base weights come out bit for bit as they went in, the adapters moved, the optimizer state
-    holds Adam's moments of the adapters alone; a resume from the checkpoint trains a third
-    step; the exported directory (no adapters) gives the trained policy's logits."""
+    """model.lora_rank=4 through loop.train (SFT warm start, two DelTA steps with a KL term,
+    checkpoints): the base weights come out bit for bit as they went in, the adapters moved, the
+    optimizer state holds Adam's moments of the adapters alone; the KL reference is the post-SFT
+    policy, kept as a copy of its adapters alone (the base is the live policy's); a resume from
+    the checkpoint restores it and trains a third step; the exported directory (no adapters)
+    gives the trained policy's logits."""
     import jax
     import jax.numpy as jnp
 
     from delta_jax import models
+    from delta_jax.train.checkpoint import Checkpointer
     from delta_jax.train.state import split_trainable
     from tests.rl_fixtures import tree_max_abs_diff
 
     def config(steps):
         return tiny_rl_config("delta", model=dict(lora_rank=4, lora_alpha=8.0),
                               sft=dict(steps=2, batch_size=4, max_len=32, warmup_steps=0),
+                              rl=dict(kl_coef=0.1, kl_type="k3"),
                               train=dict(LOOP_WITHOUT_EVAL, steps=steps, save_every=1,
                                          export_final=True))
 
@@ -239,8 +243,18 @@ def test_a_lora_run_trains_the_adapters_resumes_and_exports_them_merged(tmp_path
         opt_elems = sum(x.size for x in jax.tree.leaves(state.opt_state))
         lora_elems = sum(x.size for x in jax.tree.leaves(lora))
         assert 2 * lora_elems <= opt_elems <= 2 * lora_elems + 8
+        ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+        lora_sft = jax.device_get(split_trainable(ckpt.restore(0, state)[0].params)[0])
+        ckpt.close()
+        assert tree_max_abs_diff(lora_sft, lora0) > 1e-4  # SFT moved the adapters
+        assert tree_max_abs_diff(jax.device_get(run.ref_params), lora_sft) == 0.0
+        rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+        kl = {r["step"]: r["policy/kl"] for r in rows if "policy/kl" in r}
+        assert abs(kl[1]) < 1e-7 and kl[2] > 1e-6  # reference == the policy at step 1 only
+        run.ref_params = jax.tree.map(jnp.zeros_like, run.ref_params)
         state3, run = loop.train(config(3), str(tmp_path), run=run)
         assert _rl_steps(tmp_path) == [1, 2, 3] and int(state3.step) > int(state.step)
+        assert tree_max_abs_diff(jax.device_get(run.ref_params), lora_sft) == 0.0
         lora3, base3 = jax.device_get(split_trainable(state3.params))
         assert tree_max_abs_diff(base3, base0) == 0.0 and tree_max_abs_diff(lora3, lora) > 0
         exported = models.from_pretrained(str(tmp_path / "final"))

@@ -21,7 +21,9 @@ SMALL = models.get_preset("tiny").replace(vocab_size=96, hidden_size=36, interme
 
 def real_device0_bytes(mcfg, mesh_shape, optimizer):
     """Place a real model + optimizer state by the rules; sum device 0's shard bytes of the
-    parameters, of the optimizer state and of the LoRA adapters (the LoRAParam variables)."""
+    parameters, of the optimizer state, of the LoRA adapters (the LoRAParam variables) and of
+    the KL reference a run keeps of them (train.run.reference_part)."""
+    from delta_jax.train.run import reference_part
     mesh = sharding.make_mesh(*mesh_shape)
     model = sharding.shard_model(models.Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
     _, params, _ = split_model(model)
@@ -31,7 +33,8 @@ def real_device0_bytes(mcfg, mesh_shape, optimizer):
     adapters = nnx.split_state(state.params, models.LoRAParam, ...)[0]
     return (sharding.local_shard_bytes(state.params, device0),
             sharding.local_shard_bytes(state.opt_state, device0),
-            sharding.local_shard_bytes(adapters, device0))
+            sharding.local_shard_bytes(adapters, device0),
+            sharding.local_shard_bytes(reference_part(state.params), device0))
 
 
 @pytest.mark.parametrize("mesh_shape,dtype,lora_rank", [((1, 4, 2), jnp.float32, 0),
@@ -41,20 +44,28 @@ def real_device0_bytes(mcfg, mesh_shape, optimizer):
 @pytest.mark.devices(8)
 def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype, lora_rank):
     """With LoRA (rank 4 on every projection) the parameters include the float32 adapters while
-    the optimizer state and the gradients cover the adapters alone."""
+    the optimizer state and the gradients cover the adapters alone. A KL term's reference
+    policy adds what the run keeps of it to every phase: a copy of the whole model, or of the
+    adapters alone (the base is shared with the policy)."""
     mcfg = SMALL.replace(param_dtype=dtype, lora_rank=lora_rank,
                          lora_targets=models.LORA_TARGETS if lora_rank else ())
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    want_params, want_opt, adapters = real_device0_bytes(mcfg, mesh_shape, optimizer)
-    p = plan.plan_memory(mcfg, mesh_shape=mesh_shape, device_memory_gb=1.0, rollout_rows=16,
-                         prompt_len=8, response_len=8, sampler_rows=16, group_size=4,
-                         mini_batch_rows=8, micro_batch_rows=0, logprob_chunk_tokens=32,
-                         recompute_chunk=4, optimizer=optimizer)
+    want_params, want_opt, adapters, reference = real_device0_bytes(mcfg, mesh_shape, optimizer)
+    p, p_kl = (plan.plan_memory(mcfg, mesh_shape=mesh_shape, device_memory_gb=1.0,
+                                rollout_rows=16, prompt_len=8, response_len=8, sampler_rows=16,
+                                group_size=4, mini_batch_rows=8, micro_batch_rows=0,
+                                logprob_chunk_tokens=32, recompute_chunk=4, optimizer=optimizer,
+                                kl_reference=kl) for kl in (False, True))
     assert p.params == want_params
     assert p.optimizer == want_opt
     # No micro-batching: one gradient tree, of the whole model or of the adapters.
     assert p.gradients == (adapters if lora_rank else p.params)
     assert (adapters > 0) == bool(lora_rank)
+    assert p.kl_reference == 0 and p_kl.kl_reference == reference
+    assert reference == (adapters if lora_rank else want_params)
+    assert {k: v - p.phases[k] for k, v in p_kl.phases.items()} == dict.fromkeys(p.phases,
+                                                                                 reference)
+    assert "KL reference policy" in p_kl.to_text() and "KL reference" not in p.to_text()
 
 
 def test_figures_follow_the_shapes():
@@ -336,6 +347,16 @@ def test_plan_from_config_uses_delta_feature_cache():
         "device": "device", "host": "host"}
     peak = {m: p.phases["old-policy pass + DelTA"] for m, p in plans.items()}
     assert peak["device"] - peak["host"] == (16 - 4) * 8 * 32 * 2
+
+
+def test_plan_from_config_counts_a_kl_reference():
+    """rl.kl_coef > 0 keeps the reference policy resident (tiny model, full fine-tuning: a copy
+    of every parameter); the plan's text names it."""
+    from tests.rl_fixtures import tiny_rl_config
+    off, on = (plan.plan_from_config(tiny_rl_config("grpo", rl=dict(kl_coef=kl)), num_devices=1)
+               for kl in (0.0, 0.1))
+    assert off.kl_reference == 0 and on.kl_reference == on.params > 0
+    assert on.phases["update"] - off.phases["update"] == on.params
 
 
 def test_a_kv_budget_that_cannot_hold_one_sample_fails_before_anything_runs(tmp_path):

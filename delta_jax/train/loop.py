@@ -22,8 +22,8 @@ from delta_jax.train.eval_hook import evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
-from delta_jax.train.run import (Run, build_run, copy_tree, place_state, restore_reference,
-                                 save_reference)
+from delta_jax.train.run import (Run, build_run, place_state, reference_part,
+                                 restore_reference, save_reference)
 from delta_jax.train.state import TrainState, init_train_state
 
 log = logging.getLogger("delta_jax.train")
@@ -156,7 +156,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
                 raise interrupted(None)
             state = place_state(run, init_train_state(params, run.optimizer))
             if run.ref_pass is not None:  # the KL reference is the policy after the warm start
-                run.ref_params = copy_tree(state.params)
+                run.ref_params = reference_part(state.params)
                 save_reference(run, run.ref_params)
         if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
             write_eval(run, state.params, 0)

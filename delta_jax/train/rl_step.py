@@ -31,7 +31,7 @@ from delta_jax.rl.advantages import compute_advantages
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.config import method_settings
-from delta_jax.train.run import Run, feature_cache_mode
+from delta_jax.train.run import Run, feature_cache_mode, reference_params
 from delta_jax.train.state import TrainState
 
 _SHUFFLE_SALT, _ROLLOUT_SALT = 13, 17
@@ -161,8 +161,9 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
     metrics["time/old_policy_s"] = time.perf_counter() - t0
     if run.ref_pass is not None:  # KL term: the frozen reference policy's log-probs
         t0 = time.perf_counter()
-        ref = phases.old_policy_features(run.ref_pass, run.ref_params, ids, attn,
-                                         rb.response_len, row_chunk=row_chunk, keep_hidden="drop")
+        ref = phases.old_policy_features(run.ref_pass, reference_params(run.ref_params, params),
+                                         ids, attn, rb.response_len, row_chunk=row_chunk,
+                                         keep_hidden="drop")
         batch["ref_logp"] = jax.block_until_ready(ref.logp)
         metrics["time/ref_policy_s"] = time.perf_counter() - t0
     ntok = float(jnp.sum(mask))

@@ -21,8 +21,8 @@ from delta_jax.train import config as config_lib
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.metrics import MetricsWriter, to_scalars
-from delta_jax.train.state import (TrainState, init_train_state, optimizer_from_config,
-                                   split_model)
+from delta_jax.train.state import (TrainState, init_train_state, merge_trainable,
+                                   optimizer_from_config, split_model, split_trainable)
 from delta_jax.train.step import make_train_step
 
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -197,7 +197,9 @@ class Run:
     state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
     topk_proxy_pass: Any = None  # delta.proxy = "hidden_topk": (params, labels, ids, probs) -> v
     ref_pass: Any = None         # rl.kl_coef > 0: log-probs of the reference policy
-    ref_params: Any = None       # rl.kl_coef > 0: the frozen reference parameters
+    # rl.kl_coef > 0: the reference policy's own part (reference_part; reference_params
+    # rebuilds the whole policy from it and the live frozen weights)
+    ref_params: Any = None
     # data.train == "synthetic": (prompt records, response ids [N, R], response mask [N, R]) ->
     # ground-truth credit classes int8 [N, R] (rl.credit codes; make_credit_labeller)
     credit_labeller: Any = None
@@ -301,9 +303,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                 graphdef, rest, temperature=cfg.rollout.temperature,
                 chunk_size=cfg.model.logprob_chunk_tokens, mesh=mesh, with_hidden=False,
                 logprob_impl=cfg.model.logprob_impl)
-            # A copy: the train step donates (and so frees) the buffers of the live parameters.
             # train() replaces it with the post-SFT parameters when there is a warm start.
-            run.ref_params = copy_tree(params)
+            run.ref_params = reference_part(params)
     if cfg.data.train == "synthetic":
         run.credit_labeller = make_credit_labeller(tokenizer)
     if need_scorer and cfg.mode == "train":
@@ -488,6 +489,21 @@ def copy_tree(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
+def reference_part(params):
+    """What a run keeps of its frozen KL reference policy, given the policy's parameters at the
+    start of RL: a copy (the train step donates, and so frees, the live buffers) of their
+    trainable part (state.split_trainable): every parameter in full fine-tuning; with LoRA only
+    the adapters, since the base weights never change and are shared with the live policy
+    (reference_params). No second copy of the base model on the device."""
+    return copy_tree(split_trainable(params)[0])
+
+
+def reference_params(ref_part, params):
+    """The whole reference policy: `ref_part` (reference_part) with the frozen weights of the
+    live `params` (nothing with full fine-tuning, where ref_part is the whole policy)."""
+    return merge_trainable(ref_part, split_trainable(params)[1])
+
+
 def _updates_per_step(cfg) -> int:
     return cfg.rl.epochs * (cfg.rollout.batch_prompts // cfg.rl.mini_batch_prompts)
 
@@ -500,8 +516,9 @@ def _reference_dir(run: Run) -> str:
 
 
 def save_reference(run: Run, params):
-    """Keeps the post-SFT reference policy for resumes (without SFT it is rebuilt from the
-    config: random init from the seed, or model.path)."""
+    """Keeps the post-SFT reference policy's own part (reference_part: the whole policy, or
+    the LoRA adapters) for resumes (without SFT it is rebuilt from the config: random init from
+    the seed, or model.path)."""
     ckpt = Checkpointer(_reference_dir(run), keep=1)
     try:
         ckpt.save(0, params, None, {"what": "KL reference policy (parameters after SFT)"},
@@ -510,7 +527,9 @@ def save_reference(run: Run, params):
         ckpt.close()
 
 
-def restore_reference(run: Run, target):
+def restore_reference(run: Run, params):
+    """save_reference's part, placed like the same part of the policy's `params`."""
+    target = split_trainable(params)[0]
     ckpt = Checkpointer(_reference_dir(run), keep=1)
     try:
         if ckpt.latest_step() is None:
