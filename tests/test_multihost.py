@@ -2,14 +2,14 @@
 2 local CPU devices, run an old-policy pass, DelTA coefficients, a train step and a rollout
 (Sampler.generate, slots over both processes) on one (data=1, fsdp=2, tensor=2) mesh spanning
 both processes; the updated parameters, DelTA weights and sampled tokens equal the
-single-process result, and evaluation splits its scoring between them. A second pair keeps the
-DelTA features in the host cache (each process holds its own shards) and exports the policy from
-both processes into one directory.
-A third pair is the product itself: `python -m delta_jax.main` in two processes sharing a
+single-process result, and evaluation splits its scoring between them. The same pair also keeps
+the DelTA features in the host cache (each process holds its own shards) and exports the policy
+from both processes into one directory (one launch serves both tests).
+A second pair is the product itself: `python -m delta_jax.main` in two processes sharing a
 workdir (a DelTA run with eval before and after), against the same config in this process.
 
-The workers are this file run as a script, in a fresh environment without the test session's
-8-device XLA_FLAGS; they are killed if they do not finish in time.
+The workers are this file run as a script, in a fresh environment with 2 devices each instead
+of the test session's 8; they are killed if they do not finish in time.
 """
 import os
 import pathlib
@@ -218,7 +218,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
     cached = host_cache_and_export(mesh, new_state, export_dir) if export_dir else {}
-    roll = None if export_dir else rollout(mesh)  # the sampler's slots span both processes
+    roll = rollout(mesh)  # the sampler's slots span both processes
     gathered = multihost_utils.process_allgather(
         {"params": new_state.params, "weights": weights, "cached": cached}, tiled=True)
     if index == 0:
@@ -226,8 +226,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
                "m/loss": np.asarray(jax.device_get(metrics["loss"]))}
         out.update({"c/" + k: np.asarray(v) for k, v in gathered["cached"].items()})
         out.update({"p/" + k: v for k, v in flat_params(gathered["params"]).items()})
-        if roll is not None:
-            out["r/ids"], out["r/logp"] = roll
+        out["r/ids"], out["r/logp"] = roll
         np.savez(out_path, **out)
     multihost_utils.sync_global_devices("done")
     jax.distributed.shutdown()
@@ -261,7 +260,11 @@ def launch_two(command, while_running=None, returncode=0):
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    # The session's XLA flags less its device count (conftest: the CPU code-generation level).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
+    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=2"]),
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     outs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     procs = [subprocess.Popen(command(pid), env=env, cwd=str(REPO), stdout=outs[pid],
@@ -295,10 +298,18 @@ def launch_two(command, while_running=None, returncode=0):
     return logs
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_result(tmp_path_factory):
+    """worker() in two processes, once for the two tests below; its export directory."""
+    tmp_path = tmp_path_factory.mktemp("two_processes")
+    export_dir = tmp_path / "export"
+    return run_two_processes(tmp_path, str(export_dir)), export_dir
+
+
+def test_two_processes_match_one(two_process_result):
     import jax
 
-    got = run_two_processes(tmp_path)
+    got, _ = two_process_result
     assert int(got["s/signum"]) == 15  # process 0 stops with process 1's SIGTERM
     with jax.default_device(jax.devices()[0]):
         ref_state, ref_weights, ref_metrics = one_step(None)
@@ -324,14 +335,13 @@ def test_two_processes_match_one(tmp_path):
     np.testing.assert_allclose(got["r/logp"], ref_logp, atol=1e-4)
 
 
-def test_host_feature_cache_and_export_across_processes(tmp_path):
+def test_host_feature_cache_and_export_across_processes(two_process_result):
     """Parameters and features that span two processes: the host feature cache gives the device
     cache's DelTA weights, and save_pretrained called by both processes writes one directory
     that loads back to the gathered parameters."""
     from delta_jax import models
 
-    export_dir = tmp_path / "export"
-    got = run_two_processes(tmp_path, str(export_dir))
+    got, export_dir = two_process_result
     np.testing.assert_allclose(got["c/host"], got["c/device"], atol=1e-5)
     valid = host_batch()["response_mask"] > 0
     np.testing.assert_allclose(got["c/host"][valid].mean(), 1.0, atol=1e-5)
