@@ -44,6 +44,8 @@ setup(
             "pytest-xdist>=3.5",  # scripts/test.sh runs the files on two workers
             # CPU build used by the transformers parity tests.
             "torch==2.13.0",
+            # Applies an exported LoRA adapter in the parity test (models.save_peft_adapter).
+            "peft>=0.17",
         ],
     },
 )

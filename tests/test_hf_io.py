@@ -109,6 +109,37 @@ def test_attention_choice_reaches_loaded_model_and_keeps_parity(tmp_path):
   assert np.abs(logits[valid] - ref_logits[valid]).max() <= 1e-4
 
 
+def test_peft_adapter_applied_by_peft_gives_our_logits(tmp_path):
+  """save_peft_adapter's directory, applied by peft (PeftModel.from_pretrained) to the HF base
+  the adapters were added to, gives the logits of our model with the adapters (LoRA rank 4,
+  alpha 8, on q / v (one input axis), o (two) and down_proj (the MLP), every factor random);
+  the adapters change those logits far beyond the tolerance."""
+  from peft import PeftModel
+
+  _, model_cls, config_cls, kwargs = CASES[1]
+  _make_hf(model_cls, config_cls, kwargs, seed=3).save_pretrained(tmp_path / "base")
+  model = models.from_pretrained(tmp_path / "base").add_lora(
+      4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"), seed=1)
+  rng = np.random.default_rng(0)
+  for name in model.layers.lora_names():  # B starts at 0: make every factor count
+    var = getattr(model.layers, name)
+    var[...] = jnp.asarray(0.3 * rng.standard_normal(var[...].shape), jnp.float32)
+  models.save_peft_adapter(model, tmp_path / "adapter",
+                           base_model_name_or_path=str(tmp_path / "base"))
+
+  peft_model = PeftModel.from_pretrained(model_cls.from_pretrained(tmp_path / "base"),
+                                         str(tmp_path / "adapter")).eval()
+  ids, mask, positions = _batch(seed=3)
+  valid = mask.astype(bool)
+  want, _ = _hf_forward(peft_model, ids, mask, positions)
+  got = np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)).logits)
+  assert np.abs(got[valid] - want[valid]).max() <= 1e-4
+  base, _ = _hf_forward(model_cls.from_pretrained(tmp_path / "base").eval(), ids, mask, positions)
+  assert np.abs(base[valid] - want[valid]).max() > 1e-1
+  with pytest.raises(ValueError, match="no LoRA adapters"):
+    models.save_peft_adapter(models.from_pretrained(tmp_path / "base"), tmp_path / "none")
+
+
 def test_sharded_checkpoints_round_trip(tmp_path):
   hf = _make_hf(Qwen3ForCausalLM, Qwen3Config, CASES[1][3], seed=1)
   hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

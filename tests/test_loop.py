@@ -259,6 +259,10 @@ def test_a_lora_run_trains_the_adapters_resumes_and_exports_them_merged(tmp_path
         assert tree_max_abs_diff(base3, base0) == 0.0 and tree_max_abs_diff(lora3, lora) > 0
         exported = models.from_pretrained(str(tmp_path / "final"))
         assert not exported.layers.lora_names() and exported.cfg.lora_rank == 0
+        # ... and the adapters alone in PEFT's format (tests/test_hf_io.py applies one by peft).
+        adapter = json.loads((tmp_path / "final" / "lora_adapter" / "adapter_config.json")
+                             .read_text())
+        assert (adapter["r"], adapter["lora_alpha"], len(adapter["target_modules"])) == (4, 8.0, 7)
         ids = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 12)), jnp.int32)
         np.testing.assert_allclose(exported(ids).logits, run.model(state3.params)(ids).logits,
                                    atol=2e-5)

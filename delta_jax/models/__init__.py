@@ -6,6 +6,7 @@
     out = model(input_ids, attention_mask=mask)     # ModelOutput(logits, hidden, cache)
     logp, ent = models.token_logprobs(model, out.hidden, labels, temperature=1.0)
     models.save_pretrained(model, path)             # LoRA adapters merged into the weights
+    models.save_peft_adapter(model, path)           # or the adapters alone, in PEFT's format
     model.add_lora(rank=16)                         # low-rank adapters (model.lora_rank)
     tok = models.load_tokenizer(path)
 """
@@ -15,7 +16,7 @@ from delta_jax.models.config import (LORA_TARGETS, PRESETS, REMAT_POLICIES, Mode
                                      get_preset)
 from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, config_from_hf,
                                     from_pretrained, hf_config_dict, read_config_json,
-                                    save_pretrained)
+                                    save_peft_adapter, save_pretrained)
 from delta_jax.models.logprobs import logprobs_from_logits, map_sequence_chunks, token_logprobs
 from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
 from delta_jax.models.transformer import LAYER_AXES, LoRAParam, ModelOutput, Transformer
@@ -26,5 +27,6 @@ __all__ = [
     "PAGE_AXES", "PRESETS", "PagedKVCache", "REMAT_POLICIES", "Tokenizer", "Transformer",
     "UnsupportedModelError", "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict",
     "init_cache", "init_paged_cache", "load_tokenizer", "logprobs_from_logits",
-    "map_sequence_chunks", "page_bytes", "read_config_json", "save_pretrained", "token_logprobs",
+    "map_sequence_chunks", "page_bytes", "read_config_json", "save_peft_adapter", "save_pretrained",
+    "token_logprobs",
 ]

@@ -473,3 +473,52 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_size="5GB
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(f"save_pretrained {path}")
   return path
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def save_peft_adapter(model: Transformer, path, *, base_model_name_or_path: str = ""
+                      ) -> pathlib.Path:
+  """Write the model's LoRA adapters as a PEFT LoRA directory (adapter_config.json +
+  adapter_model.safetensors, float32), which peft's PeftModel.from_pretrained, vLLM's LoRA
+  loading and the like apply to the base model the adapters were trained on (the weights at
+  model.path: the base is frozen, so the base directory is that checkpoint itself).
+
+  Layout: for projection `name` of layer i, lora_A.weight [r, in] = A[i]^T and lora_B.weight
+  [out, r] = B[i]^T with the in / out axes flattened as in the projection's HF weight
+  [out, in], under "base_model.model.model.layers.{i}.{self_attn|mlp}.{name}"; peft's scale
+  lora_alpha / r is ours. Collective like save_pretrained (process 0 writes). ValueError
+  without adapters."""
+  cfg = model.cfg
+  names = model.layers.lora_names()
+  if not names:
+    raise ValueError("save_peft_adapter: the model has no LoRA adapters (model.lora_rank = 0)")
+  path = pathlib.Path(path)
+  tensors = {}
+  for target in cfg.lora_targets:
+    a_all = _fetch(getattr(model.layers, f"{target}_lora_a")[...])  # [L, *in, r]
+    b_all = _fetch(getattr(model.layers, f"{target}_lora_b")[...])  # [L, r, *out]
+    module = _LAYER_HF_NAMES[target].removesuffix(".weight")
+    for i in range(cfg.num_layers):
+      a = a_all[i].reshape(-1, cfg.lora_rank)
+      b = b_all[i].reshape(cfg.lora_rank, -1)
+      prefix = f"base_model.model.model.layers.{i}.{module}"
+      tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T, np.float32)
+      tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T, np.float32)
+  if jax.process_index() == 0:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank,
+              "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.lora_targets),
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "init_lora_weights": True, "modules_to_save": None,
+              "base_model_name_or_path": base_model_name_or_path or None}
+    (path / PEFT_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(f"save_peft_adapter {path}")
+  return path

@@ -210,9 +210,15 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
 
 
 def export_policy(run: Run, params, path: str):
-    """The policy as a Hugging Face directory (weights + tokenizer). Collective: every process
-    calls it (models.save_pretrained gathers parameters that span processes); process 0 writes."""
-    models.save_pretrained(run.model(params), path)
+    """The policy as a Hugging Face directory (weights + tokenizer; LoRA adapters merged into
+    the weights), and with LoRA the adapters alone in PEFT's format in path/lora_adapter (for
+    the base at model.path). Collective: every process calls it (models.save_pretrained gathers
+    parameters that span processes); process 0 writes."""
+    model = run.model(params)
+    models.save_pretrained(model, path)
+    if model.layers.lora_names():
+        models.save_peft_adapter(model, os.path.join(path, "lora_adapter"),
+                                 base_model_name_or_path=run.cfg.model.path)
     if jax.process_index() == 0:
         run.tokenizer.hf.save_pretrained(path)
 
