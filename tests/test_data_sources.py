@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from delta_jax.data import builders, records
+from delta_jax.errors import MissingInputError
 
 
 def write_jsonl(path, rows):
@@ -212,6 +213,59 @@ def test_hub_name_goes_through_datasets_when_installed(monkeypatch, tmp_path):
     assert calls[-1] == ("some-org/DeepMath-mini", "train")
     with pytest.raises(FileNotFoundError, match="no such file"):
         records.load_records(tmp_path / "missing.jsonl")
+
+
+def test_hub_name_without_datasets_downloads_files_with_huggingface_hub(monkeypatch, tmp_path):
+    """Without `datasets`: huggingface_hub.snapshot_download (a stand-in returning a local copy of
+    a repository with a train and a test split) and the split's files read like local ones. A
+    download that fails (offline, no such repository) is a MissingInputError naming the data
+    set, with the hub's error as its cause."""
+    import huggingface_hub
+
+    repo = tmp_path / "snapshot"
+    (repo / "data").mkdir(parents=True)
+    write_jsonl(repo / "data" / "train-00000.jsonl",
+                [{"question": f"t{i}", "final_answer": str(i)} for i in range(3)])
+    pq.write_table(pa.table({"question": ["e0"], "final_answer": ["9"]}),
+                   repo / "data" / "test-00000.parquet")
+    calls = []
+
+    def snapshot_download(repo_id, repo_type, allow_patterns):
+        calls.append((repo_id, repo_type))
+        return str(repo)
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    recs, _ = records.load_records("some-org/DeepMath-mini")
+    assert [r["problem"] for r in recs] == ["t0", "t1", "t2"]
+    recs, _ = records.load_records("some-org/DeepMath-mini:test")
+    assert [(r["problem"], r["answer"]) for r in recs] == [("e0", "9")]
+    assert calls == [("some-org/DeepMath-mini", "dataset")] * 2
+
+    class OfflineError(OSError):
+        pass
+
+    def offline(**kwargs):
+        raise OfflineError("Cannot reach https://huggingface.co: offline mode is enabled.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(MissingInputError, match=r"'some-org/DeepMath-mini' could not be fetched "
+                       r"\(OfflineError: Cannot reach .*local JSONL") as err:
+        records.load_records("some-org/DeepMath-mini")
+    assert isinstance(err.value.__cause__, OfflineError)
+
+
+def test_hub_fetch_failure_through_datasets_names_the_data_set(monkeypatch, tmp_path):
+    import types
+
+    def load_dataset(name, split):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MissingInputError, match=r"'org/set' could not be fetched \(ConnectionError"):
+        records.load_records("org/set:train")
 
 
 # ------------------------------------------------------------------ #20: messages with the culprit

@@ -31,6 +31,7 @@ number for parquet), or with on_error="skip" are skipped and counted in `LoadSta
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -619,10 +620,12 @@ def load_records(
 def load_hub_records(
     name: str, fields: str | Mapping[str, str] = "auto", on_error: str = "raise", split: str = "train"
 ) -> tuple[list[dict], LoadStats]:
-    """Records from a Hugging Face hub data set (network needed; never used in tests).
+    """Records from a Hugging Face hub data set (network or a warm hub cache needed).
 
     Uses the `datasets` library when installed, else downloads the repository's parquet / JSONL
-    files with huggingface_hub and reads them like local files.
+    files with huggingface_hub and reads them like local files. A data set that cannot be fetched
+    (no network, HF_HUB_OFFLINE=1 without a cached copy, no such repository, a gated one) is a
+    MissingInputError naming it, with the library's error as its cause.
     """
     if ":" in name:
         name, split = name.split(":", 1)
@@ -632,7 +635,8 @@ def load_hub_records(
     except ImportError:
         datasets = None
     if datasets is not None:
-        ds = datasets.load_dataset(name, split=split)
+        with _fetching(name):
+            ds = datasets.load_dataset(name, split=split)
         rows = ((f"{name}[{split}]:row {i + 1}", row) for i, row in enumerate(ds))
         records = records_from_rows(
             rows, fields=fields, on_error=on_error, id_prefix=name.split("/")[-1], stats=stats,
@@ -645,9 +649,10 @@ def load_hub_records(
         raise ImportError(
             f"loading the hub data set {name!r} needs `datasets` or `huggingface_hub` installed"
         ) from e
-    local = huggingface_hub.snapshot_download(
-        repo_id=name, repo_type="dataset", allow_patterns=["*.parquet", "*.jsonl"]
-    )
+    with _fetching(name):
+        local = huggingface_hub.snapshot_download(
+            repo_id=name, repo_type="dataset", allow_patterns=["*.parquet", "*.jsonl"]
+        )
     files = sorted(
         p for p in glob.glob(os.path.join(local, "**", "*"), recursive=True)
         if p.lower().endswith((".parquet", ".jsonl"))
@@ -658,3 +663,18 @@ def load_hub_records(
     if not files:
         raise MissingInputError(f"hub data set {name!r} has no parquet/JSONL files for split {split!r}")
     return load_records(files, fields=fields, on_error=on_error)
+
+
+@contextlib.contextmanager
+def _fetching(name: str):
+    """Turns a hub library's failure to fetch data set `name` into a MissingInputError."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- datasets / huggingface_hub raise many types
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise MissingInputError(
+            f"hub data set {name!r} could not be fetched ({type(e).__name__}: {first}); it needs "
+            "the network or a copy in the hub cache (HF_HOME), or pass local JSONL / parquet "
+            "files instead") from e
