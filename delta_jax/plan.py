@@ -7,9 +7,10 @@ computed from shapes (jax.eval_shape) and the sharding rules, without the device
 
 Exact figures (from the parameter / optimizer-state shapes and the rules table, identical to what
 the placed arrays hold on device 0): parameters, gradients, optimizer state, a KL term's reference
-policy, rollout KV cache, DelTA feature cache. Estimates (stated formulas, see `_layer_activation_bytes`): activations of
-the update (each remat policy of models.REMAT_POLICIES: none, full, and the dots_* policies from
-the matmul outputs they save), the rollout prefill's attention scores, the old-policy pass.
+policy, rollout KV cache, DelTA feature cache. Estimates (stated formulas, see
+`_layer_activation_bytes`): activations of the update (each remat policy of
+models.REMAT_POLICIES: none, full, and the dots_* policies from the matmul outputs they save),
+the rollout prefill's attention scores, the old-policy pass.
 
 The update and old-policy pass formulas follow XLA's buffer assignment of the compiled programs:
 the "update" figure agrees with XLA:CPU's memory analysis of the trainer's train step, and the
@@ -512,7 +513,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
-        "lora": trainable_bytes < param_bytes,
+        "lora": model_cfg.lora_rank > 0,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
         "attention_prefill": prefill_kind, "attention_backend": target or jax.default_backend(),
     }
