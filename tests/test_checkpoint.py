@@ -111,6 +111,35 @@ def test_restore_latest_falls_back_past_an_unreadable_checkpoint(tmp_path, corru
     ckpt.close()
 
 
+def test_restore_latest_skips_a_checkpoint_another_process_cannot_read(tmp_path, monkeypatch,
+                                                                      caplog):
+    """Multi-process resume: when another process fails to read checkpoint 2 (a damaged shard
+    only it reads), this one, which reads 2 fine, skips it too and resumes from 1 with it.
+    The other process stands in as readable_everywhere's answer (its real all-gather runs in
+    tests/test_multihost.py's two-process resume)."""
+    from delta_jax.train import checkpoint as checkpoint_lib
+
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(str(directory), keep=3)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
+    asked = []
+
+    def other_process_fails_on_2(ok):
+        asked.append(ok)
+        return ok and len(asked) > 1  # the first candidate (2) fails on the other process
+
+    monkeypatch.setattr(checkpoint_lib, "readable_everywhere", other_process_fails_on_2)
+    with caplog.at_level(logging.WARNING, logger="delta_jax.train"):
+        step, state, data, _ = ckpt.restore_latest(_state(0))
+    assert asked == [True, True]  # this process read both
+    assert step == 1 and data == {"iter": 1}
+    np.testing.assert_array_equal(np.asarray(state.params["kernel"][...]),
+                                  np.asarray(_state(1).params["kernel"][...]))
+    assert "skipping checkpoint 2" in caplog.text and "another process" in caplog.text
+    ckpt.close()
+
+
 def test_restore_errors_name_the_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     ckpt = Checkpointer(str(directory))

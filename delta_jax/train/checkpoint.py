@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger("delta_jax.train")
@@ -76,14 +77,23 @@ class Checkpointer:
     def restore_latest(self, target_state: Any):
         """(step, state, data_state, meta) of the newest checkpoint that reads back, or None when
         there is none. Newer ones that do not read back are skipped with a warning naming them
-        and why; if every checkpoint fails, CheckpointError lists them all."""
+        and why; if every checkpoint fails, CheckpointError lists them all.
+
+        With several processes each reads its own shards, so one may fail where the others
+        succeed (a damaged file only it reads): they agree on every candidate (one all-gather
+        of a flag each) and skip it together, so all resume from the same step."""
         failures = []
         for step in sorted(self.all_steps(), reverse=True):
             try:
                 state, data, meta = self.restore(step, target_state)
+                error = None
             except CheckpointError as e:
-                log.warning("skipping checkpoint %d: %s", step, e)
-                failures.append(str(e))
+                error = str(e)
+            if not readable_everywhere(error is None):
+                error = error or (f"{os.path.join(self.directory, str(step))}: another process "
+                                  "could not read it back")
+                log.warning("skipping checkpoint %d: %s", step, error)
+                failures.append(error)
                 continue
             if failures:
                 log.warning("resuming from checkpoint %d, the newest that reads back; the newer "
@@ -115,6 +125,14 @@ class Checkpointer:
     def close(self):
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def readable_everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process (this process's answer alone with one process)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
 def _first_line(e: BaseException) -> str:
