@@ -20,6 +20,13 @@ class MissingInputError(InputError, FileNotFoundError):
     """A data, benchmark, tokenizer or checkpoint path that names nothing usable."""
 
 
+def first_line(e: BaseException, limit: int = 400) -> str:
+    """"Type: first line of the message" of an exception, at most `limit` characters: the cause
+    of a library's failure, quoted in one of our one-line messages."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:limit]
+
+
 @contextlib.contextmanager
 def naming(field: str):
     """Prefixes "field: " to the message of an InputError raised inside, so a message that names

@@ -10,6 +10,8 @@ on the built-in synthetic task (64 train / 4 test problems, level 1, prompts <= 
 RL step of 4 prompts x 4 samples x 8 new tokens and one update (mini-batch = the whole rollout),
 lr 1e-3, no progress bar. Each test file passes its own differences as per-section overrides.
 """
+import os
+
 import jax
 import numpy as np
 
@@ -136,3 +138,17 @@ def tree_max_abs_diff(a, b):
         raise ValueError(f"trees differ: {len(leaves_a)} vs {len(leaves_b)} leaves")
     return float(np.max([np.max(np.abs(np.asarray(x) - np.asarray(y)))
                          for x, y in zip(leaves_a, leaves_b)]))
+
+
+def cpu_process_env(devices: int) -> dict:
+    """The environment for a worker process a test starts on the CPU with `devices` devices: this
+    session's, less its device count and any jax.distributed settings, keeping its other XLA flags
+    (conftest: the CPU code-generation level)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                        "JAX_PROCESS_ID")}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
+    env.update(XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+               JAX_PLATFORMS="cpu")
+    return env

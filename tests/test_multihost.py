@@ -204,7 +204,7 @@ def eval_scoring_shares(index: int):
     assert (got.num_no_box, got.num_timeouts, got.num_errors) == (6, 0, 9)
 
 
-def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
+def worker(process_id: int, port: int, out_path: str, export_dir: str):
     from delta_jax import sharding
     index, count = sharding.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
     import jax
@@ -217,7 +217,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str = ""):
     new_state, weights, metrics = one_step(mesh)
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
-    cached = host_cache_and_export(mesh, new_state, export_dir) if export_dir else {}
+    cached = host_cache_and_export(mesh, new_state, export_dir)
     roll = rollout(mesh)  # the sampler's slots span both processes
     gathered = multihost_utils.process_allgather(
         {"params": new_state.params, "weights": weights, "cached": cached}, tiled=True)
@@ -238,11 +238,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(tmp_path, *extra):
+def run_two_processes(tmp_path, export_dir):
     """Runs worker() in two processes; returns the arrays process 0 saved."""
     out_path = tmp_path / "result.npz"
     port = _free_port()
-    launch_two(lambda pid: [sys.executable, __file__, str(pid), str(port), str(out_path), *extra])
+    launch_two(lambda pid: [sys.executable, __file__, str(pid), str(port), str(out_path),
+                            str(export_dir)])
     return dict(np.load(out_path))
 
 
@@ -258,14 +259,9 @@ def launch_two(command, while_running=None, returncode=0):
     def wrong(code, wanted):
         return code != wanted if wanted is not None else code in (0, -signal.SIGKILL)
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
-                                                           "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    # The session's XLA flags less its device count (conftest: the CPU code-generation level).
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=2"]),
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    from tests.rl_fixtures import cpu_process_env
+    env = cpu_process_env(2)
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     outs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     procs = [subprocess.Popen(command(pid), env=env, cwd=str(REPO), stdout=outs[pid],
                               stderr=subprocess.STDOUT, text=True) for pid in range(2)]
@@ -303,7 +299,7 @@ def two_process_result(tmp_path_factory):
     """worker() in two processes, once for the two tests below; its export directory."""
     tmp_path = tmp_path_factory.mktemp("two_processes")
     export_dir = tmp_path / "export"
-    return run_two_processes(tmp_path, str(export_dir)), export_dir
+    return run_two_processes(tmp_path, export_dir), export_dir
 
 
 def test_two_processes_match_one(two_process_result):
@@ -494,7 +490,7 @@ def _param_state(model):
 
 if __name__ == "__main__":
     try:
-        worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+        worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
     except BaseException:  # leave at once: the partner, waiting in a collective, is stopped by
         import traceback   # the distributed runtime (Python's exit would wait minutes for it)
         traceback.print_exc()

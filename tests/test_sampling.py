@@ -397,7 +397,6 @@ jax.distributed.shutdown()
 
 def test_generate_two_processes(tmp_path):
     import json
-    import os
     import pathlib
     import socket
     import subprocess
@@ -410,10 +409,8 @@ def test_generate_two_processes(tmp_path):
     script.write_text(f"PROMPTS = {[[t % 64 for t in p] for p in PROMPTS]!r}\n"
                       + _MULTIHOST_WORKER)
     repo = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-                        "JAX_PROCESS_ID")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    from tests.rl_fixtures import cpu_process_env
+    env = cpu_process_env(2)
     procs = [subprocess.Popen([sys.executable, str(script), str(pid), str(port),
                                str(tmp_path / "out")], env=env, cwd=str(repo),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -40,7 +40,7 @@ import pathlib
 import re
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from delta_jax.errors import InputError, MissingInputError
+from delta_jax.errors import InputError, MissingInputError, first_line
 from delta_jax.rl.rewards import extract_last_boxed
 
 RECORD_KEYS = ("id", "problem", "answer", "solution", "level")
@@ -673,8 +673,7 @@ def _fetching(name: str):
     except InputError:
         raise
     except Exception as e:  # noqa: BLE001 -- datasets / huggingface_hub raise many types
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         raise MissingInputError(
-            f"hub data set {name!r} could not be fetched ({type(e).__name__}: {first}); it needs "
+            f"hub data set {name!r} could not be fetched ({first_line(e)}); it needs "
             "the network or a copy in the hub cache (HF_HOME), or pass local JSONL / parquet "
             "files instead") from e

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from delta_jax.errors import first_line
+
 log = logging.getLogger("delta_jax.train")
 
 
@@ -67,7 +69,7 @@ class Checkpointer:
             state, data, meta = out["state"], out["data"], out["meta"]
         except Exception as e:  # noqa: BLE001 -- orbax / tensorstore / json raise many kinds
             raise CheckpointError(f"{os.path.join(self.directory, str(step))}: does not read "
-                                  f"back ({_first_line(e)})") from e
+                                  f"back ({first_line(e)})") from e
         for name, value in (("data", data), ("meta", meta)):
             if not isinstance(value, dict):
                 raise CheckpointError(f"{os.path.join(self.directory, str(step), name)}: expected "
@@ -135,6 +137,3 @@ def readable_everywhere(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
