@@ -98,14 +98,16 @@ for s in "$@"; do
             # parameters and the jnp page reader's block size (benchmarks/paged_attention.py)
       stage paged 420 python3 benchmarks/paged_attention.py --batch 64 256 \
         --out "$OUT/paged_attention.json" ;;
-    mosaic)  # issue 16: the Mosaic GPU paged decode kernel (kernels/paged_decode.py, written
-             # without a GPU on 2026-11-24): its GPU tests, then its sweep beside the Triton
-             # kernel's tuned point; the whole decode with it: DECODE_ATTENTION=mosaic ... profile
-      stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu \
-        -p no:cacheprovider tests/test_paged_decode.py
-      stage mosaic_paged 300 python3 benchmarks/paged_attention.py --batch 64 256 \
-        --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 --num-warps 4 \
-        --num-stages 2 3 4 --out "$OUT/paged_attention_mosaic.json" ;;
+    mosaic|mosaic_tests|mosaic_paged)  # issue 16: the Mosaic GPU paged decode kernel
+             # (kernels/paged_decode.py, written without a GPU on 2026-11-24): its GPU tests, then a
+             # sweep beside the Triton kernel's neighbourhood of its tuned point (k_splits 4, 4 pages
+             # per block, 4 warps, 3 stages); the whole decode with it: DECODE_ATTENTION=mosaic ...
+             # profile. `mosaic` runs both stages, mosaic_tests / mosaic_paged one each.
+      [ "$s" = mosaic_paged ] || stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu \
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_decode.py
+      [ "$s" = mosaic_tests ] || stage mosaic_paged 300 python3 benchmarks/paged_attention.py \
+        --batch 64 256 --impls mosaic pallas --k-splits 2 4 --pages-per-block 4 --num-warps 4 \
+        --num-stages 2 3 --out "$OUT/paged_attention_mosaic.json" ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
