@@ -30,7 +30,8 @@ def allow_mosaic_here(monkeypatch):
   lowered for CUDA or interpreted here); everything else resolves as before."""
   resolve = A.resolve_decode_impl
   monkeypatch.setattr(A, "resolve_decode_impl",
-                      lambda impl: "mosaic" if impl == "mosaic" else resolve(impl))
+                      lambda impl, **problem: "mosaic" if impl == "mosaic"
+                      else resolve(impl, **problem))
 
 
 @needs_interpreter
@@ -160,7 +161,26 @@ def test_sampler_refuses_a_model_the_kernel_cannot_run(monkeypatch):
                             rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rollout.page_size.*page_size 16 = 32 keys"):
     Sampler(bf16, decode_attention="mosaic", page_size=16)
-  Sampler(bf16, decode_attention="mosaic", page_size=32)
+  assert Sampler(bf16, decode_attention="mosaic", page_size=32).decode_impl == "mosaic"
+
+
+def test_sampler_auto_runs_the_kernel_on_hopper_where_it_can(monkeypatch):
+  """rollout.decode_attention="auto" on a Hopper GPU (stood in for here): the Sampler runs the
+  Mosaic GPU kernel for a bfloat16 model with 32-token pages, and falls back to the Triton kernel,
+  with no error, where the Mosaic one cannot run (float32, 16-token pages)."""
+  from flax import nnx
+  from delta_jax import models
+  from delta_jax.sampling import Sampler
+
+  monkeypatch.setattr(A, "_cuda_backend", lambda: True)
+  monkeypatch.setattr(A, "_hopper_or_newer", lambda: True)
+  bf16 = models.Transformer(models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16),
+                            rngs=nnx.Rngs(0))
+  fp32 = models.Transformer(models.get_preset("tiny", head_dim=64), rngs=nnx.Rngs(0))
+  assert Sampler(bf16, page_size=32).decode_impl == "mosaic"
+  assert Sampler(bf16, page_size=16).decode_impl == "pallas"
+  assert Sampler(fp32, page_size=32).decode_impl == "pallas"
+  assert Sampler(bf16, page_size=32, decode_attention="reference").decode_impl == "reference"
 
 
 @pytest.mark.skipif(A._hopper_or_newer(), reason="the refusal is for machines without Hopper")

@@ -433,28 +433,50 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros((), out.dtype))
 
 
-def resolve_decode_impl(impl: str) -> str:
-  """"auto" -> "pallas" on CUDA GPUs while this jax ships pallas.ops' paged attention (deprecated
-  since jax 0.11; a jax without it gets "reference", with a warning), else "reference". "mosaic"
-  only on a Hopper or newer GPU (refused here, at start-up, rather than in the compiler)."""
+def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None,
+                        page_size: Optional[int] = None, group: Optional[int] = None) -> str:
+  """The decode attention that runs for rollout.decode_attention `impl` on this backend.
+
+  "auto": "mosaic" (delta_jax.kernels.paged_decode, the project's Mosaic GPU kernel) on a Hopper
+  or newer GPU when the kernel takes the problem (the q dtype, head_dim, page_size and query heads
+  per KV head `group`, given here: without them "auto" never picks it); else "pallas"
+  (pallas.ops' Triton paged attention, deprecated since jax 0.11) on other CUDA GPUs while jax
+  ships it (a jax without it gets "reference", with a warning); else "reference" (CPU, TPU).
+  Measured on one H200 (2026-11-26, Qwen3-0.6B shape, bf16, batch 64 / 256, prompt 512 + 1,024
+  tokens): the whole decode 1.38x faster with "mosaic" than with "pallas" at both batches.
+  "mosaic" by name only on a Hopper or newer GPU (refused here, at start-up, rather than in the
+  compiler); whether it takes the problem is the caller's check (the Sampler's, at start-up).
+  """
   if impl not in DECODE_IMPLS:
     raise ValueError(f"paged decode attention impl must be one of {DECODE_IMPLS}, got {impl!r}")
   if impl == "auto":
     if not _cuda_backend():
       return "reference"
+    if _hopper_or_newer() and _mosaic_takes(dtype, head_dim, page_size, group):
+      return "mosaic"
     if _pallas_paged_available():
       return "pallas"
     # Python's default warning filter shows it once per calling line, not at every trace.
     warnings.warn(f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
                   "rollout.decode_attention 'auto' falls back to the jnp page reader ('reference', "
-                  "about 2x slower on an H100); 'mosaic' is the project's Mosaic GPU kernel for "
-                  "Hopper or newer GPUs", RuntimeWarning, stacklevel=2)
+                  "about 2x slower on an H100); 'mosaic', the project's Mosaic GPU kernel, needs a "
+                  "Hopper or newer GPU, a bfloat16 / float16 model and a head_dim multiple of 64",
+                  RuntimeWarning, stacklevel=2)
     return "reference"
   if impl == "mosaic" and not _hopper_or_newer():
     raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
                      f"kernel for NVIDIA Hopper or newer GPUs; here the backend is "
                      f"{jax.default_backend()!r}: use 'auto' or 'reference'")
   return impl
+
+
+def _mosaic_takes(dtype, head_dim, page_size, group) -> bool:
+  """Whether the Mosaic GPU kernel, at its default parameters, runs this problem (False when any
+  part of it is not given)."""
+  if None in (dtype, head_dim, page_size, group):
+    return False
+  from delta_jax.kernels import paged_decode
+  return paged_decode.config_problem(dtype, head_dim, page_size, group) is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,7 +504,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: 
   """Decode attention over a page pool (see paged_decode_reference for the contract).
   impl: "auto" | "reference" | "pallas" | "mosaic" | "pallas_interpret" (the Pallas kernel
   interpreted: tests on CPU)."""
-  chosen = resolve_decode_impl(impl)
+  chosen = resolve_decode_impl(impl, dtype=q.dtype, head_dim=q.shape[-1],
+                               page_size=k_pages.shape[2], group=q.shape[1] // k_pages.shape[0])
   if chosen == "reference":
     return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths,
                                   pages_per_block=pages_per_block)

@@ -105,8 +105,10 @@ class Sampler:
       with a mesh, the size of each batch shard's part of the pool (what each device holds,
       before any split of the KV heads over "tensor").
     decode_steps_per_call: most decode steps per decode program call (pages are handed out that
-      far ahead). decode_attention: attention.DECODE_IMPLS ("auto": pallas.ops' kernel on CUDA
-      GPUs, the jnp reference elsewhere; "mosaic": delta_jax.kernels.paged_decode, CUDA only).
+      far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Mosaic GPU kernel
+      delta_jax.kernels.paged_decode on Hopper or newer GPUs where it takes the model and
+      page_size, pallas.ops' kernel on other CUDA GPUs, the jnp reference elsewhere; see
+      attention.resolve_decode_impl). decode_impl: the one that runs.
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
       batches (new samples only once every slot is free: the baseline that benchmarks compare
       against).
@@ -137,14 +139,17 @@ class Sampler:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
-        if attention.resolve_decode_impl(decode_attention) == "mosaic":  # validates the name
+        cfg = model.cfg
+        problem = dict(dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=page_size,
+                       group=cfg.num_heads // cfg.num_kv_heads)
+        # Validates the name; "auto" picks the Mosaic GPU kernel only where it takes the problem.
+        resolved = attention.resolve_decode_impl(decode_attention, **problem)
+        if resolved == "mosaic":
             from delta_jax.kernels import paged_decode
-            cfg = model.cfg
-            problem = paged_decode.config_problem(cfg.dtype, cfg.head_dim, page_size,
-                                                  cfg.num_heads // cfg.num_kv_heads)
-            if problem:
+            reason = paged_decode.config_problem(**problem)
+            if reason:
                 raise ValueError(f"decode_attention 'mosaic' (rollout.decode_attention) cannot run "
-                                 f"this model / rollout.page_size: {problem}")
+                                 f"this model / rollout.page_size: {reason}")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
@@ -158,6 +163,7 @@ class Sampler:
         self.kv_budget_bytes = kv_budget_bytes
         self.decode_steps_per_call = decode_steps_per_call
         self.decode_attention = decode_attention
+        self.decode_impl = resolved  # what runs: attention.resolve_decode_impl's choice
         self.continuous = bool(continuous)
         self.prefill_ahead = bool(prefill_ahead)
         self.mesh = mesh
@@ -644,7 +650,7 @@ class _Run:
             num_steps=s.decode_steps_per_call,
             top_k=self.params.effective_top_k(s.cfg.vocab_size),
             use_top_p=self.params.use_top_p, greedy=self.params.greedy,
-            attention_impl=s.decode_attention, pages_per_block=self._pages_per_block(),
+            attention_impl=s.decode_impl, pages_per_block=self._pages_per_block(),
             batch_spec=s._batch_spec)
         self.cache = out[0]
         toks, logp, tlogp, gen_out, stopped, steps = fetch_global(out[1:])
