@@ -23,8 +23,10 @@ Workloads (--workload):
   Bytes per decode step: parameters (every matmul weight once; of the embedding table and the LM
   head only the LM head) + K and V at the live length (prompt_len + s at step s, averaged). The
   bandwidth limit: B x copy bandwidth / those bytes; the copy bandwidth is measured in the same
-  run (a jitted copy: bytes read + written / time). "% limit" = measured / limit. Logits,
-  activations and sampling traffic are not counted.
+  run (kernels.timing.copy_bandwidth: bytes read + written / time of a jitted copy of --copy-mib
+  MiB, in chains of copies waited for once, so that a call's dispatch + sync latency does not
+  count; one 1 GiB copy waited for alone read 20-40% low on an H200, and "% limit" over 100%).
+  "% limit" = measured / limit. Logits, activations and sampling traffic are not counted.
 * longtail: --tail-samples prompts (default 4 x B), one sample each, with a length schedule
   (per-prompt max_new_tokens; no stop token): geometric lengths of mean --new-tokens /
   --tail-mean-div, clipped to [1, --new-tokens], so a few samples run --new-tokens long and most
@@ -385,7 +387,9 @@ def main(argv=None):
         for impl in args.decode_attention:
             row = {"preset": args.preset, "dtype": args.dtype, "batch": batch,
                    "decode_attention": impl,
-                   "resolved_attention": attention.resolve_decode_impl(impl),
+                   "resolved_attention": attention.resolve_decode_impl(
+                       impl, dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=args.page_size,
+                       group=cfg.num_heads // cfg.num_kv_heads),
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "page_size": args.page_size, "steps_per_call": args.steps_per_call,
                    "device": f"{device.platform}:{device.device_kind}",

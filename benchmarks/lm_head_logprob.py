@@ -4,7 +4,11 @@ positions) vs naive full logits; time and memory.
 Each implementation is the function the trainer runs for model.logprob_impl (models.token_logprobs
 on hidden states [rows, N / rows, H] under a budget of --chunk-tokens tokens), plus the naive
 [N, V] logits for scale. Forward (log p and entropy) and forward+backward (grad of a weighted sum
-of both outputs w.r.t. h and W) are timed (warm-up, block_until_ready, median of --iters runs);
+of both outputs w.r.t. h and W) are timed (warm-up, then the median of --iters samples, each
+--calls calls dispatched back to back and waited for once, divided by the calls:
+kernels.timing.median_seconds, so that the ~50-150 us of GPU dispatch + sync latency of a call
+waited for is not timed with each call; --calls 0, the default, picks them per program for a
+sample of ~20 ms, calls_per_sample in the JSON);
 memory is XLA's static analysis of each compiled program on the backend it runs on (temporaries +
 arguments + outputs - aliased; printed per program and in the table).
 Default shape: N=8192 tokens (16 rows x 512), H=2048, V=151936, bf16 (GPU). On CPU:
@@ -45,10 +49,14 @@ def main(argv=None):
     parser.add_argument("--impls", default="naive,chunked,fused")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=0,
+                        help="calls per timed sample (0: enough for ~20 ms, kernels.timing)")
     parser.add_argument("--out", default="benchmarks/results/lm_head_logprob.json")
     args = parser.parse_args(argv)
     if args.tokens % args.rows:
         parser.error(f"--tokens {args.tokens} must be a multiple of --rows {args.rows}")
+    if args.calls < 0:
+        parser.error("--calls must be >= 0 (0: automatic)")
 
     dtype = jnp.dtype(args.dtype)
     k = jax.random.split(jax.random.key(0), 4)
@@ -85,16 +93,19 @@ def main(argv=None):
             "forward+backward": jax.jit(jax.grad(loss, argnums=(0, 1))),
         }
         for mode, jitted in programs.items():
-            seconds, runs = timing.median_seconds(jitted, h, w, warmup=args.warmup, iters=args.iters)
+            calls = args.calls or timing.calls_per_sample(jitted, h, w)
+            seconds, runs = timing.median_seconds(jitted, h, w, warmup=args.warmup,
+                                                  iters=args.iters, calls=calls)
             memory = timing.print_compiled_memory(f"{label} {mode}", jitted, h, w)
             results.append({"impl": label, "mode": mode, "median_s": seconds, "runs_s": runs,
-                            **memory})
+                            "calls_per_sample": calls, **memory})
 
     timing.print_table(
         f"LM-head log-prob on {timing.device_description()}: N={args.tokens} H={args.hidden} "
         f"V={args.vocab} dtype={args.dtype}",
         [("impl", "impl", "22s"), ("mode", "mode", "17s"),
          ("median ms", lambda r: 1e3 * r["median_s"], "10.3f"),
+         ("calls", "calls_per_sample", "6d"),
          ("temp MiB", lambda r: r.get("temp_bytes", 0) / 2**20, "10.1f"),
          ("peak est MiB", lambda r: r.get("peak_estimate_bytes", 0) / 2**20, "13.1f")],
         results)

@@ -21,8 +21,13 @@ leaves them.
 
 Bytes: the K and V of every live token of every row, read once (queries and outputs are
 negligible); limit = those bytes / the copy bandwidth measured in the same run (kernels.timing:
-read + write of a 1 GiB float32 array). "% of copy" = (bytes / time) / copy bandwidth. One layer's
-call; a decode step makes one per layer.
+read + write of a 1 GiB float32 array, chains of copies waited for once). "% of copy" = (bytes /
+time) / copy bandwidth. One layer's call; a decode step makes one per layer.
+Timing: the median of --iters samples, each --calls calls dispatched back to back and waited for
+once, divided by the calls (kernels.timing.median_seconds): one call of ~0.1 ms waited for alone
+also times ~50-150 us of GPU dispatch + sync latency (an ~80 us call read 186 us on an H200).
+--calls 0 (the default) picks the calls per configuration for a sample of ~20 ms; each row
+records them (calls_per_sample).
 Memory: each configuration's compiled program's XLA memory analysis on the backend it runs on
 (its temporaries printed, the whole analysis in the JSON records).
 Correctness: each configuration's output is compared with the jnp reference on the same inputs
@@ -65,6 +70,8 @@ def parse_args(argv=None):
                    help="pages per block of the jnp page reader")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--calls", type=int, default=0,
+                   help="calls per timed sample (0: enough for ~20 ms, kernels.timing)")
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--tolerance", type=float, default=2e-2, help="max abs error vs the reference")
     p.add_argument("--seed", type=int, default=0)
@@ -78,6 +85,8 @@ def parse_args(argv=None):
                 f"{args.pages_per_seq} x --page-size {args.page_size}")
     if args.q_heads % args.kv_heads:
         p.error("--q-heads must be a multiple of --kv-heads")
+    if args.calls < 0:
+        p.error("--calls must be >= 0 (0: automatic)")
     return args
 
 
@@ -164,13 +173,15 @@ def main(argv=None):
                 got = np.asarray(fn(*case), np.float32)
                 row["max_abs_error"] = float(np.max(np.abs(got - want)))
                 row["ok"] = bool(np.isfinite(got).all() and row["max_abs_error"] <= args.tolerance)
+                calls = args.calls or timing.calls_per_sample(fn, *case)
                 seconds, _ = timing.median_seconds(fn, *case, warmup=args.warmup,
-                                                   iters=args.iters)
+                                                   iters=args.iters, calls=calls)
+                row["calls_per_sample"] = calls
                 row["us"] = seconds * 1e6
                 row["gb_s"] = kv_bytes / seconds / 1e9
                 row["fraction_of_copy"] = kv_bytes / seconds / bandwidth
                 temp = row["compiled_memory"].get("temp_bytes")
-                print(f"  {label:55s} {row['us']:9.1f} us {row['gb_s']:8.1f} GB/s "
+                print(f"  {label:55s} {row['us']:9.1f} us (x{calls}) {row['gb_s']:8.1f} GB/s "
                       f"{100 * row['fraction_of_copy']:5.1f}% of copy  err "
                       f"{row['max_abs_error']:.1e}{'' if row['ok'] else '  WRONG'}  temp "
                       f"{'n/a' if temp is None else f'{temp / 2**20:.1f} MiB'}", flush=True)

@@ -13,7 +13,11 @@ bf16/fp16, else blockwise or xla by length). A requested implementation that doe
 this backend (cudnn on a CPU, or in float32) is not run but reported as a skipped row with the
 reason: attend() would silently run its fallback, which would be timed under the wrong name.
 
-Timing (median of --iters after --warmup, block_until_ready):
+Timing (median of --iters after --warmup, one call per sample waited for: these programs run
+~10 ms - 1 s, so a call's ~50-150 us of GPU dispatch + sync latency is a small part of it; the
+step donates its state, so it could not be called twice on the same arrays anyway, and a second
+call of fwd+bwd or the optimizer in flight would hold another copy of the gradients or of the
+parameters and optimizer state):
     forward       the loss only (jit), over the batch in the step's micro-batches
     fwd+bwd       value_and_grad of the loss (jit), gradients summed over the micro-batches
     step          the full train step (state donated, optimizer included)
@@ -30,7 +34,10 @@ Reported against two peaks in every run:
                   or --peak-tflops; n/a (JSON null) on other devices
     MFU matmul    the rate of a --peak-matmul-size square matmul in --dtype measured in this run
                   (default 8192 on a GPU, 2048 elsewhere), so a CPU MFU says how close the step
-                  gets to that machine's own matmul speed
+                  gets to that machine's own matmul speed; each of its --iters samples is
+                  enough calls back to back for ~20 ms, waited for once (kernels.timing: one
+                  ~1.4 ms call waited for alone read 530 TFLOP/s on an H200 whose cuBLAS does
+                  ~790); the calls per sample are printed and stored (peak_matmul_calls)
 
 Memory: XLA's static analysis of the compiled step (temporaries + arguments + outputs - aliased)
 at --memory-preset / --memory-seq / --memory-batch, for each remat x attention x log-prob
@@ -103,12 +110,16 @@ def datasheet_peak_flops() -> tuple[float | None, str]:
     return None, f"no data-sheet peak for {kind or jax.default_backend()!r}"
 
 
-def measured_peak_flops(dtype, size: int, iters: int) -> tuple[float, str]:
-    """(FLOP/s, source): a size^3 matmul in `dtype` timed here (median of `iters`)."""
+def measured_peak_flops(dtype, size: int, iters: int) -> tuple[float, str, int]:
+    """(FLOP/s, source, calls per sample): a size^3 matmul in `dtype` timed here, the median of
+    `iters` samples of back-to-back calls (enough for ~20 ms: kernels.timing.calls_per_sample,
+    whose first call is the warm-up)."""
     a = jax.random.normal(jax.random.key(1), (size, size), dtype)
     matmul = jax.jit(lambda x, y: x @ y)
-    seconds, _ = timing.median_seconds(matmul, a, a, warmup=1, iters=iters)
-    return 2 * size ** 3 / seconds, f"measured {size}^3 {jnp.dtype(dtype).name} matmul"
+    calls = timing.calls_per_sample(matmul, a, a)
+    seconds, _ = timing.median_seconds(matmul, a, a, warmup=0, iters=iters, calls=calls)
+    return (2 * size ** 3 / seconds,
+            f"measured {size}^3 {jnp.dtype(dtype).name} matmul, {calls} calls per sample", calls)
 
 
 def attention_run(cfg, rows: int, seq: int) -> tuple[str, str | None]:
@@ -416,7 +427,8 @@ def main(argv=None):
         else:
             sheet, sheet_source = datasheet_peak_flops()
         size = args.peak_matmul_size or (8192 if jax.default_backend() == "gpu" else 2048)
-        matmul, matmul_source = measured_peak_flops(jnp.dtype(args.dtype), size, args.iters)
+        matmul, matmul_source, matmul_calls = measured_peak_flops(jnp.dtype(args.dtype), size,
+                                                                  args.iters)
         print(f"peaks for MFU: sheet {'n/a' if sheet is None else f'{sheet / 1e12:.2f} TFLOP/s'} "
               f"({sheet_source}); matmul {matmul / 1e12:.2f} TFLOP/s ({matmul_source})")
         peaks = {"sheet": sheet, "matmul": matmul}
@@ -440,7 +452,8 @@ def main(argv=None):
         print_skipped(rows)
         payload.update(peak_sheet_tflops=None if sheet is None else sheet / 1e12,
                        peak_sheet_source=sheet_source, peak_matmul_tflops=matmul / 1e12,
-                       peak_matmul_source=matmul_source, throughput=rows)
+                       peak_matmul_source=matmul_source, peak_matmul_calls=matmul_calls,
+                       throughput=rows)
     if not args.skip_memory:
         rows = sweep(args, f"compiling the {args.memory_preset} step for its memory analysis",
                      args.memory_preset, None, args.memory_dtype, memory_shape(args),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -12,33 +13,90 @@ import time
 
 import jax
 
+# Auto mode of median_seconds / copy_bandwidth: a timed sample spans at least this long (so a
+# call's ~50-150 us of GPU dispatch + sync latency is under 1% of it) in at most MAX_CALLS calls.
+TARGET_SAMPLE_S = 0.02
+MAX_CALLS = 256
 
-def median_seconds(fn, *args, warmup: int = 2, iters: int = 5) -> tuple[float, list[float]]:
-    """Median wall time of fn(*args) (a jitted function), after warm-up, waiting for the results."""
+
+def calls_for(one_call_s: float, target_sample_s: float = TARGET_SAMPLE_S,
+              max_calls: int = MAX_CALLS) -> int:
+    """Calls per timed sample for a program whose single call (latency included) took one_call_s:
+    ceil(target_sample_s / one_call_s) clamped to [1, max_calls] (max_calls where it took no
+    measurable time)."""
+    if one_call_s <= 0:
+        return max_calls
+    return max(1, min(max_calls, math.ceil(target_sample_s / one_call_s)))
+
+
+def calls_per_sample(fn, *args, target_sample_s: float = TARGET_SAMPLE_S,
+                     max_calls: int = MAX_CALLS) -> int:
+    """Calls per timed sample for fn(*args): calls_for(the time of one call waited for), timed
+    after one untimed call (which compiles); fn is called twice."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return calls_for(time.perf_counter() - start, target_sample_s, max_calls)
+
+
+def median_seconds(fn, *args, warmup: int = 2, iters: int = 5, calls: int | None = 1,
+                   target_sample_s: float = TARGET_SAMPLE_S,
+                   max_calls: int = MAX_CALLS) -> tuple[float, list[float]]:
+    """(median, per-sample list) of the wall time per call of fn(*args) (a jitted function), after
+    `warmup` untimed calls: each of `iters` samples dispatches `calls` calls back to back and waits
+    once, for the last result, and is divided by `calls`.
+
+    Why several calls: one call waited for also times the host's dispatch and the wait for the
+    device, ~50-150 us per call on a GPU, which is large beside a program of ~0.1-2 ms (on an
+    H200 a paged-attention call the profiler put at ~80 us read 186 us; an 8192^3 bf16 matmul
+    read 530 TFLOP/s against cuBLAS's ~790). JAX dispatches asynchronously, so back-to-back
+    calls queue on the device and run one after another; a sample carries that latency once,
+    over `calls` calls (where the host cannot dispatch a call as fast as the device runs it, the
+    figure is the dispatch rate instead).
+    calls=1 (the default) is one call per sample, as for a program of ~1 s; calls=None picks
+    them (calls_per_sample, 2 more untimed calls) for a sample of about target_sample_s, at most
+    max_calls. Keep calls=1 for a program that donates its arguments (a second call on the same
+    arrays would get deleted buffers) or whose outputs are too big to hold two of at once.
+    fn is called warmup + iters * calls times (+ 2 with calls=None).
+    """
+    if calls is not None and calls < 1:
+        raise ValueError(f"median_seconds: calls must be >= 1 (or None for automatic), got {calls}")
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
+    if calls is None:
+        calls = calls_per_sample(fn, *args, target_sample_s=target_sample_s, max_calls=max_calls)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
+        for _ in range(calls - 1):
+            fn(*args)
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times), times
 
 
-def copy_bandwidth(num_mib: int, repeats: int = 5) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write of a float32 array of `num_mib`
-    MiB through a jitted x + 1), best of `repeats` after one untimed call."""
+def copy_bandwidth(num_mib: int, repeats: int = 5, *, calls: int | None = None,
+                   target_sample_s: float = TARGET_SAMPLE_S, max_calls: int = MAX_CALLS) -> float:
+    """Device-to-device copy bandwidth in bytes/s: read + write of a float32 array of `num_mib` MiB
+    through a jitted a + 1, the best of `repeats` samples (median_seconds' per-call times).
+
+    Each sample is a chain of `calls` copies (each copies the previous one's result, so they run
+    one after another and two arrays are live) waited for once; calls=None (the default) picks
+    enough for a sample of about target_sample_s. Why: one copy of 1 GiB takes ~0.5 ms on an
+    H200, and the ~50-150 us latency of a call waited for made it read 2.6-3.4 TB/s against the
+    device's ~4.3 (and a decode at "111% of the bandwidth limit")."""
     import jax.numpy as jnp
     n = num_mib * 2**20 // 4
-    x = jnp.arange(n, dtype=jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)  # one read + one write of every element
-    copy(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copy(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n * 4 / best
+    chain = [jnp.arange(n, dtype=jnp.float32)]
+
+    def copy_next():
+        chain[0] = copy(chain[0])
+        return chain[0]
+
+    _, times = median_seconds(copy_next, warmup=1, iters=repeats, calls=calls,
+                              target_sample_s=target_sample_s, max_calls=max_calls)
+    return 2 * n * 4 / min(times)
 
 
 MEMORY_FIELDS = (("argument_bytes", "argument_size_in_bytes"),

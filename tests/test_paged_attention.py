@@ -59,6 +59,7 @@ def test_sweep_runs_and_records(tmp_path, capsys):
         "reference ppb=1", "reference ppb=3", "pallas_interpret k_splits=2 ppb=1 warps=4 stages=2"]
     for r in rows:
         assert r["ok"] and r["max_abs_error"] < 1e-5 and r["us"] > 0
+        assert r["calls_per_sample"] >= 1   # --calls 0: picked per configuration
         assert r["compiled_memory"]["backend"] == "cpu" and r["compiled_memory"]["argument_bytes"] > 0
         assert r["kv_bytes"] == rows[0]["kv_bytes"] > 0
     assert "best configuration" in capsys.readouterr().out

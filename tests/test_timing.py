@@ -1,7 +1,10 @@
-"""kernels.timing's profile summary (the compiled-memory helpers are tested in test_plan.py)."""
+"""kernels.timing's timers (calls per sample, copy bandwidth) and profile summary (the
+compiled-memory helpers are tested in test_plan.py)."""
 import gzip
 import json
+import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -50,3 +53,66 @@ def test_trace_summary_reads_what_jax_profiler_writes(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="empty"):
         timing.trace_summary(tmp_path / "empty")
+
+
+class CountingFn:
+    """A plain Python fn standing in for a jitted one: counts its calls, sleeps `sleep_s` in
+    each, returns a ready jnp array."""
+
+    def __init__(self, sleep_s: float = 0.0):
+        self.sleep_s, self.calls, self.out = sleep_s, 0, jnp.zeros(())
+
+    def __call__(self):
+        self.calls += 1
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.out
+
+
+def test_median_seconds_divides_each_sample_by_its_calls():
+    """calls=k: fn runs warmup + iters * k times and each sample is its k calls' time / k. 10
+    calls of a 2 ms sleep take >= 20 ms, so an undivided sample would fail the upper bound."""
+    fn = CountingFn(sleep_s=0.002)
+    median, times = timing.median_seconds(fn, warmup=2, iters=3, calls=10)
+    assert fn.calls == 2 + 3 * 10
+    assert len(times) == 3 and median == sorted(times)[1]
+    assert all(0.0015 <= t < 0.015 for t in times)
+
+
+def test_median_seconds_one_call_per_sample_by_default():
+    """The default times one call per sample (warmup + iters calls), as before."""
+    fn = CountingFn(sleep_s=0.002)
+    _, times = timing.median_seconds(fn, warmup=1, iters=4)
+    assert fn.calls == 1 + 4 and all(t >= 0.0015 for t in times)
+    with pytest.raises(ValueError, match="calls"):
+        timing.median_seconds(fn, calls=0)
+
+
+def test_calls_for_clamps_the_target_over_one_call():
+    """ceil(target / one call) within [1, max_calls]; a call of no measurable time gets max."""
+    assert timing.calls_for(0.001, target_sample_s=0.02, max_calls=256) == 20
+    assert timing.calls_for(0.003, target_sample_s=0.02, max_calls=256) == math.ceil(0.02 / 0.003)
+    assert timing.calls_for(0.5, target_sample_s=0.02, max_calls=256) == 1
+    assert timing.calls_for(1e-7, target_sample_s=0.02, max_calls=256) == 256
+    assert timing.calls_for(0.0, max_calls=7) == 7
+
+
+def test_auto_calls_pick_more_for_a_faster_fn():
+    """calls=None: 2 more calls pick the count (calls_per_sample), then iters samples of it. A
+    10 ms call gets at most 2 calls for a 20 ms sample; a call that returns at once gets the cap,
+    and median_seconds then makes warmup + 2 + iters * cap calls."""
+    slow, fast = CountingFn(sleep_s=0.01), CountingFn()
+    assert timing.calls_per_sample(slow, target_sample_s=0.02) <= 2
+    assert slow.calls == 2
+    assert timing.calls_per_sample(fast, target_sample_s=0.02, max_calls=64) > 2
+    fast.calls = 0
+    _, times = timing.median_seconds(fast, warmup=1, iters=3, calls=None, target_sample_s=1.0,
+                                     max_calls=4)
+    assert fast.calls == 1 + 2 + 3 * 4 and len(times) == 3
+
+
+def test_copy_bandwidth_is_a_positive_rate_on_the_cpu():
+    """A small copy, automatic and fixed calls per sample: a finite, positive bytes/s."""
+    for calls in (None, 3):
+        got = timing.copy_bandwidth(1, repeats=2, calls=calls)
+        assert math.isfinite(got) and got > 0

@@ -31,6 +31,7 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
 
     assert record["peak_sheet_tflops"] is None          # no data-sheet peak for a CPU
     assert record["peak_matmul_tflops"] > 0
+    assert record["peak_matmul_calls"] >= 1 and "calls per sample" in record["peak_matmul_source"]
     for part in ("throughput", "memory"):
         rows = record[part]
         assert [(r["remat"], r["attention"], r["logprob"]) for r in rows] == [
