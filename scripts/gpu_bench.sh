@@ -17,13 +17,16 @@
 #   bash scripts/gpu_bench.sh profile_longtail   # long tail at batch 64, device time by kernel (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
-#   DECODE_ATTENTION=mosaic bash scripts/gpu_bench.sh profile longtail   # decode with it
+#   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
+#   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
+#                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
 #
 # Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call.
-# DECODE_ATTENTION=mosaic runs the decode, profile and longtail stages with the Mosaic GPU kernel
-# instead of pallas.ops' (their JSON files then end in _mosaic).
+# DECODE_ATTENTION=pallas|mosaic|reference runs the decode, profile and longtail stages with that
+# decode attention instead of rollout.decode_attention's default "auto" (the Mosaic GPU kernel on
+# Hopper since 2026-11-26); their JSON files then end in _pallas, _mosaic, _reference.
 # Each stage has its own time limit (seconds, STAGE_LIMIT_<stage> overrides) so one slow stage
 # cannot take the others' time; a stage that fails or times out is logged and the next one runs.
 set -uo pipefail
@@ -38,8 +41,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 # The benchmarks own the GPU: let XLA's allocator use 95% of it (the default pool is 75%).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
-DECODE=${DECODE_ATTENTION:-pallas}
-SUFFIX=$([ "$DECODE" = pallas ] || echo "_$DECODE")
+DECODE=${DECODE_ATTENTION:-auto}
+SUFFIX=$([ "$DECODE" = auto ] || echo "_$DECODE")
 TOK=.whl/qwen3
 [ -f "$TOK/tokenizer.json" ] || TOK=""
 
@@ -108,6 +111,22 @@ for s in "$@"; do
       [ "$s" = mosaic_tests ] || stage mosaic_paged 300 python3 benchmarks/paged_attention.py \
         --batch 64 256 --impls mosaic pallas --k-splits 2 4 --pages-per-block 4 --num-warps 4 \
         --num-stages 2 3 --out "$OUT/paged_attention_mosaic.json" ;;
+    decode_flags)  # issue 15: where a batch-64 decode step's ~1.5 ms outside attention goes (H200,
+                   # 2026-11-26: four per-layer GEMM fusions at ~1.4 TB/s, ~10 small per-layer
+                   # kernels of ~2 us): the fixed workload at batch 64 under XLA flag variants, one
+                   # process each (an unknown flag aborts only its own variant): as is, cuBLAS
+                   # instead of XLA's Triton GEMM fusions, no command buffers (CUDA graphs)
+      for variant in base no_triton_gemm no_command_buffer; do
+        case $variant in
+          base) flags="" ;;
+          no_triton_gemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
+          no_command_buffer) flags="--xla_gpu_enable_command_buffer=" ;;
+        esac
+        stage "decode_flags_$variant" 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" \
+          python3 benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 --batch 64 \
+          --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
+          --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
+      done ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
