@@ -15,7 +15,9 @@ reader's block size, so that the sampler's defaults can be chosen from measureme
 Shapes (defaults = Qwen3-0.6B's attention at issue #15's decode: 16 query / 8 KV heads of 128,
 bf16, 32-token pages, block tables 64 pages wide = the sampler's power-of-two bucket for 512 +
 1024 tokens). Every row attends --length tokens (the mean live length of that decode), or lengths
-drawn uniformly from [length / 2, 3 length / 2] with --ragged. The pool holds B x pages_per_seq
+drawn uniformly from [length / 2, 3 length / 2] with --ragged; with --live-fraction F only a
+random F of the rows are live, the rest have length 0 (continuous batching's free slots: about
+half at batch 64 on decode_throughput.py's long-tailed workload). The pool holds B x pages_per_seq
 random pages, scrambled over the rows (page ids a random permutation), as the sampler's allocator
 leaves them.
 
@@ -59,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--pages-per-seq", type=int, default=64, help="block-table width (power of 2)")
     p.add_argument("--length", type=int, default=1024, help="live tokens per row")
     p.add_argument("--ragged", action="store_true", help="lengths uniform in [L/2, 3L/2]")
+    p.add_argument("--live-fraction", type=float, default=1.0,
+                   help="fraction of rows with a live sequence; the others have length 0, as a "
+                        "continuous-batching decode's free slots (half of them on the long-tailed "
+                        "workload at batch 64)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--impls", nargs="+", default=["pallas", "mosaic", "reference"],
                    choices=["pallas", "pallas_interpret", "mosaic", "reference"])
@@ -85,6 +91,8 @@ def parse_args(argv=None):
                 f"{args.pages_per_seq} x --page-size {args.page_size}")
     if args.q_heads % args.kv_heads:
         p.error("--q-heads must be a multiple of --kv-heads")
+    if not 0.0 < args.live_fraction <= 1.0:
+        p.error("--live-fraction must be in (0, 1]")
     if args.calls < 0:
         p.error("--calls must be >= 0 (0: automatic)")
     return args
@@ -100,6 +108,8 @@ def make_case(args, batch: int):
         lengths = rng.integers(args.length // 2, (3 * args.length) // 2 + 1, size=batch)
     else:
         lengths = np.full(batch, args.length)
+    live = max(1, round(args.live_fraction * batch))
+    lengths[rng.permutation(batch)[live:]] = 0  # free slots, scattered over the rows
     tables = rng.permutation(pages).reshape(batch, args.pages_per_seq).astype(np.int32)
     key = jax.random.key(args.seed)
     kq, kk, kv = jax.random.split(key, 3)

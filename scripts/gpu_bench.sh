@@ -108,9 +108,17 @@ for s in "$@"; do
              # profile. `mosaic` runs both stages, mosaic_tests / mosaic_paged one each.
       [ "$s" = mosaic_paged ] || stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu \
         python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_decode.py
-      [ "$s" = mosaic_tests ] || stage mosaic_paged 300 python3 benchmarks/paged_attention.py \
-        --batch 64 256 --impls mosaic pallas --k-splits 2 4 --pages-per-block 4 --num-warps 4 \
-        --num-stages 2 3 --out "$OUT/paged_attention_mosaic.json" ;;
+      # (2026-11-26 on an H200: tests passed; that sweep timed one call at a time, so it did not
+      # rank settings. Now: calls back to back; every row live, then a continuous-batching-like
+      # batch 64: ragged lengths, half the rows free, where the decode's attention read K/V at
+      # ~2.0 TB/s against ~3.35 with every row live.)
+      [ "$s" = mosaic_tests ] || { stage mosaic_paged 200 python3 benchmarks/paged_attention.py \
+        --batch 64 256 --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 \
+        --num-warps 4 --num-stages 2 3 --out "$OUT/paged_attention_mosaic.json";
+        stage mosaic_paged_ragged 150 python3 benchmarks/paged_attention.py --batch 64 \
+        --ragged --live-fraction 0.5 --impls mosaic pallas --k-splits 1 2 4 \
+        --pages-per-block 2 4 --num-warps 4 --num-stages 2 3 \
+        --out "$OUT/paged_attention_mosaic_ragged.json"; } ;;
     decode_flags)  # issue 15: where a batch-64 decode step's ~1.5 ms outside attention goes (H200,
                    # 2026-11-26: four per-layer GEMM fusions at ~1.4 TB/s, ~10 small per-layer
                    # kernels of ~2 us): the fixed workload at batch 64 under XLA flag variants, one

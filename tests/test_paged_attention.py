@@ -63,3 +63,17 @@ def test_sweep_runs_and_records(tmp_path, capsys):
         assert r["compiled_memory"]["backend"] == "cpu" and r["compiled_memory"]["argument_bytes"] > 0
         assert r["kv_bytes"] == rows[0]["kv_bytes"] > 0
     assert "best configuration" in capsys.readouterr().out
+
+
+def test_live_fraction_leaves_free_rows_empty():
+    """--live-fraction 0.5: half the rows (scattered) have length 0, the others the --length they
+    would have had; the bytes the sweep counts come from these lengths."""
+    args = bench.parse_args(["--batch", "8", "--length", "64", "--pages-per-seq", "4",
+                             "--page-size", "16", "--live-fraction", "0.5", "--head-dim", "8",
+                             "--q-heads", "4", "--kv-heads", "2", "--dtype", "float32"])
+    lengths = bench.make_case(args, 8)[4].tolist()
+    assert sorted(lengths) == [0] * 4 + [64] * 4
+    assert lengths != [64] * 4 + [0] * 4  # scattered (a fixed seed), not the last rows
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--live-fraction", "0"])
+
