@@ -41,6 +41,12 @@ Workloads (--workload):
   has CUDA (or with --hf always, e.g. on CPU); skipped otherwise. It runs first, one child process
   per batch size, before JAX takes the device; a failure (e.g. out of memory) is recorded and the
   run goes on. Its decode time = a full generate minus a 1-new-token generate, best of --repeats.
+Mosaic kernel parameters (an experiment, not a product setting): --mosaic-kernel K_SPLITS
+PAGES_PER_BLOCK STAGES runs the Mosaic GPU decode kernel (delta_jax.kernels.paged_decode, what
+--decode-attention mosaic, and auto on Hopper, run) with these instead of its defaults, so its
+parameters can be compared in the whole decode (on an H200 the long-tailed workload's attention
+read K/V at ~2.2 TB/s where every-row-live decode read ~3.35: k_splits > 1 may balance the
+ragged rows better). Each row records them (mosaic_kernel).
 Memory: for every engine configuration, XLA's memory analysis of the sampler's jitted programs
 (prefill, decode, page copy; each compiled again from its first call's shapes) on the backend
 that runs them is printed and stored with the results (compiled_memory).
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -67,7 +74,7 @@ import numpy as np
 from flax import nnx
 
 from delta_jax import models
-from delta_jax.kernels import timing
+from delta_jax.kernels import paged_decode, timing
 from delta_jax.models import attention
 from delta_jax.sampling import Sampler
 from delta_jax.sampling import programs as sampling_programs
@@ -109,12 +116,42 @@ def parse_args(argv=None):
                    help="transformers baseline: auto = only when torch has CUDA")
     p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                    help="transformers' KV cache (generate's cache_implementation)")
+    p.add_argument("--mosaic-kernel", type=int, nargs=3, default=None,
+                   metavar=("K_SPLITS", "PAGES_PER_BLOCK", "STAGES"),
+                   help="the Mosaic GPU decode kernel's parameters (default: its own)")
     p.add_argument("--output", default="decode_throughput.json")
     p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.new_tokens < 2 or args.prompt_len < 2 or min(args.batch) < 1:
         p.error("--new-tokens and --prompt-len must be >= 2, --batch >= 1")
+    if args.mosaic_kernel is not None:
+        cfg = model_config(args)
+        problem = paged_decode.config_problem(
+            cfg.dtype, cfg.head_dim, args.page_size, cfg.num_heads // cfg.num_kv_heads,
+            **mosaic_kwargs(args))
+        if problem:
+            p.error(f"--mosaic-kernel: {problem}")
     return args
+
+
+def mosaic_kwargs(args) -> dict:
+    """paged_decode_mosaic's keyword arguments from --mosaic-kernel ({} without it)."""
+    if args.mosaic_kernel is None:
+        return {}
+    return dict(zip(("k_splits", "pages_per_block", "stages"), args.mosaic_kernel))
+
+
+@contextlib.contextmanager
+def mosaic_parameters(kwargs: dict):
+    """Within the block the Mosaic GPU decode kernel runs with `kwargs` (paged_decode_attention
+    looks paged_decode.paged_decode_mosaic up at each trace); nothing changes for {}."""
+    original = paged_decode.paged_decode_mosaic
+    if kwargs:
+        paged_decode.paged_decode_mosaic = functools.partial(original, **kwargs)
+    try:
+        yield
+    finally:
+        paged_decode.paged_decode_mosaic = original
 
 
 def param_bytes(cfg: models.ModelConfig) -> int:
@@ -393,17 +430,20 @@ def main(argv=None):
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "page_size": args.page_size, "steps_per_call": args.steps_per_call,
                    "device": f"{device.platform}:{device.device_kind}",
-                   "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9}
+                   "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9,
+                   "mosaic_kernel": mosaic_kwargs(args) or "defaults"}
             if "fixed" in args.workload:
                 print(f"fixed: batch {batch}, {impl}", flush=True)
-                row["fixed"] = attempt(fixed_workload, model, batch, impl, args, bandwidth)
+                with mosaic_parameters(mosaic_kwargs(args)):
+                    row["fixed"] = attempt(fixed_workload, model, batch, impl, args, bandwidth)
                 row.update(hf_results.get(batch, {}))
                 if "hf_decode_tokens_per_s" in row and "error" not in row["fixed"]:
                     row["fixed"]["speedup_vs_hf"] = (row["fixed"]["decode_tokens_per_s"]
                                                      / row["hf_decode_tokens_per_s"])
             if "longtail" in args.workload:
                 print(f"longtail: batch {batch}, {impl}", flush=True)
-                row["longtail"] = attempt(longtail_workload, model, batch, impl, args)
+                with mosaic_parameters(mosaic_kwargs(args)):
+                    row["longtail"] = attempt(longtail_workload, model, batch, impl, args)
             results.append(row)
             write_results(args, results)  # after every configuration
 

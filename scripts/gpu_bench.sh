@@ -18,6 +18,7 @@
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
+#   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
 #                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -119,6 +120,16 @@ for s in "$@"; do
         --ragged --live-fraction 0.5 --impls mosaic pallas --k-splits 1 2 4 \
         --pages-per-block 2 4 --num-warps 4 --num-stages 2 3 \
         --out "$OUT/paged_attention_mosaic_ragged.json"; } ;;
+    longtail_splits)  # issue 15: the long-tailed workload at batch 64 with the Mosaic kernel
+                      # split over 2 and 4 blocks a row (--mosaic-kernel K_SPLITS 2 3; its
+                      # default is 1 split): its attention read ~2.2 TB/s there on an H200
+                      # against ~3.35 with every row live (2026-11-26)
+      for ks in 2 4; do
+        stage "longtail_splits_$ks" 150 python3 benchmarks/decode_throughput.py \
+          --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
+          --decode-attention mosaic --mosaic-kernel "$ks" 2 3 --workload fixed longtail \
+          --hf never --repeats 1 --output "$OUT/decode_throughput_splits_$ks.json"
+      done ;;
     decode_flags)  # issue 15: where a batch-64 decode step's ~1.5 ms outside attention goes (H200,
                    # 2026-11-26: four per-layer GEMM fusions at ~1.4 TB/s, ~10 small per-layer
                    # kernels of ~2 us): the fixed workload at batch 64 under XLA flag variants, one

@@ -1,0 +1,38 @@
+"""benchmarks/decode_throughput.py's experiment knob --mosaic-kernel (no program is compiled here:
+the whole benchmark runs on a GPU, scripts/gpu_bench.sh)."""
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_throughput as bench  # noqa: E402
+from delta_jax.kernels import paged_decode  # noqa: E402
+
+
+def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
+    """--mosaic-kernel 2 4 2: inside mosaic_parameters, the name paged_decode_attention looks up
+    is the kernel with k_splits 2, 4 pages a step, 2 stages; outside it the kernel is the module's
+    own again, and without the option nothing is replaced."""
+    args = bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--page-size", "32",
+                             "--mosaic-kernel", "2", "4", "2"])
+    original = paged_decode.paged_decode_mosaic
+    kwargs = bench.mosaic_kwargs(args)
+    assert kwargs == {"k_splits": 2, "pages_per_block": 4, "stages": 2}
+    with bench.mosaic_parameters(kwargs):
+        patched = paged_decode.paged_decode_mosaic
+        assert patched.func is original and patched.keywords == kwargs
+    assert paged_decode.paged_decode_mosaic is original
+    with bench.mosaic_parameters(bench.mosaic_kwargs(bench.parse_args(["--preset", "tiny"]))):
+        assert paged_decode.paged_decode_mosaic is original
+
+
+def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time():
+    """A step of 1 page of 32 tokens (not a multiple of 64 keys) and a float32 model: refused with
+    the kernel's own reason before anything runs."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "bfloat16",
+                          "--mosaic-kernel", "1", "1", "2"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "float32",
+                          "--mosaic-kernel", "1", "2", "2"])
