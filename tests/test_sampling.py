@@ -337,6 +337,8 @@ def test_string_prompts_and_texts(tiny_model):
     ([], {}, "prompts"),
     (["text"], {}, "tokenizer"),
     ([[1, 2, 3000]], {}, r"prompts\[0\]"),
+    ([[1, -4, 2, 7000]], {}, r"prompts\[0\] has token ids outside \[0, \d+\): \[-4, 7000\]"),
+    ([[1.0, 2.0], [5000.0]], {}, r"prompts\[1\] has token ids outside"),
     ([[1, 2]], {"n": 0}, "n must"),
     ([[1, 2]], {"temperature": -1.0}, "temperature"),
     ([[1, 2]], {"top_p": 0.0}, "top_p"),

@@ -214,13 +214,17 @@ class Sampler:
                 if self.tokenizer is None:
                     raise ValueError(f"prompts[{i}] is a string but the Sampler has no tokenizer")
                 prompt = self.tokenizer.encode(prompt)
-            prompt = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-            if not prompt:
+            ids = np.asarray(prompt).reshape(-1) if len(prompt) else np.zeros(0, np.int64)
+            if ids.dtype.kind not in "iu":  # e.g. floats holding ids: as int() reads them
+                ids = np.asarray([int(t) for t in ids], np.int64)
+            if not ids.size:
                 raise ValueError(f"prompts[{i}] is empty")
-            bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-            if bad:
+            # In numpy: a Python check per token took ~60 ms for 256 prompts of 512 tokens.
+            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+            if bad.size:
                 raise ValueError(f"prompts[{i}] has token ids outside [0, {self.cfg.vocab_size}): "
-                                 f"{bad[:5]}")
+                                 f"{bad[:5].tolist()}")
+            prompt = ids.tolist()
             if len(prompt) > limit:
                 if self.truncate_prompts == "error":
                     raise ValueError(f"prompts[{i}] has {len(prompt)} tokens, more than the limit "
@@ -663,14 +667,17 @@ class _Run:
         self.token[moved] = toks[moved, counts[counts > 0] - 1]
         self.length[live] += counts.astype(np.int32)
         self.generated[live] = gen_out[live]
-        for k, count in zip(live.tolist(), counts.tolist()):
+        # The live rows as Python lists in one conversion each (not three small ones a slot).
+        rows = (toks[live].tolist(), logp[live].tolist(), tlogp[live].tolist(),
+                stopped[live].tolist())
+        for k, count, tok, lp, tlp, stop in zip(live.tolist(), counts.tolist(), *rows):
             sample = self.slots[k]
-            sample.tokens += toks[k, :count].tolist()
-            sample.logprobs += logp[k, :count].tolist()
-            sample.tempered += tlogp[k, :count].tolist()
+            sample.tokens += tok[:count]
+            sample.logprobs += lp[:count]
+            sample.tempered += tlp[:count]
             sample.length += count
-            if stopped[k] or len(sample.tokens) >= self.limits[sample.prompt]:
-                sample.stopped = bool(stopped[k])
+            if stop or len(sample.tokens) >= self.limits[sample.prompt]:
+                sample.stopped = bool(stop)
                 self._finish(k)
 
     def _pages_per_block(self) -> int:
