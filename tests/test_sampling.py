@@ -151,6 +151,29 @@ def test_results_do_not_depend_on_scheduling(tiny_model, sampler):
     assert sampler.generate(PROMPTS, **{**kwargs, "seed": 12}).response_ids != ref.response_ids
 
 
+def test_slot_page_needs_agree_with_each_samples(tiny_model, monkeypatch):
+    """reserve() reads every slot's page need from the slot arrays at once (_slot_needs); at each
+    reserve of a run with refills and preemptions (a 12-page pool) it equals _need of the slot's
+    sample, and free slots need none."""
+    from delta_jax.sampling import scheduler
+    seen = []
+    reserve = scheduler._Run.reserve
+
+    def checked(run):
+        needs = run._slot_needs()
+        want = [run._need(x) if x is not None else 0 for x in run.slots]
+        assert needs.tolist() == want
+        seen.append(sum(w > 0 for w in want))
+        return reserve(run)
+
+    monkeypatch.setattr(scheduler._Run, "reserve", checked)
+    page = models.page_bytes(tiny_model.cfg, 4)
+    out = Sampler(tiny_model, max_batch_size=8, page_size=4, decode_steps_per_call=2,
+                  kv_budget_bytes=12 * page).generate(
+        PROMPTS, n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(7,), seed=11)
+    assert out.stats["preemptions"] > 0 and len(seen) > 3 and max(seen) > 1
+
+
 def test_continuous_batching_keeps_slots_full(tiny_model):
     """The issue's case: 48 prompts x 4 samples, stop ids 1..20 (long-tailed lengths), 96 new
     tokens at most, 16 slots: at most 1.25 x generated / 16 + 96 decode steps (static batches
@@ -169,6 +192,13 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
     assert stats["slot_utilization"] > 0.8 and stats["prefilled_prompts"] == 48
     wide = Sampler(tiny_model, max_batch_size=64).generate(prompts, **kwargs)
     assert wide.response_ids == out.response_ids and wide.truncated == out.truncated
+    # Refilling once 4 samples have finished (the default at 64 slots) instead of each one:
+    # fewer decode calls, the same tokens.
+    lazy = Sampler(tiny_model, max_batch_size=16, refill_after=4).generate(prompts, **kwargs)
+    assert lazy.response_ids == out.response_ids
+    assert lazy.stats["decode_calls"] < stats["decode_calls"], (lazy.stats, stats)
+    with pytest.raises(ValueError, match="refill_after"):
+        Sampler(tiny_model, refill_after=0)
     # Prefilling ahead (the default) fills each refill's prefill call with the next waiting
     # prompts: fewer calls than one per refill, each prompt still prefilled once, same tokens.
     one_by_one = Sampler(tiny_model, max_batch_size=16, prefill_ahead=False).generate(

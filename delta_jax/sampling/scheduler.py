@@ -116,6 +116,10 @@ class Sampler:
       waiting prompts up to its row capacity (continuous batching only), while the pool keeps
       room for every live sample's longest continuation plus one more sample: fewer, fuller
       prefill calls (one per refill otherwise). Never changes the tokens.
+    refill_after: with continuous batching, a decode call returns to refill slots once this many
+      samples have finished (fewer when fewer wait). Default max(1, slots // 16): each call
+      costs the device about a decode step of idle time (the host's work between calls), each
+      slot left free until then a share of a step (see _Run). Never changes the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -125,7 +129,7 @@ class Sampler:
                  min_response_bucket: int = 16, pad_id: int = 0, page_size: int = 32,
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
                  decode_attention: str = "auto", continuous: bool = True,
-                 prefill_ahead: bool = True):
+                 prefill_ahead: bool = True, refill_after: Optional[int] = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -137,6 +141,9 @@ class Sampler:
                             ("decode_steps_per_call", decode_steps_per_call)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if refill_after is not None and (isinstance(refill_after, bool)
+                                         or not isinstance(refill_after, int) or refill_after < 1):
+            raise ValueError(f"refill_after must be an int >= 1 (or None), got {refill_after!r}")
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
         cfg = model.cfg
@@ -173,6 +180,7 @@ class Sampler:
         self._batch_shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
         self.num_slots = bucket_size(max_batch_size, 1, self._batch_shards) \
             if max_batch_size % self._batch_shards else max_batch_size
+        self.refill_after = refill_after or max(1, self.num_slots // 16)
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -371,7 +379,15 @@ class _Run:
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = 0
         self.prefill_seconds = self.decode_seconds = 0.0
-        self.refill_at = max(1, sampler.num_slots // 32)
+        # A decode call returns (for refills) once Sampler.refill_after slots have finished.
+        # Each call costs about one decode step at batch 64 on an H200 (2026-11-26: ~3 ms of
+        # host work between calls, the GPU idle, against 2.9 ms a step); waiting for more
+        # finishers costs a few more steps. With the device programs stood in for
+        # (benchmarks/scheduler_host.py: the same 108 calls as that GPU run at slots // 32),
+        # slots // 16 took the long-tailed workload at 64 slots from 108 to 66 calls for 7 more
+        # steps of 1,035 (256 samples), from 443 to 243 calls for 28 more of 2,393 (1,024); at
+        # 256 slots, whose steps cost ~3x more, 106 -> 65 calls for 5 more (BENCHMARKS.md).
+        self.refill_at = sampler.refill_after
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
         # pages, advanced and removed (not rebuilt from the samples every call); a free slot's
         # row is zeros.
@@ -382,6 +398,7 @@ class _Run:
         self.active = np.zeros(S, bool)
         self.prompt_index, self.sample_index = np.zeros(S, np.int32), np.zeros(S, np.int32)
         self.limit = np.ones(S, np.int32)
+        self.kv_len = np.zeros(S, np.int64)  # the prompt's KV tokens (its length - 1)
 
     # ---------------------------------------------------------------------------------------
     def loop(self):
@@ -390,12 +407,24 @@ class _Run:
             self.reserve()
             self.decode()
 
+    def _pages_to_take(self, length, kv_len, limit, held):
+        """Own pages still to take so that a sample with `length` KV tokens (of which kv_len are
+        its prompt's), a response limit of `limit` tokens and `held` pages in its table (the
+        prompt's full pages + its own) can run one more decode call: ints, or arrays over slots."""
+        tokens = np.minimum(np.asarray(length, np.int64) + self.s.decode_steps_per_call,
+                            np.asarray(kv_len, np.int64) + limit)
+        return -(-tokens // self.ps) - held
+
     def _need(self, sample: _Sample) -> int:
         """Own pages the sample needs to run one more decode call."""
         prompt = self.prompts[sample.prompt]
-        tokens = min(sample.length + self.s.decode_steps_per_call,
-                     prompt.kv_len + self.limits[sample.prompt])
-        return pages_for(tokens, self.ps) - prompt.kv_len // self.ps - len(sample.own)
+        return int(self._pages_to_take(sample.length, prompt.kv_len, self.limits[sample.prompt],
+                                       prompt.kv_len // self.ps + len(sample.own)))
+
+    def _slot_needs(self) -> np.ndarray:
+        """_need of every slot's sample at once from the slot arrays (0 for a free slot)."""
+        need = self._pages_to_take(self.length, self.kv_len, self.limit, self.num_pages)
+        return np.where(self.active, need, 0)
 
     def shard_of(self, slot: int) -> int:
         return slot // self.per_shard
@@ -566,14 +595,15 @@ class _Run:
         dry, the newest live samples go back to the front of the queue (restarted later: the
         same tokens, since randomness is per sample and position) and prompts with no live
         sample give back their shared pages (prefilled again when needed)."""
-        for slot in sorted((k for k, x in enumerate(self.slots) if x is not None),
+        needs = self._slot_needs()  # a slot needing none has nothing to do here
+        for slot in sorted(np.flatnonzero(needs > 0).tolist(),
                            key=lambda k: self.slots[k].admitted):
             sample = self.slots[slot]
             if sample is None:  # preempted below for an older one
                 continue
             shard = self.shard_of(slot)
             alloc = self.allocs[shard]
-            need = self._need(sample)
+            need = int(needs[slot])
             while need > alloc.num_free:
                 if not (self._preempt_newest(shard, older_than=sample)
                         or self._evict_prompt(shard)):
@@ -627,12 +657,14 @@ class _Run:
         self.active[slot] = True
         self.prompt_index[slot], self.sample_index[slot] = sample.prompt, sample.index
         self.limit[slot] = self.limits[sample.prompt]
+        self.kv_len[slot] = prompt.kv_len
 
     def _vacate(self, slot: int):
         self.slots[slot] = None
         self.tables[slot] = 0
         self.num_pages[slot] = 0
-        for a in (self.token, self.length, self.generated, self.prompt_index, self.sample_index):
+        for a in (self.token, self.length, self.generated, self.prompt_index, self.sample_index,
+                  self.kv_len):
             a[slot] = 0
         self.active[slot] = False
         self.limit[slot] = 1
