@@ -384,9 +384,10 @@ class _Run:
         # host work between calls, the GPU idle, against 2.9 ms a step); waiting for more
         # finishers costs a few more steps. With the device programs stood in for
         # (benchmarks/scheduler_host.py: the same 108 calls as that GPU run at slots // 32),
-        # slots // 16 took the long-tailed workload at 64 slots from 108 to 66 calls for 7 more
-        # steps of 1,035 (256 samples), from 443 to 243 calls for 28 more of 2,393 (1,024); at
-        # 256 slots, whose steps cost ~3x more, 106 -> 65 calls for 5 more (BENCHMARKS.md).
+        # slots // 16 took the long-tailed workload at 64 slots from 108 to 66 calls at the same
+        # 1,024 steps (256 samples), from 443 to 243 calls for 31 more steps of 2,364 (1,024
+        # samples); at 256 slots, whose steps cost ~3x more, 106 -> 65 calls at the same 1,024
+        # steps (BENCHMARKS.md, "Refills").
         self.refill_at = sampler.refill_after
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
         # pages, advanced and removed (not rebuilt from the samples every call); a free slot's
