@@ -33,7 +33,9 @@ Workloads (--workload):
   stop early, as RL responses do. Run in B slots with continuous batching and with static
   batching (Sampler(continuous=False): a batch decodes until its longest sample stops; the same
   programs otherwise). Continuous batching prefills ahead (a refill's prefill call also takes the
-  next waiting prompts) unless --no-prefill-ahead. Useful tokens/s = generated tokens / wall time
+  next waiting prompts) unless --no-prefill-ahead, and a decode call returns to refill once
+  --refill-after samples have finished (default: the Sampler's, slots // 16; recorded as
+  longtail.refill_after). Useful tokens/s = generated tokens / wall time
   of generate() (prefill included), best of --repeats after an untimed run; "x static" =
   continuous / static.
 * transformers generate (fixed workload; greedy or the same sampling settings, same model shape
@@ -103,6 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--steps-per-call", type=int, default=32, help="decode steps per call")
     p.add_argument("--kv-budget-gb", type=float, default=0.0, help="0 = the worst case")
+    p.add_argument("--refill-after", type=int, default=0,
+                   help="Sampler(refill_after=): finished samples a continuous-batching decode "
+                        "call waits for before returning to refill (0: the Sampler's default, "
+                        "slots // 16)")
     p.add_argument("--no-prefill-ahead", action="store_true",
                    help="continuous batching prefills only the prompts it admits (one prefill "
                         "call per refill; Sampler(prefill_ahead=False))")
@@ -124,6 +130,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.new_tokens < 2 or args.prompt_len < 2 or min(args.batch) < 1:
         p.error("--new-tokens and --prompt-len must be >= 2, --batch >= 1")
+    if args.refill_after < 0:
+        p.error("--refill-after must be >= 0 (0: the Sampler's default)")
     if args.mosaic_kernel is not None:
         cfg = model_config(args)
         problem = paged_decode.config_problem(
@@ -254,7 +262,8 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True) ->
     return Sampler(model, max_batch_size=batch, page_size=args.page_size,
                    decode_steps_per_call=args.steps_per_call, decode_attention=impl,
                    kv_budget_bytes=budget, continuous=continuous,
-                   prefill_ahead=not args.no_prefill_ahead)
+                   prefill_ahead=not args.no_prefill_ahead,
+                   refill_after=args.refill_after or None)
 
 
 def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list:
@@ -380,6 +389,8 @@ def longtail_workload(model, batch: int, impl: str, args) -> dict:
                                f"expected {sum(lengths)}")
         out[mode] = {"useful_tokens_per_s": stats["generated_tokens"] / stats["seconds"],
                      "stats": stats}
+        if continuous:
+            out["refill_after"] = sampler.refill_after
         if args.profile:  # where the continuous run's time goes beside the static one's
             out[mode]["profile"] = profile_generate(sampler, prompts, args,
                                                     f"longtail_b{batch}_{impl}_{mode}", lengths)

@@ -19,6 +19,7 @@
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
+#   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
 #                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -120,6 +121,16 @@ for s in "$@"; do
         --ragged --live-fraction 0.5 --impls mosaic pallas --k-splits 1 2 4 \
         --pages-per-block 2 4 --num-warps 4 --num-stages 2 3 \
         --out "$OUT/paged_attention_mosaic_ragged.json"; } ;;
+    longtail_refill)  # issue 15: the long-tailed workload at batch 64 with the Sampler's refill
+                      # default before 2026-11-26 (refill_after 2 = slots // 32) and now (4 =
+                      # slots // 16): 108 against 66 decode calls at the same 1,024 steps
+                      # (benchmarks/scheduler_host.py); predicted ~0.13 s of 3.7 s on an H200
+      for r in 2 4; do
+        stage "longtail_refill_$r" 150 python3 benchmarks/decode_throughput.py \
+          --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-after "$r" --workload longtail --hf never \
+          --repeats 2 --output "$OUT/decode_throughput_refill_$r$SUFFIX.json"
+      done ;;
     longtail_splits)  # issue 15: the long-tailed workload at batch 64 with the Mosaic kernel
                       # split over 2 and 4 blocks a row (--mosaic-kernel K_SPLITS 2 3; its
                       # default is 1 split): its attention read ~2.2 TB/s there on an H200

@@ -36,3 +36,19 @@ def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time()
     with pytest.raises(SystemExit):
         bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "float32",
                           "--mosaic-kernel", "1", "2", "2"])
+
+
+def test_refill_after_reaches_the_sampler():
+    """--refill-after 3 builds Samplers that return to refill after 3 finished samples; 0 leaves
+    the Sampler's default (slots // 16); a negative count is refused."""
+    from flax import nnx
+
+    from delta_jax import models
+    args = bench.parse_args(["--preset", "tiny", "--refill-after", "3"])
+    model = models.Transformer(bench.model_config(args), rngs=nnx.Rngs(0))
+    assert bench.make_sampler(model, 64, "auto", args).refill_after == 3
+    default = bench.parse_args(["--preset", "tiny"])
+    assert bench.make_sampler(model, 64, "auto", default).refill_after == 4
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--refill-after", "-1"])
+
