@@ -119,7 +119,7 @@ class Sampler:
     refill_after: with continuous batching, a decode call returns to refill slots once this many
       samples have finished (fewer when fewer wait). Default max(1, slots // 16): each call
       costs the device about a decode step of idle time (the host's work between calls), each
-      slot left free until then a share of a step (see _Run). Never changes the tokens.
+      slot left free until then a share of a step. Never changes the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -180,6 +180,14 @@ class Sampler:
         self._batch_shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
         self.num_slots = bucket_size(max_batch_size, 1, self._batch_shards) \
             if max_batch_size % self._batch_shards else max_batch_size
+        # The default: each decode call costs about one decode step at batch 64 on an H200
+        # (2026-11-26: ~3 ms of host work between calls, the GPU idle, against 2.9 ms a step);
+        # waiting for more finishers costs a few more steps. With the device programs stood in
+        # for (benchmarks/scheduler_host.py: the same 108 calls as that GPU run at slots // 32),
+        # slots // 16 took the long-tailed workload at 64 slots from 108 to 66 calls at the same
+        # 1,024 steps (256 samples), from 443 to 243 calls for 31 more steps of 2,364 (1,024
+        # samples); at 256 slots, whose steps cost ~3x more, 106 -> 65 calls at the same 1,024
+        # steps (BENCHMARKS.md, "Refills").
         self.refill_after = refill_after or max(1, self.num_slots // 16)
 
     # ---------------------------------------------------------------------------------------
@@ -379,16 +387,6 @@ class _Run:
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = 0
         self.prefill_seconds = self.decode_seconds = 0.0
-        # A decode call returns (for refills) once Sampler.refill_after slots have finished.
-        # Each call costs about one decode step at batch 64 on an H200 (2026-11-26: ~3 ms of
-        # host work between calls, the GPU idle, against 2.9 ms a step); waiting for more
-        # finishers costs a few more steps. With the device programs stood in for
-        # (benchmarks/scheduler_host.py: the same 108 calls as that GPU run at slots // 32),
-        # slots // 16 took the long-tailed workload at 64 slots from 108 to 66 calls at the same
-        # 1,024 steps (256 samples), from 443 to 243 calls for 31 more steps of 2,364 (1,024
-        # samples); at 256 slots, whose steps cost ~3x more, 106 -> 65 calls at the same 1,024
-        # steps (BENCHMARKS.md, "Refills").
-        self.refill_at = sampler.refill_after
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
         # pages, advanced and removed (not rebuilt from the samples every call); a free slot's
         # row is zeros.
@@ -675,7 +673,7 @@ class _Run:
         if not self.active.any():
             return
         refill = self.waiting and self.s.continuous
-        exit_after = min(self.refill_at, len(self.waiting)) if refill else len(self.slots) + 1
+        exit_after = min(s.refill_after, len(self.waiting)) if refill else len(self.slots) + 1
         start = time.perf_counter()
         out = programs.decode(
             s.graphdef, self.state, self.cache, *(s._put(x) for x in (

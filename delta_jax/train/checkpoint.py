@@ -135,5 +135,3 @@ def readable_everywhere(ok: bool) -> bool:
         return ok
     from jax.experimental import multihost_utils
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
-
-
