@@ -59,7 +59,7 @@ def parse_args(argv=None):
     return args
 
 
-def stand_in_decode(graphdef, state, cache, block_tables, token, length, generated, active,
+def stand_in_decode(graphdef, state, layers, cache, block_tables, token, length, generated, active,
                     prompt_index, sample_index, seed, stop_ids, temperature, top_p, limit,
                     pad_id, exit_after, *, num_steps, **static):
     """programs.decode's call pattern without a model: every live slot advances until its limit
@@ -79,13 +79,14 @@ def stand_in_decode(graphdef, state, cache, block_tables, token, length, generat
 
 @contextlib.contextmanager
 def stand_in_programs():
-    """Within the block the Sampler's device programs are stand_in_decode and no-op prefill /
-    page copy, and each generate()'s page pool is one page a layer (nothing reads it; zeroing
+    """Within the block the Sampler's device programs are stand_in_decode and no-op layer
+    slicing, prefill and page copy, and each generate()'s page pool is one page a layer (nothing reads it; zeroing
     the real pool is device work on a GPU, a large memset of host memory here)."""
-    names = ("decode", "prefill", "copy_pages")
+    names = ("decode", "decode_layers", "prefill", "copy_pages")
     saved = {name: getattr(sampling_programs, name) for name in names}
     init_cache = models.init_paged_cache
     sampling_programs.decode = stand_in_decode
+    sampling_programs.decode_layers = lambda graphdef, state: ()
     sampling_programs.prefill = lambda graphdef, state, cache, *a, **k: cache
     sampling_programs.copy_pages = lambda cache, *a, **k: cache
     models.init_paged_cache = lambda cfg, num_pages, page_size, **k: init_cache(cfg, 1, page_size,

@@ -23,8 +23,8 @@ update figure of the dots_* policies is checked the same way at five more points
 dots_with_no_batch_dims_saveable with materialised scores and with blockwise attention in 4 x 4
 blocks, dots_saveable with each; 0.97-1.08 there, 0.96-1.10 at 47 points measured by hand). The
 "rollout" figure (less the optimizer state) agrees with the larger of the sampler's prefill and
-decode programs at two points there (0.89-1.0 at six points checked by hand), once the decode
-program's copy of the layer weights is counted. Not checked that way: bfloat16 activations
+decode programs at two points there, each with the sampler's copy of the layer weights
+(programs.decode_layers, held for the whole generate()) beside it. Not checked that way: bfloat16 activations
 (XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention other than the dots_*
 update points, the recompute feature cache's trunk pass, and any GPU compiler's figures (the
 benchmarks print those where they run; an H100 run of 2026-11-24, Qwen3-1.7B at micro-batch 2 x
@@ -433,11 +433,9 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                    kv_budget_bytes=kv_budget_bytes)
     kv_split = tensor if model_cfg.num_kv_heads % tensor == 0 else 1
     kv = pool.shard_bytes // kv_split
-    # Decode: models.Transformer.decode_paged slices layer i's weights out of the layer-stacked
-    # parameters (w[i], cast to the compute dtype); XLA hoists those loop-invariant slices out of
-    # the decode loop, so the decode program holds a copy of every layer's matmul weights for the
-    # whole call (XLA:CPU's buffer assignment: the decode program's temporaries are these bytes
-    # plus the logits; tests/test_plan.py). Whether XLA:GPU does the same is not measured.
+    # Decode takes each layer's weights as arrays of their own in the compute dtype
+    # (sampling.programs.decode_layers): a copy of every layer's matmul weights, made once per
+    # generate() and held until it returns, beside the prefill and the decode programs alike.
     from delta_jax.models.transformer import NORM_NAMES
     layer_weights = {k: v for k, v in params["layers"].items()
                      if k not in NORM_NAMES and "_lora_" not in k}
@@ -487,7 +485,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
 
     def peaks(prefill, old_pass, act):
         phases = {
-            "rollout": resident + kv + max(prefill, decode_copy + s_rows * V * 4),
+            "rollout": resident + kv + decode_copy + max(prefill, s_rows * V * 4),
             "old-policy pass + DelTA": resident + old_pass + features_on_device[feature_cache],
             "update": resident + grad_bytes + act[0] + max(act[1], lp_chunk),
         }

@@ -507,8 +507,9 @@ def test_paged_decode_program_copies_no_cache():
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, num_pages, page_size))
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  layers = jax.eval_shape(programs.decode_layers, graphdef, state)
   compiled = programs.decode.lower(
-      graphdef, state, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
+      graphdef, state, layers, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
       jax.ShapeDtypeStruct((S,), bool), i32(S), i32(S), np.uint32(0),
       jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), i32(S), np.int32(0),
       np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
@@ -526,8 +527,9 @@ def _decode_hlo(cfg, cache, num_slots, pages_per_seq, *, batch_spec=None, row_sh
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=row_sharding)  # noqa: E731
   S = num_slots
+  layers = jax.eval_shape(programs.decode_layers, graphdef, state)
   return programs.decode.lower(
-      graphdef, state, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
+      graphdef, state, layers, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
       jax.ShapeDtypeStruct((S,), bool, sharding=row_sharding), i32(S), i32(S), np.uint32(0),
       jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), i32(S), np.int32(0),
       np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
@@ -547,14 +549,16 @@ def while_body_results(hlo: str) -> list[str]:
   return [r for body in sorted(bodies) for r in materialised_results("\n".join(comps[body]))]
 
 
-def test_paged_decode_program_takes_layer_weights_once_per_call():
-  """The decode program slices each layer's weights out of the stacked parameters once per call,
-  before its step loop: no buffer of a layer weight's size is made inside the loop (XLA:GPU
-  copies each sliced matrix before its gemm, 7 copies per layer per step, 14% of a decode step
-  at batch 64 on an H100; XLA:CPU does the same, which this test sees)."""
+def test_paged_decode_program_copies_no_layer_weight():
+  """The decode program takes each layer's weights as arrays of their own
+  (programs.decode_layers, made once per generate()) and makes no buffer of a layer weight's
+  size, neither inside its step loop (XLA:GPU copied each matrix sliced there before its gemm, 7
+  copies per layer per step, 14% of a decode step at batch 64 on an H100; XLA:CPU does the same,
+  which this test sees) nor once per call before it (slicing the stacked weights there cost
+  ~200 copies a call on an H200)."""
   cfg = models.get_preset("tiny")
   S, page_size, pages_per_seq = 3, 4, 16  # 3 slots: no activation has a weight's size
-  _, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   layer_weights = [v for path, v in nnx.to_flat_state(state) if "layers" in map(str, path)
                    and v.ndim >= 3]
   assert len(layer_weights) == 7, [w.shape for w in layer_weights]  # q k v o gate up down
@@ -579,11 +583,16 @@ def test_paged_decode_program_takes_layer_weights_once_per_call():
   sliced_in_loop = jax.jit(layers_in_loop).lower(
       jnp.zeros((cfg.num_layers, 64, 128)), jnp.zeros((S, 64))).compile().as_text()
   assert weight_sized(while_body_results(sliced_in_loop))
+  # ... and copies made once, outside any loop: decode_layers' own program is such copies.
+  from delta_jax.sampling import programs
+  sliced = programs.decode_layers.lower(graphdef, state).compile().as_text()
+  assert len(weight_sized(materialised_results(sliced))) >= 7 * cfg.num_layers
 
   cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, 1 + S * pages_per_seq, page_size))
   hlo = _decode_hlo(cfg, cache, S, pages_per_seq)
   assert while_body_results(hlo), "no while loop found in the decode program"
   assert weight_sized(while_body_results(hlo)) == []
+  assert weight_sized(materialised_results(hlo)) == []
 
 
 COLLECTIVES = ("all-gather", "collective-permute", "all-to-all", "all-reduce", "reduce-scatter")

@@ -202,8 +202,9 @@ def test_kv_cache_decoding_matches_full_forward(model):
 @pytest.mark.parametrize("which", ["model", "lora_model"])
 def test_paged_decoding_matches_full_forward(request, which):
   """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
-  by token with decode_paged (rows of different lengths, a padding row on the scratch page):
-  the logits of a full forward pass. With LoRA the decode step runs the merged weights
+  by token with decode_paged (rows of different lengths, padding rows with write page -1):
+  the logits of a full forward pass, and padding rows write nothing (the scratch page 0, which
+  no table entry of a live row names, stays zero). With LoRA the decode step runs the merged weights
   (DecoderLayers.unstacked), the full pass the unmerged adapters."""
   model = request.getfixturevalue(which)
   rng = np.random.RandomState(5)
@@ -240,7 +241,7 @@ def test_paged_decoding_matches_full_forward(request, which):
     pad = ~active | (np.arange(B) == 1) & (g % 2 == 1)  # row 1 idles every other step
     logits, new_cache = step(state, cache, jnp.asarray(np.where(pad, 0, tokens)),
                              jnp.asarray(pos), jnp.asarray(np.where(pad, 0, pos + 1)),
-                             jnp.asarray(np.where(pad, 0, page)),
+                             jnp.asarray(np.where(pad, -1, page)),
                              jnp.asarray(np.where(pad, 0, pos % page_size)))
     cache = new_cache
     for b in range(B):
@@ -249,11 +250,12 @@ def test_paged_decoding_matches_full_forward(request, which):
       elif b == 1 and active[b]:  # repeat the idle step for real
         logits1, cache = step(state, cache, jnp.asarray(tokens), jnp.asarray(pos),
                               jnp.asarray(np.where(np.arange(B) == 1, pos + 1, 0)),
-                              jnp.asarray(np.where(np.arange(B) == 1, page, 0)),
+                              jnp.asarray(np.where(np.arange(B) == 1, page, -1)),
                               jnp.asarray(np.where(np.arange(B) == 1, pos % page_size, 0)))
         np.testing.assert_allclose(logits1[1], fulls[1][pos[1]], atol=1e-5)
   assert len(cache.k) == CFG.num_layers and cache.k[0].shape == (
       CFG.num_kv_heads, num_pages, page_size, CFG.head_dim)
+  assert not any(np.asarray(pool[:, 0]).any() for pool in cache.k + cache.v)
 
 
 def test_bfloat16_policy_close_to_float32(model):

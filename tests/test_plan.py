@@ -643,7 +643,8 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
                                                                  response_len):
     """Plan mode's "rollout" phase less the optimizer state within 15% of the larger of XLA's
     memory analyses of the rollout engine's two big programs (sampling.programs.prefill of the
-    prompts of `slots` samples, and decode of `slots` slots for 32 steps), each compiled from
+    prompts of `slots` samples beside the layer weights' copy, and decode of `slots` slots for 32
+    steps, which takes that copy), each compiled from
     abstract shapes with the worst-case page pool of sampling.plan_kv (16-token pages), as the
     sampler calls them; float32 as in the update test."""
     from delta_jax.kernels import timing
@@ -660,8 +661,15 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
     def ints(*shape, dtype=jnp.int32):
         return jax.ShapeDtypeStruct(shape, dtype)
 
+    # The layer weights' copy (programs.decode_layers) lives for the whole generate(): an
+    # argument of decode, held beside the prefill. Decode leaves the stacked layer weights
+    # unused (jit prunes them from its arguments) while they stay resident.
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    layers = jax.eval_shape(programs.decode_layers, graphdef, state)
+    layers_bytes, stacked_bytes = nbytes(layers), nbytes(state["layers"])
     decode = timing.compiled_memory_bytes(
-        programs.decode, graphdef, state, cache, ints(slots, kv.pages_per_seq), ints(slots),
+        programs.decode, graphdef, state, layers, cache, ints(slots, kv.pages_per_seq), ints(slots),
         ints(slots), ints(slots), ints(slots, dtype=jnp.bool_), ints(slots), ints(slots),
         ints(dtype=jnp.uint32), ints(4), ints(dtype=jnp.float32), ints(dtype=jnp.float32),
         ints(slots), ints(), ints(), num_steps=32, top_k=-1, use_top_p=False, greedy=False,
@@ -669,7 +677,8 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
     rows, length = max(1, slots // group), bucket_size(prompt_len, 16)
     prefill = timing.compiled_memory_bytes(programs.prefill, graphdef, state, cache,
                                            *(ints(rows, length),) * 4)
-    compiled = max(decode["peak_estimate_bytes"], prefill["peak_estimate_bytes"])
+    compiled = max(decode["peak_estimate_bytes"] + stacked_bytes,
+                   prefill["peak_estimate_bytes"] + layers_bytes)
     p = plan.plan_memory(mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=slots,
                          prompt_len=prompt_len, response_len=response_len, sampler_rows=slots,
                          group_size=group, mini_batch_rows=slots, micro_batch_rows=0,

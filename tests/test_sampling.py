@@ -263,6 +263,24 @@ def test_pallas_decode_kernel_matches_reference_path(tiny_model):
                                np.concatenate(sum(outs[1].logprobs, [])), atol=1e-5)
 
 
+def test_generate_slices_layers_once_and_repeats_without_compiling(tiny_model, monkeypatch,
+                                                                    caplog):
+    """The decode calls of one generate() share one copy of the layer weights
+    (programs.decode_layers runs once per generate(), not per decode call), and a second
+    generate() of the same shapes compiles nothing (the page pool's zeros included)."""
+    sampler = Sampler(tiny_model, max_batch_size=2, decode_steps_per_call=4)
+    kwargs = dict(n=2, temperature=1.0, max_new_tokens=10, seed=3)
+    made = []
+    real = programs.decode_layers
+    monkeypatch.setattr(programs, "decode_layers", lambda *a: made.append(1) or real(*a))
+    first = sampler.generate(PROMPTS, **kwargs)
+    assert first.stats["decode_calls"] >= 8 and len(made) == 1
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        again = sampler.generate(PROMPTS, **kwargs)
+    assert [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()] == []
+    assert len(made) == 2 and again.response_ids == first.response_ids
+
+
 def test_update_params_swaps_weights_without_recompiling(tiny_model, sampler):
     other = models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(1))
     kwargs = dict(n=2, temperature=1.0, max_new_tokens=8, seed=0)

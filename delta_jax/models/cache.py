@@ -10,11 +10,13 @@ PagedKVCache(k, v): the rollout engine's cache (Transformer.decode_paged). One p
 layer, k[l] and v[l] of shape [num_kv_heads, num_pages, page_size, head_dim]: separate arrays, so
 a layer's decode attention reads its own pool in place (no slice of a layer-stacked array), in
 the layout the Pallas GPU paged-attention kernel reads. Which pages hold a sequence's tokens is
-a block table owned by the caller (delta_jax.sampling); page 0 is by convention a scratch page
-that padding rows write to and no sequence attends.
+a block table owned by the caller (delta_jax.sampling); page 0 is by convention a scratch page:
+the filler of unused block-table entries, attended by no sequence (padding rows write nothing:
+attention.write_pages drops rows with a negative page id).
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import flax.struct
@@ -79,7 +81,13 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=Non
   """A zero page pool per layer (dtype defaults to cfg.dtype); `sharding`: an optional
   jax.sharding.Sharding for each [K, P, page_size, D] array."""
   shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-  dtype = cfg.dtype if dtype is None else dtype
-  make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+  make = _zeros_program(shape, jnp.dtype(cfg.dtype if dtype is None else dtype), sharding)
   return PagedKVCache(k=tuple(make() for _ in range(cfg.num_layers)),
                       v=tuple(make() for _ in range(cfg.num_layers)))
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_program(shape, dtype, sharding):
+  """A jitted maker of zeros, one per (shape, dtype, sharding): compiled once, not once per
+  generate() (a fresh jax.jit of a fresh function is a fresh compile)."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -331,6 +331,12 @@ class Transformer(nnx.Module):
       return self.embed[...].T
     return self.lm_head[...]
 
+  def decode_layers(self) -> tuple[dict[str, jax.Array], ...]:
+    """Each layer's weights as decode_paged takes them: their own arrays (DecoderLayers.unstacked,
+    LoRA merged), matmul weights in the compute dtype. A copy of the layer weights: the rollout
+    engine makes it once per generate() (sampling.programs.decode_layers), not per decode call."""
+    return tuple(_cast_layer(self.cfg, p) for p in self.layers.unstacked())
+
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, H] -> float32 logits [B, T, V]."""
     w = self.lm_head_weight().astype(hidden.dtype)
@@ -428,12 +434,12 @@ class Transformer(nnx.Module):
     Every layer first writes the token's key/value at page write_page[b], offset
     write_offset[b] of its pool, then sequence b attends its tokens [0, lengths[b]) through
     block_tables [B, pages_per_seq] (so lengths[b] counts the token just written; padding rows
-    write to the scratch page 0 and use length 0). attention_impl: see
+    have write_page -1, so they write nothing, and length 0). attention_impl: see
     attention.paged_decode_attention.
     mesh / batch_axes: a pool whose page axis is split over these mesh axes (write_page and
     block_tables then hold each row's shard-LOCAL page ids; attention.paged_write_attend).
-    layers: self.layers.unstacked(), taken by a caller that loops over decode steps before its
-    loop (default: sliced here).
+    layers: self.decode_layers(), taken by a caller that loops over decode steps before its loop
+    (default: sliced here).
     Returns (logits float32 [B, V], the updated PagedKVCache); donate the cache to the jitted
     caller so every write happens in place.
     """
@@ -444,10 +450,10 @@ class Transformer(nnx.Module):
                        f"{cfg.num_layers}")
     cos, sin = rope_cos_sin(positions.reshape(B, 1), cfg.head_dim, cfg.rope_theta)
     x = jnp.take(self.embed[...], tokens.reshape(B, 1), axis=0).astype(cfg.dtype)
-    layers = self.layers.unstacked() if layers is None else layers
+    layers = self.decode_layers() if layers is None else layers
     new_k, new_v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers):
-      p = _cast_layer(cfg, layers[i])
+      p = _cast_layer(cfg, layers[i])  # a no-op on decode_layers()
       q, k, v = _project_qkv(cfg, p, x, cos, sin)          # [B, 1, N, D], [B, 1, K, D]
       # [K, B, D] written at (page, offset) of each row (a scatter into the layer's pool), then
       # attention over the pool, read in place.

@@ -2,7 +2,8 @@
 
 A sequence's keys/values live in pages of `page_size` tokens of one pool per layer
 (models.PagedKVCache, [K, num_pages, page_size, D] each); a block table row lists its pages in
-order. Page 0 is the scratch page: padding rows write there and no sequence attends it.
+order. Page 0 is the scratch page: unused block-table entries point there and no sequence attends
+it (padding rows write nowhere: their page id is -1).
 
 On a mesh the pool is split over the batch shards (the product S of the batch axes' sizes): the
 slots are divided evenly among the shards (slot s belongs to shard s // (slots / S)) and each

@@ -383,6 +383,9 @@ class _Run:
         self.allocs = [PageAllocator(plan.pages_per_shard) for _ in range(plan.shards)]
         self.cache = models.init_paged_cache(sampler.cfg, plan.num_pages, self.ps,
                                              sharding=sampler._pool_sharding())
+        # The layer weights every decode call takes, copied out of the stacked parameters once
+        # per generate() (held until it returns: plan mode's "rollout decode weight copy").
+        self.layers = programs.decode_layers(sampler.graphdef, state)
         self.admissions = 0
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = 0
@@ -509,7 +512,7 @@ class _Run:
                                 s.min_prompt_bucket)
             ids = np.full((rows, width), s.pad_id, np.int32)
             mask = np.zeros((rows, width), np.int32)
-            page = np.zeros((rows, width), np.int32)
+            page = np.full((rows, width), -1, np.int32)  # padding: not written
             offset = np.zeros((rows, width), np.int32)
             for shard, group in enumerate(groups):
                 for r, i in enumerate(group, start=shard * per):
@@ -581,7 +584,7 @@ class _Run:
         per = [[(a, b) for sh, a, b in copies if sh == shard] for shard in range(S)]
         width = bucket_size(max(map(len, per)), 4)
         src = np.zeros(S * width, np.int32)
-        dst = np.zeros(S * width, np.int32)
+        dst = np.full(S * width, -1, np.int32)  # padding: nothing copied
         for shard, pairs in enumerate(per):
             if pairs:
                 at = shard * width
@@ -676,7 +679,7 @@ class _Run:
         exit_after = min(s.refill_after, len(self.waiting)) if refill else len(self.slots) + 1
         start = time.perf_counter()
         out = programs.decode(
-            s.graphdef, self.state, self.cache, *(s._put(x) for x in (
+            s.graphdef, self.state, self.layers, self.cache, *(s._put(x) for x in (
                 self.tables, self.token, self.length, self.generated, self.active,
                 self.prompt_index, self.sample_index)),
             self.seed, self.stop_ids, np.float32(self.params.temperature),
