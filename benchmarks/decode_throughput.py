@@ -343,16 +343,13 @@ def profile_generate(sampler: Sampler, prompts, args, label: str, max_new_tokens
     divided by its decode steps), and the device's summed kernel time against the generate's
     wall time (the rest: host work, launches and idle gaps). max_new_tokens: generate's (default
     --new-tokens; a list per prompt for the long-tailed workload)."""
-    folder = os.path.join(args.profile, label)
     new = args.new_tokens if max_new_tokens is None else max_new_tokens
-    with jax.profiler.trace(folder, create_perfetto_trace=True):
-        stats = sampler.generate(prompts, **generate_kwargs(args, new)).stats
-    every = timing.trace_summary(folder, top=None)
+    out, every, device_s = timing.traced_kernels(
+        os.path.join(args.profile, label),
+        lambda: sampler.generate(prompts, **generate_kwargs(args, new)))
+    stats = out.stats
     rows = every[:25]
     steps = max(1, stats["decode_steps"])
-    device = [r for r in every if r["process"].startswith("/device:")]
-    # Without device processes (XLA:CPU) the trace's rows are host events, nested: no sum.
-    device_s = sum(r["total_us"] for r in device) / 1e6 if device else None
     timing.print_table(f"device time by kernel, {label} ({steps} decode steps; us per step)", [
         ("kernel", lambda r: r["name"][:70], "70s"), ("us/step", lambda r: r["total_us"] / steps,
                                                        "10.1f"),

@@ -23,7 +23,8 @@ parameters and optimizer state):
     step          the full train step (state donated, optimizer included)
     optimizer     the optimizer alone: clip + AdamW + applying the update, on the gradients
     other         step - fwd+bwd - optimizer (normalisation, norm, metrics, the finite check)
-tokens/s = batch * seq / step time.
+tokens/s = batch * seq / step time. --profile DIR traces one more step per row into DIR and
+prints its device time by kernel (where the backward's time goes: issue #16).
 
 MFU = model FLOPs per step / step time / peak FLOP/s. Model FLOPs (no rematerialisation counted):
     6 * N * tokens                  N = matmul parameters outside the embedding and LM head
@@ -64,6 +65,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import re
 import time
 
 import jax
@@ -289,7 +292,8 @@ def throughput(args, cfg, impl: str, peaks: dict) -> dict:
     step_s, state = time_step(programs.step, state, batch, args.warmup, args.iters)
     flops = model_flops(cfg, args.batch, args.seq, args.response_len)
     achieved = flops["total"] / step_s
-    return {"forward_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, "step_s": step_s,
+    profile = profile_step(args, label, programs.step, state, batch) if args.profile else {}
+    return {**profile,"forward_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, "step_s": step_s,
             "optimizer_s": optimizer_s,
             "other_s": step_s - fwd_bwd_s - optimizer_s,
             "tokens_per_s": args.batch * args.seq / step_s,
@@ -297,6 +301,22 @@ def throughput(args, cfg, impl: str, peaks: dict) -> dict:
             **{f"mfu_{name}": None if peak is None else achieved / peak
                for name, peak in peaks.items()},
             "flops_by_part": flops, "params": cfg.num_params(), "compiled_memory": memory}
+
+
+def profile_step(args, label: str, step, state, batch) -> dict:
+    """One more train step under the profiler (into --profile/<label>): prints and returns its
+    device time by kernel (the top 30), and the device's summed kernel time beside the step's
+    timed median (the rest: launches and gaps)."""
+    folder = os.path.join(args.profile, re.sub(r"[^\w.-]+", "_", label).strip("_"))
+    _, every, device_s = timing.traced_kernels(folder, lambda: step(state, batch))
+    rows = every[:30]
+    timing.print_table(f"device time by kernel, one train step {label}", [
+        ("kernel", lambda r: r["name"][:70], "70s"), ("ms", lambda r: r["total_us"] / 1e3, "9.2f"),
+        ("calls", "count", "6d"), ("share", "share", "7.3f")], rows)
+    print(f"train step {label}: device kernels "
+          f"{'n/a (no device in the trace)' if device_s is None else f'{device_s:.3f} s'}",
+          flush=True)
+    return {"profile": {"device_kernel_s": device_s, "kernels": rows}}
 
 
 def abstract_step(cfg, *, impl: str, chunk: int, batch: int, micro_batch: int, seq: int,
@@ -408,6 +428,9 @@ def main(argv=None):
     parser.add_argument("--memory-micro-batch", type=int, default=2)
     parser.add_argument("--memory-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="parameter and activation dtype of the memory analysis (the recipes' bf16)")
+    parser.add_argument("--profile", default="",
+                        help="a folder: trace one more train step per timed row there and "
+                             "print its device time by kernel")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/train_throughput.json")

@@ -213,6 +213,17 @@ def trace_summary(trace_dir, top: int | None = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_us"])[:top]
 
 
+def traced_kernels(folder, fn) -> tuple:
+    """fn() run (and waited for) under jax.profiler.trace into `folder`: (its result, every row
+    of trace_summary, the summed time of the device processes' events in seconds, or None where
+    the trace has no device process, as on XLA:CPU, whose host events nest and do not sum)."""
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        result = jax.block_until_ready(fn())
+    every = trace_summary(folder, top=None)
+    device = [r for r in every if r["process"].startswith("/device:")]
+    return result, every, (sum(r["total_us"] for r in device) / 1e6 if device else None)
+
+
 def device_description() -> str:
     device = jax.devices()[0]
     return f"{jax.default_backend()}: {getattr(device, 'device_kind', str(device))}"

@@ -10,6 +10,7 @@
 #   bash scripts/gpu_bench.sh step_delta-recompute   #   (one call each pair: ~4 min a variant)
 #   bash scripts/gpu_bench.sh train_full         # train_throughput at its defaults (#16)
 #   bash scripts/gpu_bench.sh train_auto         # MFU at 1.7B with model.remat=auto's pick (#16)
+#   bash scripts/gpu_bench.sh train_profile      # the 1.7B train step's device time by kernel (#16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
@@ -183,6 +184,12 @@ for s in "$@"; do
       stage train 230 python3 benchmarks/train_throughput.py --logprob-impls fused \
         --attention auto --remat none dots_with_no_batch_dims_saveable full --warmup 1 \
         --iters 3 --skip-memory --out "$OUT/train_throughput.json" ;;
+    train_profile)  # issue 16: where the 1.7B train step's time goes, by kernel (remat none,
+                    # auto's pick on the H200: its backward ran ~346 TFLOP/s against the
+                    # forward's ~518, 2026-11-26), one traced step after the timed ones
+      stage train_profile 200 python3 benchmarks/train_throughput.py --logprob-impls fused \
+        --attention auto --remat none --warmup 1 --iters 2 --skip-memory \
+        --profile /tmp/train_profile --out "$OUT/train_throughput_profile.json" ;;
     train_auto)  # issue 16: MFU at the 1.7B shape with what model.remat=auto picks there
                  # (the run default; plan.pick_remat against this GPU's allocator limit)
       stage train_auto 150 python3 benchmarks/train_throughput.py --logprob-impls fused \

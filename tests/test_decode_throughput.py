@@ -1,5 +1,6 @@
-"""benchmarks/decode_throughput.py's experiment knob --mosaic-kernel (no program is compiled here:
-the whole benchmark runs on a GPU, scripts/gpu_bench.sh)."""
+"""benchmarks/decode_throughput.py: its experiment knobs (--mosaic-kernel, --refill-after) reach
+the kernel and the Sampler, and one whole run at a tiny shape on the CPU (the real shapes run on
+a GPU, scripts/gpu_bench.sh)."""
 import pathlib
 import sys
 
@@ -52,3 +53,24 @@ def test_refill_after_reaches_the_sampler():
     with pytest.raises(SystemExit):
         bench.parse_args(["--refill-after", "-1"])
 
+
+
+def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
+    """The whole benchmark on the CPU at a tiny shape (what a GPU call would find broken
+    otherwise): the fixed workload's decode rate and the long tail's continuous and static
+    runs, every sample generated to its scheduled length, each with a --profile trace read."""
+    import json
+    out = tmp_path / "dt.json"
+    bench.main(["--preset", "tiny", "--batch", "4", "--prompt-len", "16", "--new-tokens", "16",
+                "--workload", "fixed", "longtail", "--hf", "never", "--repeats", "1",
+                "--copy-mib", "8", "--profile", str(tmp_path / "profile"), "--output", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["fixed"]["decode_tokens_per_s"] > 0
+    assert row["fixed"]["stats"]["generated_tokens"] == 4 * 16
+    tail = row["longtail"]
+    for mode in ("continuous", "static"):
+        stats = tail[mode]["stats"]
+        assert stats["generated_tokens"] == round(tail["mean_length"] * tail["samples"])
+        assert tail[mode]["profile"]["kernels"] and tail[mode]["profile"]["decode_steps"] >= 16
+    assert tail["continuous"]["stats"]["decode_steps"] < tail["static"]["stats"]["decode_steps"]
+    assert tail["speedup_vs_static"] > 0 and row["fixed"]["profile"]["kernels"]

@@ -25,7 +25,7 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
              "--remat", "none", "full", "--attention", "auto", "cudnn",
              "--memory-preset", "tiny", "--memory-seq", "32", "--memory-response-len", "16",
              "--memory-batch", "2", "--memory-micro-batch", "1", "--memory-dtype", "float32",
-             "--out", str(out)])
+             "--profile", str(tmp_path / "profile"), "--out", str(out)])
     printed = capsys.readouterr().out
     record = json.loads(out.read_text())
 
@@ -48,10 +48,13 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
             for row in timed:
                 assert row["mfu_sheet"] is None and row["mfu_matmul"] > 0
                 assert row["tokens_per_s"] > 0 and row["step_s"] > 0
+                # --profile: the traced step's events (host ones on a CPU: nothing summed)
+                assert row["profile"]["kernels"] and row["profile"]["device_kernel_s"] is None
         else:
             for row in timed:
                 assert row["peak_estimate_bytes"] > 0 and row["plan_update_bytes"] > 0
     assert "n/a" in printed                               # the data-sheet MFU column
+    assert "device time by kernel, one train step (none, auto, chunked)" in printed
     assert "skipped remat=full attention=cudnn: attention=cudnn does not apply on cpu" in printed
 
 
