@@ -21,6 +21,7 @@
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
+#   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
 #   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
 #                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -132,6 +133,14 @@ for s in "$@"; do
           --decode-attention "$DECODE" --refill-after "$r" --workload longtail --hf never \
           --repeats 2 --output "$OUT/decode_throughput_refill_$r$SUFFIX.json"
       done ;;
+    longtail_rl)  # issue 15: the long-tailed lengths with 12 samples a slot (768 at batch 64, the
+                  # proportion of the issue's CPU case: 48 x 4 in 16 slots) instead of 4: the
+                  # 1,024-token sample no longer sets the continuous run's step count (stand-in
+                  # scheduler: 2,193 continuous steps against 7,805 static; 1,024 vs 2,637 at 256)
+      stage longtail_rl 240 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 --tail-samples 768 \
+        --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
+        --output "$OUT/decode_throughput_longtail_768$SUFFIX.json" ;;
     longtail_splits)  # issue 15: the long-tailed workload at batch 64 with the Mosaic kernel
                       # split over 2 and 4 blocks a row (--mosaic-kernel K_SPLITS 2 3; its
                       # default is 1 split): its attention read ~2.2 TB/s there on an H200
