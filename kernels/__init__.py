@@ -3,10 +3,11 @@ LM-head log-probs tiled over the vocabulary, both plain jnp compiled by XLA on e
 
 The Pallas (Triton) kernels that used to sit beside them were retired on 2026-11-23 (issue #16):
 measured on an H100, neither beat XLA where it matters, and Pallas' Triton backend is deprecated
-in jax 0.11. BENCHMARKS.md ("Kernel decisions") has the numbers. The Pallas kernel the project
-runs by default on CUDA is jax.experimental.pallas.ops' paged decode attention (Triton;
-delta_jax.models.attention). paged_decode is the project's paged decode attention on the Mosaic GPU
-backend (rollout.decode_attention="mosaic"), its candidate replacement, not yet measured on a GPU.
+in jax 0.11. BENCHMARKS.md ("Kernel decisions") has the numbers. paged_decode is the project's
+paged decode attention on the Mosaic GPU backend: rollout.decode_attention="auto" runs it on
+Hopper or newer GPUs (1.38x the Triton kernel's whole decode on an H200, 2026-11-26);
+jax.experimental.pallas.ops' Triton paged attention remains the choice only on older CUDA GPUs
+and for problems the Mosaic kernel refuses (delta_jax.models.attention.resolve_decode_impl).
 """
 from delta_jax.kernels.delta_pass import (
     DeltaPassSums,
