@@ -59,9 +59,9 @@ def parse_args(argv=None):
     return args
 
 
-def stand_in_decode(graphdef, state, layers, cache, block_tables, token, length, generated, active,
-                    prompt_index, sample_index, seed, stop_ids, temperature, top_p, limit,
-                    pad_id, exit_after, *, num_steps, **static):
+def stand_in_decode(graphdef, state, layers, cache, block_tables, token, length, generated,
+                    active, prompt_index, sample_index, seed, stop_ids, temperature, top_p,
+                    limit, pad_id, exit_after, *, num_steps, **static):
     """programs.decode's call pattern without a model: every live slot advances until its limit
     (no stop token), and the call returns after the step at which exit_after slots have finished
     or none is live any more, or after num_steps."""
@@ -80,8 +80,9 @@ def stand_in_decode(graphdef, state, layers, cache, block_tables, token, length,
 @contextlib.contextmanager
 def stand_in_programs():
     """Within the block the Sampler's device programs are stand_in_decode and no-op layer
-    slicing, prefill and page copy, and each generate()'s page pool is one page a layer (nothing reads it; zeroing
-    the real pool is device work on a GPU, a large memset of host memory here)."""
+    slicing, prefill and page copy, and each generate()'s page pool is one page a layer (nothing
+    reads it; zeroing the real pool is device work on a GPU, a large memset of host memory
+    here)."""
     names = ("decode", "decode_layers", "prefill", "copy_pages")
     saved = {name: getattr(sampling_programs, name) for name in names}
     init_cache = models.init_paged_cache

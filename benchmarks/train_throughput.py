@@ -293,14 +293,15 @@ def throughput(args, cfg, impl: str, peaks: dict) -> dict:
     flops = model_flops(cfg, args.batch, args.seq, args.response_len)
     achieved = flops["total"] / step_s
     profile = profile_step(args, label, programs.step, state, batch) if args.profile else {}
-    return {**profile,"forward_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, "step_s": step_s,
+    return {"forward_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, "step_s": step_s,
             "optimizer_s": optimizer_s,
             "other_s": step_s - fwd_bwd_s - optimizer_s,
             "tokens_per_s": args.batch * args.seq / step_s,
             "model_tflops_per_step": flops["total"] / 1e12, "achieved_tflops": achieved / 1e12,
             **{f"mfu_{name}": None if peak is None else achieved / peak
                for name, peak in peaks.items()},
-            "flops_by_part": flops, "params": cfg.num_params(), "compiled_memory": memory}
+            "flops_by_part": flops, "params": cfg.num_params(), "compiled_memory": memory,
+            **profile}
 
 
 def profile_step(args, label: str, step, state, batch) -> dict:

@@ -23,13 +23,13 @@ update figure of the dots_* policies is checked the same way at five more points
 dots_with_no_batch_dims_saveable with materialised scores and with blockwise attention in 4 x 4
 blocks, dots_saveable with each; 0.97-1.08 there, 0.96-1.10 at 47 points measured by hand). The
 "rollout" figure (less the optimizer state) agrees with the larger of the sampler's prefill and
-decode programs at two points there, each with the sampler's copy of the layer weights
-(programs.decode_layers, held for the whole generate()) beside it. Not checked that way: bfloat16 activations
-(XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention other than the dots_*
-update points, the recompute feature cache's trunk pass, and any GPU compiler's figures (the
-benchmarks print those where they run; an H100 run of 2026-11-24, Qwen3-1.7B at micro-batch 2 x
-4096 in bf16, compiled the train step at 0.89-0.93x the plan for remat full and
-dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
+decode programs at two points there (0.91 and 1.00), each with the sampler's copy of the layer
+weights (programs.decode_layers, held for the whole generate()) beside it. Not checked that way:
+bfloat16 activations (XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention
+other than the dots_* update points, the recompute feature cache's trunk pass, and any GPU
+compiler's figures (the benchmarks print those where they run; an H100 run of 2026-11-24,
+Qwen3-1.7B at micro-batch 2 x 4096 in bf16, compiled the train step at 0.89-0.93x the plan for
+remat full and dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
 
 model.remat="auto" (the default) is resolved from these plans (choose_remat): the least-recompute
 policy whose planned update fits the device, as plan mode prints and train start-up logs.

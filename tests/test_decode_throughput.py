@@ -54,7 +54,6 @@ def test_refill_after_reaches_the_sampler():
         bench.parse_args(["--refill-after", "-1"])
 
 
-
 def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
     """The whole benchmark on the CPU at a tiny shape (what a GPU call would find broken
     otherwise): the fixed workload's decode rate and the long tail's continuous and static

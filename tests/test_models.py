@@ -204,8 +204,8 @@ def test_paged_decoding_matches_full_forward(request, which):
   """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
   by token with decode_paged (rows of different lengths, padding rows with write page -1):
   the logits of a full forward pass, and padding rows write nothing (the scratch page 0, which
-  no table entry of a live row names, stays zero). With LoRA the decode step runs the merged weights
-  (DecoderLayers.unstacked), the full pass the unmerged adapters."""
+  no table entry of a live row names, stays zero). With LoRA the decode step runs the merged
+  weights (DecoderLayers.unstacked), the full pass the unmerged adapters."""
   model = request.getfixturevalue(which)
   rng = np.random.RandomState(5)
   B, G, page_size, pages_per_seq = 3, 6, 4, 4

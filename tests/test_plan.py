@@ -644,9 +644,9 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
     """Plan mode's "rollout" phase less the optimizer state within 15% of the larger of XLA's
     memory analyses of the rollout engine's two big programs (sampling.programs.prefill of the
     prompts of `slots` samples beside the layer weights' copy, and decode of `slots` slots for 32
-    steps, which takes that copy), each compiled from
-    abstract shapes with the worst-case page pool of sampling.plan_kv (16-token pages), as the
-    sampler calls them; float32 as in the update test."""
+    steps, which takes that copy), each compiled from abstract shapes with the worst-case page
+    pool of sampling.plan_kv (16-token pages), as the sampler calls them; float32 as in the
+    update test."""
     from delta_jax.kernels import timing
     from delta_jax.sampling import bucket_size, plan_kv, programs
 
@@ -669,9 +669,10 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
     layers = jax.eval_shape(programs.decode_layers, graphdef, state)
     layers_bytes, stacked_bytes = nbytes(layers), nbytes(state["layers"])
     decode = timing.compiled_memory_bytes(
-        programs.decode, graphdef, state, layers, cache, ints(slots, kv.pages_per_seq), ints(slots),
-        ints(slots), ints(slots), ints(slots, dtype=jnp.bool_), ints(slots), ints(slots),
-        ints(dtype=jnp.uint32), ints(4), ints(dtype=jnp.float32), ints(dtype=jnp.float32),
+        programs.decode, graphdef, state, layers, cache, ints(slots, kv.pages_per_seq),
+        ints(slots), ints(slots), ints(slots), ints(slots, dtype=jnp.bool_), ints(slots),
+        ints(slots), ints(dtype=jnp.uint32), ints(4), ints(dtype=jnp.float32),
+        ints(dtype=jnp.float32),
         ints(slots), ints(), ints(), num_steps=32, top_k=-1, use_top_p=False, greedy=False,
         attention_impl="reference", pages_per_block=8)
     rows, length = max(1, slots // group), bucket_size(prompt_len, 16)

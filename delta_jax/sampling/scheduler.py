@@ -13,10 +13,11 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   prompts up to its row capacity while the pool has room to spare (prefill_ahead), so their
   samples find their pages ready.
 * `decode` runs up to `decode_steps_per_call` steps for all slots in one lax.while_loop and
-  returns as soon as enough slots have finished to refill (max(1, slots // 32), or fewer when
-  fewer samples wait), so slots stay full until the work runs out; the host then appends the new
-  tokens, frees the finished samples' pages, admits waiting samples, and gives live samples the
-  pages the next call may write (no host sync per token).
+  returns as soon as enough slots have finished to refill (refill_after: max(1, slots // 16),
+  or fewer when fewer samples wait), so slots stay full until the work runs out; the host then
+  appends the new tokens, frees the finished samples' pages, admits waiting samples, and gives
+  live samples the pages the next call may write (no host sync per token). Every decode call
+  takes the same copy of the layer weights, made once per generate() (programs.decode_layers).
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted and restarted later.
