@@ -30,6 +30,9 @@ MFU = model FLOPs per step / step time / peak FLOP/s. Model FLOPs (no rematerial
     6 * N * tokens                  N = matmul parameters outside the embedding and LM head
   + 6 * H * V * response tokens     the LM head, on the response columns only
   + 6 * L * heads * head_dim * S^2 * batch   causal attention (QK^T and PV, half the square)
+With --lora-rank R (adapters of rank R on the default targets trained, everything else frozen:
+the trainer's model.lora_rank) the frozen N and LM-head terms count 4x (forward and the input
+gradient: no weight gradient is formed) and the adapters' parameters 6x per token.
 Reported against two peaks in every run:
     MFU sheet     the data-sheet peak: 989 TFLOP/s (dense bf16 tensor cores) on an H100/H200,
                   or --peak-tflops; n/a (JSON null) on other devices
@@ -88,20 +91,28 @@ from delta_jax.train.step import _split_micro, make_train_step
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
-def model_config(preset: str, layers: int | None, dtype: str, remat: str, attention: str):
-    overrides = dict(dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype), remat=remat, attention=attention)
+def model_config(preset: str, layers: int | None, dtype: str, remat: str, attention: str,
+                 lora_rank: int = 0):
+    overrides = dict(dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype), remat=remat,
+                     attention=attention)
+    if lora_rank:  # the trainer's defaults: every projection, alpha 32
+        overrides.update(lora_rank=lora_rank, lora_targets=models.LORA_TARGETS, lora_alpha=32.0)
     if layers:
         overrides["num_layers"] = layers
     return models.get_preset(preset, **overrides)
 
 
 def model_flops(cfg, batch: int, seq: int, response_len: int) -> dict:
-    """Training FLOPs of one step (forward + backward = 3x forward), by part."""
-    dense = 6 * cfg.num_params(include_embeddings=False) * batch * seq
-    head = 6 * cfg.hidden_size * cfg.vocab_size * batch * response_len
+    """Training FLOPs of one step by part: forward + backward = 3x the forward's for trained
+    weights; with LoRA (cfg.lora_rank > 0) the frozen base weights and LM head take 2x (forward
+    and the input gradient, no weight gradient) and the adapters 3x."""
+    frozen = 4 if cfg.lora_rank else 6
+    dense = frozen * cfg.num_params(include_embeddings=False) * batch * seq
+    head = frozen * cfg.hidden_size * cfg.vocab_size * batch * response_len
     attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq * seq * batch
-    return {"dense": dense, "lm_head": head, "attention": attention,
-            "total": dense + head + attention}
+    lora = 6 * cfg.num_lora_params() * batch * seq
+    return {"dense": dense, "lm_head": head, "attention": attention, "lora": lora,
+            "total": dense + head + attention + lora}
 
 
 def datasheet_peak_flops() -> tuple[float | None, str]:
@@ -147,7 +158,7 @@ def auto_remat(args, preset: str, layers: int | None, dtype: str, attention: str
     from delta_jax import plan as plan_lib
     capacity = plan_lib.capacity_bytes(args.device_memory_gb)
     policy, tried = plan_lib.pick_remat(lambda p: plan_update_bytes(
-        model_config(preset, layers, dtype, p, attention), **shape), capacity)
+        model_config(preset, layers, dtype, p, attention, args.lora_rank), **shape), capacity)
     print(f"remat=auto, attention={attention} -> {policy} (planned update: "
           + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in tried.items())
           + f"; capacity {capacity / 2 ** 30:.2f} GiB)", flush=True)
@@ -166,7 +177,7 @@ def sweep(args, label: str, preset: str, layers: int | None, dtype: str, shape: 
     for remat, attention in itertools.product(args.remat, args.attention):
         policy = (auto_remat(args, preset, layers, dtype, attention, shape) if remat == "auto"
                   else remat)
-        cfg = model_config(preset, layers, dtype, policy, attention)
+        cfg = model_config(preset, layers, dtype, policy, attention, args.lora_rank)
         run, skipped = attention_run(cfg, rows, seq)
         if remat == "auto":
             remat = f"auto:{policy}"
@@ -227,20 +238,23 @@ class StepPrograms:
         def forward(params, batch):
             return jax.lax.map(lambda mb: loss(params, mb), _split_micro(batch, micro_batch)).mean()
 
-        def fwd_bwd(params, batch):
+        def fwd_bwd(params, batch):  # gradients of the trainable parameters (all, or LoRA's)
             def body(grads, mb):
-                value, g = jax.value_and_grad(loss)(params, mb)
+                (value, _), g = state_lib.trainable_value_and_grad(
+                    lambda p, m: (loss(p, m), None), params, mb)
                 return jax.tree.map(jnp.add, grads, g), value
-            grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params),
-                                         _split_micro(batch, micro_batch))
+            zeros = jax.tree.map(jnp.zeros_like, state_lib.split_trainable(params)[0])
+            grads, values = jax.lax.scan(body, zeros, _split_micro(batch, micro_batch))
             return values.mean(), grads
 
         self.forward = jax.jit(forward)
         self.fwd_bwd = jax.jit(fwd_bwd)
 
         def apply_optimizer(params, opt_state, grads):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            trainable, frozen = state_lib.split_trainable(params)
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
+            return (state_lib.merge_trainable(optax.apply_updates(trainable, updates), frozen),
+                    opt_state)
 
         self.optimizer = jax.jit(apply_optimizer)
         self.step = make_train_step(graphdef, rest, optimizer, loss_fn, temperature=temperature,
@@ -300,8 +314,10 @@ def throughput(args, cfg, impl: str, peaks: dict) -> dict:
             "model_tflops_per_step": flops["total"] / 1e12, "achieved_tflops": achieved / 1e12,
             **{f"mfu_{name}": None if peak is None else achieved / peak
                for name, peak in peaks.items()},
-            "flops_by_part": flops, "params": cfg.num_params(), "compiled_memory": memory,
-            **profile}
+            "flops_by_part": flops, "params": cfg.num_params(),
+            "trainable_params": sum(x.size for x in jax.tree.leaves(
+                state_lib.split_trainable(params)[0])),
+            "compiled_memory": memory, **profile}
 
 
 def profile_step(args, label: str, step, state, batch) -> dict:
@@ -429,6 +445,9 @@ def main(argv=None):
     parser.add_argument("--memory-micro-batch", type=int, default=2)
     parser.add_argument("--memory-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="parameter and activation dtype of the memory analysis (the recipes' bf16)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank on the default targets (alpha "
+                             "32) instead of every weight (0: full fine-tuning)")
     parser.add_argument("--profile", default="",
                         help="a folder: trace one more train step per timed row there and "
                              "print its device time by kernel")
@@ -438,6 +457,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 < args.response_len < args.seq or not 0 < args.memory_response_len < args.memory_seq:
         parser.error("response lengths must lie in (0, seq)")
+    if args.lora_rank < 0:
+        parser.error("--lora-rank must be >= 0")
     for batch, micro in ((args.batch, args.micro_batch),
                          (args.memory_batch, args.memory_micro_batch)):
         if 0 < micro < batch and batch % micro:
@@ -461,7 +482,8 @@ def main(argv=None):
                           seq=args.seq, response_len=args.response_len),
                      lambda cfg, impl: throughput(args, cfg, impl, peaks))
         timing.print_table(
-            f"train step: {args.preset}{f' x{args.layers} layers' if args.layers else ''}, "
+            f"train step: {args.preset}{f' x{args.layers} layers' if args.layers else ''}"
+            f"{f' + LoRA rank {args.lora_rank}' if args.lora_rank else ''}, "
             f"batch {args.batch} (micro {args.micro_batch or args.batch}) x seq {args.seq} "
             f"(response {args.response_len}), {args.dtype}",
             KEY_COLUMNS + [
@@ -483,7 +505,8 @@ def main(argv=None):
                      args.memory_preset, None, args.memory_dtype, memory_shape(args),
                      lambda cfg, impl: peak_memory(args, cfg, impl))
         timing.print_table(
-            f"compiled train-step memory: {args.memory_preset}, batch {args.memory_batch} "
+            f"compiled train-step memory: {args.memory_preset}"
+            f"{f' + LoRA rank {args.lora_rank}' if args.lora_rank else ''}, batch {args.memory_batch} "
             f"(micro {args.memory_micro_batch}) x seq {args.memory_seq} "
             f"(response {args.memory_response_len}), {args.memory_dtype}",
             KEY_COLUMNS + [("peak GiB", "peak_estimate_gib", "9.2f"),

@@ -11,6 +11,7 @@
 #   bash scripts/gpu_bench.sh train_full         # train_throughput at its defaults (#16)
 #   bash scripts/gpu_bench.sh train_auto         # MFU at 1.7B with model.remat=auto's pick (#16)
 #   bash scripts/gpu_bench.sh train_profile      # the 1.7B train step's device time by kernel (#16)
+#   bash scripts/gpu_bench.sh train_lora         # the 1.7B step training LoRA adapters (rank 16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
@@ -199,6 +200,12 @@ for s in "$@"; do
       stage train_profile 200 python3 benchmarks/train_throughput.py --logprob-impls fused \
         --attention auto --remat none --warmup 1 --iters 2 --skip-memory \
         --profile /tmp/train_profile --out "$OUT/train_throughput_profile.json" ;;
+    train_lora)  # LoRA (rank 16, every projection) at the 1.7B shape: the step's time and MFU
+                 # (frozen weights counted 4x, adapters 6x) with remat=auto's pick; never
+                 # measured on a GPU
+      stage train_lora 200 python3 benchmarks/train_throughput.py --logprob-impls fused \
+        --attention auto --remat auto --lora-rank 16 --warmup 1 --iters 3 --skip-memory \
+        --out "$OUT/train_throughput_lora.json" ;;
     train_auto)  # issue 16: MFU at the 1.7B shape with what model.remat=auto picks there
                  # (the run default; plan.pick_remat against this GPU's allocator limit)
       stage train_auto 150 python3 benchmarks/train_throughput.py --logprob-impls fused \

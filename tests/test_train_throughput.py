@@ -1,10 +1,11 @@
 """benchmarks/train_throughput.py at a tiny shape on the CPU: one row per remat x attention x
 log-prob combination, cuDNN attention reported as skipped (with why) off a GPU, MFU against both
-the data-sheet peak (none on a CPU) and the matmul measured in the same run, and the memory
-analysis once per remat policy."""
+the data-sheet peak (none on a CPU) and the matmul measured in the same run, the memory
+analysis once per remat policy, and a LoRA step."""
 import importlib.util
 import json
 
+from delta_jax import models
 from tests.conftest import REPO_ROOT
 
 
@@ -48,6 +49,7 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
             for row in timed:
                 assert row["mfu_sheet"] is None and row["mfu_matmul"] > 0
                 assert row["tokens_per_s"] > 0 and row["step_s"] > 0
+                assert row["trainable_params"] == row["params"]   # full fine-tuning
                 # --profile: the traced step's events (host ones on a CPU: nothing summed)
                 assert row["profile"]["kernels"] and row["profile"]["device_kernel_s"] is None
         else:
@@ -78,3 +80,29 @@ def test_remat_auto_rows_name_the_policy_the_plan_picks(tmp_path, capsys):
     assert got[1000.0]["plan_update_bytes"] > got[0.0]["plan_update_bytes"]
     assert "remat=auto, attention=xla -> none (planned update: none " in printed
     assert "remat=auto, attention=xla -> full (planned update: none " in printed
+
+
+def test_lora_rows_train_the_adapters_and_count_their_flops(tmp_path, capsys):
+    """--lora-rank: the timed step trains LoRA adapters of every projection (the trainer's
+    model.lora_rank defaults) and its FLOPs count the frozen weights and LM head 4x and the
+    adapters 6x per token."""
+    tt = _load()
+    out = tmp_path / "tt.json"
+    tt.main(["--preset", "tiny", "--layers", "1", "--seq", "32", "--response-len", "16",
+             "--batch", "2", "--micro-batch", "1", "--dtype", "float32", "--iters", "1",
+             "--warmup", "0", "--peak-matmul-size", "64", "--logprob-impls", "chunked",
+             "--remat", "none", "--attention", "xla", "--lora-rank", "4", "--skip-memory",
+             "--out", str(out)])
+    record = json.loads(out.read_text())
+    (row,) = record["throughput"]
+    cfg = tt.model_config("tiny", 1, "float32", "none", "xla", lora_rank=4)
+    assert cfg.num_lora_params() > 0
+    tokens = 2 * 32
+    flops = row["flops_by_part"]
+    assert flops["dense"] == 4 * cfg.num_params(include_embeddings=False) * tokens
+    assert flops["lora"] == 6 * cfg.num_lora_params() * tokens
+    assert flops["lm_head"] == 4 * cfg.hidden_size * cfg.vocab_size * 2 * 16
+    assert row["step_s"] > 0 and row["mfu_matmul"] > 0
+    assert cfg.lora_targets == models.LORA_TARGETS and "memory" not in record
+    assert row["trainable_params"] == cfg.num_lora_params()   # the adapters alone
+    assert "+ LoRA rank 4" in capsys.readouterr().out
