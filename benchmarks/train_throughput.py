@@ -82,7 +82,7 @@ from delta_jax import models
 from delta_jax.kernels import timing
 from delta_jax.models import attention as attention_lib
 from delta_jax.train import state as state_lib
-from delta_jax.train.config import CHOICES, default_config, resolve_method
+from delta_jax.train.config import CHOICES, default_config, lora_targets, resolve_method
 from delta_jax.train.features import response_forward
 from delta_jax.train.run import make_loss_fn
 from delta_jax.train.step import _split_micro, make_train_step
@@ -95,8 +95,10 @@ def model_config(preset: str, layers: int | None, dtype: str, remat: str, attent
                  lora_rank: int = 0):
     overrides = dict(dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype), remat=remat,
                      attention=attention)
-    if lora_rank:  # the trainer's defaults: every projection, alpha 32
-        overrides.update(lora_rank=lora_rank, lora_targets=models.LORA_TARGETS, lora_alpha=32.0)
+    if lora_rank:  # the run config's LoRA defaults (targets, alpha)
+        run = default_config()
+        overrides.update(lora_rank=lora_rank, lora_targets=lora_targets(run),
+                         lora_alpha=float(run.model.lora_alpha))
     if layers:
         overrides["num_layers"] = layers
     return models.get_preset(preset, **overrides)
@@ -465,6 +467,7 @@ def main(argv=None):
             parser.error("batch sizes must be multiples of their micro-batch sizes")
 
     print(f"device: {timing.device_description()}")
+    lora = f" + LoRA rank {args.lora_rank}" if args.lora_rank else ""  # for the table titles
     payload = {}
     if not args.skip_throughput:
         if args.peak_tflops:
@@ -482,8 +485,7 @@ def main(argv=None):
                           seq=args.seq, response_len=args.response_len),
                      lambda cfg, impl: throughput(args, cfg, impl, peaks))
         timing.print_table(
-            f"train step: {args.preset}{f' x{args.layers} layers' if args.layers else ''}"
-            f"{f' + LoRA rank {args.lora_rank}' if args.lora_rank else ''}, "
+            f"train step: {args.preset}{f' x{args.layers} layers' if args.layers else ''}{lora}, "
             f"batch {args.batch} (micro {args.micro_batch or args.batch}) x seq {args.seq} "
             f"(response {args.response_len}), {args.dtype}",
             KEY_COLUMNS + [
@@ -505,8 +507,7 @@ def main(argv=None):
                      args.memory_preset, None, args.memory_dtype, memory_shape(args),
                      lambda cfg, impl: peak_memory(args, cfg, impl))
         timing.print_table(
-            f"compiled train-step memory: {args.memory_preset}"
-            f"{f' + LoRA rank {args.lora_rank}' if args.lora_rank else ''}, batch {args.memory_batch} "
+            f"compiled train-step memory: {args.memory_preset}{lora}, batch {args.memory_batch} "
             f"(micro {args.memory_micro_batch}) x seq {args.memory_seq} "
             f"(response {args.memory_response_len}), {args.memory_dtype}",
             KEY_COLUMNS + [("peak GiB", "peak_estimate_gib", "9.2f"),
