@@ -33,9 +33,11 @@ Workloads (--workload):
   stop early, as RL responses do. Run in B slots with continuous batching and with static
   batching (Sampler(continuous=False): a batch decodes until its longest sample stops; the same
   programs otherwise). Continuous batching prefills ahead (a refill's prefill call also takes the
-  next waiting prompts) unless --no-prefill-ahead, and a decode call returns to refill once
-  --refill-after samples have finished (default: the Sampler's, slots // 16; recorded as
-  longtail.refill_after). Useful tokens/s = generated tokens / wall time
+  next waiting prompts) unless --no-prefill-ahead, stages --refill-queue waiting samples on the
+  device with each decode call, started mid-call as slots free (default: the Sampler's, slots //
+  4; recorded as longtail.refill_queue), and once none is staged a decode call returns to refill
+  after --refill-after more samples have finished (default: the Sampler's, slots // 16; recorded
+  as longtail.refill_after). Useful tokens/s = generated tokens / wall time
   of generate() (prefill included), best of --repeats after an untimed run; "x static" =
   continuous / static.
 * transformers generate (fixed workload; greedy or the same sampling settings, same model shape
@@ -109,6 +111,10 @@ def parse_args(argv=None):
                    help="Sampler(refill_after=): finished samples a continuous-batching decode "
                         "call waits for before returning to refill (0: the Sampler's default, "
                         "slots // 16)")
+    p.add_argument("--refill-queue", type=int, default=-1,
+                   help="Sampler(refill_queue=): waiting samples staged on the device with each "
+                        "continuous-batching decode call, started as slots free (-1: the "
+                        "Sampler's default, slots // 4; 0: none)")
     p.add_argument("--no-prefill-ahead", action="store_true",
                    help="continuous batching prefills only the prompts it admits (one prefill "
                         "call per refill; Sampler(prefill_ahead=False))")
@@ -132,6 +138,8 @@ def parse_args(argv=None):
         p.error("--new-tokens and --prompt-len must be >= 2, --batch >= 1")
     if args.refill_after < 0:
         p.error("--refill-after must be >= 0 (0: the Sampler's default)")
+    if args.refill_queue < -1:
+        p.error("--refill-queue must be >= -1 (-1: the Sampler's default)")
     if args.mosaic_kernel is not None:
         cfg = model_config(args)
         problem = paged_decode.config_problem(
@@ -263,7 +271,8 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True) ->
                    decode_steps_per_call=args.steps_per_call, decode_attention=impl,
                    kv_budget_bytes=budget, continuous=continuous,
                    prefill_ahead=not args.no_prefill_ahead,
-                   refill_after=args.refill_after or None)
+                   refill_after=args.refill_after or None,
+                   refill_queue=None if args.refill_queue < 0 else args.refill_queue)
 
 
 def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list:
@@ -388,6 +397,7 @@ def longtail_workload(model, batch: int, impl: str, args) -> dict:
                      "stats": stats}
         if continuous:
             out["refill_after"] = sampler.refill_after
+            out["refill_queue"] = sampler.refill_queue
         if args.profile:  # where the continuous run's time goes beside the static one's
             out[mode]["profile"] = profile_generate(sampler, prompts, args,
                                                     f"longtail_b{batch}_{impl}_{mode}", lengths)

@@ -23,6 +23,7 @@
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
+#   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
 #   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
 #                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -142,6 +143,17 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 --tail-samples 768 \
         --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput_longtail_768$SUFFIX.json" ;;
+    longtail_queue)  # issue 15: the long-tailed workload at batch 64 without samples staged on
+                     # the device (refill_queue 0: slots refilled between calls only, as before
+                     # 2026-11-26's third session), 256 and 768 samples; the default (slots // 4)
+                     # is in longtail / longtail_rl. Stand-in scheduler: 66 vs 32 calls (256),
+                     # 193 vs 69 (768)
+      for n in 256 768; do
+        stage "longtail_queue_0_$n" 240 python3 benchmarks/decode_throughput.py \
+          --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
+          --tail-samples "$n" --decode-attention "$DECODE" --refill-queue 0 --workload longtail \
+          --hf never --repeats 1 --output "$OUT/decode_throughput_queue_0_$n$SUFFIX.json"
+      done ;;
     longtail_splits)  # issue 15: the long-tailed workload at batch 64 with the Mosaic kernel
                       # split over 2 and 4 blocks a row (--mosaic-kernel K_SPLITS 2 3; its
                       # default is 1 split): its attention read ~2.2 TB/s there on an H200

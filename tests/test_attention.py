@@ -12,6 +12,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.models import attention as A
+from tests.decode_args import abstract_decode_args
 
 
 def numpy_attention(q, k, v, q_offset, kv_valid, causal=True):
@@ -506,14 +507,9 @@ def test_paged_decode_program_copies_no_cache():
 
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, num_pages, page_size))
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-  layers = jax.eval_shape(programs.decode_layers, graphdef, state)
   compiled = programs.decode.lower(
-      graphdef, state, layers, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
-      jax.ShapeDtypeStruct((S,), bool), i32(S), i32(S), np.uint32(0),
-      jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), i32(S), np.int32(0),
-      np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
-      attention_impl="reference", pages_per_block=2).compile()
+      *abstract_decode_args(graphdef, state, cache, S, pages_per_seq), num_steps=8, top_k=-1,
+      use_top_p=False, greedy=False, attention_impl="reference", pages_per_block=2).compile()
   hlo = compiled.as_text()
   assert cache_sized(hlo, [pool] + list(gathered)) == []
   # Every layer's K and V pool is aliased input -> output (updated in place, never copied).
@@ -525,15 +521,11 @@ def _decode_hlo(cfg, cache, num_slots, pages_per_seq, *, batch_spec=None, row_sh
   from delta_jax.sampling import programs
 
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=row_sharding)  # noqa: E731
-  S = num_slots
-  layers = jax.eval_shape(programs.decode_layers, graphdef, state)
   return programs.decode.lower(
-      graphdef, state, layers, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
-      jax.ShapeDtypeStruct((S,), bool, sharding=row_sharding), i32(S), i32(S), np.uint32(0),
-      jnp.zeros(4, jnp.int32), np.float32(1.0), np.float32(1.0), i32(S), np.int32(0),
-      np.int32(1), num_steps=8, top_k=-1, use_top_p=False, greedy=False,
-      attention_impl="reference", pages_per_block=2, batch_spec=batch_spec).compile().as_text()
+      *abstract_decode_args(graphdef, state, cache, num_slots, pages_per_seq,
+                            row_sharding=row_sharding), num_steps=8, top_k=-1, use_top_p=False,
+      greedy=False, attention_impl="reference", pages_per_block=2,
+      batch_spec=batch_spec).compile().as_text()
 
 
 def while_body_results(hlo: str) -> list[str]:

@@ -39,19 +39,22 @@ def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time()
                           "--mosaic-kernel", "1", "2", "2"])
 
 
-def test_refill_after_reaches_the_sampler():
-    """--refill-after 3 builds Samplers that return to refill after 3 finished samples; 0 leaves
-    the Sampler's default (slots // 16); a negative count is refused."""
+def test_refill_options_reach_the_sampler():
+    """--refill-after 3 builds Samplers that return to refill after 3 finished samples and
+    --refill-queue 0 stages none; the defaults leave the Sampler's (slots // 16, slots // 4);
+    negative counts are refused."""
     from flax import nnx
 
     from delta_jax import models
-    args = bench.parse_args(["--preset", "tiny", "--refill-after", "3"])
+    args = bench.parse_args(["--preset", "tiny", "--refill-after", "3", "--refill-queue", "0"])
     model = models.Transformer(bench.model_config(args), rngs=nnx.Rngs(0))
-    assert bench.make_sampler(model, 64, "auto", args).refill_after == 3
-    default = bench.parse_args(["--preset", "tiny"])
-    assert bench.make_sampler(model, 64, "auto", default).refill_after == 4
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--refill-after", "-1"])
+    sampler = bench.make_sampler(model, 64, "auto", args)
+    assert (sampler.refill_after, sampler.refill_queue) == (3, 0)
+    default = bench.make_sampler(model, 64, "auto", bench.parse_args(["--preset", "tiny"]))
+    assert (default.refill_after, default.refill_queue) == (4, 16)
+    for bad in (["--refill-after", "-1"], ["--refill-queue", "-2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):

@@ -19,6 +19,7 @@ from jax import export
 from delta_jax.kernels import paged_decode as PD
 from delta_jax.models import attention as A
 from tests import mosaic_interpret
+from tests.decode_args import abstract_decode_args
 from tests.test_attention import paged_case
 
 needs_interpreter = pytest.mark.skipif(mosaic_interpret.available() is not None,
@@ -264,12 +265,8 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
   S, page_size, pages_per_seq = 4, 32, 4
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, 1 + S * pages_per_seq, page_size))
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-  layers = jax.eval_shape(programs.decode_layers, graphdef, state)
   traced = programs.decode.trace(
-      graphdef, state, layers, cache, i32(S, pages_per_seq), i32(S), i32(S), i32(S),
-      jax.ShapeDtypeStruct((S,), bool), i32(S), i32(S), np.uint32(0), jnp.zeros(4, jnp.int32),
-      np.float32(1.0), np.float32(1.0), i32(S), np.int32(0), np.int32(1), num_steps=8, top_k=-1,
+      *abstract_decode_args(graphdef, state, cache, S, pages_per_seq), num_steps=8, top_k=-1,
       use_top_p=False, greedy=False, attention_impl="mosaic", pages_per_block=2, batch_spec=None)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @mosaic_gpu" in text                  # the kernel, lowered once

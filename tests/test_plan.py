@@ -13,6 +13,7 @@ from flax import nnx
 
 from delta_jax import models, plan, sharding
 from delta_jax.train.state import init_train_state, split_model
+from tests.decode_args import abstract_decode_args
 
 # hidden 36 does not divide by fsdp=8 (the rules fall back to replication there).
 SMALL = models.get_preset("tiny").replace(vocab_size=96, hidden_size=36, intermediate_size=80,
@@ -669,12 +670,10 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
     layers = jax.eval_shape(programs.decode_layers, graphdef, state)
     layers_bytes, stacked_bytes = nbytes(layers), nbytes(state["layers"])
     decode = timing.compiled_memory_bytes(
-        programs.decode, graphdef, state, layers, cache, ints(slots, kv.pages_per_seq),
-        ints(slots), ints(slots), ints(slots), ints(slots, dtype=jnp.bool_), ints(slots),
-        ints(slots), ints(dtype=jnp.uint32), ints(4), ints(dtype=jnp.float32),
-        ints(dtype=jnp.float32),
-        ints(slots), ints(), ints(), num_steps=32, top_k=-1, use_top_p=False, greedy=False,
-        attention_impl="reference", pages_per_block=8)
+        programs.decode, *abstract_decode_args(graphdef, state, cache, slots, kv.pages_per_seq,
+                                               queued=max(1, slots // 4)),
+        num_steps=32, top_k=-1, use_top_p=False, greedy=False, attention_impl="reference",
+        pages_per_block=8)
     rows, length = max(1, slots // group), bucket_size(prompt_len, 16)
     prefill = timing.compiled_memory_bytes(programs.prefill, graphdef, state, cache,
                                            *(ints(rows, length),) * 4)

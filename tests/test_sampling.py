@@ -199,6 +199,20 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
     assert lazy.stats["decode_calls"] < stats["decode_calls"], (lazy.stats, stats)
     with pytest.raises(ValueError, match="refill_after"):
         Sampler(tiny_model, refill_after=0)
+    # Samples staged on the device (the default, slots // 4 = 4) start in the step their slot
+    # frees, mid-call: the same tokens as without staging, in far fewer decode calls and no more
+    # steps.
+    assert stats["queue_refills"] > 100 and stats["preemptions"] == 0, stats
+    unstaged = Sampler(tiny_model, max_batch_size=16, refill_queue=0).generate(prompts, **kwargs)
+    assert unstaged.stats["queue_refills"] == 0
+    assert unstaged.response_ids == out.response_ids
+    assert unstaged.truncated == out.truncated
+    np.testing.assert_allclose(np.concatenate(sum(unstaged.logprobs, [])),
+                               np.concatenate(sum(out.logprobs, [])), atol=1e-5)
+    assert 2 * stats["decode_calls"] < unstaged.stats["decode_calls"], (stats, unstaged.stats)
+    assert stats["decode_steps"] <= unstaged.stats["decode_steps"], (stats, unstaged.stats)
+    with pytest.raises(ValueError, match="refill_queue"):
+        Sampler(tiny_model, refill_queue=-1)
     # Prefilling ahead (the default) fills each refill's prefill call with the next waiting
     # prompts: fewer calls than one per refill, each prompt still prefilled once, same tokens.
     one_by_one = Sampler(tiny_model, max_batch_size=16, prefill_ahead=False).generate(
@@ -335,18 +349,25 @@ def test_sharded_batch_matches_single_device(tiny_model, sampler):
     assert stats["kv_bytes_per_shard"] == 8 * models.page_bytes(tiny_model.cfg, 32)
     assert ref.stats["kv_pages"] == 50
     assert stats["prefilled_prompts"] == 3  # the 1-token prompt has no KV to prefill
+    # One slot per shard and one staged sample per shard (n = 3: 12 samples in 8 slots): staged
+    # samples start mid-call in their own shard's slot, the same tokens.
+    kwargs = dict(n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(7,), seed=11)
+    ref = sampler.generate(PROMPTS, **kwargs)
+    staged = Sampler(tiny_model, max_batch_size=8, mesh=mesh, refill_queue=8).generate(
+        PROMPTS, **kwargs)
+    assert staged.stats["queue_refills"] > 0 and staged.response_ids == ref.response_ids
+    np.testing.assert_allclose(np.concatenate(sum(staged.logprobs, [])),
+                               np.concatenate(sum(ref.logprobs, [])), atol=1e-5)
     # One slot per shard (a prompt's samples on several shards: prefilled on each), 4-token
     # pages, 2 steps per call and 6 pages per shard (samples preempted and restarted), KV heads
     # over tensor=2: the same tokens.
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     page = models.page_bytes(tiny_model.cfg, 4)
-    kwargs = dict(n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(7,), seed=11)
     tight = Sampler(tiny_model, max_batch_size=8, mesh=mesh, page_size=4,
                     decode_steps_per_call=2, kv_budget_bytes=6 * page).generate(PROMPTS, **kwargs)
     assert tight.stats["kv_shards"] == 4 and tight.stats["kv_pages"] == 4 * 6
     assert tight.stats["preemptions"] > 0 and tight.stats["prefilled_prompts"] > 3
-    ref = sampler.generate(PROMPTS, **kwargs)
     assert tight.response_ids == ref.response_ids
     np.testing.assert_allclose(np.concatenate(sum(tight.logprobs, [])),
                                np.concatenate(sum(ref.logprobs, [])), atol=1e-5)

@@ -12,6 +12,8 @@ copies and the decode attention run per shard (jax.shard_map), so no page crosse
 from __future__ import annotations
 
 import functools
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,39 +96,70 @@ def decode_layers(graphdef, state):
     return nnx.merge(graphdef, state).decode_layers()
 
 
+class Rows(NamedTuple):
+    """Per-row decode inputs, for the S slots or the Q staged samples of a decode call.
+
+    tables int32 [R, pages_per_seq]: the row's pages (covering its length + the call's steps;
+    with a mesh, shard-local ids). token: int32 [R], the next input token; length: int32 [R], KV
+    tokens so far (= the input token's position); generated: int32 [R], response tokens so far;
+    active: bool [R] (a free slot, or an empty queue entry: False); prompt_index, sample_index:
+    int32 [R], the sample's random stream (response token r draws with
+    fold_in(fold_in(fold_in(key(seed), i), j), r), whatever the slot or step); limit: int32 [R],
+    its max_new_tokens."""
+    tables: Any
+    token: Any
+    length: Any
+    generated: Any
+    active: Any
+    prompt_index: Any
+    sample_index: Any
+    limit: Any
+
+
+def _batch_shards(batch_spec) -> int:
+    if batch_spec is None:
+        return 1
+    mesh, batch_axes = batch_spec
+    return math.prod(mesh.shape[a] for a in batch_axes)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "use_top_p",
                                              "greedy", "attention_impl", "pages_per_block",
                                              "batch_spec"),
                    donate_argnames=("cache",))
-def decode(graphdef, state, layers, cache: models.PagedKVCache, block_tables, token, length,
-           generated, active, prompt_index, sample_index, seed, stop_ids, temperature, top_p,
-           limit, pad_id, exit_after, *, num_steps, top_k, use_top_p, greedy,
-           attention_impl="auto", pages_per_block=8, batch_spec=None):
-    """Up to num_steps decode steps for all S slots; returns early once `exit_after` slots have
-    finished (so the scheduler can refill them) or none is live.
+def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, queue: Rows, seed,
+           stop_ids, temperature, top_p, pad_id, exit_after, *, num_steps, top_k, use_top_p,
+           greedy, attention_impl="auto", pages_per_block=8, batch_spec=None):
+    """Up to num_steps decode steps for all S slots, refilling each slot whose sample finishes
+    with the next staged sample of the queue; returns early once `exit_after` slots have
+    finished with no staged sample left to take them (so the scheduler can refill them) or none
+    is live.
 
     state: the model's nnx state (embedding, final norm, LM head); layers: decode_layers(graphdef,
     state), the layer weights the steps use.
-
-    block_tables int32 [S, pages_per_seq]: pages of each slot (covering length + num_steps;
-    with a mesh, the slot's shard-local pages).
-    token: int32 [S], each slot's next input token; length: int32 [S], its KV tokens so far (=
-    the input token's position); generated: int32 [S], response tokens so far; active: bool [S]
-    (False: a free slot); prompt_index, sample_index: int32 [S], the random stream of a slot's
-    sample: response token r draws with fold_in(fold_in(fold_in(key(seed), i), j), r), whatever
-    the slot or step. limit: int32 [S], each slot's max_new_tokens. seed: uint32; stop_ids:
-    int32 [num_stop] (-1 = unused); temperature, top_p, pad_id, exit_after: traced scalars.
+    slots: Rows [S], the slots at entry. queue: Rows [Q], samples staged to start mid-call
+    (admitted, their prompt prefilled, their pages in their rows; generated 0): with a mesh of
+    B batch shards, entries [b * Q / B, (b + 1) * Q / B) belong to shard b and go only to its
+    slots, and each shard's active entries come first. A slot that finishes at a step takes its
+    shard's next entry (slots in index order, entries in queue order) and decodes it from the
+    next step. seed: uint32; stop_ids: int32 [num_stop] (-1 = unused); temperature, top_p,
+    pad_id, exit_after: traced scalars.
     Returns (cache, tokens int32 [S, num_steps], logprobs, tempered_logprobs float32
-    [S, num_steps], generated int32 [S], stopped bool [S] (emitted a stop token), steps int32).
-    A slot live at entry produced tokens[:, :generated_out - generated_in] in this call.
+    [S, num_steps], owner int32 [S, num_steps], steps int32): owner[s, t] says whose token
+    tokens[s, t] is: -1 the sample in slot s at entry, q >= 0 queue entry q, -2 none (the slot
+    was free). A sample finished at its last token when that token is a stop id or its
+    generated count reached its limit; only then does another owner follow it in its slot.
     """
     model = nnx.merge(graphdef, state)
-    num_slots = token.shape[0]
+    num_slots = slots.token.shape[0]
+    num_queued = queue.token.shape[0]
+    shards = _batch_shards(batch_spec)
     page_size = cache.page_size
     mesh, batch_axes = batch_spec or (None, None)
     base_key = jax.random.key(seed)
-    row_keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base_key, i), j))(
-        prompt_index, sample_index)
+    per_slot, per_queue = num_slots // shards, num_queued // shards
+    queue_count = jnp.sum(queue.active.reshape(shards, per_queue), axis=1, dtype=jnp.int32)
+    first_entry = jnp.arange(shards, dtype=jnp.int32)[:, None] * per_queue
 
     def fresh(dtype):
         return sharding_lib.constrain_batch(jnp.zeros((num_slots, num_steps), dtype), mesh,
@@ -134,36 +167,58 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, block_tables, to
                                             others=PartitionSpec.UNCONSTRAINED)
 
     def cond(carry):
-        step, _, _, _, _, active, _, finished, _ = carry
-        return (step < num_steps) & jnp.any(active) & (finished < exit_after)
+        step, _, rows, _, _, finished, _ = carry
+        return (step < num_steps) & jnp.any(rows.active) & (finished < exit_after)
+
+    def refill(rows, owner, taken, done):
+        """Slots done at this step take their shard's next queue entries (in slot order)."""
+        rank = jnp.cumsum(done.reshape(shards, per_slot), axis=1, dtype=jnp.int32) - 1
+        rank = rank + taken[:, None]
+        take = done.reshape(shards, per_slot) & (rank < queue_count[:, None])
+        entry = (first_entry + jnp.minimum(rank, per_queue - 1)).reshape(num_slots)
+        taken = taken + jnp.sum(take, axis=1, dtype=jnp.int32)
+        take = take.reshape(num_slots)
+
+        def pick(now, staged):
+            mask = take.reshape((num_slots,) + (1,) * (now.ndim - 1))
+            return jnp.where(mask, jnp.take(staged, entry, axis=0), now)
+        rows = Rows(*(pick(now, staged) for now, staged in zip(rows, queue)))
+        return rows, jnp.where(take, entry, owner), taken, take
 
     def body(carry):
-        step, cache, token, length, generated, active, stopped, finished, bufs = carry
-        tokens_buf, logp_buf, tlogp_buf = bufs
-        page = jnp.take_along_axis(block_tables, (length // page_size)[:, None], axis=1)[:, 0]
+        step, cache, rows, owner, taken, finished, bufs = carry
+        tokens_buf, logp_buf, tlogp_buf, owner_buf = bufs
+        active, length = rows.active, rows.length
+        page = jnp.take_along_axis(rows.tables, (length // page_size)[:, None], axis=1)[:, 0]
         page = jnp.where(active, page, -1)  # free slots write nothing
         offset = jnp.where(active, length % page_size, 0)
         logits, cache = model.decode_paged(
-            token, length, cache, block_tables, jnp.where(active, length + 1, 0), page, offset,
-            attention_impl=attention_impl, pages_per_block=pages_per_block,
+            rows.token, length, cache, rows.tables, jnp.where(active, length + 1, 0), page,
+            offset, attention_impl=attention_impl, pages_per_block=pages_per_block,
             mesh=mesh, batch_axes=batch_axes or (), layers=layers)
-        keys = jax.vmap(jax.random.fold_in)(row_keys, generated)
+        keys = jax.vmap(lambda i, j, r: jax.random.fold_in(
+            jax.random.fold_in(jax.random.fold_in(base_key, i), j), r))(
+                rows.prompt_index, rows.sample_index, rows.generated)
         new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,
                                          use_top_p=use_top_p, greedy=greedy)
         new = jnp.where(active, new, pad_id)
         tokens_buf = tokens_buf.at[:, step].set(new)
         logp_buf = logp_buf.at[:, step].set(jnp.where(active, logp, 0.0))
         tlogp_buf = tlogp_buf.at[:, step].set(jnp.where(active, tlogp, 0.0))
+        owner_buf = owner_buf.at[:, step].set(jnp.where(active, owner, -2))
         live = active.astype(jnp.int32)
-        generated, length = generated + live, length + live
+        generated = rows.generated + live
         hit = active & jnp.any(new[:, None] == stop_ids[None, :], axis=1)
-        done = active & (hit | (generated >= limit))
-        return (step + 1, cache, jnp.where(active, new, token), length, generated,
-                active & ~done, stopped | hit, finished + jnp.sum(done, dtype=jnp.int32),
-                (tokens_buf, logp_buf, tlogp_buf))
+        done = active & (hit | (generated >= rows.limit))
+        rows = rows._replace(token=jnp.where(active, new, rows.token), length=length + live,
+                             generated=generated, active=active & ~done)
+        rows, owner, taken, took = refill(rows, owner, taken, done)
+        finished = finished + jnp.sum(done & ~took, dtype=jnp.int32)
+        return (step + 1, cache, rows, owner, taken, finished,
+                (tokens_buf, logp_buf, tlogp_buf, owner_buf))
 
-    bufs = (fresh(jnp.int32), fresh(jnp.float32), fresh(jnp.float32))
-    carry = (jnp.int32(0), cache, token, length, generated, active,
-             jnp.zeros_like(active), jnp.int32(0), bufs)
-    step, cache, _, _, generated, _, stopped, _, bufs = jax.lax.while_loop(cond, body, carry)
-    return (cache,) + bufs + (generated, stopped, step)
+    bufs = (fresh(jnp.int32), fresh(jnp.float32), fresh(jnp.float32), fresh(jnp.int32))
+    carry = (jnp.int32(0), cache, slots, jnp.full((num_slots,), -1, jnp.int32),
+             jnp.zeros((shards,), jnp.int32), jnp.int32(0), bufs)
+    step, cache, _, _, _, _, bufs = jax.lax.while_loop(cond, body, carry)
+    return (cache,) + bufs + (step,)

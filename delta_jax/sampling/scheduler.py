@@ -12,12 +12,16 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   first decode input. When a refill prefills anyway, the call also takes the next waiting
   prompts up to its row capacity while the pool has room to spare (prefill_ahead), so their
   samples find their pages ready.
-* `decode` runs up to `decode_steps_per_call` steps for all slots in one lax.while_loop and
-  returns as soon as enough slots have finished to refill (refill_after: max(1, slots // 16),
-  or fewer when fewer samples wait), so slots stay full until the work runs out; the host then
-  appends the new tokens, frees the finished samples' pages, admits waiting samples, and gives
-  live samples the pages the next call may write (no host sync per token). Every decode call
-  takes the same copy of the layer weights, made once per generate() (programs.decode_layers).
+* `decode` runs up to `decode_steps_per_call` steps for all slots in one lax.while_loop. With it
+  go up to refill_queue (default slots // 4) waiting samples staged on the device (admitted,
+  prefilled, their pages taken): a slot whose sample finishes takes the next one of its shard at
+  the next step, inside the loop. Once none is left, the call returns as soon as enough slots
+  have finished to refill (refill_after: max(1, slots // 16), or fewer when fewer samples wait),
+  so slots stay full until the work runs out; the host then appends the new tokens (each slot's
+  tokens split by the per-step owner record), frees the finished samples' pages, admits and
+  stages waiting samples, and gives live samples the pages the next call may write (no host sync
+  per token). Every decode call takes the same copy of the layer weights, made once per
+  generate() (programs.decode_layers).
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted and restarted later.
@@ -83,6 +87,7 @@ class _Sample:
     admitted: int               # admission order (preemption takes the newest)
     length: int = 0             # KV tokens cached
     own: list = dataclasses.field(default_factory=list)
+    pages: list = dataclasses.field(default_factory=list)  # its table row (prompt's + own)
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     tempered: list = dataclasses.field(default_factory=list)
@@ -117,10 +122,16 @@ class Sampler:
       waiting prompts up to its row capacity (continuous batching only), while the pool keeps
       room for every live sample's longest continuation plus one more sample: fewer, fuller
       prefill calls (one per refill otherwise). Never changes the tokens.
-    refill_after: with continuous batching, a decode call returns to refill slots once this many
-      samples have finished (fewer when fewer wait). Default max(1, slots // 16): each call
-      costs the device about a decode step of idle time (the host's work between calls), each
-      slot left free until then a share of a step. Never changes the tokens.
+    refill_queue: with continuous batching, waiting samples staged on the device with each
+      decode call (admitted, prompt prefilled, pages taken, while pages fit): a slot whose sample
+      finishes mid-call starts the next staged sample of its batch shard at the next step.
+      Default max(1, slots // 4) (with a mesh, rounded up to a multiple of the batch shards);
+      0: none (slots are refilled between calls only). Never changes the tokens.
+    refill_after: with continuous batching, once no staged sample is left a decode call returns
+      to refill slots after this many more samples have finished (fewer when fewer wait).
+      Default max(1, slots // 16): each call costs the device about a decode step of idle time
+      (the host's work between calls), each slot left free until then a share of a step. Never
+      changes the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -130,7 +141,8 @@ class Sampler:
                  min_response_bucket: int = 16, pad_id: int = 0, page_size: int = 32,
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
                  decode_attention: str = "auto", continuous: bool = True,
-                 prefill_ahead: bool = True, refill_after: Optional[int] = None):
+                 prefill_ahead: bool = True, refill_after: Optional[int] = None,
+                 refill_queue: Optional[int] = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -145,6 +157,9 @@ class Sampler:
         if refill_after is not None and (isinstance(refill_after, bool)
                                          or not isinstance(refill_after, int) or refill_after < 1):
             raise ValueError(f"refill_after must be an int >= 1 (or None), got {refill_after!r}")
+        if refill_queue is not None and (isinstance(refill_queue, bool)
+                                         or not isinstance(refill_queue, int) or refill_queue < 0):
+            raise ValueError(f"refill_queue must be an int >= 0 (or None), got {refill_queue!r}")
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
         cfg = model.cfg
@@ -190,6 +205,13 @@ class Sampler:
         # samples); at 256 slots, whose steps cost ~3x more, 106 -> 65 calls at the same 1,024
         # steps (BENCHMARKS.md, "Refills").
         self.refill_after = refill_after or max(1, self.num_slots // 16)
+        # Staged samples per call (rounded up to a multiple of the batch shards). A decode call
+        # at 64 slots of the long-tailed workload (lengths of mean 128) sees ~16 samples finish
+        # in its 32 steps: with slots // 4 staged, the stand-in scheduler takes that workload in
+        # 33 calls instead of 66 (256 samples) and 69 instead of 193 (768 samples).
+        queued = max(1, self.num_slots // 4) if refill_queue is None else refill_queue
+        self.refill_queue = queued if self.continuous else 0
+        self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -343,7 +365,8 @@ class Sampler:
                    "slot_utilization": generated / max(1, run.decode_steps * self.num_slots),
                    "slots": self.num_slots, "decode_calls": run.decode_calls,
                    "prefill_calls": run.prefill_calls, "prefilled_prompts": run.prefilled,
-                   "preemptions": run.preemptions, "kv_pages": plan.num_pages,
+                   "preemptions": run.preemptions, "queue_refills": run.queue_refills,
+                   "kv_pages": plan.num_pages,
                    "kv_page_size": plan.page_size, "kv_bytes": plan.bytes,
                    "kv_shards": plan.shards, "kv_bytes_per_shard": plan.shard_bytes,
                    "prefill_seconds": run.prefill_seconds, "decode_seconds": run.decode_seconds,
@@ -374,10 +397,15 @@ class _Run:
         self.n, self.limits = n, limits
         self.params, self.seed = params, np.uint32(seed % 2**32)
         self.stop_ids = stop_ids
+        self.stop_set = frozenset(int(t) for t in stop_ids if t >= 0)
         self.ps = plan.page_size
         self.prompts = [_Prompt(ids=p, kv_len=len(p) - 1, unfinished=n) for p in prompt_ids]
         self.waiting = collections.deque((i, j) for i in range(len(prompt_ids)) for j in range(n))
         self.slots: list[Optional[_Sample]] = [None] * sampler.num_slots
+        # Per batch shard: samples staged on the device to take its slots as they free up
+        # during a decode call (admitted, pages taken, prompt prefilled; not started).
+        self.staged = [collections.deque() for _ in range(plan.shards)]
+        self.queue_width = max(1, sampler.queue_per_shard)  # the program's entries per shard
         self.results = [[None] * n for _ in prompt_ids]
         self.num_shards = plan.shards
         self.per_shard = sampler.num_slots // plan.shards  # slots per batch shard
@@ -389,7 +417,7 @@ class _Run:
         self.layers = programs.decode_layers(sampler.graphdef, state)
         self.admissions = 0
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
-        self.prefilled = self.preemptions = 0
+        self.prefilled = self.preemptions = self.queue_refills = 0
         self.prefill_seconds = self.decode_seconds = 0.0
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
         # pages, advanced and removed (not rebuilt from the samples every call); a free slot's
@@ -405,7 +433,7 @@ class _Run:
 
     # ---------------------------------------------------------------------------------------
     def loop(self):
-        while self.waiting or any(self.slots):
+        while self.waiting or any(self.slots) or any(self.staged):
             self.admit()
             self.reserve()
             self.decode()
@@ -436,38 +464,35 @@ class _Run:
         return range(shard * self.per_shard, (shard + 1) * self.per_shard)
 
     def _live_on(self, shard: int) -> bool:
-        return any(self.slots[k] is not None for k in self._shard_slots(shard))
+        """Whether samples on `shard` (in its slots or staged) will free pages."""
+        return bool(self.staged[shard]) or any(self.slots[k] is not None
+                                                for k in self._shard_slots(shard))
 
     def admit(self):
-        """Waiting samples into free slots, in order, while their pages fit."""
+        """Free slots take staged samples of their shard, then waiting samples in order, while
+        their pages fit; then (continuous batching) waiting samples are staged on the device
+        for the next decode call, up to refill_queue, while their pages fit."""
         to_prefill, copies = [], []
         if not self.s.continuous and any(self.slots):
             return  # static batching: the batch runs until its last sample stops
         free = [collections.deque(k for k in self._shard_slots(sh) if self.slots[k] is None)
                 for sh in range(self.num_shards)]
+        for shard, staged in enumerate(self.staged):
+            while staged and free[shard]:
+                self._enter(free[shard].popleft(), staged.popleft())
         while self.waiting and any(free):
-            i, j = self.waiting[0]
-            prompt = self.prompts[i]
-            sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len)
-            own = self._need(sample)
-            shard = self._place(i, own, free)
-            if shard is None:
+            shard, sample = self._take_next(list(map(len, free)), to_prefill, copies)
+            if sample is None:
                 break
-            slot = free[shard].popleft()
-            alloc = self.allocs[shard]
-            self.waiting.popleft()
-            self.admissions += 1
-            if shard not in prompt.pages:
-                shared = pages_for(prompt.kv_len, self.ps)
-                prompt.pages[shard] = alloc.take(shared)
-                if shared:
-                    to_prefill.append((i, shard))
-            sample.own = alloc.take(own)
-            if prompt.kv_len % self.ps:  # a private copy of the partial last prompt page
-                copies.append((shard, prompt.pages[shard][-1], sample.own[0]))
-            prompt.live[shard] += 1
-            self.slots[slot] = sample
-            self._occupy(slot, sample, prompt.pages[shard][:prompt.kv_len // self.ps] + sample.own)
+            self._enter(free[shard].popleft(), sample)
+        if self.s.continuous:
+            room = [self.s.queue_per_shard - len(q) for q in self.staged]
+            while self.waiting and any(room):
+                shard, sample = self._take_next(room, to_prefill, copies)
+                if sample is None:
+                    break
+                self.staged[shard].append(sample)
+                room[shard] -= 1
         if to_prefill and self.s.prefill_ahead and self.s.continuous:
             to_prefill += self._ahead(to_prefill)
         start = time.perf_counter()
@@ -477,13 +502,55 @@ class _Run:
             jax.block_until_ready(self.cache)
             self.prefill_seconds += time.perf_counter() - start
 
-    def _place(self, i: int, own: int, free) -> Optional[int]:
-        """The shard whose next free slot takes a sample of prompt i needing `own` pages: the
-        shards holding the prompt's pages first, then those with the most free slots (lowest
-        index on ties); None when none has the pages."""
+    def _take_next(self, room: list, to_prefill: list, copies: list):
+        """The first waiting sample, given its pages on the shard _place picks among those with
+        room (> 0): (shard, the sample), its prompt's prefill and partial-page copy added to the
+        jobs; (None, None) when no shard has its pages."""
+        i, j = self.waiting[0]
         prompt = self.prompts[i]
-        order = sorted((sh for sh in range(self.num_shards) if free[sh]),
-                       key=lambda sh: (sh not in prompt.pages, -len(free[sh]), sh))
+        sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len)
+        own = self._need(sample)
+        shard = self._place(i, own, room)
+        if shard is None:
+            return None, None
+        alloc = self.allocs[shard]
+        self.waiting.popleft()
+        self.admissions += 1
+        if shard not in prompt.pages:
+            shared = pages_for(prompt.kv_len, self.ps)
+            prompt.pages[shard] = alloc.take(shared)
+            if shared:
+                to_prefill.append((i, shard))
+        sample.own = alloc.take(own)
+        if prompt.kv_len % self.ps:  # a private copy of the partial last prompt page
+            copies.append((shard, prompt.pages[shard][-1], sample.own[0]))
+        prompt.live[shard] += 1
+        sample.pages = prompt.pages[shard][:prompt.kv_len // self.ps] + sample.own
+        return shard, sample
+
+    def _enter(self, slot: int, sample: _Sample):
+        """`sample` (admitted, its pages taken, not started: its first input is the prompt's
+        last token) now decodes in the free slot `slot` (whose row is zeros)."""
+        self.slots[slot] = sample
+        pages = sample.pages
+        self.tables[slot, :len(pages)] = pages
+        self.num_pages[slot] = len(pages)
+        prompt = self.prompts[sample.prompt]
+        self.token[slot], self.length[slot], self.generated[slot] = (
+            prompt.ids[-1], sample.length, len(sample.tokens))
+        self.active[slot] = True
+        self.prompt_index[slot], self.sample_index[slot] = sample.prompt, sample.index
+        self.limit[slot] = self.limits[sample.prompt]
+        self.kv_len[slot] = prompt.kv_len
+
+    def _place(self, i: int, own: int, room: list) -> Optional[int]:
+        """The shard that takes a sample of prompt i needing `own` pages, among those with
+        room[shard] > 0 (free slots, or free queue entries): the shards holding the prompt's
+        pages first, then those with the most room (lowest index on ties); None when none has
+        the pages."""
+        prompt = self.prompts[i]
+        order = sorted((sh for sh in range(self.num_shards) if room[sh]),
+                       key=lambda sh: (sh not in prompt.pages, -room[sh], sh))
         for shard in order:
             alloc = self.allocs[shard]
             shared = 0 if shard in prompt.pages else pages_for(prompt.kv_len, self.ps)
@@ -552,12 +619,12 @@ class _Run:
         room = {sh: -count[sh] % cap if count[sh] else cap for sh in range(self.num_shards)}
         spare = [self.allocs[sh].num_free - self.plan.pages_per_seq
                  for sh in range(self.num_shards)]
-        for k, sample in enumerate(self.slots):
-            if sample is not None:
-                prompt = self.prompts[sample.prompt]
-                top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
-                spare[self.shard_of(k)] -= max(
-                    0, top - prompt.kv_len // self.ps - len(sample.own))
+        holders = [(self.shard_of(k), x) for k, x in enumerate(self.slots) if x is not None]
+        holders += [(sh, x) for sh, staged in enumerate(self.staged) for x in staged]
+        for shard, sample in holders:
+            prompt = self.prompts[sample.prompt]
+            top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
+            spare[shard] -= max(0, top - prompt.kv_len // self.ps - len(sample.own))
         out, seen = [], {i for i, _ in jobs}
         for i, _ in self.waiting:
             if not any(room.values()):
@@ -608,7 +675,8 @@ class _Run:
             alloc = self.allocs[shard]
             need = int(needs[slot])
             while need > alloc.num_free:
-                if not (self._preempt_newest(shard, older_than=sample)
+                if not (self._unstage_newest(shard)
+                        or self._preempt_newest(shard, older_than=sample)
                         or self._evict_prompt(shard)):
                     break
             if need <= alloc.num_free:
@@ -623,6 +691,23 @@ class _Run:
             else:
                 raise RuntimeError("rollout KV pool exhausted by one sample (the budget check "
                                    "of plan_kv should have caught this)")
+
+    def _unstage_newest(self, shard: int) -> bool:
+        """Return the newest staged sample of `shard` to the front of the queue (it has not
+        started): its pages back, and its prompt's there when no other sample of it is live or
+        staged on the shard. With every staged sample of a shard back, its pages are what they
+        would be without staging, so staging never preempts a live sample that the pool would
+        otherwise hold (the default, worst-case pool never preempts)."""
+        if not self.staged[shard]:
+            return False
+        sample = self.staged[shard].pop()
+        self.allocs[shard].give(sample.own)
+        prompt = self.prompts[sample.prompt]
+        prompt.live[shard] -= 1
+        if prompt.live[shard] == 0 and shard in prompt.pages:
+            self.allocs[shard].give(prompt.pages.pop(shard))
+        self.waiting.appendleft((sample.prompt, sample.index))
+        return True
 
     def _preempt_newest(self, shard: int, older_than: _Sample) -> bool:
         live = [k for k in self._shard_slots(shard)
@@ -649,19 +734,6 @@ class _Run:
                 return True
         return False
 
-    def _occupy(self, slot: int, sample: _Sample, pages: list):
-        """Slot `slot` now decodes `sample` (just admitted: its first input is the prompt's last
-        token) over `pages` (its row is zeros while free)."""
-        self.tables[slot, :len(pages)] = pages
-        self.num_pages[slot] = len(pages)
-        prompt = self.prompts[sample.prompt]
-        self.token[slot], self.length[slot], self.generated[slot] = (
-            prompt.ids[-1], sample.length, len(sample.tokens))
-        self.active[slot] = True
-        self.prompt_index[slot], self.sample_index[slot] = sample.prompt, sample.index
-        self.limit[slot] = self.limits[sample.prompt]
-        self.kv_len[slot] = prompt.kv_len
-
     def _vacate(self, slot: int):
         self.slots[slot] = None
         self.tables[slot] = 0
@@ -672,48 +744,101 @@ class _Run:
         self.active[slot] = False
         self.limit[slot] = 1
 
+    def _queue_rows(self) -> programs.Rows:
+        """The staged samples as the decode program's queue: shard b's in entries
+        [b * Q / B, b * Q / B + len), the rest inactive."""
+        per = self.queue_width
+        Q, P = per * self.num_shards, self.tables.shape[1]
+        tables = np.zeros((Q, P), np.int32)
+        ints = np.zeros((6, Q), np.int32)  # token, length, generated, prompt, sample, limit
+        ints[5] = 1
+        active = np.zeros(Q, bool)
+        for shard, staged in enumerate(self.staged):
+            for q, sample in enumerate(staged, start=shard * per):
+                prompt = self.prompts[sample.prompt]
+                tables[q, :len(sample.pages)] = sample.pages
+                ints[:, q] = (prompt.ids[-1], sample.length, 0, sample.prompt, sample.index,
+                              self.limits[sample.prompt])
+                active[q] = True
+        token, length, generated, prompt_index, sample_index, limit = ints
+        return programs.Rows(tables, token, length, generated, active, prompt_index,
+                             sample_index, limit)
+
     def decode(self):
         s = self.s
         if not self.active.any():
             return
         refill = self.waiting and self.s.continuous
         exit_after = min(s.refill_after, len(self.waiting)) if refill else len(self.slots) + 1
+        slot_rows = programs.Rows(self.tables, self.token, self.length, self.generated,
+                                  self.active, self.prompt_index, self.sample_index, self.limit)
+        queued = {shard * self.queue_width + q: sample
+                  for shard, staged in enumerate(self.staged) for q, sample in enumerate(staged)}
         start = time.perf_counter()
         out = programs.decode(
-            s.graphdef, self.state, self.layers, self.cache, *(s._put(x) for x in (
-                self.tables, self.token, self.length, self.generated, self.active,
-                self.prompt_index, self.sample_index)),
+            s.graphdef, self.state, self.layers, self.cache,
+            programs.Rows(*map(s._put, slot_rows)), programs.Rows(*map(s._put, self._queue_rows())),
             self.seed, self.stop_ids, np.float32(self.params.temperature),
-            np.float32(self.params.top_p), s._put(self.limit), np.int32(s.pad_id),
-            np.int32(max(1, exit_after)),
+            np.float32(self.params.top_p), np.int32(s.pad_id), np.int32(max(1, exit_after)),
             num_steps=s.decode_steps_per_call,
             top_k=self.params.effective_top_k(s.cfg.vocab_size),
             use_top_p=self.params.use_top_p, greedy=self.params.greedy,
             attention_impl=s.decode_impl, pages_per_block=self._pages_per_block(),
             batch_spec=s._batch_spec)
         self.cache = out[0]
-        toks, logp, tlogp, gen_out, stopped, steps = fetch_global(out[1:])
+        toks, logp, tlogp, owner, steps = fetch_global(out[1:])
         self.decode_seconds += time.perf_counter() - start
-        self.decode_steps += int(steps)
+        steps = int(steps)
+        self.decode_steps += steps
         self.decode_calls += 1
+        owner = owner[:, :steps]
         live = np.flatnonzero(self.active)
-        counts = gen_out[live].astype(np.int64) - self.generated[live]
-        moved = live[counts > 0]
-        self.token[moved] = toks[moved, counts[counts > 0] - 1]
-        self.length[live] += counts.astype(np.int32)
-        self.generated[live] = gen_out[live]
-        # The live rows as Python lists in one conversion each (not three small ones a slot).
-        rows = (toks[live].tolist(), logp[live].tolist(), tlogp[live].tolist(),
-                stopped[live].tolist())
-        for k, count, tok, lp, tlp, stop in zip(live.tolist(), counts.tolist(), *rows):
-            sample = self.slots[k]
-            sample.tokens += tok[:count]
-            sample.logprobs += lp[:count]
-            sample.tempered += tlp[:count]
-            sample.length += count
+        refilled = (owner[live] >= 0).any(axis=1)
+        # Slots that kept one sample all call: in bulk (one list conversion per array).
+        plain = live[~refilled]
+        counts = (owner[plain] == -1).sum(axis=1)
+        rows = (toks[plain].tolist(), logp[plain].tolist(), tlogp[plain].tolist())
+        for k, count, tok, lp, tlp in zip(plain.tolist(), counts.tolist(), *rows):
+            self._advance(k, tok[:count], lp[:count], tlp[:count])
+        # Slots whose sample finished and that took staged samples: run by run.
+        taken = collections.Counter()
+        for k in live[refilled].tolist():
+            row = owner[k]
+            starts = [0] + (np.flatnonzero(row[1:] != row[:-1]) + 1).tolist()
+            for a, b in zip(starts, starts[1:] + [steps]):
+                who = int(row[a])
+                if who == -2:
+                    continue
+                if who >= 0:
+                    if self.slots[k] is not None:
+                        raise RuntimeError(f"decode started staged entry {who} in slot {k} "
+                                           f"before its sample finished")
+                    self._enter(k, queued[who])
+                    taken[who // self.queue_width] += 1
+                self._advance(k, toks[k, a:b].tolist(), logp[k, a:b].tolist(),
+                              tlogp[k, a:b].tolist())
+        for shard, count in taken.items():  # each shard's staged samples start in order
+            for _ in range(count):
+                self.staged[shard].popleft()
+        self.queue_refills += sum(taken.values())
+
+    def _advance(self, slot: int, tokens: list, logprobs: list, tempered: list):
+        """Append a call's tokens to the sample in `slot`; finish it when it stopped (its last
+        token a stop id, as the decode program decides) or reached its limit."""
+        sample = self.slots[slot]
+        count = len(tokens)
+        sample.tokens += tokens
+        sample.logprobs += logprobs
+        sample.tempered += tempered
+        sample.length += count
+        if count:
+            self.token[slot] = tokens[-1]
+            self.length[slot] += count
+            self.generated[slot] += count
+            stop = tokens[-1] in self.stop_set
             if stop or len(sample.tokens) >= self.limits[sample.prompt]:
-                sample.stopped = bool(stop)
-                self._finish(k)
+                sample.stopped = stop
+                self._finish(slot)
 
     def _pages_per_block(self) -> int:
         # About 256 keys per step of the reference decode attention's page loop.
