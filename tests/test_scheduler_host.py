@@ -15,8 +15,9 @@ from delta_jax.sampling import Sampler  # noqa: E402
 
 def test_stand_ins_reproduce_the_real_call_pattern():
     """A long-tailed workload (24 one-sample prompts, lengths of mean 8 up to 32) in 8 slots with
-    4 steps a call and refills after 2 finishers: the real programs (tiny model, CPU) and the
-    stand-ins make the same decode calls, steps and prefill calls and count the same tokens."""
+    4 steps a call, 2 samples staged on the device and refills after 2 more finishers: the real
+    programs (tiny model, CPU) and the stand-ins make the same decode calls, steps and prefill
+    calls, start the same number of staged samples mid-call and count the same tokens."""
     cfg = models.get_preset("tiny")
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     wl = decode_throughput.parse_args(["--new-tokens", "32", "--tail-mean-div", "4"])
@@ -30,9 +31,10 @@ def test_stand_ins_reproduce_the_real_call_pattern():
     with bench.stand_in_programs():
         stood_in = sampler.generate(prompts, **kwargs).stats
     keys = ("decode_calls", "decode_steps", "prefill_calls", "prefilled_prompts",
-            "generated_tokens", "slot_utilization")
+            "generated_tokens", "slot_utilization", "queue_refills")
     assert {k: stood_in[k] for k in keys} == {k: real[k] for k in keys}
     assert real["decode_calls"] > real["decode_steps"] / 4  # calls ended early for refills
+    assert real["queue_refills"] > 0
 
 
 def test_sweep_trades_calls_for_steps(tmp_path):

@@ -157,6 +157,12 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
     page_size = cache.page_size
     mesh, batch_axes = batch_spec or (None, None)
     base_key = jax.random.key(seed)
+    impl = jax.random.key_impl(base_key)
+
+    def stream_keys(rows):  # each row's sample stream: fold_in(fold_in(key(seed), i), j), as data
+        return jax.random.key_data(jax.vmap(lambda i, j: jax.random.fold_in(
+            jax.random.fold_in(base_key, i), j))(rows.prompt_index, rows.sample_index))
+    queue_keys = stream_keys(queue)
     per_slot, per_queue = num_slots // shards, num_queued // shards
     queue_count = jnp.sum(queue.active.reshape(shards, per_queue), axis=1, dtype=jnp.int32)
     first_entry = jnp.arange(shards, dtype=jnp.int32)[:, None] * per_queue
@@ -167,10 +173,10 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
                                             others=PartitionSpec.UNCONSTRAINED)
 
     def cond(carry):
-        step, _, rows, _, _, finished, _ = carry
+        step, _, rows, _, _, _, finished, _ = carry
         return (step < num_steps) & jnp.any(rows.active) & (finished < exit_after)
 
-    def refill(rows, owner, taken, done):
+    def refill(rows, keys, owner, taken, done):
         """Slots done at this step take their shard's next queue entries (in slot order)."""
         rank = jnp.cumsum(done.reshape(shards, per_slot), axis=1, dtype=jnp.int32) - 1
         rank = rank + taken[:, None]
@@ -183,10 +189,10 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
             mask = take.reshape((num_slots,) + (1,) * (now.ndim - 1))
             return jnp.where(mask, jnp.take(staged, entry, axis=0), now)
         rows = Rows(*(pick(now, staged) for now, staged in zip(rows, queue)))
-        return rows, jnp.where(take, entry, owner), taken, take
+        return rows, pick(keys, queue_keys), jnp.where(take, entry, owner), taken, take
 
     def body(carry):
-        step, cache, rows, owner, taken, finished, bufs = carry
+        step, cache, rows, row_keys, owner, taken, finished, bufs = carry
         tokens_buf, logp_buf, tlogp_buf, owner_buf = bufs
         active, length = rows.active, rows.length
         page = jnp.take_along_axis(rows.tables, (length // page_size)[:, None], axis=1)[:, 0]
@@ -196,9 +202,8 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
             rows.token, length, cache, rows.tables, jnp.where(active, length + 1, 0), page,
             offset, attention_impl=attention_impl, pages_per_block=pages_per_block,
             mesh=mesh, batch_axes=batch_axes or (), layers=layers)
-        keys = jax.vmap(lambda i, j, r: jax.random.fold_in(
-            jax.random.fold_in(jax.random.fold_in(base_key, i), j), r))(
-                rows.prompt_index, rows.sample_index, rows.generated)
+        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(row_keys, impl=impl),
+                                            rows.generated)
         new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,
                                          use_top_p=use_top_p, greedy=greedy)
         new = jnp.where(active, new, pad_id)
@@ -212,13 +217,13 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
         done = active & (hit | (generated >= rows.limit))
         rows = rows._replace(token=jnp.where(active, new, rows.token), length=length + live,
                              generated=generated, active=active & ~done)
-        rows, owner, taken, took = refill(rows, owner, taken, done)
+        rows, row_keys, owner, taken, took = refill(rows, row_keys, owner, taken, done)
         finished = finished + jnp.sum(done & ~took, dtype=jnp.int32)
-        return (step + 1, cache, rows, owner, taken, finished,
+        return (step + 1, cache, rows, row_keys, owner, taken, finished,
                 (tokens_buf, logp_buf, tlogp_buf, owner_buf))
 
     bufs = (fresh(jnp.int32), fresh(jnp.float32), fresh(jnp.float32), fresh(jnp.int32))
-    carry = (jnp.int32(0), cache, slots, jnp.full((num_slots,), -1, jnp.int32),
+    carry = (jnp.int32(0), cache, slots, stream_keys(slots), jnp.full((num_slots,), -1, jnp.int32),
              jnp.zeros((shards,), jnp.int32), jnp.int32(0), bufs)
-    step, cache, _, _, _, _, bufs = jax.lax.while_loop(cond, body, carry)
+    step, cache, _, _, _, _, _, bufs = jax.lax.while_loop(cond, body, carry)
     return (cache,) + bufs + (step,)
