@@ -1,0 +1,109 @@
+"""Interleaved A/B of rollout-engine settings on decode_throughput.py's long-tailed workload: each
+repeat runs every variant once, in turn, so drift of a shared or noisy machine falls on all of
+them alike (separate benchmark processes on the 2-core CI VM differed by 20% with nothing
+changed).
+
+    python benchmarks/sampler_ab.py --preset tiny --dtype float32 --batch 64 --prompt-len 64 \
+        --new-tokens 256 --refill-queue 0 -1 --static --repeats 5
+
+Variants: continuous batching with each --refill-queue value (Sampler(refill_queue=); -1 = the
+Sampler's default, slots // 4; 0 = none staged), and static batching with --static
+(Sampler(continuous=False)). Workload: --samples prompts (default 4 x --batch) of --prompt-len
+random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
+to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
+generate() per variant first (compiles). Reported per variant: decode calls and steps, samples
+started from the queue, useful tokens/s (generated / generate() wall time) best and median of
+--repeats, and the median time outside decode and prefill calls (the host's share while the
+device idles); every variant must generate the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from flax import nnx
+
+from delta_jax import models
+from delta_jax.kernels import timing
+from delta_jax.sampling import Sampler
+
+import decode_throughput  # noqa: E402  (the workload's model, prompts and lengths)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, default=64, help="slots (Sampler max_batch_size)")
+    p.add_argument("--samples", type=int, default=0, help="prompts, one sample each (0: 4 x batch)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--tail-mean-div", type=float, default=8.0)
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--decode-attention", default="auto")
+    p.add_argument("--refill-queue", type=int, nargs="+", default=[0, -1],
+                   help="continuous-batching variants' Sampler(refill_queue=) (-1: default)")
+    p.add_argument("--static", action="store_true", help="add static batching as a variant")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="sampler_ab.json")
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.samples < 0 or args.repeats < 1 or min(args.refill_queue) < -1:
+        p.error("--batch and --repeats must be >= 1, --samples >= 0, --refill-queue >= -1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    wl = decode_throughput.parse_args([
+        "--preset", args.preset, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
+        "--new-tokens", str(args.new_tokens), "--tail-mean-div", str(args.tail_mean_div)])
+    cfg = decode_throughput.model_config(wl)
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    count = args.samples or 4 * args.batch
+    prompts = decode_throughput.random_prompts(cfg, count, args.prompt_len, seed=2)
+    lengths = decode_throughput.longtail_lengths(wl, count)
+    kwargs = decode_throughput.generate_kwargs(wl, lengths)
+    common = dict(max_batch_size=args.batch, page_size=args.page_size,
+                  decode_attention=args.decode_attention)
+    variants = {f"continuous, refill_queue {'default' if q < 0 else q}": Sampler(
+        model, refill_queue=None if q < 0 else q, **common) for q in args.refill_queue}
+    if args.static:
+        variants["static"] = Sampler(model, continuous=False, **common)
+    runs = {name: [] for name in variants}
+    reference = None
+    for name, sampler in variants.items():  # compiles
+        tokens = sampler.generate(prompts, **kwargs).response_ids
+        reference = reference or tokens
+        if tokens != reference:
+            raise RuntimeError(f"{name} generated other tokens than {next(iter(variants))}")
+    for repeat in range(args.repeats):
+        for name, sampler in variants.items():
+            runs[name].append(sampler.generate(prompts, **kwargs).stats)
+        print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
+    rows = []
+    for name, stats in runs.items():
+        seconds = [s["seconds"] for s in stats]
+        outside = [s["seconds"] - s["decode_seconds"] - s["prefill_seconds"] for s in stats]
+        tokens = stats[0]["generated_tokens"]
+        rows.append({"variant": name, "refill_queue": variants[name].refill_queue,
+                     "decode_calls": stats[0]["decode_calls"],
+                     "decode_steps": stats[0]["decode_steps"],
+                     "queue_refills": stats[0]["queue_refills"], "generated_tokens": tokens,
+                     "tokens_per_s_best": tokens / min(seconds),
+                     "tokens_per_s_median": tokens / statistics.median(seconds),
+                     "outside_calls_s_median": statistics.median(outside), "seconds": seconds})
+    timing.write_json(args.out, {"results": rows}, args=args)
+    timing.print_table(
+        f"Long-tailed workload, {count} samples in {args.batch} slots, {args.preset} "
+        f"{args.dtype}, interleaved x {args.repeats}, on {timing.device_description()}",
+        [("variant", "variant", "34s"), ("calls", "decode_calls", "6d"),
+         ("steps", "decode_steps", "6d"), ("queued", "queue_refills", "7d"),
+         ("tok/s best", "tokens_per_s_best", "11.0f"),
+         ("tok/s median", "tokens_per_s_median", "13.0f"),
+         ("outside s", "outside_calls_s_median", "10.3f")], rows)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,23 @@
+"""benchmarks/sampler_ab.py: its variants run interleaved on the same workload, generate the same
+tokens, and the queue variant starts samples mid-call in fewer decode calls."""
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import sampler_ab as bench  # noqa: E402
+
+
+def test_variants_interleave_and_agree(tmp_path):
+    out = tmp_path / "ab.json"
+    rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "32",
+                       "--refill-queue", "0", "-1", "--static", "--repeats", "2",
+                       "--out", str(out)])
+    unstaged, staged, static = rows
+    assert [r["refill_queue"] for r in rows] == [0, 2, 0]
+    assert unstaged["queue_refills"] == 0 < staged["queue_refills"]
+    assert staged["decode_calls"] < unstaged["decode_calls"]
+    assert staged["decode_steps"] <= unstaged["decode_steps"] < static["decode_steps"]
+    assert len({r["generated_tokens"] for r in rows}) == 1
+    assert all(len(r["seconds"]) == 2 and r["tokens_per_s_best"] > 0 for r in rows)
+    assert len(json.loads(out.read_text())["results"]) == 3
