@@ -208,7 +208,7 @@ class Sampler:
         # Staged samples per call (rounded up to a multiple of the batch shards). A decode call
         # at 64 slots of the long-tailed workload (lengths of mean 128) sees ~16 samples finish
         # in its 32 steps: with slots // 4 staged, the stand-in scheduler takes that workload in
-        # 33 calls instead of 66 (256 samples) and 69 instead of 193 (768 samples).
+        # 32 calls instead of 66 (256 samples) and 69 instead of 193 (768 samples).
         queued = max(1, self.num_slots // 4) if refill_queue is None else refill_queue
         self.refill_queue = queued if self.continuous else 0
         self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
