@@ -794,14 +794,14 @@ class _Run:
         owner = owner[:, :steps]
         live = np.flatnonzero(self.active)
         refilled = (owner[live] >= 0).any(axis=1)
-        # Slots that kept one sample all call: in bulk (one list conversion per array).
+        # Slots that started no staged sample: in bulk (one list conversion per array).
         plain = live[~refilled]
         counts = (owner[plain] == -1).sum(axis=1)
         rows = (toks[plain].tolist(), logp[plain].tolist(), tlogp[plain].tolist())
         for k, count, tok, lp, tlp in zip(plain.tolist(), counts.tolist(), *rows):
             self._advance(k, tok[:count], lp[:count], tlp[:count])
         # Slots whose sample finished and that took staged samples: run by run.
-        taken = collections.Counter()
+        started = collections.defaultdict(list)  # shard -> the queue entries it started
         for k in live[refilled].tolist():
             row = owner[k]
             starts = [0] + (np.flatnonzero(row[1:] != row[:-1]) + 1).tolist()
@@ -814,13 +814,17 @@ class _Run:
                         raise RuntimeError(f"decode started staged entry {who} in slot {k} "
                                            f"before its sample finished")
                     self._enter(k, queued[who])
-                    taken[who // self.queue_width] += 1
+                    started[who // self.queue_width].append(who)
                 self._advance(k, toks[k, a:b].tolist(), logp[k, a:b].tolist(),
                               tlogp[k, a:b].tolist())
-        for shard, count in taken.items():  # each shard's staged samples start in order
-            for _ in range(count):
+        for shard, entries in started.items():  # each shard's staged samples start in order
+            first = shard * self.queue_width
+            if sorted(entries) != list(range(first, first + len(entries))):
+                raise RuntimeError(f"decode started queue entries {sorted(entries)} of shard "
+                                   f"{shard}, not its first {len(entries)}")
+            for _ in entries:
                 self.staged[shard].popleft()
-        self.queue_refills += sum(taken.values())
+            self.queue_refills += len(entries)
 
     def _advance(self, slot: int, tokens: list, logprobs: list, tempered: list):
         """Append a call's tokens to the sample in `slot`; finish it when it stopped (its last
