@@ -425,8 +425,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # shard; pages over the batch axes, KV heads over tensor when they divide), and the
     # prefill's attention scores.
     s_rows = rows_per_device(sampler_rows)
-    batch_shards = math.prod(mesh.shape[a] for a in sharding_lib._as_tuple(rules.get("batch"))
-                             if a in mesh.axis_names)
+    batch_shards = sharding_lib.axes_size(mesh, sharding_lib._as_tuple(rules.get("batch")))
     pool = plan_kv(model_cfg, slots=bucket_size(sampler_rows, 1, batch_shards)
                    if sampler_rows % batch_shards else sampler_rows, shards=batch_shards,
                    prompt_len=prompt_len, max_new_tokens=response_len, page_size=page_size,

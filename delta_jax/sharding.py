@@ -266,6 +266,14 @@ def _with_batch_axes(rules: Mapping[str, Any], batch_axes: Optional[Sequence[str
     return rules if batch_axes is None else {**rules, "batch": tuple(batch_axes)}
 
 
+def axes_size(mesh: Optional[Mesh], axes: Sequence[str]) -> int:
+    """Devices along `axes` of the mesh (the axes it has; 1 without a mesh): e.g. the number of
+    batch shards over the batch axes."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.axis_names)
+
+
 def batch_sharding(shape, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES, *,
                    batch_axes: Optional[Sequence[str]] = None) -> NamedSharding:
     """Rows (dim 0) over the batch axes, the other dimensions replicated. batch_axes: mesh axes

@@ -37,6 +37,10 @@ def test_make_mesh_axes_and_types():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert sharding.batch_axes(mesh) == ("data", "fsdp")
+    mesh = sharding.make_mesh(4, 2, 1)
+    assert sharding.axes_size(mesh, ("data", "fsdp")) == 8
+    assert sharding.axes_size(mesh, ("fsdp", "expert")) == 2  # axes the mesh lacks count 1
+    assert sharding.axes_size(None, ("data",)) == sharding.axes_size(mesh, ()) == 1
 
 
 @pytest.mark.devices(8)

@@ -12,7 +12,6 @@ copies and the decode attention run per shard (jax.shard_map), so no page crosse
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -116,13 +115,6 @@ class Rows(NamedTuple):
     limit: Any
 
 
-def _batch_shards(batch_spec) -> int:
-    if batch_spec is None:
-        return 1
-    mesh, batch_axes = batch_spec
-    return math.prod(mesh.shape[a] for a in batch_axes)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "use_top_p",
                                              "greedy", "attention_impl", "pages_per_block",
                                              "batch_spec"),
@@ -153,9 +145,9 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
     model = nnx.merge(graphdef, state)
     num_slots = slots.token.shape[0]
     num_queued = queue.token.shape[0]
-    shards = _batch_shards(batch_spec)
     page_size = cache.page_size
     mesh, batch_axes = batch_spec or (None, None)
+    shards = sharding_lib.axes_size(mesh, batch_axes or ())
     base_key = jax.random.key(seed)
     impl = jax.random.key_impl(base_key)
 

@@ -193,7 +193,7 @@ class Sampler:
         axes = tuple(a for a in batch_axes if mesh is not None and a in mesh.axis_names)
         self._batch_axes = axes
         self._batch_spec = (mesh, axes) if axes else None  # static argument of the jitted code
-        self._batch_shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+        self._batch_shards = sharding_lib.axes_size(mesh, axes)
         self.num_slots = bucket_size(max_batch_size, 1, self._batch_shards) \
             if max_batch_size % self._batch_shards else max_batch_size
         # The default: each decode call costs about one decode step at batch 64 on an H200
