@@ -11,7 +11,8 @@ Sampler's default, slots // 4; 0 = none staged), and static batching with --stat
 (Sampler(continuous=False)). Workload: --samples prompts (default 4 x --batch) of --prompt-len
 random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
-generate() per variant first (compiles). Reported per variant: decode calls and steps, samples
+generate() per variant first (compiles; the compiled memory analysis of the programs it runs
+is printed and stored). Reported per variant: decode calls and steps, samples
 started from the queue, useful tokens/s (generated / generate() wall time) best and median of
 --repeats, and the median time outside decode and prefill calls (the host's share while the
 device idles); every variant must generate the same tokens.
@@ -71,9 +72,12 @@ def main(argv=None):
     if args.static:
         variants["static"] = Sampler(model, continuous=False, **common)
     runs = {name: [] for name in variants}
-    reference = None
-    for name, sampler in variants.items():  # compiles
-        tokens = sampler.generate(prompts, **kwargs).response_ids
+    reference, memory = None, {}
+    for name, sampler in variants.items():  # compiles; the programs' compiled memory printed
+        calls = {}
+        with decode_throughput.recording_sampler_programs(calls):
+            tokens = sampler.generate(prompts, **kwargs).response_ids
+        memory[name] = timing.print_recorded_memory(calls, prefix=f"{name}: ")
         reference = reference or tokens
         if tokens != reference:
             raise RuntimeError(f"{name} generated other tokens than {next(iter(variants))}")
@@ -92,7 +96,8 @@ def main(argv=None):
                      "queue_refills": stats[0]["queue_refills"], "generated_tokens": tokens,
                      "tokens_per_s_best": tokens / min(seconds),
                      "tokens_per_s_median": tokens / statistics.median(seconds),
-                     "outside_calls_s_median": statistics.median(outside), "seconds": seconds})
+                     "outside_calls_s_median": statistics.median(outside), "seconds": seconds,
+                     "compiled_memory": memory[name]})
     timing.write_json(args.out, {"results": rows}, args=args)
     timing.print_table(
         f"Long-tailed workload, {count} samples in {args.batch} slots, {args.preset} "

@@ -20,4 +20,5 @@ def test_variants_interleave_and_agree(tmp_path):
     assert staged["decode_steps"] <= unstaged["decode_steps"] < static["decode_steps"]
     assert len({r["generated_tokens"] for r in rows}) == 1
     assert all(len(r["seconds"]) == 2 and r["tokens_per_s_best"] > 0 for r in rows)
+    assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0 for r in rows)
     assert len(json.loads(out.read_text())["results"]) == 3
