@@ -210,6 +210,7 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
     np.testing.assert_allclose(np.concatenate(sum(unstaged.logprobs, [])),
                                np.concatenate(sum(out.logprobs, [])), atol=1e-5)
     assert 2 * stats["decode_calls"] < unstaged.stats["decode_calls"], (stats, unstaged.stats)
+    assert stats["prefill_calls"] <= unstaged.stats["prefill_calls"], (stats, unstaged.stats)
     assert stats["decode_steps"] <= unstaged.stats["decode_steps"], (stats, unstaged.stats)
     with pytest.raises(ValueError, match="refill_queue"):
         Sampler(tiny_model, refill_queue=-1)

@@ -612,19 +612,22 @@ class _Run:
         pages yet and no longer than the call's width, in queue order, on the shard with the most
         free pages, until each shard's last call is full. A prompt's pages are taken only while
         its shard keeps room for every live sample there to reach its limit plus one sample of
-        the longest kind, so prefilling ahead never preempts a live sample."""
+        the longest kind, so prefilling ahead never preempts a live sample. (Staged samples are
+        not counted: one starts only in a slot whose sample finished, and grows into the pages
+        that sample gave back; counting both left little to prefill ahead: 30 prefill calls
+        instead of 12 on the CPU long-tail case.)"""
         width = self._prefill_width(jobs)
         cap = self._prefill_cap(width)
         count = collections.Counter(sh for _, sh in jobs)
         room = {sh: -count[sh] % cap if count[sh] else cap for sh in range(self.num_shards)}
         spare = [self.allocs[sh].num_free - self.plan.pages_per_seq
                  for sh in range(self.num_shards)]
-        holders = [(self.shard_of(k), x) for k, x in enumerate(self.slots) if x is not None]
-        holders += [(sh, x) for sh, staged in enumerate(self.staged) for x in staged]
-        for shard, sample in holders:
-            prompt = self.prompts[sample.prompt]
-            top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
-            spare[shard] -= max(0, top - prompt.kv_len // self.ps - len(sample.own))
+        for k, sample in enumerate(self.slots):
+            if sample is not None:
+                prompt = self.prompts[sample.prompt]
+                top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
+                spare[self.shard_of(k)] -= max(
+                    0, top - prompt.kv_len // self.ps - len(sample.own))
         out, seen = [], {i for i, _ in jobs}
         for i, _ in self.waiting:
             if not any(room.values()):
