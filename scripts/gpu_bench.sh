@@ -24,6 +24,7 @@
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
+#   bash scripts/gpu_bench.sh longtail_ab        # batch 64: staging / none / static interleaved (#15)
 #   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
 #                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -153,6 +154,15 @@ for s in "$@"; do
           --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
           --tail-samples "$n" --decode-attention "$DECODE" --refill-queue 0 --workload longtail \
           --hf never --repeats 1 --output "$OUT/decode_throughput_queue_0_$n$SUFFIX.json"
+      done ;;
+    longtail_ab)  # issue 15: the batch-64 long tail (256 and 768 samples) with samples staged on
+                  # the device (the default), without, and static batching, interleaved in one
+                  # process (benchmarks/sampler_ab.py), so the three share the machine's state
+      for n in 256 768; do
+        stage "longtail_ab_$n" 300 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch 64 --samples "$n" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-queue -1 0 --static --repeats 2 \
+          --out "$OUT/sampler_ab_$n$SUFFIX.json"
       done ;;
     longtail_splits)  # issue 15: the long-tailed workload at batch 64 with the Mosaic kernel
                       # split over 2 and 4 blocks a row (--mosaic-kernel K_SPLITS 2 3; its
