@@ -532,16 +532,18 @@ class _Run:
         """`sample` (admitted, its pages taken, not started: its first input is the prompt's
         last token) now decodes in the free slot `slot` (whose row is zeros)."""
         self.slots[slot] = sample
-        pages = sample.pages
-        self.tables[slot, :len(pages)] = pages
-        self.num_pages[slot] = len(pages)
-        prompt = self.prompts[sample.prompt]
-        self.token[slot], self.length[slot], self.generated[slot] = (
-            prompt.ids[-1], sample.length, len(sample.tokens))
+        self.tables[slot, :len(sample.pages)] = sample.pages
+        self.num_pages[slot] = len(sample.pages)
+        (self.token[slot], self.length[slot], self.generated[slot], self.prompt_index[slot],
+         self.sample_index[slot], self.limit[slot]) = self._start_row(sample)
         self.active[slot] = True
-        self.prompt_index[slot], self.sample_index[slot] = sample.prompt, sample.index
-        self.limit[slot] = self.limits[sample.prompt]
-        self.kv_len[slot] = prompt.kv_len
+        self.kv_len[slot] = self.prompts[sample.prompt].kv_len
+
+    def _start_row(self, sample: _Sample) -> tuple:
+        """A not-yet-started sample's decode inputs besides its pages: (token, length,
+        generated, prompt index, sample index, limit), in programs.Rows' order."""
+        return (self.prompts[sample.prompt].ids[-1], sample.length, len(sample.tokens),
+                sample.prompt, sample.index, self.limits[sample.prompt])
 
     def _place(self, i: int, own: int, room: list) -> Optional[int]:
         """The shard that takes a sample of prompt i needing `own` pages, among those with
@@ -747,25 +749,25 @@ class _Run:
         self.active[slot] = False
         self.limit[slot] = 1
 
-    def _queue_rows(self) -> programs.Rows:
-        """The staged samples as the decode program's queue: shard b's in entries
-        [b * Q / B, b * Q / B + len), the rest inactive."""
+    def _queue_rows(self) -> tuple[programs.Rows, dict]:
+        """The staged samples as the decode program's queue (shard b's in entries
+        [b * Q / B, b * Q / B + len), the rest inactive), and entry -> staged sample."""
         per = self.queue_width
         Q, P = per * self.num_shards, self.tables.shape[1]
         tables = np.zeros((Q, P), np.int32)
         ints = np.zeros((6, Q), np.int32)  # token, length, generated, prompt, sample, limit
         ints[5] = 1
         active = np.zeros(Q, bool)
+        queued = {}
         for shard, staged in enumerate(self.staged):
             for q, sample in enumerate(staged, start=shard * per):
-                prompt = self.prompts[sample.prompt]
                 tables[q, :len(sample.pages)] = sample.pages
-                ints[:, q] = (prompt.ids[-1], sample.length, 0, sample.prompt, sample.index,
-                              self.limits[sample.prompt])
+                ints[:, q] = self._start_row(sample)
                 active[q] = True
+                queued[q] = sample
         token, length, generated, prompt_index, sample_index, limit = ints
         return programs.Rows(tables, token, length, generated, active, prompt_index,
-                             sample_index, limit)
+                             sample_index, limit), queued
 
     def decode(self):
         s = self.s
@@ -775,12 +777,11 @@ class _Run:
         exit_after = min(s.refill_after, len(self.waiting)) if refill else len(self.slots) + 1
         slot_rows = programs.Rows(self.tables, self.token, self.length, self.generated,
                                   self.active, self.prompt_index, self.sample_index, self.limit)
-        queued = {shard * self.queue_width + q: sample
-                  for shard, staged in enumerate(self.staged) for q, sample in enumerate(staged)}
+        queue_rows, queued = self._queue_rows()
         start = time.perf_counter()
         out = programs.decode(
             s.graphdef, self.state, self.layers, self.cache,
-            programs.Rows(*map(s._put, slot_rows)), programs.Rows(*map(s._put, self._queue_rows())),
+            programs.Rows(*map(s._put, slot_rows)), programs.Rows(*map(s._put, queue_rows)),
             self.seed, self.stop_ids, np.float32(self.params.temperature),
             np.float32(self.params.top_p), np.int32(s.pad_id), np.int32(max(1, exit_after)),
             num_steps=s.decode_steps_per_call,
