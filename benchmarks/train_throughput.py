@@ -324,8 +324,8 @@ def throughput(args, cfg, impl: str, peaks: dict) -> dict:
 
 def profile_step(args, label: str, step, state, batch) -> dict:
     """One more train step under the profiler (into --profile/<label>): prints and returns its
-    device time by kernel (the top 30), and the device's summed kernel time beside the step's
-    timed median (the rest: launches and gaps)."""
+    device time by kernel (the top 30) and the device's summed kernel time (against the row's
+    timed step, the rest is launches and gaps)."""
     folder = os.path.join(args.profile, re.sub(r"[^\w.-]+", "_", label).strip("_"))
     _, every, device_s = timing.traced_kernels(folder, lambda: step(state, batch))
     rows = every[:30]
@@ -448,8 +448,8 @@ def main(argv=None):
     parser.add_argument("--memory-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="parameter and activation dtype of the memory analysis (the recipes' bf16)")
     parser.add_argument("--lora-rank", type=int, default=0,
-                        help="train LoRA adapters of this rank on the default targets (alpha "
-                             "32) instead of every weight (0: full fine-tuning)")
+                        help="train LoRA adapters of this rank with the run config's default "
+                             "targets and alpha instead of every weight (0: full fine-tuning)")
     parser.add_argument("--profile", default="",
                         help="a folder: trace one more train step per timed row there and "
                              "print its device time by kernel")
