@@ -152,3 +152,37 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in .* reads back"):
         ckpt.restore_latest(_state(0))
     ckpt.close()
+
+
+def test_replicated_arrays_are_sliced_per_replica_only_when_big(tmp_path, monkeypatch):
+    """An array that all 8 devices hold: below MIN_REPLICA_SLICE_BYTES a replica it writes
+    whole (no device slice dispatched); above, orbax still splits it over the replicas (one
+    slice each). Both read back exactly, beside an array sharded over the devices."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from delta_jax.train.checkpoint import MIN_REPLICA_SLICE_BYTES
+
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    big_rows = 8 * MIN_REPLICA_SLICE_BYTES // (4 * 64)   # 8 replicas x the threshold each
+    rng = np.random.default_rng(0)
+    state = {"small": jax.device_put(rng.normal(size=(16, 64)).astype(np.float32), replicated),
+             "big": jax.device_put(rng.normal(size=(big_rows, 64)).astype(np.float32),
+                                   replicated),
+             "sharded": jax.device_put(rng.normal(size=(64, 8)).astype(np.float32), split)}
+    sliced = []
+    real = jax.lax.slice_in_dim
+
+    def counting(operand, *args, **kwargs):
+        sliced.append(operand.shape)
+        return real(operand, *args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "slice_in_dim", counting)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    assert ckpt.save(0, state, None, {}, force=True)
+    assert sliced == [(big_rows, 64)] * 8, sliced
+    got, _, _ = ckpt.restore(0, state)
+    ckpt.close()
+    for name in state:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(state[name]))
+        assert got[name].sharding.is_equivalent_to(state[name].sharding, 2), name

@@ -18,6 +18,22 @@ from delta_jax.errors import first_line
 
 log = logging.getLogger("delta_jax.train")
 
+# Orbax writes an array that several devices hold (replicated) "replica-parallel" by default
+# outside GPUs: each replica writes a slice of it, cut by one dispatched device op (compiled for
+# its shape on first use) per replica and array. Worth it for big arrays spread over hosts; for
+# small ones the dispatches cost more than the writes they share (the tests' tiny RL state on 8
+# CPU devices: a process's first save 3.5 s, later ones 0.27 s, against 0.14 s written whole).
+# Slices below this size are written whole by one replica instead.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _use_array_handler():
+    """Registers orbax's jax.Array handler with MIN_REPLICA_SLICE_BYTES (its other options at
+    their defaults) for every checkpoint of this process; this module is orbax's only user."""
+    handler = ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that does not read back; the message names its directory and the cause."""
@@ -29,6 +45,7 @@ class Checkpointer:
     def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3):
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
+        _use_array_handler()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
