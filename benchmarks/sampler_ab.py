@@ -7,7 +7,8 @@ changed).
         --new-tokens 256 --refill-queue 0 -1 --static --repeats 5
 
 Variants: continuous batching with each --refill-queue value (Sampler(refill_queue=); -1 = the
-Sampler's default, slots // 4; 0 = none staged), and static batching with --static
+Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
+(Sampler(decode_steps_per_call=), default 32), and static batching with --static
 (Sampler(continuous=False)). Workload: --samples prompts (default 4 x --batch) of --prompt-len
 random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
@@ -45,12 +46,17 @@ def parse_args(argv=None):
     p.add_argument("--decode-attention", default="auto")
     p.add_argument("--refill-queue", type=int, nargs="+", default=[0, -1],
                    help="continuous-batching variants' Sampler(refill_queue=) (-1: default)")
+    p.add_argument("--steps-per-call", type=int, nargs="+", default=[32],
+                   help="Sampler(decode_steps_per_call=) of the continuous variants (each with "
+                        "each --refill-queue); static batching takes the first")
     p.add_argument("--static", action="store_true", help="add static batching as a variant")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="sampler_ab.json")
     args = p.parse_args(argv)
-    if args.batch < 1 or args.samples < 0 or args.repeats < 1 or min(args.refill_queue) < -1:
-        p.error("--batch and --repeats must be >= 1, --samples >= 0, --refill-queue >= -1")
+    if (args.batch < 1 or args.samples < 0 or args.repeats < 1 or min(args.refill_queue) < -1
+            or min(args.steps_per_call) < 1):
+        p.error("--batch, --repeats and --steps-per-call must be >= 1, --samples >= 0, "
+                "--refill-queue >= -1")
     return args
 
 
@@ -67,10 +73,17 @@ def main(argv=None):
     kwargs = decode_throughput.generate_kwargs(wl, lengths)
     common = dict(max_batch_size=args.batch, page_size=args.page_size,
                   decode_attention=args.decode_attention)
-    variants = {f"continuous, refill_queue {'default' if q < 0 else q}": Sampler(
-        model, refill_queue=None if q < 0 else q, **common) for q in args.refill_queue}
+    variants = {}
+    for steps in args.steps_per_call:
+        for q in args.refill_queue:
+            name = f"continuous, refill_queue {'default' if q < 0 else q}"
+            if len(args.steps_per_call) > 1:
+                name += f", {steps} steps a call"
+            variants[name] = Sampler(model, refill_queue=None if q < 0 else q,
+                                     decode_steps_per_call=steps, **common)
     if args.static:
-        variants["static"] = Sampler(model, continuous=False, **common)
+        variants["static"] = Sampler(model, continuous=False,
+                                     decode_steps_per_call=args.steps_per_call[0], **common)
     runs = {name: [] for name in variants}
     reference, memory = None, {}
     for name, sampler in variants.items():  # compiles; the programs' compiled memory printed
@@ -91,6 +104,7 @@ def main(argv=None):
         outside = [s["seconds"] - s["decode_seconds"] - s["prefill_seconds"] for s in stats]
         tokens = stats[0]["generated_tokens"]
         rows.append({"variant": name, "refill_queue": variants[name].refill_queue,
+                     "steps_per_call": variants[name].decode_steps_per_call,
                      "decode_calls": stats[0]["decode_calls"],
                      "decode_steps": stats[0]["decode_steps"],
                      "queue_refills": stats[0]["queue_refills"], "generated_tokens": tokens,
@@ -102,7 +116,7 @@ def main(argv=None):
     timing.print_table(
         f"Long-tailed workload, {count} samples in {args.batch} slots, {args.preset} "
         f"{args.dtype}, interleaved x {args.repeats}, on {timing.device_description()}",
-        [("variant", "variant", "34s"), ("calls", "decode_calls", "6d"),
+        [("variant", "variant", "50s"), ("calls", "decode_calls", "6d"),
          ("steps", "decode_steps", "6d"), ("queued", "queue_refills", "7d"),
          ("tok/s best", "tokens_per_s_best", "11.0f"),
          ("tok/s median", "tokens_per_s_median", "13.0f"),

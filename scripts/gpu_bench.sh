@@ -25,6 +25,7 @@
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
 #   bash scripts/gpu_bench.sh longtail_ab        # batch 64: staging / none / static interleaved (#15)
+#   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
 #   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
 #                                                # kernel (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -163,6 +164,18 @@ for s in "$@"; do
           --dtype bfloat16 --batch 64 --samples "$n" --prompt-len 512 --new-tokens 1024 \
           --decode-attention "$DECODE" --refill-queue -1 0 --static --repeats 2 \
           --out "$OUT/sampler_ab_$n$SUFFIX.json"
+      done ;;
+    longtail_steps)  # issue 15: the batch-64 long tail (256 and 768 samples) with samples staged
+                     # at 32 (the default) and 64 decode steps a call, 16 (the default, slots //
+                     # 4) and 32 staged, interleaved in one process. Stand-in scheduler
+                     # (scheduler_host.py, 2026-11-26): calls 32 / 69 (256 / 768 samples) at the
+                     # defaults, 20 / 47 at 64 steps, 16 / 34 at 64 steps and 32 staged (one more
+                     # page reserved a sample); each call ~3 ms of idle GPU on the H200
+      for n in 256 768; do
+        stage "longtail_steps_$n" 300 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch 64 --samples "$n" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-queue -1 32 --steps-per-call 32 64 \
+          --repeats 2 --out "$OUT/sampler_ab_steps_$n$SUFFIX.json"
       done ;;
     longtail_splits)  # issue 15: the long-tailed workload at batch 64 with the Mosaic kernel
                       # split over 2 and 4 blocks a row (--mosaic-kernel K_SPLITS 2 3; its

@@ -1,5 +1,6 @@
 """benchmarks/sampler_ab.py: its variants run interleaved on the same workload, generate the same
-tokens, and the queue variant starts samples mid-call in fewer decode calls."""
+tokens, the queue variant starts samples mid-call in fewer decode calls, and fewer steps a call
+make more calls."""
 import json
 import pathlib
 import sys
@@ -11,14 +12,19 @@ import sampler_ab as bench  # noqa: E402
 def test_variants_interleave_and_agree(tmp_path):
     out = tmp_path / "ab.json"
     rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "32",
-                       "--refill-queue", "0", "-1", "--static", "--repeats", "2",
-                       "--out", str(out)])
-    unstaged, staged, static = rows
-    assert [r["refill_queue"] for r in rows] == [0, 2, 0]
+                       "--refill-queue", "0", "-1", "--steps-per-call", "32", "8", "--static",
+                       "--repeats", "2", "--out", str(out)])
+    unstaged, staged, unstaged_8, staged_8, static = rows
+    assert [r["refill_queue"] for r in rows] == [0, 2, 0, 2, 0]
+    assert [r["steps_per_call"] for r in rows] == [32, 32, 8, 8, 32]
     assert unstaged["queue_refills"] == 0 < staged["queue_refills"]
     assert staged["decode_calls"] < unstaged["decode_calls"]
     assert staged["decode_steps"] <= unstaged["decode_steps"] < static["decode_steps"]
+    # 8 steps a call: at least steps / 8 calls, more than at 32 with or without the queue
+    for short, long in ((unstaged_8, unstaged), (staged_8, staged)):
+        assert short["decode_calls"] >= short["decode_steps"] / 8
+        assert short["decode_calls"] > long["decode_calls"]
     assert len({r["generated_tokens"] for r in rows}) == 1
     assert all(len(r["seconds"]) == 2 and r["tokens_per_s_best"] > 0 for r in rows)
     assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0 for r in rows)
-    assert len(json.loads(out.read_text())["results"]) == 3
+    assert len(json.loads(out.read_text())["results"]) == 5
