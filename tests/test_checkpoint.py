@@ -155,9 +155,10 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
 
 
 def test_replicated_arrays_are_sliced_per_replica_only_when_big(tmp_path, monkeypatch):
-    """An array that all 8 devices hold: below MIN_REPLICA_SLICE_BYTES a replica it writes
-    whole (no device slice dispatched); above, orbax still splits it over the replicas (one
-    slice each). Both read back exactly, beside an array sharded over the devices."""
+    """An array that all 8 devices hold: under MIN_REPLICA_SLICE_BYTES a replica, one replica
+    writes it whole (no device slice dispatched); at the threshold, orbax still splits it over
+    the replicas (one slice each). Both read back exactly, beside an array sharded over the
+    devices."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from delta_jax.train.checkpoint import MIN_REPLICA_SLICE_BYTES

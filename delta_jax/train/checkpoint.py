@@ -19,11 +19,11 @@ from delta_jax.errors import first_line
 log = logging.getLogger("delta_jax.train")
 
 # Orbax writes an array that several devices hold (replicated) "replica-parallel" by default
-# outside GPUs: each replica writes a slice of it, cut by one dispatched device op (compiled for
-# its shape on first use) per replica and array. Worth it for big arrays spread over hosts; for
-# small ones the dispatches cost more than the writes they share (the tests' tiny RL state on 8
-# CPU devices: a process's first save 3.5 s, later ones 0.27 s, against 0.14 s written whole).
-# Slices below this size are written whole by one replica instead.
+# (unless JAX_PLATFORMS names a GPU): each replica writes a slice of it, cut by one dispatched
+# device op (compiled for its shape on first use) per replica and array. Worth it for big arrays
+# spread over hosts; for small ones the dispatches cost more than the writes they share (the
+# tests' tiny RL state on 8 CPU devices: a process's first save 3.5 s, later ones 0.27 s, against
+# 0.14 s written whole). Slices below this size are written whole by one replica instead.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
 
 
