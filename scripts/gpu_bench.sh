@@ -169,8 +169,8 @@ for s in "$@"; do
                      # at 32 (the default) and 64 decode steps a call, 16 (the default, slots //
                      # 4) and 32 staged, interleaved in one process. Stand-in scheduler
                      # (scheduler_host.py, 2026-11-26): calls 32 / 69 (256 / 768 samples) at the
-                     # defaults, 20 / 47 at 64 steps, 16 / 34 at 64 steps and 32 staged (one more
-                     # page reserved a sample); each call ~3 ms of idle GPU on the H200
+                     # defaults, 20 / 47 at 64 steps, 16 / 34 at 64 steps and 32 staged (up to
+                     # one more page reserved a sample); each call ~3 ms of idle GPU on the H200
       for n in 256 768; do
         stage "longtail_steps_$n" 300 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
           --dtype bfloat16 --batch 64 --samples "$n" --prompt-len 512 --new-tokens 1024 \
