@@ -154,6 +154,7 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.devices(8)
 def test_replicated_arrays_are_sliced_per_replica_only_when_big(tmp_path, monkeypatch):
     """An array that all 8 devices hold: under MIN_REPLICA_SLICE_BYTES a replica, one replica
     writes it whole (no device slice dispatched); at the threshold, orbax still splits it over

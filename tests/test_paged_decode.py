@@ -113,6 +113,7 @@ def test_lowers_to_mosaic_gpu_at_model_shapes(shape, kw):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.devices(2)
 def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch):
   """On a mesh (the sampler's pool split over "data": attention.paged_write_attend under
   shard_map, as a multi-GPU rollout runs it), the layer's write + Mosaic GPU attention exports

@@ -158,6 +158,7 @@ def test_bad_step_is_a_clear_error(tiny_run):
         token_view.compute_token_view(str(tiny_run[0]), step=7)
 
 
+@pytest.mark.devices(8)
 def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
     """delta.proxy=hidden_topk (a 5-output old-policy pass) on an explicit (4, 2, 1) mesh, with
     two ablation flags on (random lambda, drawn from the step's key; fixed gamma): the view
