@@ -140,6 +140,26 @@ def tree_max_abs_diff(a, b):
                          for x, y in zip(leaves_a, leaves_b)]))
 
 
+def tree_max_relative_change(a, b, origin):
+    """The largest, over the leaves of three trees with the same structure, of ||a - b|| /
+    ||b - origin|| (float64 L2 norms of the whole leaf): how far `a` ends from `b` relative to how
+    far `b` moved from `origin`. NaN if a difference is NaN; inf where a leaf of b did not move
+    but a differs from it."""
+    leaves = [jax.tree.leaves(t) for t in (a, b, origin)]
+    if len({len(x) for x in leaves}) != 1:
+        raise ValueError(f"trees differ: {[len(x) for x in leaves]} leaves")
+    worst = 0.0
+    for x, y, z in zip(*leaves):
+        y = np.asarray(y, np.float64)
+        off = np.linalg.norm(np.asarray(x, np.float64) - y)
+        moved = np.linalg.norm(y - np.asarray(z, np.float64))
+        ratio = off / moved if moved > 0 else (0.0 if off == 0 else np.inf)
+        if np.isnan(ratio):
+            return float("nan")
+        worst = max(worst, float(ratio))
+    return worst
+
+
 def cpu_process_env(devices: int) -> dict:
     """The environment for a worker process a test starts on the CPU with `devices` devices: this
     session's, less its device count and any jax.distributed settings, keeping its other XLA flags

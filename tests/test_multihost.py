@@ -367,7 +367,7 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     from delta_jax.train import run as run_lib
     from delta_jax.train.checkpoint import Checkpointer
     from delta_jax.train.config import validate_config
-    from tests.rl_fixtures import tree_max_abs_diff
+    from tests.rl_fixtures import tree_max_abs_diff, tree_max_relative_change
     from tests.test_main import TEST_CONFIG, load_config
 
     config_path = tmp_path / "config.py"
@@ -423,15 +423,17 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     ckpt.close()
     assert meta["step"] == 2
     # 2 steps x 2 AdamW updates of lr 1e-3 move weights by up to ~4e-3; the cross-process
-    # reductions (gloo) add in another order, which Adam's normalisation magnifies where a
-    # weight's gradients nearly cancel: allow 5% of the run's own movement. Measured: 4e-5 (1%)
-    # on an AVX-512 Xeon (2026-11-24), 1.28e-4 (3.2%, in 67 of 47k weights above 1e-5, the rest
-    # below) on an AMD EPYC (2026-11-25, where the former fixed 1e-4 failed on unchanged code);
-    # swapping the two processes' score halves gives 3.1e-3 (~78%).
+    # reductions (gloo) add in another order, which Adam's normalisation magnifies in the few
+    # weights whose gradients nearly cancel (a sign flips: up to ~2e-4 apart). So each parameter
+    # tensor as a whole must end within 2% of its own movement (L2): measured on an AMD EPYC,
+    # 2026-11-26, at most 0.17% (q_proj; XLA:CPU's default emitters) and 0.31% (the elemental
+    # emitter the suite compiles with); with the two processes' score halves swapped, 51-113%
+    # per tensor. (The former bound, the largest single-weight difference within 5% of the
+    # largest movement, followed rounding's tail: 9e-5 and 2.4e-4 of 4e-3 on those two emitters.)
     moved = tree_max_abs_diff(ref_state.params, initial)
     assert moved > 2e-3  # the run did move
-    diff = tree_max_abs_diff(restored.params, ref_state.params)
-    assert diff <= 0.05 * moved, (diff, moved)
+    off = tree_max_relative_change(restored.params, ref_state.params, initial)
+    assert off <= 0.02, off
 
 
 def test_a_process_failing_alone_stops_the_other_at_once(tmp_path):
