@@ -33,6 +33,13 @@ this takes ~40% off their compile time (test_plan's update-phase grid: 56 s -> 3
 differ from the default level's by rounding (a tiny model's fp32 logits by 3e-7, its sampled
 log-probs by 1e-6; what vectorised code rounds differently), which every tolerance here allows.
 Set the flag in XLA_FLAGS yourself to test at another level; GPU runs are left alone.
+Also --xla_cpu_use_fusion_emitters=false: XLA:CPU's elemental fusion emitter instead of its newer
+MLIR fusion emitters, whose per-fusion lowering pipeline was most of a compile after the HLO
+passes (one of test_plan's train steps: 8.2 s -> 3.4 s, the same buffer assignment to within 192
+bytes of 416 MB; test_plan + test_sampling + test_train_step + test_default_run + test_sampler_ab
+with an empty cache: 247 s -> 133 s, the same passes and strict xfails). Added only where this
+jaxlib's XLA accepts it (an unknown flag in XLA_FLAGS aborts the process): checked once per session
+in a subprocess. Put `--xla_cpu_use_fusion_emitters=true` in XLA_FLAGS to test the default.
 
 Compilation cache. Most of the suite's time is XLA compiles, and many tests compile the same
 programs: the tests that run `python -m delta_jax.main` in subprocesses (each one compiles the
@@ -46,6 +53,8 @@ it off.
 """
 import os
 import pathlib
+import subprocess
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -54,6 +63,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if (os.environ["JAX_PLATFORMS"] == "cpu"
         and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+_EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if (os.environ["JAX_PLATFORMS"] == "cpu"
+        and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+        and os.environ.get("DELTA_JAX_TEST_EMITTER_FLAG") != "unknown"):
+    # One probe per session: the pytest-xdist workers and every subprocess inherit XLA_FLAGS (or
+    # the "unknown" verdict) from the process that ran it.
+    _probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, timeout=300,
+        env={**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {_EMITTER_FLAG}"})
+    if _probe.returncode == 0:
+        os.environ["XLA_FLAGS"] += " " + _EMITTER_FLAG
+    else:
+        os.environ["DELTA_JAX_TEST_EMITTER_FLAG"] = "unknown"
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _REPO = pathlib.Path(__file__).resolve().parents[1]
