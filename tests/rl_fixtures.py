@@ -160,6 +160,20 @@ def tree_max_relative_change(a, b, origin):
     return worst
 
 
+# The XLA:CPU code-generation flags tests/conftest.py adds for compile speed (not what a user's
+# run compiles with).
+SUITE_CODEGEN_FLAGS = ("xla_backend_optimization_level", "xla_cpu_use_fusion_emitters")
+
+
+def default_codegen_env() -> dict:
+    """This session's environment less the suite's code-generation flags (SUITE_CODEGEN_FLAGS):
+    a subprocess started with it compiles as a user's run does, with XLA's defaults."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not any(name in f for name in SUITE_CODEGEN_FLAGS))
+    return env
+
+
 def cpu_process_env(devices: int) -> dict:
     """The environment for a worker process a test starts on the CPU with `devices` devices: this
     session's, less its device count and any jax.distributed settings, keeping its other XLA flags

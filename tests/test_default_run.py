@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.rl_fixtures import default_codegen_env
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -36,7 +38,10 @@ def default_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("default_run") / "tiny"
     cmd = [sys.executable, "-m", "delta_jax.main", "--config=experiments/tiny.py",
            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in SHORT.items()]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    # With XLA's own CPU code generation (not the suite's faster-compiling flags): this one test
+    # runs the product end to end as a user's CPU run compiles it (~10 s more).
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=default_codegen_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return workdir, proc.stdout
 
