@@ -40,6 +40,8 @@ bytes of 416 MB; test_plan + test_sampling + test_train_step + test_default_run 
 with an empty cache: 247 s -> 133 s, the same passes and strict xfails). Added only where this
 jaxlib's XLA accepts it (an unknown flag in XLA_FLAGS aborts the process): checked once per session
 in a subprocess. Put `--xla_cpu_use_fusion_emitters=true` in XLA_FLAGS to test the default.
+test_default_run.py runs the README's main job with neither flag (rl_fixtures.default_codegen_env),
+so the product is also tested end to end as a user's CPU run compiles it.
 
 Compilation cache. Most of the suite's time is XLA compiles, and many tests compile the same
 programs: the tests that run `python -m delta_jax.main` in subprocesses (each one compiles the
