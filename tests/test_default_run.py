@@ -39,7 +39,7 @@ def default_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "delta_jax.main", "--config=experiments/tiny.py",
            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in SHORT.items()]
     # With XLA's own CPU code generation (not the suite's faster-compiling flags): this one test
-    # runs the product end to end as a user's CPU run compiles it (~10 s more).
+    # runs the product end to end as a user's CPU run compiles it (10-20 s more on the 2-core VM).
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=default_codegen_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
