@@ -154,6 +154,19 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
     ckpt.close()
 
 
+def test_a_checkpointer_logs_no_warning_of_its_own_array_handler(tmp_path, caplog):
+    """Replacing orbax's jax.Array handler (MIN_REPLICA_SLICE_BYTES) is deliberate: orbax's
+    warning about it is not shown at every run's start, and other absl warnings still are."""
+    import absl.logging
+    with caplog.at_level(logging.WARNING):
+        Checkpointer(str(tmp_path / "a"))
+        Checkpointer(str(tmp_path / "b"))
+        absl.logging.warning("still shown")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "overriding" in m], messages
+    assert "still shown" in messages
+
+
 @pytest.mark.devices(8)
 def test_replicated_arrays_are_sliced_per_replica_only_when_big(tmp_path, monkeypatch):
     """An array that all 8 devices hold: under MIN_REPLICA_SLICE_BYTES a replica, one replica

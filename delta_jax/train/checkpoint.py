@@ -32,7 +32,15 @@ def _use_array_handler():
     their defaults) for every checkpoint of this process; this module is orbax's only user."""
     handler = ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    # Replacing its default handler is what this is for, so orbax's warning that it does (absl
+    # logging, at every run's start) is held back here, and only here.
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_log.setLevel(level)
 
 
 class CheckpointError(RuntimeError):
