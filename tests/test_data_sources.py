@@ -170,6 +170,18 @@ def test_tfds_builder_works_without_tensorflow(tmp_path):
     assert files, "expected ArrayRecord shards in data_dir"
 
 
+def test_tfds_source_logs_no_custom_config_warning(tmp_path, caplog):
+    """A builder config per content is the design: tfds' "Using custom data configuration"
+    warning is not shown, on the first build or on the cached one."""
+    import logging
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"id": "r0", "problem": "p", "answer": "1"}])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            builders.build_tfds_source(jsonl, name="a", data_dir=tmp_path / "tfds")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "custom data configuration" in m], messages
+
+
 def test_tfds_cache_is_per_content(tmp_path):
     rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(4)]
     path = write_jsonl(tmp_path / "a.jsonl", rows + ["oops"])

@@ -26,6 +26,7 @@ from tensorflow_datasets.core.utils import tqdm_utils
 
 from delta_jax.data import records as records_lib
 from delta_jax.errors import InputError, MissingInputError
+from delta_jax.log_utils import absl_warnings_held_back
 
 DEFAULT_DATA_DIR_ENV = "DELTA_JAX_DATA_DIR"
 _TEXT_KEYS = ("id", "problem", "answer", "solution")
@@ -141,6 +142,12 @@ def _content_digest(paths: Sequence[str], fields: Any, on_error: str, split: str
     return h.hexdigest()[:16]
 
 
+def _builder(config: MathRecordsConfig, data_dir: str) -> "DeltaJaxMathRecords":
+    # A config per content is the design; tfds warns "Using custom data configuration" for each.
+    with absl_warnings_held_back():
+        return DeltaJaxMathRecords(config=config, data_dir=data_dir, file_format="array_record")
+
+
 def build_tfds_source(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     name: str | None = None,
@@ -181,7 +188,7 @@ def build_tfds_source(
         split=split,
     )
     data_dir = os.fspath(data_dir or default_data_dir())
-    builder = DeltaJaxMathRecords(config=config, data_dir=data_dir, file_format="array_record")
+    builder = _builder(config, data_dir)
     progress_was_on = tqdm_utils._active  # tfds only offers a global switch; restore it after
     tfds.display_progress_bar(False)
     try:
@@ -189,7 +196,7 @@ def build_tfds_source(
     except OSError:
         # Another process (e.g. another host on a shared data_dir) may have finished preparing
         # the same content first, so renaming our copy into place failed: use theirs.
-        builder = DeltaJaxMathRecords(config=config, data_dir=data_dir, file_format="array_record")
+        builder = _builder(config, data_dir)
         if not builder.is_prepared():
             raise
     finally:

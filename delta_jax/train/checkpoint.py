@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from delta_jax.errors import first_line
+from delta_jax.log_utils import absl_warnings_held_back
 
 log = logging.getLogger("delta_jax.train")
 
@@ -32,15 +33,8 @@ def _use_array_handler():
     their defaults) for every checkpoint of this process; this module is orbax's only user."""
     handler = ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
-    # Replacing its default handler is what this is for, so orbax's warning that it does (absl
-    # logging, at every run's start) is held back here, and only here.
-    absl_log = logging.getLogger("absl")
-    level = absl_log.level
-    absl_log.setLevel(logging.ERROR)
-    try:
+    with absl_warnings_held_back():  # orbax warns that its default handler is replaced
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
-    finally:
-        absl_log.setLevel(level)
 
 
 class CheckpointError(RuntimeError):
