@@ -6,15 +6,18 @@ import logging
 
 
 @contextlib.contextmanager
-def absl_warnings_held_back():
-    """Inside: warnings (and infos) that libraries log through absl are not shown; errors are.
-    For library calls whose warning states what the caller meant to do (orbax: a type handler
-    replaced; tfds: a custom builder config), so that it does not fill every run's console.
-    The absl logger's level is restored on exit."""
+def absl_warning_held_back(prefix: str):
+    """Inside: the absl log records whose message starts with `prefix` are not shown; every other
+    record is. For a library warning that states what the caller meant to do (orbax: its type
+    handler replaced; tfds: a custom builder config), so that it does not fill every run's
+    console."""
     absl_log = logging.getLogger("absl")
-    level = absl_log.level
-    absl_log.setLevel(logging.ERROR)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(prefix)
+
+    absl_log.addFilter(keep)
     try:
         yield
     finally:
-        absl_log.setLevel(level)
+        absl_log.removeFilter(keep)

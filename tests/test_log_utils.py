@@ -1,27 +1,25 @@
-"""delta_jax.log_utils: absl warnings are held back inside the context only; errors still show."""
+"""delta_jax.log_utils: inside the context only the absl records with the given prefix are held
+back; everything else still shows, and nothing is held back after it (also after an error)."""
 import logging
 
 import absl.logging
 import pytest
 
-from delta_jax.log_utils import absl_warnings_held_back
+from delta_jax.log_utils import absl_warning_held_back
 
 
-def test_holds_back_absl_warnings_inside_only(caplog):
-    absl_log = logging.getLogger("absl")
-    before = absl_log.level
-    with caplog.at_level(logging.INFO):
-        absl_log.setLevel(logging.INFO)
-        with absl_warnings_held_back():
-            absl.logging.info("info inside")
-            absl.logging.warning("warning inside")
-            absl.logging.error("error inside")
-        absl.logging.warning("warning after")
+def test_holds_back_only_the_prefixed_absl_records_inside(caplog):
+    with caplog.at_level(logging.WARNING):
+        with absl_warning_held_back("Using custom"):
+            absl.logging.warning("Using custom data configuration: x")
+            absl.logging.warning("another warning inside")
+            absl.logging.error("an error inside")
+        absl.logging.warning("Using custom data configuration: after")
         with pytest.raises(RuntimeError):
-            with absl_warnings_held_back():
+            with absl_warning_held_back("Using custom"):
                 raise RuntimeError("boom")
-        level_after_raise = absl_log.level
-        absl_log.setLevel(before)
+        absl.logging.warning("Using custom data configuration: after an error")
     messages = [r.getMessage() for r in caplog.records if r.name == "absl"]
-    assert messages == ["error inside", "warning after"]
-    assert level_after_raise == logging.INFO
+    assert messages == ["another warning inside", "an error inside",
+                        "Using custom data configuration: after",
+                        "Using custom data configuration: after an error"]

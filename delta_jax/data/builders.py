@@ -26,7 +26,7 @@ from tensorflow_datasets.core.utils import tqdm_utils
 
 from delta_jax.data import records as records_lib
 from delta_jax.errors import InputError, MissingInputError
-from delta_jax.log_utils import absl_warnings_held_back
+from delta_jax.log_utils import absl_warning_held_back
 
 DEFAULT_DATA_DIR_ENV = "DELTA_JAX_DATA_DIR"
 _TEXT_KEYS = ("id", "problem", "answer", "solution")
@@ -143,8 +143,8 @@ def _content_digest(paths: Sequence[str], fields: Any, on_error: str, split: str
 
 
 def _builder(config: MathRecordsConfig, data_dir: str) -> "DeltaJaxMathRecords":
-    # A config per content is the design; tfds warns "Using custom data configuration" for each.
-    with absl_warnings_held_back():
+    # tfds warns "Using custom data configuration" for each: one config per content is the design.
+    with absl_warning_held_back("Using custom data configuration"):
         return DeltaJaxMathRecords(config=config, data_dir=data_dir, file_format="array_record")
 
 

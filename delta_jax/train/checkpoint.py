@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from delta_jax.errors import first_line
-from delta_jax.log_utils import absl_warnings_held_back
+from delta_jax.log_utils import absl_warning_held_back
 
 log = logging.getLogger("delta_jax.train")
 
@@ -33,7 +33,8 @@ def _use_array_handler():
     their defaults) for every checkpoint of this process; this module is orbax's only user."""
     handler = ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
-    with absl_warnings_held_back():  # orbax warns that its default handler is replaced
+    # orbax warns 'Type handler registry type "<jax.Array>" overriding ...': the point here.
+    with absl_warning_held_back("Type handler registry type"):
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
