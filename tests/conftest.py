@@ -62,12 +62,14 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CPU code-generation flags below, by name (rl_fixtures.default_codegen_env removes them).
+SUITE_CODEGEN_FLAGS = ("xla_backend_optimization_level", "xla_cpu_use_fusion_emitters")
+_OPT_LEVEL, _EMITTERS = SUITE_CODEGEN_FLAGS
+if os.environ["JAX_PLATFORMS"] == "cpu" and _OPT_LEVEL not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" --{_OPT_LEVEL}=0"
+_EMITTER_FLAG = f"--{_EMITTERS}=false"
 if (os.environ["JAX_PLATFORMS"] == "cpu"
-        and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-_EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
-if (os.environ["JAX_PLATFORMS"] == "cpu"
-        and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+        and _EMITTERS not in os.environ["XLA_FLAGS"]
         and os.environ.get("DELTA_JAX_TEST_EMITTER_FLAG") != "unknown"):
     # One probe per session: the pytest-xdist workers and every subprocess inherit XLA_FLAGS (or
     # the "unknown" verdict) from the process that ran it.

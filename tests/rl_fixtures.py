@@ -160,14 +160,11 @@ def tree_max_relative_change(a, b, origin):
     return worst
 
 
-# The XLA:CPU code-generation flags tests/conftest.py adds for compile speed (not what a user's
-# run compiles with).
-SUITE_CODEGEN_FLAGS = ("xla_backend_optimization_level", "xla_cpu_use_fusion_emitters")
-
-
 def default_codegen_env() -> dict:
-    """This session's environment less the suite's code-generation flags (SUITE_CODEGEN_FLAGS):
-    a subprocess started with it compiles as a user's run does, with XLA's defaults."""
+    """This session's environment less the XLA:CPU code-generation flags tests/conftest.py adds
+    for compile speed (conftest.SUITE_CODEGEN_FLAGS): a subprocess started with it compiles as a
+    user's run does, with XLA's defaults."""
+    from tests.conftest import SUITE_CODEGEN_FLAGS
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if not any(name in f for name in SUITE_CODEGEN_FLAGS))
