@@ -34,11 +34,12 @@ engine. Where a GPU is, the compiled kernel is checked against the same referenc
 tests passed on an H200, 2026-11-26).
 
 Speed, one H200, 2026-11-26, the whole decode of the Qwen3-0.6B shape (bf16, prompt 512 + 1,024
-new tokens; benchmarks/decode_throughput.py with a profiler trace; BENCHMARKS.md): this kernel at
-its defaults took 80 us a layer call at batch 64 and 302 us at 256 (about 3.4 / 3.6 TB/s of live
-K/V), against 126 / 440 us for pallas.ops' Triton kernel at its tuned parameters; the decode ran
-17,563 / 23,708 tokens/s against 12,772 / 17,231 (1.38x). So it is the CUDA default on Hopper
-(attention.resolve_decode_impl).
+new tokens; benchmarks/decode_throughput.py with a profiler trace; BENCHMARKS.md): this kernel with
+3 steps in flight took 80 us a layer call at batch 64 and 302 us at 256 (about 3.4 / 3.6 TB/s of
+live K/V), against 126 / 440 us for pallas.ops' Triton kernel at its tuned parameters; the decode
+ran 17,563 / 23,708 tokens/s against 12,772 / 17,231 (1.38x). So it is the CUDA default on Hopper
+(attention.resolve_decode_impl). With 2 steps in flight (the default since the second H200 run of
+that day) the batch-256 decode ran 27,197 tokens/s.
 """
 from __future__ import annotations
 
@@ -51,12 +52,15 @@ from jax import lax
 
 # The WGMMA tile's rows: the query heads of one KV head are padded to this.
 WGMMA_ROWS = 64
-# Defaults (the ones measured in the whole decode on an H200, see above; the kernel sweep of
-# benchmarks/paged_attention.py did not yet time calls back to back, so it did not rank them): 2
-# pages (64 tokens of 32-token pages) a step, 3 steps in flight, one split: 16 KiB of q/out +
-# 3 x 2 x 16 KiB of K/V = 112 KiB of shared memory a block.
+# Defaults, chosen by benchmarks/paged_attention.py's sweep on an H200 (2026-11-26, calls timed
+# back to back, one layer's call at 1,024 live tokens; BENCHMARKS.md "Fifth GPU run"): 2 pages
+# (64 tokens of 32-token pages) a step, 2 steps in flight, one split: 16 KiB of q/out +
+# 2 x 2 x 16 KiB of K/V = 80 KiB of shared memory a block. The fastest of 15 settings at batch
+# 64 and 256 (81.4 / 273.6 us against 89.0 / 321.8 us with 3 steps in flight, the earlier
+# default; 4 in flight and 4 pages a step were slower too); the whole decode at batch 256 ran
+# 27,197 tokens/s against 23,678.
 PAGES_PER_BLOCK = 2
-STAGES = 3
+STAGES = 2
 K_SPLITS = 1
 _LOG2E = math.log2(math.e)
 # Shared memory a block may use on Hopper (H100 / H200: 227 KiB opt-in).
