@@ -155,12 +155,14 @@ def attention_run(cfg, rows: int, seq: int) -> tuple[str, str | None]:
 def auto_remat(args, preset: str, layers: int | None, dtype: str, attention: str,
                shape: dict) -> str:
     """What model.remat=auto picks for this step (delta_jax.plan.pick_remat over
-    plan_update_bytes at `shape`), against this device's allocator limit, or
+    plan_update_bytes at `shape`, in this backend's plan.auto_remat_order), against this
+    device's allocator limit, or
     --device-memory-gb where the backend reports none (the CPU); printed."""
     from delta_jax import plan as plan_lib
     capacity = plan_lib.capacity_bytes(args.device_memory_gb)
     policy, tried = plan_lib.pick_remat(lambda p: plan_update_bytes(
-        model_config(preset, layers, dtype, p, attention, args.lora_rank), **shape), capacity)
+        model_config(preset, layers, dtype, p, attention, args.lora_rank), **shape), capacity,
+        plan_lib.auto_remat_order())
     print(f"remat=auto, attention={attention} -> {policy} (planned update: "
           + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in tried.items())
           + f"; capacity {capacity / 2 ** 30:.2f} GiB)", flush=True)

@@ -31,8 +31,10 @@ compiler's figures (the benchmarks print those where they run; an H100 run of 20
 Qwen3-1.7B at micro-batch 2 x 4096 in bf16, compiled the train step at 0.89-0.93x the plan for
 remat full and dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
 
-model.remat="auto" (the default) is resolved from these plans (choose_remat): the least-recompute
-policy whose planned update fits the device, as plan mode prints and train start-up logs.
+model.remat="auto" (the default) is resolved from these plans (choose_remat): the first policy of
+the backend's order (auto_remat_order: on CUDA dots_with_no_batch_dims_saveable then full, measured
+faster than "none" there; elsewhere least recomputation first) whose planned update fits the
+device, as plan mode prints and train start-up logs.
 
 The "old-policy pass + DelTA" phase peak counts the feature cache the config chooses
 (delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
@@ -278,7 +280,7 @@ class MemoryPlan:
             f"remat={s['remat']}",
             *([f"  remat=auto -> {s['remat']} (planned update per device: "
                + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in s["remat_auto"].items())
-               + f"; the first of {', '.join(AUTO_REMAT_ORDER)} within {AUTO_REMAT_FILL:g} x "
+               + f"; the first of {', '.join(s['remat_auto_order'])} within {AUTO_REMAT_FILL:g} x "
                f"{s['device_memory_gb']:g} GB)"] if s.get("remat_auto") else []),
             f"  attention={s['attention']} (update / old-policy pass: {s['attention_train']}, "
             f"rollout prefill: {s['attention_prefill']}; as resolved on the "
@@ -585,6 +587,7 @@ def plan_from_config(cfg, num_devices: Optional[int] = None, *,
                                      target)
         result = plans[policy]
         result.settings["remat_auto"] = _updates(plans)
+        result.settings["remat_auto_order"] = auto_remat_order(target)
         return result
     return _plan_from_config(cfg, mesh_shape,
                              model_config_from_run_config(cfg) if model_cfg is None else model_cfg,
@@ -601,12 +604,30 @@ def _config_mesh_shape(cfg, mesh_shape=None, num_devices=None) -> tuple[int, int
                                            num_devices=n)
 
 
-# model.remat="auto" (choose_remat): the policies it considers, least recomputation first. On an
-# H100 at the Qwen3-1.7B shape (BENCHMARKS.md, 2026-11-24) dots_with_no_batch_dims_saveable ran the
-# train step 8% faster than full remat (40.2% vs 37.2% MFU); "none" recomputes nothing.
-# dots_saveable is left out: with blockwise or materialised attention it keeps quadratic score
-# blocks, and it was not measured faster than dots_with_no_batch_dims_saveable.
+# model.remat="auto" (choose_remat): the policies it considers, in order of preference, on each
+# backend (auto_remat_order). Elsewhere than CUDA least recomputation first: "none" recomputes
+# nothing. On CUDA "none" is left out: on an H200 at the Qwen3-1.7B shape (micro-batch 2 x 4096,
+# bf16, cuDNN attention; BENCHMARKS.md "Fifth GPU run", 2026-11-26) dots_with_no_batch_dims_saveable
+# ran the train step 8.2% faster than "none" (877.7 vs 956.0 ms, 42.5% vs 39.0% MFU) with half
+# its memory (28.3 vs 53.1 GiB compiled), and on an H100 (2026-11-24) 8% faster than full remat
+# (40.2% vs 37.2% MFU): saving the matmul outputs and recomputing the elementwise work beats
+# reading back everything saved. Not measured on a TPU. dots_saveable is left out everywhere:
+# with blockwise or materialised attention it keeps quadratic score blocks, and it was not
+# measured faster than dots_with_no_batch_dims_saveable.
 AUTO_REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "full")
+AUTO_REMAT_ORDER_CUDA = ("dots_with_no_batch_dims_saveable", "full")
+
+
+def auto_remat_order(target: str = "") -> tuple[str, ...]:
+    """The policies model.remat="auto" tries, in order, for the `target` backend (plan.target;
+    "" = the one this runs on): AUTO_REMAT_ORDER_CUDA on an NVIDIA GPU, else AUTO_REMAT_ORDER."""
+    from delta_jax.models import attention
+    cuda = _target_cuda(target)
+    if cuda is None:
+        cuda = attention._cuda_backend()
+    return AUTO_REMAT_ORDER_CUDA if cuda else AUTO_REMAT_ORDER
+
+
 # The fraction of the device memory the planned update phase may fill for a policy to be chosen:
 # the plan agrees with compiled figures within 15% (tests/test_plan.py's grid; XLA:GPU's train
 # step: 0.89-1.00x the plan), so a plan 15% under the compiled figure still fits (0.85 x 1.15).
@@ -617,10 +638,11 @@ def choose_remat(cfg, capacity_bytes: float, *,
                  mesh_shape: Optional[tuple[int, int, int]] = None,
                  model_cfg: Optional[models.ModelConfig] = None,
                  target: str = "") -> tuple[str, dict]:
-    """model.remat="auto": the first policy of AUTO_REMAT_ORDER whose planned "update" phase
-    (per device, on `mesh_shape`; plan_from_config) is at most AUTO_REMAT_FILL x capacity_bytes,
-    else "full" (which check_fits then judges like any configured policy). `model_cfg`: the
-    model to plan (its remat is replaced), default the config's; `target`: plan_memory's.
+    """model.remat="auto": the first policy of auto_remat_order(target) whose planned "update"
+    phase (per device, on `mesh_shape`; plan_from_config) is at most AUTO_REMAT_FILL x
+    capacity_bytes, else "full" (which check_fits then judges like any configured policy).
+    `model_cfg`: the model to plan (its remat is replaced), default the config's; `target`:
+    plan_memory's (the backend planned for, "" = this one).
     Returns (policy, {policy tried: planned update bytes}); nothing is compiled or allocated."""
     policy, plans = _remat_plans(cfg, capacity_bytes, _config_mesh_shape(cfg, mesh_shape),
                                  model_cfg, target)
@@ -637,7 +659,7 @@ def _remat_plans(cfg, capacity_bytes: float, mesh_shape: tuple[int, int, int],
         plans[policy] = _plan_from_config(cfg, mesh_shape, base.replace(remat=policy), target)
         return plans[policy].phases["update"]
 
-    policy, _ = pick_remat(update_bytes, capacity_bytes)
+    policy, _ = pick_remat(update_bytes, capacity_bytes, auto_remat_order(target))
     return policy, plans
 
 
@@ -645,11 +667,14 @@ def _updates(plans: dict) -> dict:
     return {policy: p.phases["update"] for policy, p in plans.items()}
 
 
-def pick_remat(update_bytes, capacity_bytes: float) -> tuple[str, dict]:
-    """choose_remat's rule on any planned update: `update_bytes(policy)` -> the update phase's
-    per-device bytes with that policy (e.g. plan_memory's phases["update"])."""
+def pick_remat(update_bytes, capacity_bytes: float,
+               order: tuple[str, ...]) -> tuple[str, dict]:
+    """choose_remat's rule on any planned update: the first policy of `order`
+    (auto_remat_order's) whose `update_bytes(policy)` (the update phase's per-device bytes with
+    that policy, e.g. plan_memory's phases["update"]) is within AUTO_REMAT_FILL x capacity_bytes,
+    else "full"; with {policy tried: bytes}."""
     tried = {}
-    for policy in AUTO_REMAT_ORDER:
+    for policy in order:
         tried[policy] = update_bytes(policy)
         if tried[policy] <= AUTO_REMAT_FILL * capacity_bytes:
             return policy, tried

@@ -119,11 +119,15 @@ def test_plan_mode_on_the_command_line():
     assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout
     assert "recommended:" in out.stdout
     assert "remat=auto -> full (planned update per device: none " in out.stdout
+    assert "the first of none, dots_with_no_batch_dims_saveable, full within" in out.stdout
     assert "as resolved on the cpu backend" in out.stdout
     # Planned for a CUDA GPU from this CPU; a target that is not one names the field.
     cuda = _plan_mode("--config.plan.target=cuda")
     assert cuda.returncode == 0, cuda.stderr[-2000:]
     assert "as resolved on the cuda backend" in cuda.stdout
+    # remat=auto for a CUDA GPU does not try "none" (plan.AUTO_REMAT_ORDER_CUDA).
+    assert "(planned update per device: dots_with_no_batch_dims_saveable " in cuda.stdout
+    assert "the first of dots_with_no_batch_dims_saveable, full within" in cuda.stdout
     bad = _plan_mode("--config.plan.target=gpu")
     assert bad.returncode != 0 and "plan.target: 'gpu' is not one of" in bad.stdout + bad.stderr
     # Shapes only: the recipe's preset stands in for a checkpoint (no model.path, no
@@ -697,12 +701,15 @@ def _update_by_policy(cfg, policies=plan.AUTO_REMAT_ORDER):
                                      ).phases["update"] for p in policies}
 
 
-def test_choose_remat_takes_the_least_recompute_policy_that_fits():
-    """model.remat=auto: at each capacity, the first of none / dots_with_no_batch_dims_saveable /
-    full whose planned update is within AUTO_REMAT_FILL of it (the plan of that policy, computed
-    here on its own), with what it tried; full when nothing fits, which check_fits then
-    reports like a configured policy."""
+def test_choose_remat_takes_the_least_recompute_policy_that_fits(monkeypatch):
+    """model.remat=auto off CUDA: at each capacity, the first of none /
+    dots_with_no_batch_dims_saveable / full whose planned update is within AUTO_REMAT_FILL of it
+    (the plan of that policy, computed here on its own), with what it tried; full when nothing
+    fits, which check_fits then reports like a configured policy. (Planned as off CUDA on any
+    backend, so that it holds on a GPU too; CUDA's order is the next test's.)"""
+    from delta_jax.models import attention
     from tests.rl_fixtures import tiny_rl_config
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: False)
     cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
     assert cfg.model.remat == "auto"  # the default
     update = _update_by_policy(cfg)
@@ -734,3 +741,30 @@ def test_choose_remat_takes_the_least_recompute_policy_that_fits():
     assert fixed.phases["update"] == update["none"] and "remat=auto" not in fixed.to_text()
     # The ModelConfig a run config describes carries what plan mode picks.
     assert plan.model_config_from_run_config(small).remat == "dots_with_no_batch_dims_saveable"
+
+
+def test_choose_remat_on_cuda_starts_from_dots_with_no_batch_dims_saveable(monkeypatch):
+    """On a CUDA GPU model.remat=auto never tries "none" (measured slower than
+    dots_with_no_batch_dims_saveable there, plan.AUTO_REMAT_ORDER_CUDA): with room for
+    everything it picks dots_with_no_batch_dims_saveable, below that full; for plan.target
+    "cuda" from this CPU, and for "" where the backend is CUDA."""
+    from delta_jax.models import attention
+    from tests.rl_fixtures import tiny_rl_config
+    cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
+    dots = "dots_with_no_batch_dims_saveable"
+    assert plan.auto_remat_order("cpu") == plan.AUTO_REMAT_ORDER
+    assert plan.auto_remat_order("cuda") == (dots, "full")
+    mc = plan.model_config_from_run_config(cfg, remat="full")
+    want = {p: plan.plan_from_config(cfg, num_devices=1, model_cfg=mc.replace(remat=p),
+                                     target="cuda").phases["update"] for p in (dots, "full")}
+    fill = plan.AUTO_REMAT_FILL
+    got, tried = plan.choose_remat(cfg, 1e15, mesh_shape=(1, 1, 1), target="cuda")
+    assert got == dots and tried == {dots: want[dots]}
+    got, tried = plan.choose_remat(cfg, want[dots] / fill - 1, mesh_shape=(1, 1, 1),
+                                   target="cuda")
+    assert got == "full" and tried == want
+    # Where the backend itself is CUDA, "" follows it (what train start-up passes).
+    assert plan.auto_remat_order("") == plan.AUTO_REMAT_ORDER  # this CPU
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: True)
+    assert plan.auto_remat_order("") == (dots, "full")
+    assert plan.choose_remat(cfg, 1e15, mesh_shape=(1, 1, 1))[0] == dots

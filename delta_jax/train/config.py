@@ -83,8 +83,9 @@ def default_config() -> config_dict.ConfigDict:
     c.model.preset = ""          # models.get_preset name for random init ("tiny", "qwen3-0.6b", ...)
     c.model.dtype = "float32"    # activations
     c.model.param_dtype = "float32"
-    # "auto": the least-recompute policy whose planned update fits the device (plan.choose_remat);
-    # or one of models.REMAT_POLICIES.
+    # "auto": the first policy of plan.auto_remat_order (on CUDA dots_with_no_batch_dims_saveable,
+    # full; elsewhere none first) whose planned update fits the device (plan.choose_remat); or one
+    # of models.REMAT_POLICIES.
     c.model.remat = "auto"
     # Attention implementation (delta_jax/models/attention.py): "xla" materialises the [T, S]
     # scores; "auto" = cuDNN flash on GPU where it applies, else blockwise for long sequences.
