@@ -20,6 +20,7 @@
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
+#   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
@@ -187,15 +188,19 @@ for s in "$@"; do
           --decode-attention mosaic --mosaic-kernel "$ks" 2 3 --workload fixed longtail \
           --hf never --repeats 1 --output "$OUT/decode_throughput_splits_$ks.json"
       done ;;
-    decode_flags)  # issue 15: where a batch-64 decode step's ~1.5 ms outside attention goes (H200,
-                   # 2026-11-26: four per-layer GEMM fusions at ~1.4 TB/s, ~10 small per-layer
-                   # kernels of ~2 us): the fixed workload at batch 64 under XLA flag variants, one
-                   # process each (an unknown flag aborts only its own variant): as is, cuBLAS
-                   # instead of XLA's Triton GEMM fusions, no command buffers (CUDA graphs)
-      for variant in base no_triton_gemm no_command_buffer; do
+    decode_flags)  # issue 15: where a batch-64 decode step's ~1.3 ms outside attention goes (H200,
+                   # 2026-11-26: four per-layer GEMM fusions at ~1.4 TB/s, 0.61 ms a step, ~10
+                   # small per-layer kernels of ~2 us): the fixed workload at batch 64 under XLA
+                   # flag variants, one process each (an unknown flag aborts only its own
+                   # variant): as is, the exhaustive Triton GEMM tile search (the skinny 64-row
+                   # GEMMs), cuBLASLt, no command buffers (CUDA graphs). (cuBLAS instead of the
+                   # Triton GEMM fusions, --xla_gpu_enable_triton_gemm=false, ran 16,688 tok/s
+                   # against 18,895 on an H200, 2026-11-26: slower.)
+      for variant in base exhaustive_tiling cublaslt no_command_buffer; do
         case $variant in
           base) flags="" ;;
-          no_triton_gemm) flags="--xla_gpu_enable_triton_gemm=false" ;;
+          exhaustive_tiling) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
+          cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
           no_command_buffer) flags="--xla_gpu_enable_command_buffer=" ;;
         esac
         stage "decode_flags_$variant" 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" \
@@ -203,6 +208,11 @@ for s in "$@"; do
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
       done ;;
+    tunix)  # issue 15: the peer, google-tunix 0.1.7's JAX sampler (.whl/tunix_decode.py from
+            # ../shared/bench), at batch 64 on this GPU (batch 256 did not fit its prefill on
+            # an H100); compare its decode tok/s with the decode stage's on the same machine
+      stage tunix 200 python3 .whl/tunix_decode.py --batch 64 --prompt-len 512 --new-tokens 1024 \
+        --output "$OUT/tunix_decode.json" ;;
     step)  # issue 16: step_overhead's default shape (one variant, one timed step: the memory
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
