@@ -11,6 +11,19 @@ only when JAX's default backend is a GPU and are skipped elsewhere with that rea
 has one; the CPU has eight, below). `XLA_FLAGS=--xla_force_host_platform_device_count=1 bash
 scripts/test.sh` shows on a CPU what a one-GPU machine skips.
 
+Tests marked `@pytest.mark.cpu` expect what only the CPU gives (figures of XLA:CPU's own, a host-only
+profiler trace, no data-sheet peak) and skip elsewhere; the GPU side of what they cover is
+measured by scripts/gpu_bench.sh. Tests that compare with XLA:CPU's compiled figures or HLO, or
+compute a reference for CPU worker processes, take the `on_cpu` fixture instead: they run on any
+machine, with the CPU as JAX's default device and attention dispatch seeing no CUDA GPU.
+
+On a CUDA run (JAX_PLATFORMS naming cuda or gpu) the suite also sets
+XLA_PYTHON_CLIENT_PREALLOCATE=false, so the processes some tests start (the main job, resumes
+after a kill, two-host runs) can allocate beside the pytest process instead of finding 75% of the
+GPU taken, and adds XLA_FLAGS --xla_gpu_deterministic_ops=true: the exact-resume tests compare two
+runs' weights at 1e-6, and XLA:GPU's scatter-adds (the embedding gradient) use atomics, whose
+order differs run to run. (Neither is set for the product: they are the suite's choices.)
+
 Eight simulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count=8) for the whole
 session, so the sharding tests can build meshes; this must happen before jax is first imported.
 The flag only changes the CPU platform: on a GPU run the GPU is still device 0 and the CPU devices
@@ -80,6 +93,10 @@ if (os.environ["JAX_PLATFORMS"] == "cpu"
         os.environ["XLA_FLAGS"] += " " + _EMITTER_FLAG
     else:
         os.environ["DELTA_JAX_TEST_EMITTER_FLAG"] = "unknown"
+if any(name in os.environ["JAX_PLATFORMS"] for name in ("cuda", "gpu")):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if "xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -98,16 +115,20 @@ SHARED_DIR = REPO_ROOT.parent / "shared"
 GPU_MARKER = "gpu: needs a GPU as JAX's default backend (JAX_PLATFORMS=cuda,cpu); skipped elsewhere"
 DEVICES_MARKER = ("devices(n): needs n JAX devices (the CPU backend has eight here); skipped on a "
                   "backend with fewer, e.g. one GPU")
+CPU_MARKER = ("cpu: expects what only the CPU backend gives (XLA:CPU's figures, host-only traces); "
+              "skipped where JAX's default backend is another")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", GPU_MARKER)
     config.addinivalue_line("markers", DEVICES_MARKER)
+    config.addinivalue_line("markers", CPU_MARKER)
 
 
 def pytest_runtest_setup(item):
     gpu, devices = item.get_closest_marker("gpu"), item.get_closest_marker("devices")
-    if gpu is None and devices is None:
+    cpu = item.get_closest_marker("cpu")
+    if gpu is None and devices is None and cpu is None:
         return
     import jax
 
@@ -115,9 +136,28 @@ def pytest_runtest_setup(item):
     if gpu is not None and backend != "gpu":
         pytest.skip(f"GPU-only path; JAX's default backend is {backend!r} (run with "
                     f"JAX_PLATFORMS=cuda,cpu on a GPU machine)")
+    if cpu is not None and backend != "cpu":
+        pytest.skip(f"expects the CPU backend's own results; JAX's default backend is {backend!r} "
+                    f"(scripts/gpu_bench.sh measures this on a GPU)")
     if devices is not None and len(jax.devices()) < devices.args[0]:
         pytest.skip(f"needs {devices.args[0]} devices; the {backend} backend has "
                     f"{len(jax.devices())}")
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The CPU as the backend a test compiles and dispatches for, whatever JAX_PLATFORMS names:
+    JAX's default device is the first CPU device, attention dispatch (cuDNN, the paged decode
+    kernels, model.remat=auto's order) sees no CUDA GPU, and the device reports no allocator
+    limit, as the CPU does. For tests whose expected values are XLA:CPU's (compiled memory
+    figures, HLO text) or that compare with CPU worker processes. Changes nothing on the CPU."""
+    import jax
+    from delta_jax import plan
+    from delta_jax.models import attention
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: False)
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: None)
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -185,6 +185,9 @@ def test_impl_resolution_and_errors():
   if not on_gpu:  # CPU (the test machine): cuDNN falls back to the memory-efficient path
     assert A.resolve_impl("cudnn", shape, jnp.bfloat16, kv_len=4096) == "blockwise"
     assert A.resolve_impl("auto", shape, jnp.bfloat16, kv_len=4096) == "blockwise"
+  else:  # a CUDA GPU: cuDNN flash for bf16 causal self-attention, asked for or by "auto"
+    assert A.resolve_impl("cudnn", shape, jnp.bfloat16, kv_len=4096) == "cudnn"
+    assert A.resolve_impl("auto", shape, jnp.bfloat16, kv_len=4096) == "cudnn"
   assert A.resolve_impl("auto", (8, 1, 8, 128), jnp.float32, kv_len=4096) == "xla"  # decode
   assert A.resolve_impl("auto", (8, 256, 8, 128), jnp.float32, kv_len=512) == "xla"
   # A cache offset cannot be expressed by cuDNN's causal mask.
@@ -482,12 +485,12 @@ def cache_sized(hlo: str, shapes) -> list[str]:
   return bad
 
 
-def test_paged_decode_program_copies_no_cache():
+def test_paged_decode_program_copies_no_cache(on_cpu):
   """The compiled decode program of the rollout engine (the while loop over decode steps, every
   layer writing and reading its own page pool) materialises no copy, transpose, slice or gather
   of a layer's pool (or of anything as large) per step or at entry: the only pool-sized buffers
   are the in-place scatters of the new keys/values. The pool is donated (aliased to the
-  output)."""
+  output). XLA:CPU's program, on any machine (on_cpu: the HLO parsed here is XLA:CPU's text)."""
   from delta_jax.sampling import programs
 
   cfg = models.get_preset("tiny")
@@ -541,13 +544,13 @@ def while_body_results(hlo: str) -> list[str]:
   return [r for body in sorted(bodies) for r in materialised_results("\n".join(comps[body]))]
 
 
-def test_paged_decode_program_copies_no_layer_weight():
+def test_paged_decode_program_copies_no_layer_weight(on_cpu):
   """The decode program takes each layer's weights as arrays of their own
   (programs.decode_layers, made once per generate()) and makes no buffer of a layer weight's
   size, neither inside its step loop (XLA:GPU copied each matrix sliced there before its gemm, 7
   copies per layer per step, 14% of a decode step at batch 64 on an H100; XLA:CPU does the same,
-  which this test sees) nor once per call before it (slicing the stacked weights there cost
-  ~200 copies a call on an H200)."""
+  which this test sees: compiled for the CPU on any machine, on_cpu) nor once per call before it
+  (slicing the stacked weights there cost ~200 copies a call on an H200)."""
   cfg = models.get_preset("tiny")
   S, page_size, pages_per_seq = 3, 4, 16  # 3 slots: no activation has a weight's size
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))

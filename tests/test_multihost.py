@@ -302,12 +302,13 @@ def two_process_result(tmp_path_factory):
     return run_two_processes(tmp_path, export_dir), export_dir
 
 
-def test_two_processes_match_one(two_process_result):
+def test_two_processes_match_one(two_process_result, on_cpu):
+    # on_cpu: the one-process reference runs where the two worker processes do, on the CPU.
     import jax
 
     got, _ = two_process_result
     assert int(got["s/signum"]) == 15  # process 0 stops with process 1's SIGTERM
-    with jax.default_device(jax.devices()[0]):
+    with jax.default_device(jax.devices("cpu")[0]):
         ref_state, ref_weights, ref_metrics = one_step(None)
     np.testing.assert_allclose(got["w/weights"], np.asarray(ref_weights), atol=1e-4)
     np.testing.assert_allclose(got["m/loss"], float(ref_metrics["loss"]), rtol=1e-4, atol=1e-6)
@@ -324,7 +325,7 @@ def test_two_processes_match_one(two_process_result):
         np.testing.assert_allclose(got["p/" + name], value, atol=2e-5, err_msg=name)
     # The rollout engine over the same two processes: per-sample randomness, so the same tokens
     # (and log-probs) as one device, whatever the slots, shards and processes.
-    with jax.default_device(jax.devices()[0]):
+    with jax.default_device(jax.devices("cpu")[0]):
         ref_ids, ref_logp = rollout(None)
     assert (ref_ids >= 0).sum() > 12 and (ref_ids == -1).any()  # real work; some stop early
     np.testing.assert_array_equal(got["r/ids"], ref_ids)
@@ -348,7 +349,7 @@ def test_host_feature_cache_and_export_across_processes(two_process_result):
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
 
 
-def test_main_across_two_processes_trains_as_one(tmp_path):
+def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     """`python -m delta_jax.main` in two processes on one workdir, the parameters fsdp-sharded
     over both (mesh 1 x 4 x 1). A SIGTERM to process 1 alone stops both at the same step with a
     checkpoint (exit 143); the same command resumes. Each process scores half the responses
@@ -410,7 +411,7 @@ def test_main_across_two_processes_trains_as_one(tmp_path):
     assert sorted(p.name for p in (workdir / "eval").iterdir()) == ["step_0.json", "step_2.json"]
 
     cfg = validate_config(load_config(config_path, **settings))
-    mesh = sharding.mesh_from_config(cfg.mesh, devices=jax.devices()[:4])
+    mesh = sharding.mesh_from_config(cfg.mesh, devices=jax.devices("cpu")[:4])  # as the workers
     run = run_lib.build_run(cfg, str(tmp_path / "one"), mesh=mesh)
     initial = jax.device_get(run.initial_params)  # the run donates them
     ref_state, run = loop.train(cfg, str(tmp_path / "one"), run=run)

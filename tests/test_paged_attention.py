@@ -5,6 +5,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -60,7 +61,8 @@ def test_sweep_runs_and_records(tmp_path, capsys):
     for r in rows:
         assert r["ok"] and r["max_abs_error"] < 1e-5 and r["us"] > 0
         assert r["calls_per_sample"] >= 1   # --calls 0: picked per configuration
-        assert r["compiled_memory"]["backend"] == "cpu" and r["compiled_memory"]["argument_bytes"] > 0
+        assert r["compiled_memory"]["backend"] == jax.default_backend()   # where it ran
+        assert r["compiled_memory"]["argument_bytes"] > 0
         assert r["kv_bytes"] == rows[0]["kv_bytes"] > 0
     assert "best configuration" in capsys.readouterr().out
 

@@ -275,11 +275,12 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
 
 
 @needs_interpreter
-def test_sampler_with_it_generates_what_the_reference_does(monkeypatch):
+def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu):
   """The rollout engine with rollout.decode_attention="mosaic" (the kernel interpreted, in every
   layer of every decode step; tiny bf16 model with 64-wide heads, 32-token pages, two samples of
   three prompts in four slots, so slots refill): the same greedy tokens and log-probs (within
-  bf16 rounding) as with the jnp page reader."""
+  bf16 rounding) as with the jnp page reader. Both on the CPU (on_cpu), so the tokens compare
+  exactly on a GPU machine too."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import Sampler

@@ -65,6 +65,8 @@ def test_build_run_resolves_remat_auto_against_the_device(tmp_path, monkeypatch)
         small = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32),
                                plan=dict(device_memory_gb=below_none / plan.GB))
         assert built_remat(small, "small") == "dots_with_no_batch_dims_saveable"
+    else:  # a device that reports its limit (a GPU), which holds this tiny model many times
+        assert built_remat(cfg, "default") == plan.auto_remat_order()[0]
     # A device that reports its limit: that, not plan.device_memory_gb.
     monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: int(below_dots))
     assert built_remat(cfg, "device") == "full"

@@ -467,7 +467,7 @@ jax.distributed.shutdown()
 '''
 
 
-def test_generate_two_processes(tmp_path):
+def test_generate_two_processes(tmp_path, on_cpu):  # the reference on the CPU, as the workers
     import json
     import pathlib
     import socket

@@ -5,6 +5,8 @@ analysis once per remat policy, and a LoRA step."""
 import importlib.util
 import json
 
+import pytest
+
 from delta_jax import models
 from tests.conftest import REPO_ROOT
 
@@ -17,6 +19,7 @@ def _load():
     return module
 
 
+@pytest.mark.cpu   # no data-sheet peak, host-only trace, cuDNN "does not apply on cpu"
 def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
     tt = _load()
     out = tmp_path / "tt.json"
@@ -60,7 +63,7 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
     assert "skipped remat=full attention=cudnn: attention=cudnn does not apply on cpu" in printed
 
 
-def test_remat_auto_rows_name_the_policy_the_plan_picks(tmp_path, capsys):
+def test_remat_auto_rows_name_the_policy_the_plan_picks(tmp_path, capsys, on_cpu):
     """--remat auto runs what the run config's model.remat=auto would (plan.pick_remat at the
     step's shape): none where --device-memory-gb holds everything (the CPU reports no limit),
     full where nothing fits; the row says which ("auto:<policy>"), its plan that policy's."""
