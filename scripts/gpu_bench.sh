@@ -13,6 +13,8 @@
 #   bash scripts/gpu_bench.sh train_profile      # the 1.7B train step's device time by kernel (#16)
 #   bash scripts/gpu_bench.sh train_lora         # the 1.7B step training LoRA adapters (rank 16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
+#   bash scripts/gpu_bench.sh suite_1            # the whole suite, first / second half of the
+#   bash scripts/gpu_bench.sh suite_2            #   test files, one call each (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
@@ -231,6 +233,14 @@ for s in "$@"; do
       stage tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
         tests/test_kernels_delta.py tests/test_kernels_logprob.py tests/test_attention.py \
         tests/test_logprobs.py tests/test_sampling.py tests/test_paged_decode.py ;;
+    suite_1|suite_2)  # issue 16: the whole suite on the GPU (JAX_PLATFORMS=cuda,cpu), in two
+             # halves of the test files (one device call each; never run whole on a GPU so far).
+             # Needs pytest in the image; conftest sets XLA_PYTHON_CLIENT_PREALLOCATE=false and
+             # deterministic GPU ops for it.
+      files=(tests/test_*.py); half=$(( (${#files[@]} + 1) / 2 ))
+      if [ "$s" = suite_1 ]; then part=("${files[@]:0:half}"); else part=("${files[@]:half}"); fi
+      stage "$s" 560 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
+        "${part[@]}" ;;
     lmhead)
       stage lmhead 90 python3 benchmarks/lm_head_logprob.py --out "$OUT/lm_head_logprob.json" ;;
     train)  # issue 16: MFU at the 1.7B shape, the three policies model.remat=auto chooses from,
