@@ -147,14 +147,13 @@ def pytest_runtest_setup(item):
 @pytest.fixture
 def on_cpu(monkeypatch):
     """The CPU as the backend a test compiles and dispatches for, whatever JAX_PLATFORMS names:
-    JAX's default device is the first CPU device, attention dispatch (cuDNN, the paged decode
-    kernels, model.remat=auto's order) sees no CUDA GPU, and the device reports no allocator
-    limit, as the CPU does. For tests whose expected values are XLA:CPU's (compiled memory
-    figures, HLO text) or that compare with CPU worker processes. Changes nothing on the CPU."""
+    JAX's default device is the first CPU device (which attention dispatch follows: no cuDNN,
+    no GPU paged decode kernel, model.remat=auto's CPU order), and the device reports no
+    allocator limit, as the CPU does. For tests whose expected values are XLA:CPU's (compiled
+    memory figures, HLO text) or that compare with CPU worker processes. Changes nothing on
+    the CPU."""
     import jax
     from delta_jax import plan
-    from delta_jax.models import attention
-    monkeypatch.setattr(attention, "_cuda_backend", lambda: False)
     monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: None)
     with jax.default_device(jax.devices("cpu")[0]):
         yield

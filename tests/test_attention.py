@@ -179,6 +179,30 @@ def test_packed_causal_path_matches_reference_on_valid_queries():
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_backend_checks_follow_the_default_device(monkeypatch):
+  """_cuda_backend / _hopper_or_newer (what picks cuDNN and the GPU paged decode kernels) ask
+  about the device a computation traced now runs on: JAX's default device where one is set (a
+  device or a platform name), so CPU-placed work on a GPU machine gets the CPU's paths; else the
+  first device. A stand-in Hopper GPU as the first device here."""
+  class Client:
+    platform_version = "PJRT C API\ncuda 12080"
+
+  class Hopper:
+    platform, client, compute_capability = "gpu", Client(), "9.0"
+
+  devices = jax.devices
+  monkeypatch.setattr(jax, "devices",
+                      lambda backend=None: [Hopper()] if backend is None else devices(backend))
+  assert A._cuda_backend() and A._hopper_or_newer()
+  with jax.default_device(devices("cpu")[0]):
+    assert not A._cuda_backend() and not A._hopper_or_newer()
+  with jax.default_device("cpu"):
+    assert not A._cuda_backend()
+  assert A._cuda_backend()  # the context gone: the first device again
+  Hopper.compute_capability = "8.0"  # an A100: CUDA, not Hopper
+  assert A._cuda_backend() and not A._hopper_or_newer()
+
+
 def test_impl_resolution_and_errors():
   on_gpu = A._cuda_backend()
   shape = (1, 4096, 8, 128)

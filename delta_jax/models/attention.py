@@ -494,7 +494,7 @@ def _hopper_or_newer() -> bool:
   if not _cuda_backend():
     return False
   try:
-    return float(jax.devices()[0].compute_capability) >= 9.0
+    return float(_default_device().compute_capability) >= 9.0
   except (AttributeError, ValueError, TypeError):
     return False
 
@@ -603,13 +603,25 @@ def paged_write_attend(q, k_new, v_new, k_pages, v_pages, write_page, write_offs
 # "cudnn"
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_backend() -> bool:
+def _default_device():
+  """The device a computation traced now runs on unless its inputs are placed elsewhere: JAX's
+  default device (jax.default_device, a device or a platform name) where one is set, else the
+  first device. None where that platform has no device."""
+  device = jax.config.jax_default_device
   try:
-    device = jax.devices()[0]
+    if device is None:
+      return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
   except RuntimeError:
-    return False
-  if device.platform != "gpu":
+    return None
+
+
+def _cuda_backend() -> bool:
+  """Whether computations traced now run on a CUDA GPU (_default_device: under
+  jax.default_device(cpu) on a GPU machine they run on the CPU, which must not get cuDNN or the
+  GPU kernels)."""
+  device = _default_device()
+  if device is None or device.platform != "gpu":
     return False
   return "cuda" in str(getattr(device.client, "platform_version", "")).lower()
 
