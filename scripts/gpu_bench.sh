@@ -13,6 +13,7 @@
 #   bash scripts/gpu_bench.sh train_profile      # the 1.7B train step's device time by kernel (#16)
 #   bash scripts/gpu_bench.sh train_lora         # the 1.7B step training LoRA adapters (rank 16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
+#   bash scripts/gpu_bench.sh suite              # the whole suite, 12 xdist workers, one call (#16)
 #   bash scripts/gpu_bench.sh suite_1            # the whole suite, first / second half of the
 #   bash scripts/gpu_bench.sh suite_2            #   test files, one call each (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
@@ -210,14 +211,16 @@ for s in "$@"; do
                    # GEMMs), cuBLASLt, no command buffers (CUDA graphs). (cuBLAS instead of the
                    # Triton GEMM fusions, --xla_gpu_enable_triton_gemm=false, ran 16,688 tok/s
                    # against 18,895 on an H200, 2026-11-26: slower.)
-      for variant in base exhaustive_tiling cublaslt no_command_buffer; do
+      for variant in ${DECODE_FLAG_VARIANTS:-base exhaustive_tiling cublaslt no_command_buffer}; do
         case $variant in
           base) flags="" ;;
           exhaustive_tiling) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
           cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
           no_command_buffer) flags="--xla_gpu_enable_command_buffer=" ;;
         esac
-        stage "decode_flags_$variant" 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" \
+        # XLA aborts on an XLA_FLAGS that is blank but not empty (it reads it as a file name)
+        xla_flags=$(echo ${XLA_FLAGS:-} $flags)
+        stage "decode_flags_$variant" 150 env ${xla_flags:+XLA_FLAGS="$xla_flags"} \
           python3 benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 --batch 64 \
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
@@ -245,6 +248,23 @@ for s in "$@"; do
       stage tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
         tests/test_kernels_delta.py tests/test_kernels_logprob.py tests/test_attention.py \
         tests/test_logprobs.py tests/test_sampling.py tests/test_paged_decode.py ;;
+    suite)  # issue 16: the whole suite on the GPU in one call, SUITE_WORKERS pytest-xdist workers
+            # (default 12 of the 16 cores; the suite is mostly compiles, and conftest turns off
+            # preallocation on CUDA so the processes share the GPU), whole files per worker, each
+            # result printed as it comes (-v). At the limit pytest gets SIGINT and still prints its
+            # summary of what ran. The workers need pytest-xdist and execnet among the wheels
+            # (`pip download --no-deps -d .whl pytest-xdist execnet`); without them the suite
+            # runs in one process. SUITE_TESTS names other paths or test ids to run the same way
+            # (default: tests). H200, 2026-11-26: 4 min 50 s with 12 workers.
+      limit=${STAGE_LIMIT_suite:-500}
+      par=(-n "${SUITE_WORKERS:-12}" --dist loadfile)
+      python3 -c "import xdist" 2>/dev/null || par=()
+      echo "=== stage suite (limit ${limit}s): pytest ${par[*]:-in one process}" | tee -a "$LOG"
+      t0=$SECONDS
+      env JAX_PLATFORMS=cuda,cpu timeout -s INT --kill-after=30 "$limit" python3 -m pytest -v \
+        -p no:cacheprovider "${par[@]}" --durations=30 -rfE \
+        --junitxml="$OUT/suite.xml" ${SUITE_TESTS:-tests} 2>&1 | tee -a "$LOG"
+      echo "=== stage suite: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG" ;;
     suite_1|suite_2)  # issue 16: the whole suite on the GPU (JAX_PLATFORMS=cuda,cpu), in two
              # halves of the test files (one device call each; never run whole on a GPU so far).
              # Needs pytest in the image; conftest sets XLA_PYTHON_CLIENT_PREALLOCATE=false and

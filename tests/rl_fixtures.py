@@ -160,6 +160,14 @@ def tree_max_relative_change(a, b, origin):
     return worst
 
 
+def python_path() -> str:
+    """PYTHONPATH for a Python subprocess a test starts: the repository root ahead of this
+    session's own PYTHONPATH (on a machine whose packages come by PYTHONPATH, as on the GPU
+    machine of ../shared/bench, replacing it would hide them from the child)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def default_codegen_env() -> dict:
     """This session's environment less the XLA:CPU code-generation flags tests/conftest.py adds
     for compile speed (conftest.SUITE_CODEGEN_FLAGS): a subprocess started with it compiles as a

@@ -128,17 +128,22 @@ def test_blockwise_bfloat16_close_to_float32_reference():
 
 
 def test_blockwise_does_not_materialise_the_score_matrix():
-  """Compiled forward + backward at T = S = 2048, inside a differentiated scan over two "layers"
-  with the padding mask shared by them (as in the model, where JAX would hoist loop-invariant
-  mask work out of the scan): XLA's temp buffers for blockwise stay far below one [heads, T, S]
-  float32 score matrix, which the xla path does need."""
-  B, T, N, K, D = 1, 2048, 2, 1, 16
-  shapes = (jax.ShapeDtypeStruct((B, T, N * D), jnp.float32),
-            jax.ShapeDtypeStruct((2, N * D, (N + 2 * K) * D), jnp.float32),
-            jax.ShapeDtypeStruct((B, T), jnp.bool_))
-  score_bytes = N * T * T * 4
+  """Compiled forward + backward, inside a differentiated scan over two "layers" with the padding
+  mask shared by them (as in the model, where JAX would hoist loop-invariant mask work out of the
+  scan): from T = S = 1024 to 2048, XLA's temp buffers for blockwise grow far less than one
+  [heads, T, S] float32 score matrix, which the xla path's do.
 
-  def temp_bytes(impl):
+  The growth, not the size: XLA:GPU adds a fixed workspace to its temporaries (32 MiB for cuBLAS
+  GEMMs on Hopper, with --xla_gpu_deterministic_ops as the suite sets there; H200 2026-11-26:
+  blockwise 37.2 MiB at 2048 against 6.0 on XLA:CPU), which the difference cancels (there:
+  blockwise +1.8 MiB, xla +200)."""
+  B, N, K, D = 1, 2, 1, 16
+
+  def temp_bytes(impl, T):
+    shapes = (jax.ShapeDtypeStruct((B, T, N * D), jnp.float32),
+              jax.ShapeDtypeStruct((2, N * D, (N + 2 * K) * D), jnp.float32),
+              jax.ShapeDtypeStruct((B, T), jnp.bool_))
+
     def loss(x, weights, valid):
       def layer(x, w):
         q, k, v = jnp.split((x @ w).reshape(B, T, N + 2 * K, D), [N, N + K], axis=2)
@@ -148,8 +153,11 @@ def test_blockwise_does_not_materialise_the_score_matrix():
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*shapes).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
-  assert temp_bytes("xla") >= score_bytes  # the measurement sees the score matrix when it exists
-  assert temp_bytes("blockwise") < score_bytes / 4
+  score_bytes = N * 2048 * 2048 * 4
+  growth = {impl: temp_bytes(impl, 2048) - temp_bytes(impl, 1024) for impl in ("xla", "blockwise")}
+  # The measurement sees the score matrix when it exists (XLA:CPU: +199 MiB, 6x score_bytes).
+  assert growth["xla"] >= score_bytes / 2, growth
+  assert growth["blockwise"] < score_bytes / 4, growth  # XLA:CPU: +1.9 MiB
 
 
 def test_packed_causal_path_matches_reference_on_valid_queries():

@@ -303,7 +303,11 @@ def test_lora_adapters(model, lora_model):
   model differs; bad settings are refused naming the field."""
   ids = jnp.asarray(np.random.RandomState(7).randint(0, CFG.vocab_size, (2, 6)), jnp.int32)
   fresh = nnx.clone(model).add_lora(4, 8.0, targets=("q_proj", "down_proj"), seed=0)
-  np.testing.assert_array_equal(fresh(ids).logits, model(ids).logits)
+  # Bit for bit on XLA:CPU. XLA:GPU compiles the adapted projection differently (the added
+  # x A B term changes its GEMM fusions), so the base products round differently in the last
+  # bits: 1.5e-7 at most on an H200, 2026-11-26, in fp32 logits of order 0.1.
+  atol = 0.0 if jax.default_backend() == "cpu" else 1e-6
+  np.testing.assert_allclose(fresh(ids).logits, model(ids).logits, rtol=0, atol=atol)
   assert fresh.cfg.lora_rank == 4 and fresh.cfg.lora_scale == 2.0
   assert fresh.layers.lora_names() == ("q_proj_lora_a", "q_proj_lora_b", "down_proj_lora_a",
                                        "down_proj_lora_b")

@@ -259,9 +259,9 @@ def launch_two(command, while_running=None, returncode=0):
     def wrong(code, wanted):
         return code != wanted if wanted is not None else code in (0, -signal.SIGKILL)
 
-    from tests.rl_fixtures import cpu_process_env
+    from tests.rl_fixtures import cpu_process_env, python_path
     env = cpu_process_env(2)
-    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(PYTHONPATH=python_path())
     outs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     procs = [subprocess.Popen(command(pid), env=env, cwd=str(REPO), stdout=outs[pid],
                               stderr=subprocess.STDOUT, text=True) for pid in range(2)]

@@ -3,7 +3,6 @@
 One scorer (2 worker processes) is shared by the module to keep start-up cost low.
 """
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -14,9 +13,9 @@ import numpy as np
 import pytest
 
 from delta_jax.rl import rewards as R
+from tests.rl_fixtures import python_path
 from delta_jax.rl import verify_pool as vp
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # (response, gold, expected reward, why). Labels are what a careful human grader would give.
 CASES = [
@@ -298,7 +297,7 @@ print("thread", out["r"])
 def test_rewards_from_a_plain_script(tmp_path, how):
     script = tmp_path / "score.py"
     script.write_text(PLAIN_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path())
     if how == "file":
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                               cwd=tmp_path, env=env, timeout=180)

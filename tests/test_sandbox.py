@@ -7,7 +7,6 @@ otherwise); the refusal without isolation and the explicit opt-out are tested on
 import http.server
 import json
 import os
-import pathlib
 import shutil
 import socket
 import subprocess
@@ -19,10 +18,10 @@ import numpy as np
 import pytest
 
 from delta_jax.rl import rewards as R
+from tests.rl_fixtures import python_path
 from delta_jax.rl import sandbox as sb
 from delta_jax.rl import verify_pool as vp
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 3.0
 
 
@@ -297,7 +296,7 @@ print("opt-out:", r.tolist(), info["num_timeouts"], [str(w.message)[:40] for w i
 def test_without_user_namespaces_the_scorer_refuses_unless_opted_out(tmp_path):
     """Runs a script where creating user namespaces is impossible: inside a user namespace whose
     max_user_namespaces is 0 (or directly, when this host cannot create them at all)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path())
     script = tmp_path / "refuse.py"
     script.write_text(REFUSAL_SCRIPT)
     if ISOLATION_OK:
@@ -316,10 +315,21 @@ def test_without_user_namespaces_the_scorer_refuses_unless_opted_out(tmp_path):
         lines, proc.stderr[-2000:])
 
 
-def test_opt_out_still_limits_and_cleans_up():
+def test_opt_out_still_limits_and_cleans_up(monkeypatch):
+    # The scratch directories go to a temporary directory of this test's own (the verify workers
+    # inherit TMPDIR), so other tests running beside it (pytest-xdist workers) cannot add to or
+    # take from what is compared below. Made in the system's temporary directory and open to
+    # traversal (0711): run as root, the sandbox drops the program to nobody, who could not reach
+    # a scratch directory under pytest's private (0700) tmp_path.
+    import tempfile
+    private = tempfile.mkdtemp(prefix="test_opt_out_")
+    os.chmod(private, 0o711)
+    monkeypatch.setenv("TMPDIR", private)
+    monkeypatch.setattr(tempfile, "tempdir", None)
     with pytest.warns(RuntimeWarning, match="WITHOUT namespaces"):
         s = R.RewardScorer("code", num_workers=1, timeout_s=2.0, code_isolation=False)
     try:
+        assert tempfile_dir() == private
         before = set(os.listdir(tempfile_dir()))
         t0 = time.perf_counter()
         rewards, info = s.score([fenced("while True:\n    pass\n"),
@@ -332,6 +342,7 @@ def test_opt_out_still_limits_and_cleans_up():
         assert set(os.listdir(tempfile_dir())) == before  # scratch directories removed
     finally:
         s.close()
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def tempfile_dir():
@@ -361,7 +372,7 @@ def test_code_reward_from_a_plain_script_and_threads(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=python_path()),
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["one-off 1.0", "threads [0.0, 0.0, 0.0]"], proc.stderr
