@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from delta_jax.rl import rewards as R
-from tests.rl_fixtures import python_path
 from delta_jax.rl import verify_pool as vp
+from tests.rl_fixtures import python_path
 
 
 # (response, gold, expected reward, why). Labels are what a careful human grader would give.

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from delta_jax.rl import rewards as R
-from tests.rl_fixtures import python_path
 from delta_jax.rl import sandbox as sb
 from delta_jax.rl import verify_pool as vp
+from tests.rl_fixtures import python_path
 
 TIMEOUT_S = 3.0
 
