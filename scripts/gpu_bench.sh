@@ -24,6 +24,7 @@
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
+#   bash scripts/gpu_bench.sh decode_gemm        # the decode's weight matmuls alone, split-K (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
@@ -225,6 +226,12 @@ for s in "$@"; do
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
       done ;;
+    decode_gemm)  # issue 15: the decode step's weight matmuls alone (benchmarks/decode_gemm.py,
+                  # Qwen3-0.6B shape, bf16, 64 and 256 rows): XLA's dot and its GEMM choices,
+                  # split-K 2 / 4 / 8 and concatenated weights, against the copy rate measured
+                  # in the same process (the batch-64 step's four matmul fusions ran at ~1.4 TB/s)
+      stage decode_gemm 240 python3 benchmarks/decode_gemm.py --batch 64 256 \
+        --out "$OUT/decode_gemm.json" ;;
     tunix)  # issue 15: the peer, google-tunix 0.1.7's JAX sampler (.whl/tunix_decode.py from
             # ../shared/bench), at batch 64 on this GPU (batch 256 did not fit its prefill on
             # an H100); compare its decode tok/s with the decode stage's on the same machine

@@ -1,0 +1,229 @@
+"""The decode step's weight matmuls alone, at the decode's row counts, against the memory-bandwidth
+limit: XLA's dot as the model writes it, and split-K forms of it, so the next change to the
+decode's matmuls can be chosen from measurements (issue #15).
+
+    # GPU (Qwen3-0.6B shape, bf16, the rows of a batch-64 / 256 decode step):
+    python benchmarks/decode_gemm.py --batch 64 256
+    # CPU smoke run:
+    python benchmarks/decode_gemm.py --preset tiny --batch 4 --split-k 2 --iters 2 --copy-mib 16
+
+Why: on an H200 (2026-11-26, BENCHMARKS.md "Fourth GPU run") a batch-64 decode step spent 0.61
+ms in its four per-layer matmul fusions, which read 0.88 GB of layer weights: ~1.4 TB/s against
+a ~4.2 TB/s copy, the largest part of the step outside attention. A matmul of 64 rows reads its
+weights once and does little arithmetic per byte, so it is bandwidth-bound; if it reads slower
+than a copy, the cause is how its work spreads over the GPU (too few output tiles to keep every
+SM reading), which splitting the contraction (split-K) addresses.
+
+Groups (one layer's matmuls, as models.transformer._project_qkv / _finish_layer issue them, in
+the compute dtype, without the norms and rotary in between):
+  qkv      h [B, H] -> q [B, N D], k, v [B, K D]: three dots of one input (XLA may merge them)
+  o        attn [B, N D] -> [B, H]
+  gate_up  h [B, H] -> silu(h Wg) * (h Wu) [B, I]
+  down     act [B, I] -> [B, H]
+  lm_head  hidden [B, H] -> float32 logits [B, V] (once a step, not per layer)
+Variants: "xla" (the model's einsums), "splitk<s>" (the contraction cut into s parts, a batched
+dot over the parts with float32 partial sums added after; s must divide every contraction),
+"concat" (qkv and gate_up only: one dot against the weights concatenated beforehand, as a
+decode_layers() copy could hold them).
+
+Bytes: the weights read once (inputs and outputs are ~1% beside them at 64 rows); limit = bytes /
+the copy bandwidth measured in the same process (kernels.timing: read + write of a --copy-mib
+float32 array, chains of copies waited for once). Timing: kernels.timing.median_seconds, calls
+back to back and waited for once (an ~80 us call waited for alone reads ~150 us more on an H200).
+Each variant's output is compared with "xla"'s (max abs error; bf16 outputs). On a GPU each
+group's compiled "xla" program is searched for the GEMM configurations XLA chose (block sizes,
+split_k of its Triton GEMM fusions, or cuBLAS custom calls), printed and recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from delta_jax import models
+from delta_jax.kernels import timing
+
+GROUPS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="qwen3-0.6b", help="a models preset: its layer shapes")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="rows of a decode step")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS)
+    p.add_argument("--split-k", type=int, nargs="+", default=[2, 4, 8],
+                   help="split-K variants (parts of the contraction)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--calls", type=int, default=0,
+                   help="calls per timed sample (0: enough for ~20 ms, kernels.timing)")
+    p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/decode_gemm.json")
+    args = p.parse_args(argv)
+    if any(s < 2 for s in args.split_k):
+        p.error("--split-k values must be >= 2 (1 is the 'xla' variant)")
+    if args.calls < 0:
+        p.error("--calls must be >= 0 (0: automatic)")
+    return args
+
+
+def group_weights(cfg: models.ModelConfig, group: str, key, dtype) -> dict:
+    """The group's weights as 2-D [contraction, outputs] matrices, random normal / sqrt(fan-in)."""
+    H, N, K, D, I, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.intermediate_size, cfg.vocab_size)
+    shapes = {"qkv": {"q": (H, N * D), "k": (H, K * D), "v": (H, K * D)},
+              "o": {"o": (N * D, H)},
+              "gate_up": {"gate": (H, I), "up": (H, I)},
+              "down": {"down": (I, H)},
+              "lm_head": {"lm_head": (H, V)}}[group]
+    keys = jax.random.split(key, len(shapes))
+    return {name: (jax.random.normal(k, s, jnp.float32) / s[0] ** 0.5).astype(dtype)
+            for k, (name, s) in zip(keys, shapes.items())}
+
+
+def dot(x, w, parts: int = 1, out_dtype=None):
+    """x [B, C] @ w [C, F]: one dot (parts = 1), or the contraction in `parts` slices as one
+    batched dot with float32 partial sums added after. Output in out_dtype (default x's)."""
+    out_dtype = out_dtype or x.dtype
+    if parts == 1:
+        return jnp.einsum("bc,cf->bf", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    B, C = x.shape
+    xs = x.reshape(B, parts, C // parts)
+    ws = w.reshape(parts, C // parts, w.shape[1])
+    partial = jnp.einsum("bsc,scf->sbf", xs, ws, preferred_element_type=jnp.float32)
+    return partial.sum(axis=0).astype(out_dtype)
+
+
+def group_fn(group: str, variant: str):
+    """fn(x, weights) for a group and a variant ("xla" or "splitk<s>")."""
+    parts = int(variant[len("splitk"):]) if variant.startswith("splitk") else 1
+
+    def fn(x, w):
+        if group == "qkv":
+            return jnp.concatenate([dot(x, w[n], parts) for n in ("q", "k", "v")], axis=1)
+        if group == "gate_up":
+            return jax.nn.silu(dot(x, w["gate"], parts)) * dot(x, w["up"], parts)
+        if group == "lm_head":
+            return dot(x, w["lm_head"], parts, jnp.float32)
+        (name,) = w
+        return dot(x, w[name], parts)
+    return fn
+
+
+CONCAT = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def concat_fn(group: str):
+    """The "concat" variant: fn(x, joined) with the group's weights joined along their outputs
+    beforehand (outside the timed call, as weights stored that way)."""
+    def fn(x, joined):
+        out = dot(x, joined)
+        if group == "gate_up":
+            gate, up = jnp.split(out, 2, axis=1)
+            return jax.nn.silu(gate) * up
+        return out
+    return fn
+
+
+GEMM_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_stages", "num_warps")
+GEMM_VALUE = re.compile(r'"(%s)":\s*"?(\d+)' % "|".join(GEMM_KEYS))
+FUSION_KIND = re.compile(r'"kind":\s*"(__triton[^"]*)"')
+OUTPUT_TILES = re.compile(r'"sizes":\s*\[([^\]]*)\]')
+
+
+def gemm_configs(compiled_text: str) -> list[str]:
+    """The GEMM choices in a compiled GPU program's text, one string per Triton fusion (its kind,
+    tile sizes and split_k: the legacy "triton_gemm_config" fields or the generic emitter's
+    output tiles) or cuBLAS call ("cublas")."""
+    found = []
+    for line in compiled_text.splitlines():
+        if "custom_call_target=\"__cublas" in line:
+            found.append("cublas")
+            continue
+        kind = FUSION_KIND.search(line)
+        if not kind:
+            continue
+        values = dict(GEMM_VALUE.findall(line))
+        parts = [kind.group(1)] + [f"{k}={values[k]}" for k in GEMM_KEYS if k in values]
+        parts += ["tiles=" + t.replace('"', "").replace(" ", "") for t in OUTPUT_TILES.findall(line)]
+        found.append(" ".join(parts))
+    return found
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = models.get_preset(args.preset)
+    dtype = jnp.dtype(args.dtype)
+    print(f"{timing.device_description()} | preset {args.preset}: H {cfg.hidden_size}, "
+          f"N {cfg.num_heads} x D {cfg.head_dim}, K {cfg.num_kv_heads}, I "
+          f"{cfg.intermediate_size}, V {cfg.vocab_size} | {args.dtype}", flush=True)
+    bandwidth = timing.copy_bandwidth(args.copy_mib)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write of {args.copy_mib} MiB)",
+          flush=True)
+    calls = None if args.calls == 0 else args.calls
+    rows = []
+    key = jax.random.key(args.seed)
+    for group in args.groups:
+        w = group_weights(cfg, group, jax.random.fold_in(key, GROUPS.index(group)), dtype)
+        contraction = next(iter(w.values())).shape[0]
+        weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in w.values())
+        variants = ["xla"] + [f"splitk{s}" for s in args.split_k if contraction % s == 0]
+        if group in CONCAT:
+            variants.append("concat")
+        for batch in args.batch:
+            x = jax.random.normal(jax.random.fold_in(key, 100 + batch), (batch, contraction),
+                                  jnp.float32).astype(dtype)
+            reference = None
+            for variant in variants:
+                row = {"group": group, "batch": batch, "variant": variant,
+                       "contraction": contraction, "weight_bytes": weight_bytes}
+                try:
+                    if variant == "concat":
+                        joined = jnp.concatenate([w[n] for n in CONCAT[group]], axis=1)
+                        program, operands = jax.jit(concat_fn(group)), (x, joined)
+                    else:
+                        program, operands = jax.jit(group_fn(group, variant)), (x, w)
+                    out = jax.block_until_ready(program(*operands))
+                    if variant == "xla":
+                        reference = out
+                        if jax.default_backend() == "gpu":
+                            row["gemm_configs"] = gemm_configs(
+                                program.lower(*operands).compile().as_text())
+                    row["max_abs_error"] = float(jnp.max(jnp.abs(
+                        out.astype(jnp.float32) - reference.astype(jnp.float32))))
+                    seconds, samples = timing.median_seconds(program, *operands,
+                                                             warmup=args.warmup, iters=args.iters,
+                                                             calls=calls)
+                    row.update(us=seconds * 1e6, samples_us=[s * 1e6 for s in samples],
+                               gb_s=weight_bytes / seconds / 1e9,
+                               pct_copy=100 * weight_bytes / seconds / bandwidth, ok=True)
+                except Exception as e:  # a variant that fails is recorded and the run goes on
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+                    traceback.print_exc(file=sys.stderr)
+                rows.append(row)
+                configs = row.get("gemm_configs")
+                print(f"  {group:8s} B={batch:4d} {variant:8s} "
+                      + (f"{row['us']:9.1f} us {row['gb_s']:7.1f} GB/s {row['pct_copy']:5.1f}% "
+                         f"of copy  err {row['max_abs_error']:.1e}" if row["ok"] else
+                         f"failed: {row['error'][:120]}")
+                      + (f"  XLA: {'; '.join(configs)}" if configs else ""), flush=True)
+    timing.print_table(
+        "decode matmuls (weights read once; % of the copy bandwidth measured above)",
+        [("group", "group", "9s"), ("batch", "batch", "6d"), ("variant", "variant", "9s"),
+         ("us", "us", "10.1f"), ("GB/s", "gb_s", "8.1f"), ("% copy", "pct_copy", "7.1f"),
+         ("max err", "max_abs_error", "9.1e")],
+        [r for r in rows if r["ok"]])
+    timing.write_json(args.out, {"preset": args.preset, "dtype": args.dtype,
+                                 "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows},
+                      args=args)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

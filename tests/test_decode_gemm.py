@@ -1,0 +1,52 @@
+"""benchmarks/decode_gemm.py: its split-K form computes the same product as one dot, and a tiny
+run times every group and variant, each checked against the plain dot, and records them."""
+import json
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_gemm  # noqa: E402
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_split_k_dot_is_the_dot(parts):
+  rng = np.random.RandomState(parts)
+  x = rng.randn(5, 32).astype(np.float32)
+  w = rng.randn(32, 7).astype(np.float32)
+  got = decode_gemm.dot(jnp.asarray(x), jnp.asarray(w), parts)
+  np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_configs_reads_triton_and_cublas_choices():
+  """The two forms XLA:GPU's compiled text gives a GEMM's configuration (a legacy Triton GEMM
+  fusion's triton_gemm_config, the generic emitter's output tiles), and cuBLAS calls; other
+  lines (a loop fusion) are skipped."""
+  text = ('%f = bf16[64,4096] fusion(...), kind=kCustom, backend_config={"fusion_backend_config":'
+          '{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64","block_n":"128",'
+          '"block_k":"64","split_k":"4","num_stages":"3","num_warps":"4","num_ctas":"1"}}}\n'
+          '%n = bf16[64,1024] fusion(...), kind=kCustom, backend_config={"fusion_backend_config":'
+          '{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"output_tiles":'
+          '[{"sizes":["16","64"]}],"num_warps":"4","num_ctas":1,"num_stages":2}}}\n'
+          '%l = bf16[64,1024] fusion(...), kind=kLoop, calls=%fused_add\n'
+          '%g = (bf16[64,1024], s8[0]) custom-call(...), custom_call_target="__cublas$gemm"\n')
+  assert decode_gemm.gemm_configs(text) == [
+      "__triton_gemm block_m=64 block_n=128 block_k=64 split_k=4 num_stages=3 num_warps=4",
+      "__triton_nested_gemm_fusion num_stages=2 num_warps=4 tiles=16,64",
+      "cublas"]
+
+
+def test_a_tiny_run_records_every_group_and_variant(tmp_path):
+  out = tmp_path / "gemm.json"
+  rows = decode_gemm.main(["--preset", "tiny", "--dtype", "float32", "--batch", "4",
+                           "--split-k", "2", "--iters", "1", "--warmup", "1", "--calls", "1",
+                           "--copy-mib", "4", "--out", str(out)])
+  seen = {(r["group"], r["variant"]) for r in rows}
+  assert seen == {(g, v) for g in decode_gemm.GROUPS for v in ("xla", "splitk2")} | {
+      ("qkv", "concat"), ("gate_up", "concat")}
+  assert all(r["ok"] and r["us"] > 0 and r["max_abs_error"] < 1e-4 for r in rows), rows
+  record = json.loads(out.read_text())
+  assert record["copy_bandwidth_gb_s"] > 0 and len(record["results"]) == len(rows)
