@@ -196,6 +196,29 @@ def test_tfds_cache_is_per_content(tmp_path):
         builders.build_tfds_source(write_jsonl(path, rows + ["oops"]), name="a", data_dir=tmp_path / "tfds")
 
 
+def test_tfds_source_prepared_by_another_process_meanwhile(tmp_path, monkeypatch):
+    """Two processes sharing a data_dir (the hosts of a multi-host run, or its processes on one
+    machine): this one opens its builder before the data exists (an empty dataset info), the
+    other finishes preparing it, then this one's download_and_prepare finds it there and does
+    nothing. The source must still open what is on disk (it once failed with tfds' "splits is
+    empty"; seen in test_multihost's two-process run on a loaded machine, 2026-11-26)."""
+    rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(6)]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    real = builders._builder
+    calls = []
+
+    def builder_then_other_process_prepares(config, data_dir):
+        stale = real(config, data_dir)
+        if not calls:  # the other process, between this one's builder and its prepare
+            real(config, data_dir).download_and_prepare()
+        calls.append(config.name)
+        return stale
+
+    monkeypatch.setattr(builders, "_builder", builder_then_other_process_prepares)
+    src = builders.build_tfds_source(jsonl, name="a", data_dir=tmp_path / "tfds")
+    assert [src[i]["id"] for i in range(len(src))] == [f"r{i}" for i in range(6)]
+
+
 def test_tfds_source_over_jsonl_and_parquet(tmp_path):
     jsonl = write_jsonl(tmp_path / "part1.jsonl", [{"id": f"j{i}", "problem": "p", "answer": "1"} for i in range(3)])
     parquet = tmp_path / "part2.parquet"

@@ -196,10 +196,13 @@ def build_tfds_source(
     except OSError:
         # Another process (e.g. another host on a shared data_dir) may have finished preparing
         # the same content first, so renaming our copy into place failed: use theirs.
-        builder = _builder(config, data_dir)
-        if not builder.is_prepared():
+        if not _builder(config, data_dir).is_prepared():
             raise
     finally:
         tfds.display_progress_bar(progress_was_on)
+    # Open what is on disk now. The builder above read the dataset info when it was made: if
+    # another process finished preparing the content after that, download_and_prepare found it
+    # there and did nothing, and that builder still holds the empty info of before (no splits).
+    builder = _builder(config, data_dir)
     stats = records_lib.LoadStats.from_json(builder.info.metadata.get("load_stats", {}))
     return RecordSource(builder.as_data_source(split="train"), stats, config.name, data_dir)
