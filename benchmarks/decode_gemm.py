@@ -88,11 +88,13 @@ def group_weights(cfg: models.ModelConfig, group: str, key, dtype) -> dict:
 
 
 def dot(x, w, parts: int = 1, out_dtype=None):
-    """x [B, C] @ w [C, F]: one dot (parts = 1), or the contraction in `parts` slices as one
-    batched dot with float32 partial sums added after. Output in out_dtype (default x's)."""
-    out_dtype = out_dtype or x.dtype
+    """x [B, C] @ w [C, F]: one dot (parts = 1; as the model writes it: x's dtype out, or float32
+    asked of the dot as the LM head does), or the contraction in `parts` slices as one batched
+    dot with float32 partial sums added after. Output in out_dtype (default x's)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     if parts == 1:
-        return jnp.einsum("bc,cf->bf", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+        preferred = jnp.float32 if out_dtype == jnp.float32 else None
+        return jnp.einsum("bc,cf->bf", x, w, preferred_element_type=preferred).astype(out_dtype)
     B, C = x.shape
     xs = x.reshape(B, parts, C // parts)
     ws = w.reshape(parts, C // parts, w.shape[1])
