@@ -14,8 +14,6 @@
 #   bash scripts/gpu_bench.sh train_lora         # the 1.7B step training LoRA adapters (rank 16)
 #   bash scripts/gpu_bench.sh tests              # the GPU test files (#16)
 #   bash scripts/gpu_bench.sh suite              # the whole suite, 12 xdist workers, one call (#16)
-#   bash scripts/gpu_bench.sh suite_1            # the whole suite, first / second half of the
-#   bash scripts/gpu_bench.sh suite_2            #   test files, one call each (#16)
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
@@ -75,12 +73,13 @@ TOK=.whl/qwen3
   python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
     2>&1 | tee -a "$LOG"
 
-stage() {  # stage NAME DEFAULT_LIMIT CMD...
+stage() {  # [STAGE_SIGNAL=INT] stage NAME DEFAULT_LIMIT CMD...: at the limit CMD gets SIGTERM
+  # (or STAGE_SIGNAL), and SIGKILL 30 s later
   local name=$1 limit=$2; shift 2
   local var="STAGE_LIMIT_$name"; limit=${!var:-$limit}
   echo "=== stage $name (limit ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  timeout -s "${STAGE_SIGNAL:-TERM}" --kill-after=30 "$limit" "$@" 2>&1 | tee -a "$LOG"
   echo "=== stage $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 
@@ -263,23 +262,11 @@ for s in "$@"; do
             # (`pip download --no-deps -d .whl pytest-xdist execnet`); without them the suite
             # runs in one process. SUITE_TESTS names other paths or test ids to run the same way
             # (default: tests). H200, 2026-11-26: 4 min 50 s with 12 workers.
-      limit=${STAGE_LIMIT_suite:-500}
       par=(-n "${SUITE_WORKERS:-12}" --dist loadfile)
       python3 -c "import xdist" 2>/dev/null || par=()
-      echo "=== stage suite (limit ${limit}s): pytest ${par[*]:-in one process}" | tee -a "$LOG"
-      t0=$SECONDS
-      env JAX_PLATFORMS=cuda,cpu timeout -s INT --kill-after=30 "$limit" python3 -m pytest -v \
-        -p no:cacheprovider "${par[@]}" --durations=30 -rfE \
-        --junitxml="$OUT/suite.xml" ${SUITE_TESTS:-tests} 2>&1 | tee -a "$LOG"
-      echo "=== stage suite: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG" ;;
-    suite_1|suite_2)  # issue 16: the whole suite on the GPU (JAX_PLATFORMS=cuda,cpu), in two
-             # halves of the test files (one device call each; never run whole on a GPU so far).
-             # Needs pytest in the image; conftest sets XLA_PYTHON_CLIENT_PREALLOCATE=false and
-             # deterministic GPU ops for it.
-      files=(tests/test_*.py); half=$(( (${#files[@]} + 1) / 2 ))
-      if [ "$s" = suite_1 ]; then part=("${files[@]:0:half}"); else part=("${files[@]:half}"); fi
-      stage "$s" 560 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:cacheprovider \
-        "${part[@]}" ;;
+      STAGE_SIGNAL=INT stage suite 500 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v \
+        -p no:cacheprovider "${par[@]}" --durations=30 -rfE --junitxml="$OUT/suite.xml" \
+        ${SUITE_TESTS:-tests} ;;
     lmhead)
       stage lmhead 90 python3 benchmarks/lm_head_logprob.py --out "$OUT/lm_head_logprob.json" ;;
     train)  # issue 16: MFU at the 1.7B shape, the three policies model.remat=auto chooses from,
