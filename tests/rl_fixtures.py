@@ -164,8 +164,8 @@ def python_path() -> str:
     """PYTHONPATH for a Python subprocess a test starts: the repository root ahead of this
     session's own PYTHONPATH (on a machine whose packages come by PYTHONPATH, as on the GPU
     machine of ../shared/bench, replacing it would hide them from the child)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    from tests.conftest import REPO_ROOT
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def default_codegen_env() -> dict:
