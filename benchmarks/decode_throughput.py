@@ -3,10 +3,10 @@ a paged KV cache) next to the memory-bandwidth limit, to static batching on a lo
 workload, and to transformers' PyTorch generate on the same device.
 
     # The GPU measurement of issue 15 (one command; Qwen3-0.6B shape, bf16, prompt 512,
-    # 1024 new tokens, T = 1; the Pallas paged-attention kernel and the jnp reference path;
+    # 1024 new tokens, T = 1; the Mosaic GPU paged-attention kernel and the jnp reference path;
     # fixed-length and long-tailed workloads at batch 64 and 256):
     python benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 \
-        --batch 64 256 --prompt-len 512 --new-tokens 1024 --decode-attention pallas reference \
+        --batch 64 256 --prompt-len 512 --new-tokens 1024 --decode-attention mosaic reference \
         --workload fixed longtail --output decode_throughput.json
     # A CPU smoke run:
     python benchmarks/decode_throughput.py --preset tiny --dtype float32 --batch 4 \
@@ -18,8 +18,8 @@ Workloads (--workload):
   sequence generates exactly --new-tokens tokens in B slots. Decode tokens/s = generated tokens /
   time in the decode program (the engine's stats["decode_seconds"]: every response token, the
   first included, comes from a decode step; prefill is timed apart, compile excluded by a first
-  untimed run, best of --repeats). Per decode attention path (--decode-attention: "pallas" = the
-  Pallas GPU paged-attention kernel, "reference" = the jnp page loop, "auto").
+  untimed run, best of --repeats). Per decode attention path (--decode-attention: "mosaic" = the
+  Mosaic GPU paged-attention kernel (Hopper), "reference" = the jnp page loop, "auto").
   Bytes per decode step: parameters (every matmul weight once; of the embedding table and the LM
   head only the LM head) + K and V at the live length (prompt_len + s at step s, averaged). The
   bandwidth limit: B x copy bandwidth / those bytes; the copy bandwidth is measured in the same
@@ -98,8 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--decode-attention", nargs="+", default=["auto"],
-                   choices=[i for i in attention.DECODE_IMPLS if i != "pallas_interpret"],
-                   help="paged decode attention: pallas (GPU kernel), reference (jnp), auto")
+                   choices=attention.DECODE_IMPLS,
+                   help="paged decode attention: mosaic (Hopper GPU kernel), reference (jnp), "
+                        "auto")
     p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=["fixed", "longtail"])
     p.add_argument("--tail-samples", type=int, default=0, help="longtail prompts (0 = 4 x B)")
     p.add_argument("--tail-mean-div", type=float, default=8.0,

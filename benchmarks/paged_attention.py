@@ -1,12 +1,13 @@
 """Paged decode attention alone (delta_jax.models.attention.paged_decode_attention, the rollout
 decode's attention) at the decode shapes, against the memory-bandwidth limit: a sweep of the
-Pallas GPU kernel's parameters (k_splits x pages_per_compute_block x num_warps x num_stages), of
-the Mosaic GPU kernel's (delta_jax.kernels.paged_decode: k_splits x pages_per_block x stages, the
---num-stages values; configurations over its shared memory are skipped) and of the jnp page
-reader's block size, so that the sampler's defaults can be chosen from measurements.
+Mosaic GPU kernel's parameters (delta_jax.kernels.paged_decode: k_splits x pages_per_block x
+stages, the --num-stages values; configurations over its shared memory are skipped) and of the jnp
+page reader's block size, so that the sampler's defaults can be chosen from measurements.
+(pallas.ops' Triton kernel, swept here until 2026-11-26, was retired: BENCHMARKS.md "Kernel
+decisions".)
 
-    # GPU (issue #15; the H100 sweep of 2026-11-24 chose attention.PALLAS_*: k_splits 4, 4 pages
-    # per block, 4 warps, 3 stages, against jax's 16 / 8 / 8 / 2; BENCHMARKS.md "Third GPU run"):
+    # GPU, Hopper (issue #15; the H200 sweep of 2026-11-26 chose paged_decode's defaults: one
+    # split, 2 pages a step, 2 stages; BENCHMARKS.md "Fifth GPU run"):
     python benchmarks/paged_attention.py --batch 64 256
     # CPU smoke run (the interpreted kernel is slow: one small point):
     python benchmarks/paged_attention.py --batch 2 --length 64 --pages-per-seq 4 --page-size 16 \
@@ -66,11 +67,10 @@ def parse_args(argv=None):
                         "continuous-batching decode's free slots (half of them on the long-tailed "
                         "workload at batch 64)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--impls", nargs="+", default=["pallas", "mosaic", "reference"],
-                   choices=["pallas", "pallas_interpret", "mosaic", "reference"])
+    p.add_argument("--impls", nargs="+", default=["mosaic", "reference"],
+                   choices=["mosaic", "reference"])
     p.add_argument("--k-splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--pages-per-block", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--num-stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--reference-ppb", type=int, nargs="+", default=[4, 8, 16, 32],
                    help="pages per block of the jnp page reader")
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/results/paged_attention.json")
     args = p.parse_args(argv)
     if args.pages_per_seq & (args.pages_per_seq - 1):
-        p.error("--pages-per-seq must be a power of two (the Pallas kernel's requirement)")
+        p.error("--pages-per-seq must be a power of two (the sampler's block-table bucket)")
     hi = (3 * args.length) // 2 if args.ragged else args.length
     if hi > args.pages_per_seq * args.page_size:
         p.error(f"--length {args.length} (max {hi}) exceeds the table: --pages-per-seq "
@@ -126,36 +126,24 @@ def configurations(args):
             for ppb in args.reference_ppb:
                 yield f"reference ppb={ppb}", impl, {"pages_per_block": ppb}
             continue
-        if impl == "mosaic":
-            itemsize = jnp.dtype(args.dtype).itemsize
-            for ks, ppb, stages in itertools.product(args.k_splits, args.pages_per_block,
-                                                     args.num_stages):
-                if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks \
-                        or (ppb * args.page_size) % 64 or paged_decode.smem_bytes(
-                            args.head_dim, args.page_size, ppb, stages, itemsize) \
-                        > paged_decode.SMEM_LIMIT_BYTES:
-                    continue  # more pages than a split holds, or a shape the kernel refuses
-                yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages}", impl,
-                       {"k_splits": ks, "pages_per_block": ppb, "stages": stages})
-            continue
-        for ks, ppb, warps, stages in itertools.product(args.k_splits, args.pages_per_block,
-                                                         args.num_warps, args.num_stages):
-            if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks:
-                continue  # the kernel clips these to an equal configuration already listed
-            yield (f"{impl} k_splits={ks} ppb={ppb} warps={warps} stages={stages}", impl,
-                   {"k_splits": ks, "pages_per_compute_block": ppb, "num_warps": warps,
-                    "num_stages": stages})
+        itemsize = jnp.dtype(args.dtype).itemsize
+        for ks, ppb, stages in itertools.product(args.k_splits, args.pages_per_block,
+                                                 args.num_stages):
+            if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks \
+                    or (ppb * args.page_size) % 64 or paged_decode.smem_bytes(
+                        args.head_dim, args.page_size, ppb, stages, itemsize) \
+                    > paged_decode.SMEM_LIMIT_BYTES:
+                continue  # more pages than a split holds, or a shape the kernel refuses
+            yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages}", impl,
+                   {"k_splits": ks, "pages_per_block": ppb, "stages": stages})
 
 
 def build(impl: str, kwargs: dict):
     """The product's function for one configuration, jitted."""
     if impl == "reference":
         fn = lambda *a: attention.paged_decode_reference(*a, **kwargs)  # noqa: E731
-    elif impl == "mosaic":
-        fn = lambda *a: paged_decode.paged_decode_mosaic(*a, **kwargs)  # noqa: E731
     else:
-        fn = lambda *a: attention.paged_decode_pallas(  # noqa: E731
-            *a, interpret=impl == "pallas_interpret", **kwargs)
+        fn = lambda *a: paged_decode.paged_decode_mosaic(*a, **kwargs)  # noqa: E731
     return jax.jit(fn)
 
 
@@ -208,10 +196,7 @@ def main(argv=None):
 
 def print_best(rows):
     """The fastest correct configuration per batch and implementation, and the product's defaults
-    (attention.PALLAS_*, attention.DECODE_PAGES_PER_BLOCK, paged_decode's defaults)."""
-    defaults = {"k_splits": attention.PALLAS_K_SPLITS,
-                "pages_per_compute_block": attention.PALLAS_PAGES_PER_COMPUTE_BLOCK,
-                "num_warps": attention.PALLAS_NUM_WARPS, "num_stages": attention.PALLAS_NUM_STAGES}
+    (attention.DECODE_PAGES_PER_BLOCK, paged_decode's defaults)."""
     print("\nbatch | impl      | best configuration                                      |      us "
           "| % of copy | current default us")
     for batch in sorted({r["batch"] for r in rows}):
@@ -224,12 +209,10 @@ def print_best(rows):
             if impl == "reference":
                 current = [r for r in ok
                            if r["pages_per_block"] == attention.DECODE_PAGES_PER_BLOCK]
-            elif impl == "mosaic":
+            else:
                 current = [r for r in ok if (r["k_splits"], r["pages_per_block"], r["stages"])
                            == (paged_decode.K_SPLITS, paged_decode.PAGES_PER_BLOCK,
                                paged_decode.STAGES)]
-            else:
-                current = [r for r in ok if all(r.get(k) == v for k, v in defaults.items())]
             cur = f"{current[0]['us']:.1f}" if current else "-"
             print(f"{batch:5d} | {impl:9s} | {best['config']:55s} | {best['us']:7.1f} | "
                   f"{100 * best['fraction_of_copy']:8.1f}% | {cur}")

@@ -5,9 +5,9 @@ The Pallas (Triton) kernels that used to sit beside them were retired on 2026-11
 measured on an H100, neither beat XLA where it matters, and Pallas' Triton backend is deprecated
 in jax 0.11. BENCHMARKS.md ("Kernel decisions") has the numbers. paged_decode is the project's
 paged decode attention on the Mosaic GPU backend: rollout.decode_attention="auto" runs it on
-Hopper or newer GPUs (1.38x the Triton kernel's whole decode on an H200, 2026-11-26);
-jax.experimental.pallas.ops' Triton paged attention remains the choice only on older CUDA GPUs
-and for problems the Mosaic kernel refuses (delta_jax.models.attention.resolve_decode_impl).
+Hopper GPUs (1.38x the whole decode of jax.experimental.pallas.ops' Triton paged attention on an
+H200, 2026-11-26); that Triton kernel was retired on 2026-11-26 too, and other GPUs and problems
+the Mosaic kernel refuses get the jnp page reader (delta_jax.models.attention.resolve_decode_impl).
 """
 from delta_jax.kernels.delta_pass import (
     DeltaPassSums,

@@ -29,15 +29,15 @@
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
 #   bash scripts/gpu_bench.sh longtail_ab        # batch 64: staging / none / static interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
-#   DECODE_ATTENTION=pallas bash scripts/gpu_bench.sh profile longtail   # decode with the Triton
-#                                                # kernel (the default "auto" is Mosaic on Hopper)
+#   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
+#                                                # page reader (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
 #
 # Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call.
-# DECODE_ATTENTION=pallas|mosaic|reference runs the decode, profile and longtail stages with that
-# decode attention instead of rollout.decode_attention's default "auto" (the Mosaic GPU kernel on
-# Hopper since 2026-11-26); their JSON files then end in _pallas, _mosaic, _reference.
+# DECODE_ATTENTION=mosaic|reference runs the decode, profile and longtail stages with that decode
+# attention instead of rollout.decode_attention's default "auto" (the Mosaic GPU kernel on Hopper
+# since 2026-11-26); their JSON files then end in _mosaic, _reference.
 # Each stage has its own time limit (seconds, STAGE_LIMIT_<stage> overrides) so one slow stage
 # cannot take the others' time; a stage that fails or times out is logged and the next one runs.
 set -uo pipefail
@@ -121,14 +121,14 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention reference --workload fixed longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput_reference.json" ;;
-    paged)  # issue 15: the paged decode attention alone, a sweep of the Pallas kernel's
+    paged)  # issue 15: the paged decode attention alone, a sweep of the Mosaic kernel's
             # parameters and the jnp page reader's block size (benchmarks/paged_attention.py)
       stage paged 420 python3 benchmarks/paged_attention.py --batch 64 256 \
         --out "$OUT/paged_attention.json" ;;
     mosaic|mosaic_tests|mosaic_paged)  # issue 16: the Mosaic GPU paged decode kernel
              # (kernels/paged_decode.py, written without a GPU on 2026-11-24): its GPU tests, then a
-             # sweep beside the Triton kernel's neighbourhood of its tuned point (k_splits 4, 4 pages
-             # per block, 4 warps, 3 stages); the whole decode with it: DECODE_ATTENTION=mosaic ...
+             # sweep of its parameters around its defaults (the Triton kernel it was swept beside
+             # until 2026-11-26 is retired); the whole decode with it: DECODE_ATTENTION=mosaic ...
              # profile. `mosaic` runs both stages, mosaic_tests / mosaic_paged one each.
       [ "$s" = mosaic_paged ] || stage mosaic_tests 240 env JAX_PLATFORMS=cuda,cpu \
         python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_decode.py
@@ -137,11 +137,11 @@ for s in "$@"; do
       # batch 64: ragged lengths, half the rows free, where the decode's attention read K/V at
       # ~2.0 TB/s against ~3.35 with every row live.)
       [ "$s" = mosaic_tests ] || { stage mosaic_paged 200 python3 benchmarks/paged_attention.py \
-        --batch 64 256 --impls mosaic pallas --k-splits 1 2 4 --pages-per-block 2 4 \
-        --num-warps 4 --num-stages 2 3 --out "$OUT/paged_attention_mosaic.json";
+        --batch 64 256 --impls mosaic --k-splits 1 2 4 --pages-per-block 2 4 \
+        --num-stages 2 3 --out "$OUT/paged_attention_mosaic.json";
         stage mosaic_paged_ragged 150 python3 benchmarks/paged_attention.py --batch 64 \
-        --ragged --live-fraction 0.5 --impls mosaic pallas --k-splits 1 2 4 \
-        --pages-per-block 2 4 --num-warps 4 --num-stages 2 3 \
+        --ragged --live-fraction 0.5 --impls mosaic --k-splits 1 2 4 \
+        --pages-per-block 2 4 --num-stages 2 3 \
         --out "$OUT/paged_attention_mosaic_ragged.json"; } ;;
     longtail_refill)  # issue 15: the long-tailed workload at batch 64 with the Sampler's refill
                       # default before 2026-11-26 (refill_after 2 = slots // 32) and now (4 =

@@ -3,6 +3,7 @@ against the materialised-scores reference and an independent NumPy attention; pe
 compiled program; the model with attention="blockwise" against attention="xla"."""
 import math
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +189,7 @@ def test_packed_causal_path_matches_reference_on_valid_queries():
 
 
 def test_backend_checks_follow_the_default_device(monkeypatch):
-  """_cuda_backend / _hopper_or_newer (what picks cuDNN and the GPU paged decode kernels) ask
+  """_cuda_backend / _hopper (what picks cuDNN and the Mosaic GPU paged decode kernel) ask
   about the device a computation traced now runs on: JAX's default device where one is set (a
   device or a platform name), so CPU-placed work on a GPU machine gets the CPU's paths; else the
   first device. A stand-in Hopper GPU as the first device here."""
@@ -201,14 +202,17 @@ def test_backend_checks_follow_the_default_device(monkeypatch):
   devices = jax.devices
   monkeypatch.setattr(jax, "devices",
                       lambda backend=None: [Hopper()] if backend is None else devices(backend))
-  assert A._cuda_backend() and A._hopper_or_newer()
+  assert A._cuda_backend() and A._hopper()
   with jax.default_device(devices("cpu")[0]):
-    assert not A._cuda_backend() and not A._hopper_or_newer()
+    assert not A._cuda_backend() and not A._hopper()
   with jax.default_device("cpu"):
     assert not A._cuda_backend()
   assert A._cuda_backend()  # the context gone: the first device again
-  Hopper.compute_capability = "8.0"  # an A100: CUDA, not Hopper
-  assert A._cuda_backend() and not A._hopper_or_newer()
+  for other in ("8.0", "10.0", "12.0"):  # A100, B200, RTX 5090: CUDA, not Hopper (no WGMMA)
+    Hopper.compute_capability = other
+    assert A._cuda_backend() and not A._hopper()
+    with pytest.raises(ValueError, match=f"here the device is 'gpu' .compute capability {other}"):
+      A.resolve_decode_impl("mosaic")
 
 
 def test_impl_resolution_and_errors():
@@ -345,86 +349,48 @@ def test_paged_decode_reference_matches_numpy(groups, pages_per_block, lengths):
     assert np.all(np.asarray(got)[0] == 0)  # length 0: exactly 0
 
 
-def test_paged_decode_pallas_kernel_matches_reference():
-  """The Pallas GPU kernel (interpreted on CPU) on the same pools and tables."""
+def test_paged_decode_names_are_checked():
   q, kp, vp, tables, lengths, _, _ = paged_case(5, G=2, page_size=16, pages_per_seq=4,
                                                 lengths=(0, 1, 17, 64))
-  kp, vp = jnp.nan_to_num(kp), jnp.nan_to_num(vp)
-  ref = A.paged_decode_reference(q, kp, vp, tables, lengths)
-  got = A.paged_decode_attention(q, kp, vp, tables, lengths, impl="pallas_interpret")
-  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
   assert A.resolve_decode_impl("reference") == "reference"
-  with pytest.raises(ValueError, match="impl"):
-    A.paged_decode_attention(q, kp, vp, tables, lengths, impl="flash")
-  with pytest.raises(ValueError, match="power of two"):
-    A.paged_decode_pallas(q, kp, vp, tables[:, :3], lengths)
-  with pytest.raises(ValueError, match="k_splits 3 must be a power of two"):
-    A.paged_decode_pallas(q, kp, vp, tables, lengths, k_splits=3)
+  for retired in ("flash", "pallas", "pallas_interpret"):  # pallas.ops' Triton kernel: retired
+    with pytest.raises(ValueError, match="rollout.decode_attention.*must be one of"):
+      A.paged_decode_attention(q, kp, vp, tables, lengths, impl=retired)
 
 
-def test_auto_decode_attention_without_pallas_ops_paged_attention(monkeypatch):
-  """On a CUDA GPU before Hopper "auto" is pallas.ops' Triton paged attention while this jax
-  ships it (it is deprecated); a jax without the module gets the jnp page reader and a warning,
-  not an ImportError at the first decode step. Elsewhere "auto" is the reader."""
+def test_auto_decode_attention_is_the_reader_without_a_hopper_gpu(monkeypatch):
+  """Off CUDA "auto" is the jnp page reader, silently. On a CUDA GPU that is not a Hopper (an
+  A100, or a Blackwell: 10.x has no WGMMA) it is the reader too, with a warning that names what
+  the Mosaic kernel needs; no deprecated Triton kernel on any GPU."""
   if not A._cuda_backend():
-    assert A.resolve_decode_impl("auto") == "reference"
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      assert A.resolve_decode_impl("auto") == "reference"
   monkeypatch.setattr(A, "_cuda_backend", lambda: True)
-  monkeypatch.setattr(A, "_hopper_or_newer", lambda: False)
+  monkeypatch.setattr(A, "_hopper", lambda: False)
   bf16 = dict(dtype=jnp.bfloat16, head_dim=128, page_size=32, group=2)
-  assert A.resolve_decode_impl("auto") == "pallas"
-  assert A.resolve_decode_impl("auto", **bf16) == "pallas"  # no Mosaic GPU before Hopper
-  monkeypatch.setattr(A, "_pallas_paged_available", lambda: False)
-  with pytest.warns(RuntimeWarning, match="falls back to the jnp page reader"):
-    assert A.resolve_decode_impl("auto") == "reference"
-  assert A.resolve_decode_impl("pallas") == "pallas"  # asked for by name: its import error
+  for problem in ({}, bf16):
+    with pytest.warns(RuntimeWarning, match="jnp page reader.*Hopper GPU"):
+      assert A.resolve_decode_impl("auto", **problem) == "reference"
+  with pytest.raises(ValueError, match="'mosaic' .*Hopper GPUs"):
+    A.resolve_decode_impl("mosaic", **bf16)
 
 
 def test_auto_decode_attention_on_hopper_is_the_mosaic_kernel_where_it_runs(monkeypatch):
-  """On a Hopper or newer GPU "auto" is the Mosaic GPU kernel (measured 1.38x the Triton kernel's
-  whole decode on an H200) for every problem paged_decode.config_problem accepts, and the Triton
-  kernel for the rest (a float32 model, a head_dim that is no multiple of 64, 16-token pages
-  with its 2-page blocks) or when the problem is not given."""
+  """On a Hopper GPU "auto" is the Mosaic GPU kernel for every problem paged_decode.config_problem
+  accepts, and the jnp page reader for the rest (a float32 model, a head_dim that is no multiple
+  of 64, 16-token pages with its 2-page blocks) or when the problem is not given."""
   monkeypatch.setattr(A, "_cuda_backend", lambda: True)
-  monkeypatch.setattr(A, "_hopper_or_newer", lambda: True)
+  monkeypatch.setattr(A, "_hopper", lambda: True)
   bf16 = dict(dtype=jnp.bfloat16, head_dim=128, page_size=32, group=2)
   assert A.resolve_decode_impl("auto", **bf16) == "mosaic"
   assert A.resolve_decode_impl("auto", **{**bf16, "dtype": jnp.float16, "group": 8}) == "mosaic"
-  for other in (dict(dtype=jnp.float32), dict(head_dim=96), dict(page_size=16)):
-    assert A.resolve_decode_impl("auto", **{**bf16, **other}) == "pallas", other
-  assert A.resolve_decode_impl("auto") == "pallas"
-  assert A.resolve_decode_impl("auto", **{**bf16, "group": None}) == "pallas"
+  with pytest.warns(RuntimeWarning, match="jnp page reader"):
+    for other in (dict(dtype=jnp.float32), dict(head_dim=96), dict(page_size=16),
+                  dict(group=None)):
+      assert A.resolve_decode_impl("auto", **{**bf16, **other}) == "reference", other
   assert A.resolve_decode_impl("reference", **bf16) == "reference"  # a name is kept
-
-
-@pytest.mark.parametrize("k_splits,per_block,warps,stages", [(1, 4, 4, 3), (2, 1, 8, 2),
-                                                              (4, 8, 4, 2)])
-def test_paged_decode_pallas_kernel_parameters_keep_the_result(k_splits, per_block, warps,
-                                                                stages):
-  """The kernel parameters benchmarks/paged_attention.py sweeps (one program per sequence or
-  split over 2 / 4; blocks of 1-4 pages, 8 clipped to the split's share) change the schedule,
-  not the result (interpreted on CPU)."""
-  q, kp, vp, tables, lengths, _, _ = paged_case(9, G=2, page_size=16, pages_per_seq=4,
-                                                lengths=(0, 1, 17, 64))
-  kp, vp = jnp.nan_to_num(kp), jnp.nan_to_num(vp)
-  ref = A.paged_decode_reference(q, kp, vp, tables, lengths)
-  got = A.paged_decode_pallas(q, kp, vp, tables, lengths, k_splits=k_splits,
-                              pages_per_compute_block=per_block, num_warps=warps,
-                              num_stages=stages, interpret=True)
-  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.gpu
-def test_paged_decode_pallas_compiled_matches_reference():
-  """The Triton paged-attention kernel itself (compiled), GQA 8 / 2, 16-token pages, ragged
-  lengths (0 included), against the jnp reference on the same pools and tables."""
-  q, kp, vp, tables, lengths, _, _ = paged_case(7, G=4, D=64, page_size=16, pages_per_seq=8,
-                                                lengths=(0, 1, 40, 128))
-  kp, vp = jnp.nan_to_num(kp), jnp.nan_to_num(vp)
-  assert A.resolve_decode_impl("auto") == "pallas"
-  got = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="pallas"))(q, kp, vp, tables, lengths)
-  ref = A.paged_decode_reference(q, kp, vp, tables, lengths)
-  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
-  assert np.all(np.asarray(got)[0] == 0)
+  assert A.resolve_decode_impl("mosaic", **bf16) == "mosaic"
 
 
 @pytest.mark.gpu

@@ -10,19 +10,10 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import paged_attention as bench  # noqa: E402
+from tests import mosaic_interpret  # noqa: E402
 
-
-def test_configurations_skip_clipped_duplicates():
-    args = bench.parse_args(["--pages-per-seq", "8", "--length", "64", "--k-splits", "1", "4", "16",
-                             "--pages-per-block", "2", "4", "--num-warps", "4",
-                             "--num-stages", "2", "--impls", "pallas", "reference",
-                             "--reference-ppb", "8"])
-    got = [(impl, kw) for _, impl, kw in bench.configurations(args)]
-    pallas = [(kw["k_splits"], kw["pages_per_compute_block"]) for impl, kw in got
-              if impl == "pallas"]
-    # k_splits 16 > 8 pages; with 4 splits a share is 2 pages, so a block of 4 is clipped to 2
-    assert pallas == [(1, 2), (1, 4), (4, 2)]
-    assert [kw for impl, kw in got if impl == "reference"] == [{"pages_per_block": 8}]
+needs_interpreter = pytest.mark.skipif(mosaic_interpret.available() is not None,
+                                       reason=str(mosaic_interpret.available()))
 
 
 def test_mosaic_configurations_respect_the_kernel_limits():
@@ -47,19 +38,23 @@ def test_bad_shapes_are_refused():
         bench.parse_args(["--pages-per-seq", "4", "--page-size", "16", "--length", "100"])
 
 
+@needs_interpreter
 def test_sweep_runs_and_records(tmp_path, capsys):
+    """A small sweep of the jnp reader and the Mosaic kernel (run by Mosaic GPU's interpreter
+    here: the benchmark's own code path, not the kernel's speed) against the reference."""
     out = tmp_path / "pa.json"
-    bench.main(["--batch", "3", "--length", "20", "--ragged", "--pages-per-seq", "4",
-                "--page-size", "8", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                "--dtype", "float32", "--impls", "reference", "pallas_interpret",
-                "--reference-ppb", "1", "3", "--k-splits", "2", "--pages-per-block", "1",
-                "--num-warps", "4", "--num-stages", "2", "--iters", "1", "--warmup", "0",
-                "--copy-mib", "1", "--out", str(out)])
+    with mosaic_interpret.interpreting():
+        bench.main(["--batch", "2", "--length", "40", "--ragged", "--pages-per-seq", "4",
+                    "--page-size", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--dtype", "bfloat16", "--impls", "reference", "mosaic",
+                    "--reference-ppb", "1", "3", "--k-splits", "2", "--pages-per-block", "2",
+                    "--num-stages", "2", "--iters", "1", "--warmup", "0", "--copy-mib", "1",
+                    "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["config"] for r in rows] == [
-        "reference ppb=1", "reference ppb=3", "pallas_interpret k_splits=2 ppb=1 warps=4 stages=2"]
+        "reference ppb=1", "reference ppb=3", "mosaic k_splits=2 ppb=2 stages=2"]
     for r in rows:
-        assert r["ok"] and r["max_abs_error"] < 1e-5 and r["us"] > 0
+        assert r["ok"] and r["max_abs_error"] < 2e-2 and r["us"] > 0
         assert r["calls_per_sample"] >= 1   # --calls 0: picked per configuration
         assert r["compiled_memory"]["backend"] == jax.default_backend()   # where it ran
         assert r["compiled_memory"]["argument_bytes"] > 0

@@ -268,16 +268,6 @@ def test_stop_tokens_and_truncation(tiny_model, sampler):
     assert one.response_ids == [[[first]]] and one.stats["decode_steps"] == 1
 
 
-def test_pallas_decode_kernel_matches_reference_path(tiny_model):
-    """The sampler with the Pallas GPU paged-attention kernel (interpreted on CPU) decodes the
-    same greedy tokens and log-probs as the jnp reference path."""
-    outs = [Sampler(tiny_model, max_batch_size=4, page_size=16, decode_attention=impl).generate(
-        PROMPTS, max_new_tokens=13) for impl in ("reference", "pallas_interpret")]
-    assert outs[0].response_ids == outs[1].response_ids
-    np.testing.assert_allclose(np.concatenate(sum(outs[0].logprobs, [])),
-                               np.concatenate(sum(outs[1].logprobs, [])), atol=1e-5)
-
-
 def test_generate_slices_layers_once_and_repeats_without_compiling(tiny_model, monkeypatch,
                                                                     caplog):
     """The decode calls of one generate() share one copy of the layer weights

@@ -34,10 +34,10 @@ Implementations (`impl`):
 Decode against a page pool (paged_decode_attention; the rollout engine's decode step): one query
 per sequence, keys/values in one layer's pool [K, P, page_size, D] addressed through a block table
 and attended up to each sequence's length, read in place. "reference" is a jnp loop over blocks of
-pages (CPU, CI, TPU); "pallas" is jax.experimental.pallas.ops.gpu.paged_attention (NVIDIA GPUs,
-Pallas' deprecated Triton backend); "mosaic" is delta_jax.kernels.paged_decode (Pallas Mosaic GPU:
-TMA page copies and WGMMA, Hopper, bf16/fp16; not yet measured, so not the default); "auto" picks
-"pallas" on CUDA. Forward only.
+pages (CPU, CI, TPU, and GPUs the kernel does not serve); "mosaic" is delta_jax.kernels.paged_decode
+(Pallas Mosaic GPU: TMA page copies and WGMMA, so Hopper GPUs only, bf16/fp16); "auto" picks
+"mosaic" on a Hopper GPU for the problems it takes, else "reference". Forward only. (pallas.ops'
+Triton paged attention was retired on 2026-11-26: Pallas' Triton backend is deprecated, issue #16.)
 
 Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
 float32, probabilities cast to v.dtype for the value product (float32 accumulation).
@@ -54,18 +54,9 @@ import numpy as np
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 # Paged decode attention (the rollout engine's decode): implementations and block sizes.
-DECODE_IMPLS = ("auto", "reference", "pallas", "mosaic", "pallas_interpret")
+DECODE_IMPLS = ("auto", "reference", "mosaic")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
-# The Pallas GPU kernel's split of a sequence's pages over programs, pages per inner block, warps
-# and pipeline stages: the fastest for the sum of batch 64 and 256 in the sweep of
-# benchmarks/paged_attention.py (H100, 2026-11-24, 32-token pages, 64-page tables, 1024 live
-# tokens: 277 / 589 us per layer call vs 338 / 812 us for jax's defaults 16 / 8 (clipped to 4) /
-# 8 / 2).
-PALLAS_K_SPLITS = 4
-PALLAS_PAGES_PER_COMPUTE_BLOCK = 4
-PALLAS_NUM_WARPS = 4
-PALLAS_NUM_STAGES = 3
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
 # 2048 x 2048 float32 scores are 16 MiB per head per row.
 AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
@@ -362,7 +353,7 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   """Decode attention of one query per sequence over its pages (the jnp path: CPU, CI, TPU).
 
   q [B, N, D]; k_pages, v_pages [K, P, page_size, D] (one layer's page pool, the layout the
-  Pallas GPU kernel reads); block_tables int32 [B, pages_per_seq]: sequence b's token t lives at
+  Mosaic GPU kernel reads); block_tables int32 [B, pages_per_seq]: sequence b's token t lives at
   page block_tables[b, t // page_size], offset t % page_size; lengths int32 [B]: sequence b
   attends its tokens [0, lengths[b]) (0 = none: output 0).
   A lax.fori_loop over blocks of `pages_per_block` pages with a traced trip count (the longest
@@ -401,72 +392,40 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return out.reshape(B, N, D).astype(q.dtype)
 
 
-def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                        block_tables: jax.Array, lengths: jax.Array, *,
-                        k_splits: int = PALLAS_K_SPLITS,
-                        pages_per_compute_block: int = PALLAS_PAGES_PER_COMPUTE_BLOCK,
-                        num_warps: int = PALLAS_NUM_WARPS, num_stages: int = PALLAS_NUM_STAGES,
-                        interpret: bool = False) -> jax.Array:
-  """The same contract through jax.experimental.pallas.ops.gpu.paged_attention (Triton, NVIDIA
-  GPUs; interpret=True runs it anywhere, slowly, for tests). pages_per_seq (block_tables'
-  width) must be a power of two (the sampler buckets it). Rows with length 0 give 0.
-  Kernel parameters (benchmarks/paged_attention.py sweeps them): k_splits programs share a
-  sequence's pages (a power of two, clipped to pages_per_seq), each looping over blocks of
-  pages_per_compute_block pages (clipped to its share) with num_warps warps and num_stages
-  pipeline stages."""
-  from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
-
-  pages_per_seq = block_tables.shape[1]
-  for name, value in (("block_tables width", pages_per_seq), ("k_splits", k_splits),
-                      ("pages_per_compute_block", pages_per_compute_block)):
-    if value < 1 or value & (value - 1):
-      raise ValueError(f"paged_decode_pallas: {name} {value} must be a power of two")
-  k_splits = min(k_splits, pages_per_seq)
-  per_block = min(pages_per_compute_block, pages_per_seq // k_splits)
-  lengths = lengths.astype(jnp.int32)
-  # The kernel computes softmax(q.k) without the 1 / sqrt(D) scale: fold it into q.
-  q = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
-  out = pallas_paged.paged_attention(
-      q, k_pages.astype(q.dtype), v_pages.astype(q.dtype), block_tables.astype(jnp.int32),
-      jnp.maximum(lengths, 1), k_splits=k_splits, pages_per_compute_block=per_block,
-      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-  return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros((), out.dtype))
-
-
 def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None,
                         page_size: Optional[int] = None, group: Optional[int] = None) -> str:
   """The decode attention that runs for rollout.decode_attention `impl` on this backend.
 
   "auto": "mosaic" (delta_jax.kernels.paged_decode, the project's Mosaic GPU kernel) on a Hopper
-  or newer GPU when the kernel takes the problem (the q dtype, head_dim, page_size and query heads
-  per KV head `group`, given here: without them "auto" never picks it); else "pallas"
-  (pallas.ops' Triton paged attention, deprecated since jax 0.11) on other CUDA GPUs while jax
-  ships it (a jax without it gets "reference", with a warning); else "reference" (CPU, TPU).
+  GPU when the kernel takes the problem (the q dtype, head_dim, page_size and query heads per KV
+  head `group`, given here: without them "auto" never picks it), else "reference" (the jnp page
+  reader), with a warning on a CUDA GPU (slower there; the Mosaic kernel's requirements named).
   Measured on one H200 (2026-11-26, Qwen3-0.6B shape, bf16, batch 64 / 256, prompt 512 + 1,024
-  tokens): the whole decode 1.38x faster with "mosaic" than with "pallas" at both batches.
-  "mosaic" by name only on a Hopper or newer GPU (refused here, at start-up, rather than in the
-  compiler); whether it takes the problem is the caller's check (the Sampler's, at start-up).
+  tokens): the Mosaic kernel 80 / 302 us a layer call against 126 / 440 us for pallas.ops'
+  (Triton) kernel, itself 2.0-2.3x the reader's speed on an H100 (BENCHMARKS.md "Kernel
+  decisions"). "mosaic" by name only on a Hopper GPU (refused here, at start-up, rather than in
+  the compiler); whether it takes the problem is the caller's check (the Sampler's, at start-up).
   """
   if impl not in DECODE_IMPLS:
-    raise ValueError(f"paged decode attention impl must be one of {DECODE_IMPLS}, got {impl!r}")
+    raise ValueError(f"paged decode attention impl (rollout.decode_attention) must be one of "
+                     f"{DECODE_IMPLS}, got {impl!r}")
   if impl == "auto":
     if not _cuda_backend():
       return "reference"
-    if _hopper_or_newer() and _mosaic_takes(dtype, head_dim, page_size, group):
+    if _hopper() and _mosaic_takes(dtype, head_dim, page_size, group):
       return "mosaic"
-    if _pallas_paged_available():
-      return "pallas"
     # Python's default warning filter shows it once per calling line, not at every trace.
-    warnings.warn(f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
-                  "rollout.decode_attention 'auto' falls back to the jnp page reader ('reference', "
-                  "about 2x slower on an H100); 'mosaic', the project's Mosaic GPU kernel, needs a "
-                  "Hopper or newer GPU, a bfloat16 / float16 model and a head_dim multiple of 64",
+    warnings.warn("rollout.decode_attention 'auto' runs the jnp page reader ('reference') on this "
+                  "GPU: the Mosaic GPU kernel ('mosaic') needs a Hopper GPU (compute capability "
+                  "9.x), a bfloat16 / float16 model, a head_dim multiple of 64 and pages of a "
+                  "multiple of 32 tokens (the reader measured 2.0-2.3x slower than a GPU kernel "
+                  "on an H100)",
                   RuntimeWarning, stacklevel=2)
     return "reference"
-  if impl == "mosaic" and not _hopper_or_newer():
+  if impl == "mosaic" and not _hopper():
     raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
-                     f"kernel for NVIDIA Hopper or newer GPUs; here the backend is "
-                     f"{jax.default_backend()!r}: use 'auto' or 'reference'")
+                     f"kernel for NVIDIA Hopper GPUs (compute capability 9.x: it issues WGMMA); "
+                     f"here the device is {_device_name()}: use 'auto' or 'reference'")
   return impl
 
 
@@ -479,41 +438,38 @@ def _mosaic_takes(dtype, head_dim, page_size, group) -> bool:
   return paged_decode.config_problem(dtype, head_dim, page_size, group) is None
 
 
-@functools.lru_cache(maxsize=None)
-def _pallas_paged_available() -> bool:
-  """Whether this jax still ships pallas.ops' (Triton) paged attention."""
-  import importlib.util
-  try:
-    return importlib.util.find_spec("jax.experimental.pallas.ops.gpu.paged_attention") is not None
-  except ImportError:  # a parent package is gone too
-    return False
-
-
-def _hopper_or_newer() -> bool:
-  """A CUDA GPU of compute capability 9.0 or more (TMA and WGMMA)."""
+def _hopper() -> bool:
+  """A CUDA GPU of compute capability 9.x: TMA and WGMMA (Blackwell, 10.x and up, has TMA but
+  not WGMMA, and the Mosaic kernel issues WGMMA)."""
   if not _cuda_backend():
     return False
   try:
-    return float(_default_device().compute_capability) >= 9.0
+    return 9.0 <= float(_default_device().compute_capability) < 10.0
   except (AttributeError, ValueError, TypeError):
     return False
+
+
+def _device_name() -> str:
+  """The default device, for messages: its kind and compute capability where it has one."""
+  device = _default_device()
+  if device is None:
+    return "none"
+  capability = getattr(device, "compute_capability", None)
+  return (f"{getattr(device, 'device_kind', device.platform)!r}"
+          + (f" (compute capability {capability})" if capability else ""))
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: str = "auto",
                            pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
   """Decode attention over a page pool (see paged_decode_reference for the contract).
-  impl: "auto" | "reference" | "pallas" | "mosaic" | "pallas_interpret" (the Pallas kernel
-  interpreted: tests on CPU)."""
+  impl: "auto" | "reference" | "mosaic" (resolve_decode_impl)."""
   chosen = resolve_decode_impl(impl, dtype=q.dtype, head_dim=q.shape[-1],
                                page_size=k_pages.shape[2], group=q.shape[1] // k_pages.shape[0])
   if chosen == "reference":
     return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths,
                                   pages_per_block=pages_per_block)
-  if chosen == "mosaic":
-    from delta_jax.kernels.paged_decode import paged_decode_mosaic
-    return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)
-  return paged_decode_pallas(q, k_pages, v_pages, block_tables, lengths,
-                             interpret=chosen == "pallas_interpret")
+  from delta_jax.kernels.paged_decode import paged_decode_mosaic
+  return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)
 
 
 def drop_negative(pages: jax.Array, num_pages: int) -> jax.Array:
