@@ -30,7 +30,9 @@ Bytes: the weights read once (inputs and outputs are ~1% beside them at 64 rows)
 the copy bandwidth measured in the same process (kernels.timing: read + write of a --copy-mib
 float32 array, chains of copies waited for once). Timing: kernels.timing.median_seconds, calls
 back to back and waited for once (an ~80 us call waited for alone reads ~150 us more on an H200).
-Each variant's output is compared with "xla"'s (max abs error; bf16 outputs). On a GPU each
+Each variant's output is compared with "xla"'s (max abs error; bf16 outputs), and its compiled
+program's XLA memory analysis on the backend it runs on is recorded (temporaries printed: split-K's
+float32 partial sums are s x the output). On a GPU each
 group's compiled "xla" program is searched for the GEMM configurations XLA chose (block sizes,
 split_k of its Triton GEMM fusions, or cuBLAS custom calls), printed and recorded.
 """
@@ -188,15 +190,16 @@ def main(argv=None):
                 try:
                     if variant == "concat":
                         joined = jnp.concatenate([w[n] for n in CONCAT[group]], axis=1)
-                        program, operands = jax.jit(concat_fn(group)), (x, joined)
+                        fn, operands = concat_fn(group), (x, joined)
                     else:
-                        program, operands = jax.jit(group_fn(group, variant)), (x, w)
+                        fn, operands = group_fn(group, variant), (x, w)
+                    program = jax.jit(fn).lower(*operands).compile()
+                    row["compiled_memory"] = timing.compiled_memory_bytes(program)
                     out = jax.block_until_ready(program(*operands))
                     if variant == "xla":
                         reference = out
                         if jax.default_backend() == "gpu":
-                            row["gemm_configs"] = gemm_configs(
-                                program.lower(*operands).compile().as_text())
+                            row["gemm_configs"] = gemm_configs(program.as_text())
                     row["max_abs_error"] = float(jnp.max(jnp.abs(
                         out.astype(jnp.float32) - reference.astype(jnp.float32))))
                     seconds, samples = timing.median_seconds(program, *operands,
@@ -210,10 +213,12 @@ def main(argv=None):
                     traceback.print_exc(file=sys.stderr)
                 rows.append(row)
                 configs = row.get("gemm_configs")
+                temp = row.get("compiled_memory", {}).get("temp_bytes")
                 print(f"  {group:8s} B={batch:4d} {variant:8s} "
                       + (f"{row['us']:9.1f} us {row['gb_s']:7.1f} GB/s {row['pct_copy']:5.1f}% "
-                         f"of copy  err {row['max_abs_error']:.1e}" if row["ok"] else
-                         f"failed: {row['error'][:120]}")
+                         f"of copy  err {row['max_abs_error']:.1e}  temp "
+                         f"{'n/a' if temp is None else f'{temp / 2**20:.2f} MiB'}"
+                         if row["ok"] else f"failed: {row['error'][:120]}")
                       + (f"  XLA: {'; '.join(configs)}" if configs else ""), flush=True)
     timing.print_table(
         "decode matmuls (weights read once; % of the copy bandwidth measured above)",

@@ -4,6 +4,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,3 +51,10 @@ def test_a_tiny_run_records_every_group_and_variant(tmp_path):
   assert all(r["ok"] and r["us"] > 0 and r["max_abs_error"] < 1e-4 for r in rows), rows
   record = json.loads(out.read_text())
   assert record["copy_bandwidth_gb_s"] > 0 and len(record["results"]) == len(rows)
+  for r in rows:  # each program's compiled memory analysis, from the backend it ran on
+    memory = r["compiled_memory"]
+    assert memory["backend"] == jax.default_backend() and memory["argument_bytes"] > 0
+  # split-K holds its float32 partial sums: 2 x the 4 x 64 float32 down projection's output
+  # (on XLA:CPU the plain dot needs none; a GPU adds its GEMM workspace to both)
+  down = {r["variant"]: r["compiled_memory"]["temp_bytes"] for r in rows if r["group"] == "down"}
+  assert down["splitk2"] >= 2 * 4 * 64 * 4, down
