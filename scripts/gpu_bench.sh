@@ -23,6 +23,7 @@
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
 #   bash scripts/gpu_bench.sh decode_gemm        # the decode's weight matmuls alone, split-K (#15)
+#   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
@@ -225,6 +226,21 @@ for s in "$@"; do
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
       done ;;
+    decode_anatomy)  # issue 15: what each kernel of a batch-64 decode step is. The fixed
+                     # workload at batch 64 (256 new tokens: the same per-step program), traced
+                     # (device time by kernel) with XLA's optimized HLO of the decode program
+                     # dumped beside it ($OUT/hlo/*jit_decode*after_optimizations.txt), so each
+                     # fusion the trace names (gemm_fusion_dot_*, loop_*_fusion_*, ...) can be
+                     # read op by op off the GPU. ~1-2 minutes.
+      xla_flags=$(echo ${XLA_FLAGS:-} --xla_dump_to="$OUT/hlo" --xla_dump_hlo_as_text \
+        --xla_dump_hlo_module_re=jit_decode)
+      stage decode_anatomy 240 env XLA_FLAGS="$xla_flags" python3 \
+        benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 --batch 64 \
+        --prompt-len 512 --new-tokens 256 --decode-attention "$DECODE" --workload fixed \
+        --hf never --repeats 1 --profile /tmp/decode_anatomy \
+        --output "$OUT/decode_anatomy$SUFFIX.json"
+      # only the optimized modules come back (the pre-optimization ones are as large)
+      find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null ;;
     decode_gemm)  # issue 15: the decode step's weight matmuls alone (benchmarks/decode_gemm.py,
                   # Qwen3-0.6B shape, bf16, 64 and 256 rows): XLA's dot and its GEMM choices,
                   # split-K 2 / 4 / 8 and concatenated weights, against the copy rate measured
