@@ -1,8 +1,10 @@
 """Paged decode attention alone (delta_jax.models.attention.paged_decode_attention, the rollout
 decode's attention) at the decode shapes, against the memory-bandwidth limit: a sweep of the
 Mosaic GPU kernel's parameters (delta_jax.kernels.paged_decode: k_splits x pages_per_block x
-stages, the --num-stages values; configurations over its shared memory are skipped) and of the jnp
-page reader's block size, so that the sampler's defaults can be chosen from measurements.
+stages, the --num-stages values; configurations over its shared memory are skipped), of the TPU
+kernel's compute block (attention.paged_decode_tpu, pallas.ops' Mosaic TPU paged attention: the
+--pages-per-block values; `--impls tpu reference` on a TPU) and of the jnp page reader's block
+size, so that the sampler's defaults can be chosen from measurements.
 (pallas.ops' Triton kernel, swept here until 2026-11-26, was retired: BENCHMARKS.md "Kernel
 decisions".)
 
@@ -68,7 +70,7 @@ def parse_args(argv=None):
                         "workload at batch 64)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--impls", nargs="+", default=["mosaic", "reference"],
-                   choices=["mosaic", "reference"])
+                   choices=["mosaic", "tpu", "reference"])
     p.add_argument("--k-splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--pages-per-block", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--num-stages", type=int, nargs="+", default=[2, 3])
@@ -126,6 +128,11 @@ def configurations(args):
             for ppb in args.reference_ppb:
                 yield f"reference ppb={ppb}", impl, {"pages_per_block": ppb}
             continue
+        if impl == "tpu":
+            for ppb in args.pages_per_block:
+                if args.pages_per_seq % ppb == 0:  # the kernel's block must divide the table
+                    yield f"tpu ppb={ppb}", impl, {"pages_per_block": ppb}
+            continue
         itemsize = jnp.dtype(args.dtype).itemsize
         for ks, ppb, stages in itertools.product(args.k_splits, args.pages_per_block,
                                                  args.num_stages):
@@ -142,6 +149,8 @@ def build(impl: str, kwargs: dict):
     """The product's function for one configuration, jitted."""
     if impl == "reference":
         fn = lambda *a: attention.paged_decode_reference(*a, **kwargs)  # noqa: E731
+    elif impl == "tpu":
+        fn = lambda *a: attention.paged_decode_tpu(*a, **kwargs)  # noqa: E731
     else:
         fn = lambda *a: paged_decode.paged_decode_mosaic(*a, **kwargs)  # noqa: E731
     return jax.jit(fn)
@@ -206,7 +215,7 @@ def print_best(rows):
                 print(f"{batch:5d} | {impl:9s} | none ran correctly")
                 continue
             best = min(ok, key=lambda r: r["us"])
-            if impl == "reference":
+            if impl in ("reference", "tpu"):
                 current = [r for r in ok
                            if r["pages_per_block"] == attention.DECODE_PAGES_PER_BLOCK]
             else:

@@ -358,6 +358,66 @@ def test_paged_decode_names_are_checked():
       A.paged_decode_attention(q, kp, vp, tables, lengths, impl=retired)
 
 
+@pytest.mark.parametrize("groups,D,page_size,pages_per_block", [
+    (1, 16, 4, 1),       # one query head per KV head, one page a block
+    (8, 64, 8, 4),       # Qwen3-8B's 8 query heads per KV head
+    (2, 128, 16, 2),     # Qwen3-0.6B's heads
+])
+def test_paged_decode_tpu_kernel_matches_reference(groups, D, page_size, pages_per_block, on_cpu):
+  """pallas.ops' TPU paged attention through paged_decode_tpu, run by Pallas' TPU interpreter on
+  the CPU, bf16 (the kernel reads K / V as bf16): the reference's numbers within bf16 rounding of
+  the probabilities (which the reference rounds to bf16 for p.v and the kernel does not) on
+  scrambled pages with lengths 0 / 1 / mid-page / a full table; pages past the longest length's
+  last compute block hold NaN (never read); a row of length 0 gives exactly 0; a float32 pool is
+  refused. on_cpu: the interpreter runs where the CPU is the default device."""
+  dtype = jnp.bfloat16
+  from jax.experimental.pallas import tpu as pltpu
+  lengths = (0, 1, 2 * page_size + 1, 8 * page_size)
+  q, kp, vp, tables, lengths, _, _ = paged_case(13, G=groups, D=D, page_size=page_size,
+                                                pages_per_seq=8, lengths=lengths, dtype=dtype,
+                                                pages_per_block=pages_per_block)
+  with pltpu.force_tpu_interpret_mode():
+    got = A.paged_decode_tpu(q, kp, vp, tables, lengths, pages_per_block=pages_per_block)
+  ref = A.paged_decode_reference(q, kp, vp, tables, lengths, pages_per_block=pages_per_block)
+  assert got.dtype == q.dtype and np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=2e-2)
+  assert np.all(np.asarray(got)[0] == 0)
+  with pytest.raises(ValueError, match="bfloat16; the pools are float32"):
+    A.paged_decode_tpu(q, kp.astype(jnp.float32), vp.astype(jnp.float32), tables, lengths)
+
+
+def test_paged_decode_tpu_compute_block_divides_the_table(monkeypatch):
+  """The kernel needs a compute block that divides the table's width: the largest divisor at
+  most pages_per_block is passed (the Sampler asks for 256 keys' worth, 10 pages of 24 tokens)."""
+  import jax.experimental.pallas.ops.tpu.paged_attention as tpu_ops
+  seen = []
+  monkeypatch.setattr(tpu_ops, "paged_attention",
+                      lambda q, k, v, lengths, tables, *, pages_per_compute_block:
+                      seen.append(pages_per_compute_block) or q)
+  q, kp, vp, tables, lengths, _, _ = paged_case(3, pages_per_seq=8, dtype=jnp.bfloat16)
+  for asked, used in ((10, 8), (3, 2), (8, 8), (1, 1)):
+    A.paged_decode_tpu(q, kp, vp, tables, lengths, pages_per_block=asked)
+    assert seen.pop() == used, asked
+
+
+def test_paged_decode_tpu_lowers_for_a_tpu(monkeypatch):
+  """One layer's write + attention with rollout.decode_attention="tpu", exported for a TPU from
+  abstract shapes at Qwen3-0.6B's decode (bf16, 16 / 8 heads of 128, 32-token pages, a 64-page
+  table, batch 64): Pallas lowers the kernel to one Mosaic TPU custom call."""
+  from jax import export
+  monkeypatch.setattr(A, "_tpu_backend", lambda: True)
+  sd = jax.ShapeDtypeStruct
+  B, K, G, D, page_size, pages, pages_per_seq = 64, 8, 2, 128, 32, 4096, 64
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  pool = sd((K, pages, page_size, D), bf16)
+  args = (sd((B, K * G, D), bf16), sd((B, K, D), bf16), sd((B, K, D), bf16), pool, pool,
+          sd((B,), i32), sd((B,), i32), sd((B, pages_per_seq), i32), sd((B,), i32))
+  fn = jax.jit(lambda *a: A.paged_write_attend(*a, impl="tpu", pages_per_block=8))
+  text = export.export(fn, platforms=["tpu"])(*args).mlir_module()
+  assert text.count("tpu_custom_call") == 1
+
+
 def test_auto_decode_attention_is_the_reader_without_a_hopper_gpu(monkeypatch):
   """Off CUDA "auto" is the jnp page reader, silently. On a CUDA GPU that is not a Hopper (an
   A100, or a Blackwell: 10.x has no WGMMA) it is the reader too, with a warning that names what
@@ -373,6 +433,24 @@ def test_auto_decode_attention_is_the_reader_without_a_hopper_gpu(monkeypatch):
     with pytest.warns(RuntimeWarning, match="jnp page reader.*Hopper GPU"):
       assert A.resolve_decode_impl("auto", **problem) == "reference"
   with pytest.raises(ValueError, match="'mosaic' .*Hopper GPUs"):
+    A.resolve_decode_impl("mosaic", **bf16)
+  with pytest.raises(ValueError, match="'tpu' .*Mosaic TPU kernel"):
+    A.resolve_decode_impl("tpu", **bf16)
+
+
+def test_tpu_decode_attention_is_by_name_on_a_tpu(monkeypatch):
+  """On a TPU "auto" stays the jnp page reader (the TPU kernel was never measured against it)
+  and "tpu" is taken by name; the Mosaic GPU kernel is refused there."""
+  monkeypatch.setattr(A, "_tpu_backend", lambda: True)
+  monkeypatch.setattr(A, "_cuda_backend", lambda: False)
+  bf16 = dict(dtype=jnp.bfloat16, head_dim=128, page_size=32, group=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert A.resolve_decode_impl("auto", **bf16) == "reference"
+  assert A.resolve_decode_impl("tpu", **bf16) == "tpu"
+  with pytest.raises(ValueError, match="'tpu' .*bfloat16; the model computes in float32"):
+    A.resolve_decode_impl("tpu", **{**bf16, "dtype": jnp.float32})
+  with pytest.raises(ValueError, match="'mosaic'"):
     A.resolve_decode_impl("mosaic", **bf16)
 
 

@@ -31,6 +31,28 @@ def test_mosaic_configurations_respect_the_kernel_limits():
                    {"k_splits": 32, "pages_per_block": 2, "stages": 4}]
 
 
+def test_tpu_configurations_divide_the_table():
+    """The TPU kernel's compute blocks: only those that divide the table's width."""
+    args = bench.parse_args(["--pages-per-seq", "8", "--length", "64", "--pages-per-block", "2",
+                             "3", "8", "16", "--impls", "tpu"])
+    assert [(label, kw) for label, _, kw in bench.configurations(args)] == [
+        ("tpu ppb=2", {"pages_per_block": 2}), ("tpu ppb=8", {"pages_per_block": 8})]
+
+
+def test_tpu_sweep_runs_under_the_interpreter(tmp_path, on_cpu):
+    """The TPU kernel's sweep rows (run by Pallas' TPU interpreter here), checked against the
+    reference like every other row."""
+    from jax.experimental.pallas import tpu as pltpu
+    out = tmp_path / "pa_tpu.json"
+    with pltpu.force_tpu_interpret_mode():
+        bench.main(["--batch", "2", "--length", "40", "--pages-per-seq", "4", "--page-size", "16",
+                    "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dtype",
+                    "bfloat16", "--impls", "tpu", "--pages-per-block", "2", "--iters", "1",
+                    "--warmup", "0", "--copy-mib", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["config"] == "tpu ppb=2" and row["ok"] and row["max_abs_error"] < 2e-2
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(SystemExit):
         bench.parse_args(["--pages-per-seq", "6"])

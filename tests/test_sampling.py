@@ -268,6 +268,41 @@ def test_stop_tokens_and_truncation(tiny_model, sampler):
     assert one.response_ids == [[[first]]] and one.stats["decode_steps"] == 1
 
 
+def test_tpu_decode_kernel_generates_what_the_reference_does(monkeypatch, on_cpu):
+    """The rollout engine with rollout.decode_attention="tpu" (pallas.ops' TPU paged attention,
+    run by Pallas' TPU interpreter in every layer of every decode step; a TPU stood in for; tiny
+    bf16 model, 16-token pages, two samples of three prompts in four slots, so slots refill):
+    the jnp page reader's tokens and log-probs within bf16 rounding. The kernel keeps the
+    attention probabilities in float32 where the reader rounds them to bf16, so a near tie of
+    this random model's flat logits may go the other way: each sample agrees with the reader's up
+    to its first differing token, and where one differs the two tokens' log-probs are within the
+    same rounding (a tie, not a wrong token); most tokens agree."""
+    from jax.experimental.pallas import tpu as pltpu
+    from delta_jax.models import attention as A
+
+    monkeypatch.setattr(A, "_tpu_backend", lambda: True)
+    model = models.Transformer(models.get_preset("tiny", dtype=jnp.bfloat16), rngs=nnx.Rngs(1))
+    prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99]]
+    kwargs = dict(n=2, max_new_tokens=12, seed=0)
+    common = dict(max_batch_size=4, page_size=16, decode_steps_per_call=4)
+    ref = Sampler(model, decode_attention="reference", **common).generate(prompts, **kwargs)
+    calls = []
+    kernel = A.paged_decode_tpu
+    monkeypatch.setattr(A, "paged_decode_tpu", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    with pltpu.force_tpu_interpret_mode():
+        got = Sampler(model, decode_attention="tpu", **common).generate(prompts, **kwargs)
+    assert calls  # traced into the decode program
+    assert sum(map(len, sum(got.response_ids, []))) == 6 * 12
+    agreed = 0
+    for ids, ref_ids, lp, ref_lp in zip(sum(got.response_ids, []), sum(ref.response_ids, []),
+                                        sum(got.logprobs, []), sum(ref.logprobs, [])):
+        same = next((i for i, (x, y) in enumerate(zip(ids, ref_ids)) if x != y), len(ids))
+        end = min(same + 1, len(ids))  # the first differing token's log-prob: a near tie
+        np.testing.assert_allclose(lp[:end], ref_lp[:end], atol=2e-2)
+        agreed += same
+    assert agreed >= 0.75 * 6 * 12, agreed
+
+
 def test_generate_slices_layers_once_and_repeats_without_compiling(tiny_model, monkeypatch,
                                                                     caplog):
     """The decode calls of one generate() share one copy of the layer weights

@@ -35,9 +35,11 @@ Decode against a page pool (paged_decode_attention; the rollout engine's decode 
 per sequence, keys/values in one layer's pool [K, P, page_size, D] addressed through a block table
 and attended up to each sequence's length, read in place. "reference" is a jnp loop over blocks of
 pages (CPU, CI, TPU, and GPUs the kernel does not serve); "mosaic" is delta_jax.kernels.paged_decode
-(Pallas Mosaic GPU: TMA page copies and WGMMA, so Hopper GPUs only, bf16/fp16); "auto" picks
-"mosaic" on a Hopper GPU for the problems it takes, else "reference". Forward only. (pallas.ops'
-Triton paged attention was retired on 2026-11-26: Pallas' Triton backend is deprecated, issue #16.)
+(Pallas Mosaic GPU: TMA page copies and WGMMA, so Hopper GPUs only, bf16/fp16); "tpu" is
+jax.experimental.pallas.ops.tpu's paged attention (Mosaic TPU, bf16; by name only: never run on
+a TPU here, so not measured against the reader); "auto" picks "mosaic" on a Hopper GPU for the
+problems it takes, else "reference". Forward only. (pallas.ops' Triton paged attention was retired
+on 2026-11-26: Pallas' Triton backend is deprecated, issue #16.)
 
 Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
 float32, probabilities cast to v.dtype for the value product (float32 accumulation).
@@ -54,7 +56,7 @@ import numpy as np
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 # Paged decode attention (the rollout engine's decode): implementations and block sizes.
-DECODE_IMPLS = ("auto", "reference", "mosaic")
+DECODE_IMPLS = ("auto", "reference", "mosaic", "tpu")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
@@ -392,6 +394,39 @@ def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return out.reshape(B, N, D).astype(q.dtype)
 
 
+def paged_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                     block_tables: jax.Array, lengths: jax.Array, *,
+                     pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
+  """The same contract through jax.experimental.pallas.ops.tpu.paged_attention (Pallas Mosaic TPU:
+  one program per (sequence, KV head) walking its live pages in blocks of pages_per_block pages,
+  the next block's pages copied while this one is computed; rows of length 0 are skipped).
+
+  The kernel takes this module's pool layout as it is ([K, P, page_size, D], block tables
+  [B, pages_per_seq]) and reads keys and values as bfloat16 (it casts what it loads), so it
+  serves bfloat16 pools only (a ValueError otherwise). It scores q.k without the 1 / sqrt(D)
+  scale and in float32: q goes in float32, already scaled, so the scale is applied in float32 as
+  in the reference. Its probabilities stay float32 in the value product (the reference casts
+  them to v's dtype: the two differ by bf16 rounding). Outputs of rows of length 0 are 0 (the
+  kernel leaves them unwritten). The compute block is the largest divisor of pages_per_seq that
+  is at most pages_per_block (the kernel needs one that divides it).
+  Not run on a TPU here: its numbers are checked by Pallas' TPU interpreter on the CPU and its
+  lowering for a TPU by jax.export (tests/test_attention.py)."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+
+  check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, "paged_decode_tpu")
+  if k_pages.dtype != jnp.bfloat16 or v_pages.dtype != jnp.bfloat16:
+    raise ValueError(f"paged_decode_tpu: the kernel reads keys and values as bfloat16; the pools "
+                     f"are {k_pages.dtype} / {v_pages.dtype}")
+  pages_per_seq = block_tables.shape[1]
+  per_block = max(d for d in range(1, max(1, min(int(pages_per_block), pages_per_seq)) + 1)
+                  if pages_per_seq % d == 0)
+  lengths = lengths.astype(jnp.int32)
+  scaled = q.astype(jnp.float32) * (q.shape[-1] ** -0.5)
+  out = tpu_paged(scaled, k_pages, v_pages, lengths, block_tables.astype(jnp.int32),
+                  pages_per_compute_block=per_block)
+  return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
 def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None,
                         page_size: Optional[int] = None, group: Optional[int] = None) -> str:
   """The decode attention that runs for rollout.decode_attention `impl` on this backend.
@@ -405,6 +440,8 @@ def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None
   (Triton) kernel, itself 2.0-2.3x the reader's speed on an H100 (BENCHMARKS.md "Kernel
   decisions"). "mosaic" by name only on a Hopper GPU (refused here, at start-up, rather than in
   the compiler); whether it takes the problem is the caller's check (the Sampler's, at start-up).
+  "tpu" (paged_decode_tpu) by name only on a TPU and for a bfloat16 model: "auto" does not pick
+  it there, as it has not been measured against the reader.
   """
   if impl not in DECODE_IMPLS:
     raise ValueError(f"paged decode attention impl (rollout.decode_attention) must be one of "
@@ -426,6 +463,14 @@ def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None
     raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
                      f"kernel for NVIDIA Hopper GPUs (compute capability 9.x: it issues WGMMA); "
                      f"here the device is {_device_name()}: use 'auto' or 'reference'")
+  if impl == "tpu" and not _tpu_backend():
+    raise ValueError(f"paged decode attention 'tpu' (rollout.decode_attention) is "
+                     f"jax.experimental.pallas.ops.tpu's Mosaic TPU kernel; here the device is "
+                     f"{_device_name()}: use 'auto' or 'reference'")
+  if impl == "tpu" and dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"paged decode attention 'tpu' (rollout.decode_attention) reads keys and "
+                     f"values as bfloat16; the model computes in {jnp.dtype(dtype).name} "
+                     f"(model.dtype): use 'reference'")
   return impl
 
 
@@ -449,6 +494,12 @@ def _hopper() -> bool:
     return False
 
 
+def _tpu_backend() -> bool:
+  """Whether computations traced now run on a TPU (_default_device)."""
+  device = _default_device()
+  return device is not None and device.platform == "tpu"
+
+
 def _device_name() -> str:
   """The default device, for messages: its kind and compute capability where it has one."""
   device = _default_device()
@@ -462,12 +513,16 @@ def _device_name() -> str:
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: str = "auto",
                            pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
   """Decode attention over a page pool (see paged_decode_reference for the contract).
-  impl: "auto" | "reference" | "mosaic" (resolve_decode_impl)."""
+  impl: "auto" | "reference" | "mosaic" | "tpu" (resolve_decode_impl); pages_per_block: the
+  reader's block of pages, and the TPU kernel's compute block."""
   chosen = resolve_decode_impl(impl, dtype=q.dtype, head_dim=q.shape[-1],
                                page_size=k_pages.shape[2], group=q.shape[1] // k_pages.shape[0])
   if chosen == "reference":
     return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths,
                                   pages_per_block=pages_per_block)
+  if chosen == "tpu":
+    return paged_decode_tpu(q, k_pages, v_pages, block_tables, lengths,
+                            pages_per_block=pages_per_block)
   from delta_jax.kernels.paged_decode import paged_decode_mosaic
   return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)
 

@@ -113,8 +113,8 @@ class Sampler:
     decode_steps_per_call: most decode steps per decode program call (pages are handed out that
       far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Mosaic GPU kernel
       delta_jax.kernels.paged_decode on Hopper GPUs where it takes the model and page_size, the
-      jnp page reader elsewhere; see attention.resolve_decode_impl). decode_impl: the one that
-      runs.
+      jnp page reader elsewhere; "tpu": pallas.ops' TPU paged attention, by name; see
+      attention.resolve_decode_impl). decode_impl: the one that runs.
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
       batches (new samples only once every slot is free: the baseline that benchmarks compare
       against).

@@ -59,7 +59,7 @@ CHOICES = {
     "data.overlong_prompts": ("drop", "error", "truncate"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
     # models.attention.DECODE_IMPLS
-    "rollout.decode_attention": ("auto", "reference", "mosaic"),
+    "rollout.decode_attention": ("auto", "reference", "mosaic", "tpu"),
 }
 
 # Placeholders: None means "the method decides" (see METHOD_DEFAULTS).
