@@ -118,19 +118,11 @@ def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch):
   """On a mesh (the sampler's pool split over "data": attention.paged_write_attend under
   shard_map, as a multi-GPU rollout runs it), the layer's write + Mosaic GPU attention exports
   for CUDA over two devices, with the kernel lowered once, per shard."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from jax.sharding import Mesh
+  from tests.decode_args import abstract_write_attend_args
   allow_mosaic_here(monkeypatch)
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-  B, K, G, D, page_size, pages, pages_per_seq = 8, 8, 2, 128, 32, 64, 8
-  rows = NamedSharding(mesh, PartitionSpec("data"))
-  pool = NamedSharding(mesh, A.pool_specs(mesh, ("data",), K)[0])
-  sd = jax.ShapeDtypeStruct
-  bf16, i32 = jnp.bfloat16, jnp.int32
-  args = (sd((B, K * G, D), bf16, sharding=rows), sd((B, K, D), bf16, sharding=rows),
-          sd((B, K, D), bf16, sharding=rows), sd((K, pages, page_size, D), bf16, sharding=pool),
-          sd((K, pages, page_size, D), bf16, sharding=pool), sd((B,), i32, sharding=rows),
-          sd((B,), i32, sharding=rows), sd((B, pages_per_seq), i32, sharding=rows),
-          sd((B,), i32, sharding=rows))
+  args = abstract_write_attend_args(mesh)
   fn = jax.jit(lambda *a: A.paged_write_attend(*a, impl="mosaic", mesh=mesh,
                                                batch_axes=("data",)))
   exported = export.export(fn, platforms=["cuda"])(*args)
