@@ -42,7 +42,8 @@ problems it takes, else "reference". Forward only. (pallas.ops' Triton paged att
 on 2026-11-26: Pallas' Triton backend is deprecated, issue #16.)
 
 Numerics in every implementation: scores q.k accumulated in float32, scaled by D ** -0.5, softmax in
-float32, probabilities cast to v.dtype for the value product (float32 accumulation).
+float32, probabilities cast to v.dtype for the value product (float32 accumulation; the "tpu" decode
+kernel keeps them in float32).
 """
 from __future__ import annotations
 
