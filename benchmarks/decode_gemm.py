@@ -22,7 +22,8 @@ the compute dtype, without the norms and rotary in between):
   down     act [B, I] -> [B, H]
   lm_head  hidden [B, H] -> float32 logits [B, V] (once a step, not per layer)
 Variants: "xla" (the model's einsums), "splitk<s>" (the contraction cut into s parts, a batched
-dot over the parts with float32 partial sums added after; s must divide every contraction),
+dot over the parts with float32 partial sums added after: models.split_k_matmul, what the decode
+runs with Sampler(decode_split_k=s); s must divide every contraction),
 "concat" (qkv and gate_up only: one dot against the weights concatenated beforehand, as a
 decode_layers() copy could hold them).
 
@@ -91,17 +92,14 @@ def group_weights(cfg: models.ModelConfig, group: str, key, dtype) -> dict:
 
 def dot(x, w, parts: int = 1, out_dtype=None):
     """x [B, C] @ w [C, F]: one dot (parts = 1; as the model writes it: x's dtype out, or float32
-    asked of the dot as the LM head does), or the contraction in `parts` slices as one batched
-    dot with float32 partial sums added after. Output in out_dtype (default x's)."""
+    asked of the dot as the LM head does), or the model's split-K form of it
+    (models.split_k_matmul, what Sampler(decode_split_k=parts) runs). Output in out_dtype
+    (default x's)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if parts == 1:
         preferred = jnp.float32 if out_dtype == jnp.float32 else None
         return jnp.einsum("bc,cf->bf", x, w, preferred_element_type=preferred).astype(out_dtype)
-    B, C = x.shape
-    xs = x.reshape(B, parts, C // parts)
-    ws = w.reshape(parts, C // parts, w.shape[1])
-    partial = jnp.einsum("bsc,scf->sbf", xs, ws, preferred_element_type=jnp.float32)
-    return partial.sum(axis=0).astype(out_dtype)
+    return models.split_k_matmul(x, w, parts, out_dtype)
 
 
 def group_fn(group: str, variant: str):
