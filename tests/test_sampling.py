@@ -286,7 +286,8 @@ def test_split_k_decode_generates_the_same_samples(tiny_model, sampler, monkeypa
     assert got.response_ids == want.response_ids
     np.testing.assert_allclose(np.concatenate(sum(got.logprobs, [])),
                                np.concatenate(sum(want.logprobs, [])), atol=1e-5)
-    with pytest.raises(ValueError, match="decode_split_k 3 must divide the model's hidden_size"):
+    with pytest.raises(ValueError,
+                       match=r"\(rollout.decode_split_k\) 3 must divide the model's hidden"):
         Sampler(tiny_model, decode_split_k=3)
 
 

@@ -168,7 +168,7 @@ class Sampler:
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
         cfg = model.cfg
-        models.check_split_k(cfg, decode_split_k, "decode_split_k")
+        models.check_split_k(cfg, decode_split_k, "decode_split_k (rollout.decode_split_k)")
         problem = dict(dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=page_size,
                        group=cfg.num_heads // cfg.num_kv_heads)
         # Validates the name; "auto" picks the Mosaic GPU kernel only where it takes the problem.

@@ -259,13 +259,18 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
     state_shardings = sharding_lib.tree_shardings(
         jax.eval_shape(lambda p: init_train_state(p, optimizer), params), mesh)
-    sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
-                      max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
-                      pad_id=tokenizer.pad_token_id, mesh=mesh,
-                      batch_axes=sharding_lib.batch_axes(mesh), page_size=cfg.rollout.page_size,
-                      kv_budget_bytes=int(cfg.rollout.kv_budget_gb * 2**30) or None,
-                      decode_steps_per_call=cfg.rollout.decode_steps_per_call,
-                      decode_attention=cfg.rollout.decode_attention)
+    try:
+        sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
+                          max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
+                          pad_id=tokenizer.pad_token_id, mesh=mesh,
+                          batch_axes=sharding_lib.batch_axes(mesh),
+                          page_size=cfg.rollout.page_size,
+                          kv_budget_bytes=int(cfg.rollout.kv_budget_gb * 2**30) or None,
+                          decode_steps_per_call=cfg.rollout.decode_steps_per_call,
+                          decode_attention=cfg.rollout.decode_attention,
+                          decode_split_k=cfg.rollout.decode_split_k)
+    except ValueError as e:  # a rollout.* setting this model or device cannot run (e names it)
+        raise config_lib.ConfigError(f"rollout: {e}") from e
     run = Run(
         cfg=cfg, workdir=workdir, assets=assets, tokenizer=tokenizer, graphdef=graphdef,
         rest=rest, template=template, sampler=sampler, optimizer=optimizer, schedule=schedule,
