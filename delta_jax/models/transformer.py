@@ -194,11 +194,11 @@ def _attend(cfg: ModelConfig, q, k, v, q_offset, kv_valid) -> jax.Array:
 
 def split_k_matmul(x: jax.Array, w: jax.Array, parts: int, out_dtype=None) -> jax.Array:
   """x [..., C] @ w [C, *out] -> [..., *out] in out_dtype (x's by default), the contraction cut
-  into `parts`
-  slices: one dot batched over the slices (both reshapes are free views) with float32 partial
-  sums, added after. The same product as one dot up to float32 rounding of the partial sums; for
-  a GPU decode step, whose 64-row matmuls leave most of the GPU idle when each output tile reads
-  a whole contraction (benchmarks/decode_gemm.py measures both). parts must divide C."""
+  into `parts` slices: one dot batched over the slices (both reshapes are free views) with
+  float32 partial sums, added after. The same product as one dot up to float32 rounding of the
+  partial sums; for a GPU decode step, whose 64-row matmuls may leave most of the GPU idle when
+  each output tile reads a whole contraction (benchmarks/decode_gemm.py measures both). parts
+  must divide C."""
   C = x.shape[-1]
   if C % parts:
     raise ValueError(f"split_k_matmul: {parts} parts do not divide the contraction of {C}")
