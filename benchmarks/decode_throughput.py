@@ -378,7 +378,7 @@ def profile_generate(sampler: Sampler, prompts, args, label: str, max_new_tokens
           f"{stats['prefill_calls']} prefill calls)", flush=True)
     return {"decode_steps": steps, "seconds": stats["seconds"], "device_kernel_s": device_s,
             "decode_calls": stats["decode_calls"], "prefill_calls": stats["prefill_calls"],
-            "kernels": rows}
+            "kernels": every[:80]}  # more than printed: hlo_fusions.py joins them with the HLO
 
 
 def longtail_lengths(args, count: int) -> list:

@@ -242,7 +242,8 @@ for s in "$@"; do
                      # (device time by kernel) with XLA's optimized HLO of the decode program
                      # dumped beside it ($OUT/hlo/*jit_decode*after_optimizations.txt), so each
                      # fusion the trace names (gemm_fusion_dot_*, loop_*_fusion_*, ...) can be
-                     # read op by op off the GPU. ~1-2 minutes.
+                     # read op by op off the GPU (benchmarks/hlo_fusions.py joins the two
+                     # and prints each timed kernel's ops, bytes and rate). ~1-2 minutes.
       xla_flags=$(echo ${XLA_FLAGS:-} --xla_dump_to="$OUT/hlo" --xla_dump_hlo_as_text \
         --xla_dump_hlo_module_re=jit_decode)
       stage decode_anatomy 240 env XLA_FLAGS="$xla_flags" python3 \
@@ -251,7 +252,13 @@ for s in "$@"; do
         --hf never --repeats 1 --profile /tmp/decode_anatomy \
         --output "$OUT/decode_anatomy$SUFFIX.json"
       # only the optimized modules come back (the pre-optimization ones are as large)
-      find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null ;;
+      find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
+      # each timed kernel's ops and bytes (benchmarks/hlo_fusions.py), into the log
+      for hlo in "$OUT"/hlo/*jit_decode.*after_optimizations.txt; do
+        [ -f "$hlo" ] && stage decode_anatomy_fusions 60 python3 benchmarks/hlo_fusions.py \
+          "$hlo" --profile "$OUT/decode_anatomy$SUFFIX.json" \
+          --out "$OUT/decode_anatomy_fusions$SUFFIX.json"
+      done ;;
     decode_gemm)  # issue 15: the decode step's weight matmuls alone (benchmarks/decode_gemm.py,
                   # Qwen3-0.6B shape, bf16, 64 and 256 rows): XLA's dot and its GEMM choices,
                   # split-K 2 / 4 / 8 and concatenated weights, against the copy rate measured

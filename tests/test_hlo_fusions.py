@@ -1,0 +1,79 @@
+"""benchmarks/hlo_fusions.py: the fusions of a compiled program's HLO, their ops and bytes, joined
+with a profile's kernel times by the trace's kernel names."""
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import hlo_fusions  # noqa: E402
+
+
+def _program_text():
+    """XLA:CPU's optimized HLO of a norm, a matmul and an in-place write of a [1, 4, 32] float32
+    row into a donated [16, 4, 32] buffer."""
+    def f(x, w, pool, idx):
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        y = h @ w
+        return y * 2, pool.at[idx].set(jnp.tanh(y))
+    args = (jnp.ones((4, 64)), jnp.ones((64, 32)), jnp.zeros((16, 4, 32)), jnp.int32(3))
+    return jax.jit(f, donate_argnums=2).lower(*args).compile().as_text()
+
+
+def test_shape_bytes_and_kernel_names():
+    assert hlo_fusions.shape_bytes("bf16[64,1024]{1,0}") == 64 * 1024 * 2
+    assert hlo_fusions.shape_bytes("(f32[4,32]{1,0}, s32[])") == 4 * 32 * 4 + 4
+    assert hlo_fusions.shape_bytes("pred[]") == 1
+    assert hlo_fusions.kernel_name("select_dynamic-update-slice_fusion.3") == \
+        "select_dynamic_update_slice_fusion_3"
+
+
+def test_fusions_list_ops_and_the_bytes_they_move(on_cpu):
+    found = hlo_fusions.fusions(_program_text())
+    assert found and all(f["kernel"] == hlo_fusions.kernel_name(f["name"]) for f in found)
+    update = [f for f in found if "dynamic-update-slice" in f["ops"]]
+    assert len(update) == 1
+    # the [16, 4, 32] buffer is updated in place: neither read nor written; the row written
+    assert update[0]["write_bytes"] == 4 * 32 * 4
+    assert update[0]["read_bytes"] < 16 * 4 * 32 * 4
+    norm = [f for f in found if "rsqrt" in f["ops"]]
+    assert norm, [f["ops"] for f in found]
+    dots = [f for f in found if "dot" in f["ops"]]
+    assert dots  # XLA:CPU wraps the matmul in a fusion of its own
+    for f in dots:  # the matmul's operands: x (or its normalised copy) and w
+        assert f["read_bytes"] == 4 * 64 * 4 + 64 * 32 * 4 and f["write_bytes"] == 4 * 32 * 4
+
+
+def test_profile_rows_join_by_kernel_name(tmp_path, on_cpu, capsys):
+    text = _program_text()
+    found = hlo_fusions.fusions(text)
+    a, b = found[0], found[-1]
+    hlo = tmp_path / "m.txt"
+    hlo.write_text(text)
+    profile = {"results": [{"batch": 64, "fixed": {"profile": {"decode_steps": 10, "kernels": [
+        {"name": a["kernel"], "total_us": 500.0, "count": 20},
+        {"name": b["kernel"], "total_us": 1000.0, "count": 10},
+        {"name": "memcpy128", "total_us": 50.0, "count": 10}]}}}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    rows = hlo_fusions.main([str(hlo), "--profile", str(path), "--out", str(tmp_path / "o.json")])
+    assert [r["kernel"] for r in rows] == [b["kernel"], a["kernel"], "memcpy128"]
+    assert rows[0]["us_per_step"] == 100.0 and rows[0]["calls_per_step"] == 1.0
+    moved = (b["read_bytes"] + b["write_bytes"]) * 1.0
+    assert rows[0]["gb_s"] == pytest.approx(moved / (100.0 * 1e3))
+    assert rows[2]["kind"] == "-" and rows[2]["gb_s"] is None  # timed, but no fusion here
+    assert "profile: fixed, batch 64, 10 decode steps" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "o.json").read_text())["rows"]) == 3
+    with pytest.raises(ValueError, match="no profile with kernels for workload 'longtail'"):
+        hlo_fusions.profile_rows(str(path), "longtail")
+
+
+def test_a_file_without_fusions_is_refused(tmp_path):
+    empty = tmp_path / "e.txt"
+    empty.write_text("HloModule m\n\nENTRY %main (p: f32[2]) -> f32[2] {\n"
+                     "  ROOT %p = f32[2]{0} parameter(0)\n}\n")
+    with pytest.raises(SystemExit):
+        hlo_fusions.main([str(empty)])
