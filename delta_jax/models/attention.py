@@ -411,7 +411,10 @@ def paged_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   kernel leaves them unwritten). The compute block is the largest divisor of pages_per_seq that
   is at most pages_per_block (the kernel needs one that divides it).
   Not run on a TPU here: its numbers are checked by Pallas' TPU interpreter on the CPU and its
-  lowering for a TPU by jax.export (tests/test_attention.py)."""
+  lowering for a TPU by jax.export (tests/test_attention.py). The kernel's megacore_mode is left
+  unset: on chips with two TensorCores per device (v4, v5p) it runs on one of them (setting it
+  where a chip has one core can hang the kernel, says its documentation, and none was at hand
+  to tell the kinds apart)."""
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
 
   check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, "paged_decode_tpu")
