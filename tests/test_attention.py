@@ -370,8 +370,8 @@ def test_paged_decode_tpu_kernel_matches_reference(groups, D, page_size, pages_p
   scrambled pages with lengths 0 / 1 / mid-page / a full table; pages past the longest length's
   last compute block hold NaN (never read); a row of length 0 gives exactly 0; a float32 pool is
   refused. on_cpu: the interpreter runs where the CPU is the default device."""
-  dtype = jnp.bfloat16
   from jax.experimental.pallas import tpu as pltpu
+  dtype = jnp.bfloat16
   lengths = (0, 1, 2 * page_size + 1, 8 * page_size)
   q, kp, vp, tables, lengths, _, _ = paged_case(13, G=groups, D=D, page_size=page_size,
                                                 pages_per_seq=8, lengths=lengths, dtype=dtype,
