@@ -11,8 +11,8 @@ reads and writes and the rate that makes, off the GPU (issue #15's batch-64 gap)
 Input: one optimized HLO module as text (XLA's --xla_dump_to *after_optimizations.txt, or a
 compiled program's as_text()). Every fusion instruction of every computation (a while loop's body
 included) is listed with its kind (kLoop, kInput, kCustom: Triton GEMMs, ...), its output shape,
-the ops of the computation it calls (nested calls followed; parameters, constants, bitcasts and
-tuples left out) and its bytes: the shapes of its operands read (the fused computation's
+the ops of the computation it calls (nested fusions followed, a reduce's reducer not;
+parameters, constants, bitcasts and tuples left out) and its bytes: the shapes of its operands read (the fused computation's
 parameters) and of its output written. For a fusion whose root updates a buffer in place
 (dynamic-update-slice, scatter) the buffer it updates counts neither as read nor as written, the
 update as written: what the kernel moves, not the size of the buffer it is given.
@@ -93,25 +93,24 @@ def parse_module(text: str) -> dict:
 
 
 def _called(instruction: dict) -> list[str]:
-    """The computations an instruction calls (calls=, to_apply=, body= ...)."""
-    return [m.lstrip("%") for m in re.findall(
-        r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?",
-        instruction["text"]) for m in m.split(",") if m.strip()]
+    """The computations an instruction calls with calls= (a fusion's body, a nested fusion's);
+    a reduce's to_apply is not followed: the reduce is the op."""
+    found = re.search(r"\bcalls=\{?([%\w.\-, ]+)\}?", instruction["text"])
+    return [c.strip().lstrip("%") for c in found.group(1).split(",")] if found else []
 
 
 def _ops(computations: dict, name: str, seen=None) -> collections.Counter:
+    """Opcode counts of a computation, nested fusions' bodies counted in place of them."""
     seen = set() if seen is None else seen
     counts = collections.Counter()
     if name in seen or name not in computations:
         return counts
     seen.add(name)
     for ins in computations[name]:
-        if ins["opcode"] == "fusion" or _called(ins):
+        if ins["opcode"] == "fusion":
             for sub in _called(ins):
-                counts += _ops(computations, sub.strip(), seen)
-            if ins["opcode"] == "fusion":
-                continue
-        if ins["opcode"] not in SKIPPED_OPS:
+                counts += _ops(computations, sub, seen)
+        elif ins["opcode"] not in SKIPPED_OPS:
             counts[ins["opcode"]] += 1
     return counts
 

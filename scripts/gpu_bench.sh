@@ -257,7 +257,7 @@ for s in "$@"; do
       for hlo in "$OUT"/hlo/*jit_decode.*after_optimizations.txt; do
         [ -f "$hlo" ] && stage decode_anatomy_fusions 60 python3 benchmarks/hlo_fusions.py \
           "$hlo" --profile "$OUT/decode_anatomy$SUFFIX.json" \
-          --out "$OUT/decode_anatomy_fusions$SUFFIX.json"
+          --out "$OUT/decode_anatomy_fusions_$(basename "$hlo" | cut -d. -f1)$SUFFIX.json"
       done ;;
     decode_gemm)  # issue 15: the decode step's weight matmuls alone (benchmarks/decode_gemm.py,
                   # Qwen3-0.6B shape, bf16, 64 and 256 rows): XLA's dot and its GEMM choices,

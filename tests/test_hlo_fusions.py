@@ -71,6 +71,41 @@ def test_profile_rows_join_by_kernel_name(tmp_path, on_cpu, capsys):
         hlo_fusions.profile_rows(str(path), "longtail")
 
 
+def test_nested_fusions_are_followed_and_reducers_are_not():
+    """A fusion's ops count a nested fusion's body in its place, and a reduce as one op (its
+    reducer's add is the reduce, not an op of the kernel); GPU dumps name instructions without
+    "%" too."""
+    text = """HloModule m
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+
+inner {
+  p = f32[8,4]{1,0} parameter(0)
+  ROOT t = f32[8,4]{1,0} tanh(p)
+}
+
+outer {
+  p0 = f32[8,4]{1,0} parameter(0)
+  z = f32[] constant(0)
+  n = f32[8,4]{1,0} fusion(p0), kind=kLoop, calls=inner
+  m = f32[8,4]{1,0} multiply(n, n)
+  ROOT r = f32[8]{0} reduce(m, z), dimensions={1}, to_apply=add
+}
+
+ENTRY main {
+  x = f32[8,4]{1,0} parameter(0)
+  ROOT f = f32[8]{0} fusion(x), kind=kInput, calls=outer
+}
+"""
+    (f,) = [f for f in hlo_fusions.fusions(text) if f["name"] == "f"]
+    assert f["ops"] == {"tanh": 1, "multiply": 1, "reduce": 1}
+    assert (f["kind"], f["read_bytes"], f["write_bytes"]) == ("kInput", 8 * 4 * 4, 8 * 4)
+
+
 def test_a_file_without_fusions_is_refused(tmp_path):
     empty = tmp_path / "e.txt"
     empty.write_text("HloModule m\n\nENTRY %main (p: f32[2]) -> f32[2] {\n"
