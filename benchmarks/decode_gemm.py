@@ -22,15 +22,21 @@ the compute dtype, without the norms and rotary in between):
   down     act [B, I] -> [B, H]
   lm_head  hidden [B, H] -> float32 logits [B, V] (once a step, not per layer)
 Variants: "xla" (the model's einsums), "splitk<s>" (the contraction cut into s parts, a batched
-dot over the parts with float32 partial sums added after: models.split_k_matmul, what the decode
-runs with Sampler(decode_split_k=s); s must divide every contraction),
+dot over the parts with float32 partial sums added after; s must divide every contraction),
 "concat" (qkv and gate_up only: one dot against the weights concatenated beforehand, as a
 decode_layers() copy could hold them).
 
 Bytes: the weights read once (inputs and outputs are ~1% beside them at 64 rows); limit = bytes /
 the copy bandwidth measured in the same process (kernels.timing: read + write of a --copy-mib
-float32 array, chains of copies waited for once). Timing: kernels.timing.median_seconds, calls
-back to back and waited for once (an ~80 us call waited for alone reads ~150 us more on an H200).
+float32 array, chains of copies waited for once). Timing, two figures:
+  - device time (where the backend's profiler trace has device events, i.e. a GPU): --trace-calls
+    calls run under jax.profiler.trace, the device events' summed time per call (the GEMM
+    kernels and whatever else the program runs, e.g. a split-K's partial-sum reduction). The
+    rates and % of copy come from it where present.
+  - wall time: kernels.timing.median_seconds, calls back to back and waited for once. For
+    matmuls of a few microseconds this is the host's dispatch rate, not the GPU's: on an H200
+    (2026-11-26, sixth run) every layer matmul read ~40-70 us a call, where the same GEMM fusions
+    inside the decode program took 4-7 us of device time. Hence the device figure.
 Each variant's output is compared with "xla"'s (max abs error; bf16 outputs), and its compiled
 program's XLA memory analysis on the backend it runs on is recorded (temporaries printed: split-K's
 float32 partial sums are s x the output). On a GPU each
@@ -65,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--calls", type=int, default=0,
                    help="calls per timed sample (0: enough for ~20 ms, kernels.timing)")
+    p.add_argument("--trace-calls", type=int, default=50,
+                   help="calls run under the profiler for the device time (0: none)")
+    p.add_argument("--trace-dir", default="/tmp/decode_gemm_trace",
+                   help="where the profiler traces go (one folder per variant)")
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_gemm.json")
@@ -73,6 +83,8 @@ def parse_args(argv=None):
         p.error("--split-k values must be >= 2 (1 is the 'xla' variant)")
     if args.calls < 0:
         p.error("--calls must be >= 0 (0: automatic)")
+    if args.trace_calls < 0:
+        p.error("--trace-calls must be >= 0 (0: no profiler trace)")
     return args
 
 
@@ -92,14 +104,17 @@ def group_weights(cfg: models.ModelConfig, group: str, key, dtype) -> dict:
 
 def dot(x, w, parts: int = 1, out_dtype=None):
     """x [B, C] @ w [C, F]: one dot (parts = 1; as the model writes it: x's dtype out, or float32
-    asked of the dot as the LM head does), or the model's split-K form of it
-    (models.split_k_matmul, what Sampler(decode_split_k=parts) runs). Output in out_dtype
-    (default x's)."""
+    asked of the dot as the LM head does), or the contraction in `parts` slices as one batched
+    dot with float32 partial sums added after. Output in out_dtype (default x's)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if parts == 1:
         preferred = jnp.float32 if out_dtype == jnp.float32 else None
         return jnp.einsum("bc,cf->bf", x, w, preferred_element_type=preferred).astype(out_dtype)
-    return models.split_k_matmul(x, w, parts, out_dtype)
+    B, C = x.shape
+    xs = x.reshape(B, parts, C // parts)
+    ws = w.reshape(parts, C // parts, w.shape[1])
+    partial = jnp.einsum("bsc,scf->sbf", xs, ws, preferred_element_type=jnp.float32)
+    return partial.sum(axis=0).astype(out_dtype)
 
 
 def group_fn(group: str, variant: str):
@@ -158,6 +173,15 @@ def gemm_configs(compiled_text: str) -> list[str]:
     return found
 
 
+def device_seconds_per_call(folder, program, operands, calls: int):
+    """The device time of one call of program(*operands): `calls` calls dispatched back to back
+    under the profiler, the trace's device events summed (kernels.timing.traced_kernels) and
+    divided by `calls`. None where the trace has no device events (XLA:CPU)."""
+    _, _, device_s = timing.traced_kernels(folder, lambda: [program(*operands)
+                                                            for _ in range(calls)])
+    return None if device_s is None else device_s / calls
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = models.get_preset(args.preset)
@@ -203,9 +227,17 @@ def main(argv=None):
                     seconds, samples = timing.median_seconds(program, *operands,
                                                              warmup=args.warmup, iters=args.iters,
                                                              calls=calls)
+                    device_s = None
+                    if args.trace_calls:
+                        device_s = device_seconds_per_call(
+                            f"{args.trace_dir}/{group}_b{batch}_{variant}", program, operands,
+                            args.trace_calls)
+                    rate_s = seconds if device_s is None else device_s
                     row.update(us=seconds * 1e6, samples_us=[s * 1e6 for s in samples],
-                               gb_s=weight_bytes / seconds / 1e9,
-                               pct_copy=100 * weight_bytes / seconds / bandwidth, ok=True)
+                               device_us=None if device_s is None else device_s * 1e6,
+                               rate_from="wall" if device_s is None else "device",
+                               gb_s=weight_bytes / rate_s / 1e9,
+                               pct_copy=100 * weight_bytes / rate_s / bandwidth, ok=True)
                 except Exception as e:  # a variant that fails is recorded and the run goes on
                     row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
                     traceback.print_exc(file=sys.stderr)
@@ -213,15 +245,19 @@ def main(argv=None):
                 configs = row.get("gemm_configs")
                 temp = row.get("compiled_memory", {}).get("temp_bytes")
                 print(f"  {group:8s} B={batch:4d} {variant:8s} "
-                      + (f"{row['us']:9.1f} us {row['gb_s']:7.1f} GB/s {row['pct_copy']:5.1f}% "
-                         f"of copy  err {row['max_abs_error']:.1e}  temp "
+                      + (f"wall {row['us']:8.1f} us  device "
+                         + ("     n/a" if row["device_us"] is None else f"{row['device_us']:8.1f}")
+                         + f" us {row['gb_s']:7.1f} GB/s {row['pct_copy']:5.1f}% "
+                         f"of copy ({row['rate_from']})  err {row['max_abs_error']:.1e}  temp "
                          f"{'n/a' if temp is None else f'{temp / 2**20:.2f} MiB'}"
                          if row["ok"] else f"failed: {row['error'][:120]}")
                       + (f"  XLA: {'; '.join(configs)}" if configs else ""), flush=True)
     timing.print_table(
-        "decode matmuls (weights read once; % of the copy bandwidth measured above)",
+        "decode matmuls (weights read once; rates from the device time where traced, else the "
+        "wall time; % of the copy bandwidth measured above)",
         [("group", "group", "9s"), ("batch", "batch", "6d"), ("variant", "variant", "9s"),
-         ("us", "us", "10.1f"), ("GB/s", "gb_s", "8.1f"), ("% copy", "pct_copy", "7.1f"),
+         ("wall us", "us", "10.1f"), ("device us", "device_us", "10.1f"),
+         ("GB/s", "gb_s", "8.1f"), ("% copy", "pct_copy", "7.1f"),
          ("max err", "max_abs_error", "9.1e")],
         [r for r in rows if r["ok"]])
     timing.write_json(args.out, {"preset": args.preset, "dtype": args.dtype,

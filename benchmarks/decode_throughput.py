@@ -132,9 +132,6 @@ def parse_args(argv=None):
     p.add_argument("--mosaic-kernel", type=int, nargs=3, default=None,
                    metavar=("K_SPLITS", "PAGES_PER_BLOCK", "STAGES"),
                    help="the Mosaic GPU decode kernel's parameters (default: its own)")
-    p.add_argument("--split-k", type=int, default=1,
-                   help="Sampler(decode_split_k=): the decode's layer matmuls with their "
-                        "contraction cut into this many slices (1: one dot each)")
     p.add_argument("--output", default="decode_throughput.json")
     p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -144,10 +141,6 @@ def parse_args(argv=None):
         p.error("--refill-after must be >= 0 (0: the Sampler's default)")
     if args.refill_queue < -1:
         p.error("--refill-queue must be >= -1 (-1: the Sampler's default)")
-    try:
-        models.check_split_k(model_config(args), args.split_k, "--split-k")
-    except ValueError as e:
-        p.error(str(e))
     if args.mosaic_kernel is not None:
         cfg = model_config(args)
         problem = paged_decode.config_problem(
@@ -280,8 +273,7 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True) ->
                    kv_budget_bytes=budget, continuous=continuous,
                    prefill_ahead=not args.no_prefill_ahead,
                    refill_after=args.refill_after or None,
-                   refill_queue=None if args.refill_queue < 0 else args.refill_queue,
-                   decode_split_k=args.split_k)
+                   refill_queue=None if args.refill_queue < 0 else args.refill_queue)
 
 
 def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list:

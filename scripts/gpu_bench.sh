@@ -24,7 +24,6 @@
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
 #   bash scripts/gpu_bench.sh decode_gemm        # the decode's weight matmuls alone, split-K (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
-#   bash scripts/gpu_bench.sh decode_splitk      # batch-64 decode, layer matmuls split-K 1 / 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
@@ -227,16 +226,6 @@ for s in "$@"; do
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
       done ;;
-    decode_splitk)  # issue 15: the fixed workload at batch 64 with the decode's layer matmuls
-                    # in split-K form (Sampler(decode_split_k=), benchmarks/decode_gemm.py's
-                    # splitk variants inside the whole decode), one process per split:
-                    # SPLIT_K_VARIANTS (default 1 2 4; 1 = one dot each, today's decode)
-      for split in ${SPLIT_K_VARIANTS:-1 2 4}; do
-        stage "decode_splitk_$split" 180 python3 benchmarks/decode_throughput.py \
-          --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
-          --decode-attention "$DECODE" --workload fixed --hf never --repeats 1 \
-          --split-k "$split" --output "$OUT/decode_splitk$split$SUFFIX.json"
-      done ;;
     decode_anatomy)  # issue 15: what each kernel of a batch-64 decode step is. The fixed
                      # workload at batch 64 (256 new tokens: the same per-step program), traced
                      # (device time by kernel) with XLA's optimized HLO of the decode program
@@ -262,7 +251,9 @@ for s in "$@"; do
     decode_gemm)  # issue 15: the decode step's weight matmuls alone (benchmarks/decode_gemm.py,
                   # Qwen3-0.6B shape, bf16, 64 and 256 rows): XLA's dot and its GEMM choices,
                   # split-K 2 / 4 / 8 and concatenated weights, against the copy rate measured
-                  # in the same process (the batch-64 step's four matmul fusions ran at ~1.4 TB/s)
+                  # in the same process. Rates from each program's device time (profiler
+                  # trace): the wall time of a few-microsecond matmul is the host's dispatch
+                  # rate (~40-70 us a call on an H200, sixth run). ~1-2 minutes.
       stage decode_gemm 240 python3 benchmarks/decode_gemm.py --batch 64 256 \
         --out "$OUT/decode_gemm.json" ;;
     tunix)  # issue 15: the peer, google-tunix 0.1.7's JAX sampler (.whl/tunix_decode.py from

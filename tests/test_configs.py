@@ -161,7 +161,6 @@ def test_unknown_and_mistyped_fields_in_a_config_file():
     ("--config.rewards.name=math_typo", "rewards.name"),
     ("--config.rewards.num_workers=0", "rewards.num_workers"),
     ("--config.rewards.timeout_s=0.0", "rewards.timeout_s"),
-    ("--config.rollout.decode_split_k=0", "rollout.decode_split_k"),
 ])
 def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
     """Each of these used to pass validation and fail only later (a ZeroDivisionError after SFT

@@ -44,11 +44,15 @@ def test_a_tiny_run_records_every_group_and_variant(tmp_path):
   out = tmp_path / "gemm.json"
   rows = decode_gemm.main(["--preset", "tiny", "--dtype", "float32", "--batch", "4",
                            "--split-k", "2", "--iters", "1", "--warmup", "1", "--calls", "1",
+                           "--trace-calls", "2", "--trace-dir", str(tmp_path / "trace"),
                            "--copy-mib", "4", "--out", str(out)])
   seen = {(r["group"], r["variant"]) for r in rows}
   assert seen == {(g, v) for g in decode_gemm.GROUPS for v in ("xla", "splitk2")} | {
       ("qkv", "concat"), ("gate_up", "concat")}
   assert all(r["ok"] and r["us"] > 0 and r["max_abs_error"] < 1e-4 for r in rows), rows
+  # XLA:CPU's trace has no device events: the rates come from the wall time
+  assert all(r["device_us"] is None and r["rate_from"] == "wall" for r in rows), rows
+  assert all(abs(r["gb_s"] - r["weight_bytes"] / r["us"] / 1e3) < 1e-6 * r["gb_s"] for r in rows)
   record = json.loads(out.read_text())
   assert record["copy_bandwidth_gb_s"] > 0 and len(record["results"]) == len(rows)
   for r in rows:  # each program's compiled memory analysis, from the backend it ran on
@@ -58,3 +62,23 @@ def test_a_tiny_run_records_every_group_and_variant(tmp_path):
   # (on XLA:CPU the plain dot needs none; a GPU adds its GEMM workspace to both)
   down = {r["variant"]: r["compiled_memory"]["temp_bytes"] for r in rows if r["group"] == "down"}
   assert down["splitk2"] >= 2 * 4 * 64 * 4, down
+
+
+def test_rates_come_from_the_device_time_where_a_trace_has_one(tmp_path, monkeypatch):
+  """Where the profiler reports device time (a GPU), each call's device time is the traced
+  device time over the calls run under the trace, and the rates come from it, not from the wall
+  time (dispatch-bound for a few-microsecond matmul)."""
+  runs = []
+
+  def fake_traced(folder, fn):  # what timing.traced_kernels returns on a GPU: 2 ms of device time
+    runs.append(len(fn()))
+    return None, [], 2e-3
+  monkeypatch.setattr(decode_gemm.timing, "traced_kernels", fake_traced)
+  rows = decode_gemm.main(["--preset", "tiny", "--dtype", "float32", "--batch", "4",
+                           "--groups", "down", "--split-k", "2", "--iters", "1", "--warmup", "1",
+                           "--calls", "1", "--trace-calls", "8", "--copy-mib", "4",
+                           "--out", str(tmp_path / "gemm.json")])
+  assert runs == [8, 8]  # xla, splitk2: 8 calls each under the trace
+  for r in rows:
+    assert r["rate_from"] == "device" and r["device_us"] == pytest.approx(250.0)
+    assert r["gb_s"] == pytest.approx(r["weight_bytes"] / 250e-6 / 1e9)

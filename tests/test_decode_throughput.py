@@ -57,18 +57,6 @@ def test_refill_options_reach_the_sampler():
             bench.parse_args(bad)
 
 
-def test_split_k_reaches_the_sampler_and_bad_splits_are_refused():
-    from flax import nnx
-
-    from delta_jax import models
-    args = bench.parse_args(["--preset", "tiny", "--split-k", "4"])
-    model = models.Transformer(bench.model_config(args), rngs=nnx.Rngs(0))
-    assert bench.make_sampler(model, 8, "auto", args).decode_split_k == 4
-    for bad in (["--split-k", "3"], ["--split-k", "0"]):  # tiny: hidden 64
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--preset", "tiny"] + bad)
-
-
 def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
     """The whole benchmark on the CPU at a tiny shape (what a GPU call would find broken
     otherwise): the fixed workload's decode rate and the long tail's continuous and static

@@ -199,15 +199,13 @@ def test_kv_cache_decoding_matches_full_forward(model):
   assert step._cache_size() == 2  # one prefill + one decode program
 
 
-@pytest.mark.parametrize("which,split_k", [("model", 1), ("lora_model", 1), ("model", 4),
-                                           ("lora_model", 2)])
-def test_paged_decoding_matches_full_forward(request, which, split_k):
+@pytest.mark.parametrize("which", ["model", "lora_model"])
+def test_paged_decoding_matches_full_forward(request, which):
   """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
   by token with decode_paged (rows of different lengths, padding rows with write page -1):
   the logits of a full forward pass, and padding rows write nothing (the scratch page 0, which
   no table entry of a live row names, stays zero). With LoRA the decode step runs the merged
-  weights (DecoderLayers.unstacked), the full pass the unmerged adapters. split_k > 1: the
-  decode's layer matmuls in split-K form (Sampler(decode_split_k=)), the same logits."""
+  weights (DecoderLayers.unstacked), the full pass the unmerged adapters."""
   model = request.getfixturevalue(which)
   rng = np.random.RandomState(5)
   B, G, page_size, pages_per_seq = 3, 6, 4, 4
@@ -221,8 +219,7 @@ def test_paged_decoding_matches_full_forward(request, which, split_k):
   @jax.jit
   def step(state, cache, tokens, positions, lengths, page, offset):
     m = nnx.merge(graphdef, state)
-    return m.decode_paged(tokens, positions, cache, jnp.asarray(tables), lengths, page, offset,
-                          split_k=split_k)
+    return m.decode_paged(tokens, positions, cache, jnp.asarray(tables), lengths, page, offset)
 
   # Prefill every prompt but its last token (the engine's convention), one row at a time.
   for b, n in enumerate(prompt_lens):
@@ -259,38 +256,6 @@ def test_paged_decoding_matches_full_forward(request, which, split_k):
   assert len(cache.k) == CFG.num_layers and cache.k[0].shape == (
       CFG.num_kv_heads, num_pages, page_size, CFG.head_dim)
   assert not any(np.asarray(pool[:, 0]).any() for pool in cache.k + cache.v)
-
-
-@pytest.mark.parametrize("x_shape,w_shape,parts", [((3, 1, 64), (64, 4, 32), 4),
-                                                     ((5, 128), (128, 64), 8),
-                                                     ((2, 1, 96), (96, 7), 3)])
-def test_split_k_matmul_is_the_product(x_shape, w_shape, parts):
-  """The contraction in `parts` slices with float32 partial sums: x @ w (float64 numpy) to
-  float32 rounding, for the decode's weight shapes (a [H, N, D] projection, a 2-D one, a split
-  that is not a power of two); bfloat16 in, bfloat16 out; a split that does not divide the
-  contraction is refused."""
-  rng = np.random.RandomState(parts)
-  x, w = rng.randn(*x_shape).astype(np.float32), rng.randn(*w_shape).astype(np.float32)
-  want = np.tensordot(x.astype(np.float64), w.astype(np.float64), axes=1)
-  got = models.split_k_matmul(jnp.asarray(x), jnp.asarray(w), parts)
-  assert got.shape == want.shape and got.dtype == jnp.float32
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-  low = models.split_k_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), parts)
-  assert low.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(low, np.float32), want, rtol=5e-2, atol=0.25)
-  with pytest.raises(ValueError, match="5 parts do not divide the contraction of"):
-    models.split_k_matmul(jnp.asarray(x), jnp.asarray(w), 5)
-
-
-def test_check_split_k_names_the_field_and_the_size():
-  models.check_split_k(CFG, 4, "decode_split_k")  # 64 / 128 / 128 all divide
-  with pytest.raises(ValueError, match="decode_split_k 3 must divide the model's hidden_size 64"):
-    models.check_split_k(CFG, 3, "decode_split_k")
-  with pytest.raises(ValueError, match="decode_split_k must be an int >= 1, got 0"):
-    models.check_split_k(CFG, 0, "decode_split_k")
-  wide = CFG.replace(intermediate_size=96)
-  with pytest.raises(ValueError, match="must divide the model's intermediate_size 96"):
-    models.check_split_k(wide, 64, "decode_split_k")
 
 
 def test_bfloat16_policy_close_to_float32(model):

@@ -268,29 +268,6 @@ def test_stop_tokens_and_truncation(tiny_model, sampler):
     assert one.response_ids == [[[first]]] and one.stats["decode_steps"] == 1
 
 
-def test_split_k_decode_generates_the_same_samples(tiny_model, sampler, monkeypatch):
-    """Sampler(decode_split_k=4): the decode's layer matmuls in split-K form give the same
-    sampled tokens (temperature 1, per-sample seeds) and log-probs within float32 rounding as
-    one dot each; a split that does not divide the model's contractions is refused at start-up,
-    naming the argument."""
-    from delta_jax.models import transformer
-    kwargs = dict(n=3, max_new_tokens=10, temperature=1.0, seed=5)
-    want = sampler.generate(PROMPTS, **kwargs)
-    parts, split_k_matmul = [], transformer.split_k_matmul
-    monkeypatch.setattr(transformer, "split_k_matmul",
-                        lambda x, w, n, *a: parts.append(n) or split_k_matmul(x, w, n, *a))
-    split = Sampler(tiny_model, max_batch_size=16, decode_split_k=4)
-    got = split.generate(PROMPTS, **kwargs)
-    # traced into the decode program: 7 matmuls a layer, each split in 4
-    assert parts == [4] * 7 * tiny_model.cfg.num_layers
-    assert got.response_ids == want.response_ids
-    np.testing.assert_allclose(np.concatenate(sum(got.logprobs, [])),
-                               np.concatenate(sum(want.logprobs, [])), atol=1e-5)
-    with pytest.raises(ValueError,
-                       match=r"\(rollout.decode_split_k\) 3 must divide the model's hidden"):
-        Sampler(tiny_model, decode_split_k=3)
-
-
 def test_tpu_decode_kernel_generates_what_the_reference_does(monkeypatch, on_cpu):
     """The rollout engine with rollout.decode_attention="tpu" (pallas.ops' TPU paged attention,
     run by Pallas' TPU interpreter in every layer of every decode step; a TPU stood in for; tiny

@@ -19,15 +19,14 @@ from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, conf
                                     save_peft_adapter, save_pretrained)
 from delta_jax.models.logprobs import logprobs_from_logits, map_sequence_chunks, token_logprobs
 from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
-from delta_jax.models.transformer import (LAYER_AXES, LoRAParam, ModelOutput, Transformer,
-                                         check_split_k, split_k_matmul)
+from delta_jax.models.transformer import LAYER_AXES, LoRAParam, ModelOutput, Transformer
 
 __all__ = [
     "CACHE_AXES", "CheckpointError", "KVCache", "LAYER_AXES", "LORA_TARGETS", "LoRAParam",
     "ModelConfig", "ModelOutput",
     "PAGE_AXES", "PRESETS", "PagedKVCache", "REMAT_POLICIES", "Tokenizer", "Transformer",
     "UnsupportedModelError", "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict",
-    "check_split_k", "init_cache", "init_paged_cache", "load_tokenizer", "logprobs_from_logits",
+    "init_cache", "init_paged_cache", "load_tokenizer", "logprobs_from_logits",
     "map_sequence_chunks", "page_bytes", "read_config_json", "save_peft_adapter", "save_pretrained",
-    "split_k_matmul", "token_logprobs",
+    "token_logprobs",
 ]

@@ -192,69 +192,31 @@ def _attend(cfg: ModelConfig, q, k, v, q_offset, kv_valid) -> jax.Array:
                           block_kv=cfg.attention_block_kv)
 
 
-def split_k_matmul(x: jax.Array, w: jax.Array, parts: int, out_dtype=None) -> jax.Array:
-  """x [..., C] @ w [C, *out] -> [..., *out] in out_dtype (x's by default), the contraction cut
-  into `parts` slices: one dot batched over the slices (both reshapes are free views) with
-  float32 partial sums, added after. The same product as one dot up to float32 rounding of the
-  partial sums; for a GPU decode step, whose 64-row matmuls may leave most of the GPU idle when
-  each output tile reads a whole contraction (benchmarks/decode_gemm.py measures both). parts
-  must divide C."""
-  C = x.shape[-1]
-  if C % parts:
-    raise ValueError(f"split_k_matmul: {parts} parts do not divide the contraction of {C}")
-  xs = x.reshape(*x.shape[:-1], parts, C // parts)
-  ws = w.reshape(parts, C // parts, *w.shape[1:])
-  partial = jax.lax.dot_general(xs, ws, (((x.ndim,), (1,)), ((x.ndim - 1,), (0,))),
-                                preferred_element_type=jnp.float32)   # [parts, ..., *out]
-  return partial.sum(axis=0).astype(out_dtype or x.dtype)
-
-
-def check_split_k(cfg: ModelConfig, split_k, field: str = "split_k") -> None:
-  """A ValueError naming `field` unless split_k (an int >= 1) divides every contraction of a
-  layer's weight matmuls: hidden_size (q / k / v, gate / up), num_heads * head_dim (o) and
-  intermediate_size (down)."""
-  if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
-    raise ValueError(f"{field} must be an int >= 1, got {split_k!r}")
-  for name, size in (("hidden_size", cfg.hidden_size),
-                     ("num_heads * head_dim", cfg.num_heads * cfg.head_dim),
-                     ("intermediate_size", cfg.intermediate_size)):
-    if size % split_k:
-      raise ValueError(f"{field} {split_k} must divide the model's {name} {size}")
-
-
-def _matmul(spec: str, x: jax.Array, w: jax.Array, split_k: int) -> jax.Array:
-  """A projection as the model writes it (einsum `spec`, x's last axis against w's first), or
-  split_k_matmul's form of it when split_k > 1."""
-  return jnp.einsum(spec, x, w) if split_k == 1 else split_k_matmul(x, w, split_k)
-
-
-def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin, split_k: int = 1):
+def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
   """Pre-norm, q/k/v projections, optional per-head q/k RMSNorm and RoPE."""
   h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-  q = _lora(cfg, p, "q_proj", h, _matmul("bth,hnd->btnd", h, p["q_proj"], split_k))
-  k = _lora(cfg, p, "k_proj", h, _matmul("bth,hkd->btkd", h, p["k_proj"], split_k))
-  v = _lora(cfg, p, "v_proj", h, _matmul("bth,hkd->btkd", h, p["v_proj"], split_k))
+  q = _lora(cfg, p, "q_proj", h, jnp.einsum("bth,hnd->btnd", h, p["q_proj"]))
+  k = _lora(cfg, p, "k_proj", h, jnp.einsum("bth,hkd->btkd", h, p["k_proj"]))
+  v = _lora(cfg, p, "v_proj", h, jnp.einsum("bth,hkd->btkd", h, p["v_proj"]))
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array,
-                  split_k: int = 1) -> jax.Array:
+def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
   """Output projection + residual, then the SwiGLU MLP block + residual."""
   # One [B, T, N*D] x [N*D, H] matmul: both reshapes are free views, and XLA otherwise
   # transposes the [N, D, H] weight in every layer of every decode step.
   b, t, n, d = attn.shape
   o_proj = p["o_proj"].reshape(n * d, -1)
   x = x + _lora(cfg, p, "o_proj", attn,
-                _matmul("btf,fh->bth", attn.reshape(b, t, n * d), o_proj, split_k))
+                jnp.einsum("btf,fh->bth", attn.reshape(b, t, n * d), o_proj))
   h = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
-  gate = _lora(cfg, p, "gate_proj", h, _matmul("bth,hi->bti", h, p["gate_proj"], split_k))
-  up = _lora(cfg, p, "up_proj", h, _matmul("bth,hi->bti", h, p["up_proj"], split_k))
+  gate = _lora(cfg, p, "gate_proj", h, jnp.einsum("bth,hi->bti", h, p["gate_proj"]))
+  up = _lora(cfg, p, "up_proj", h, jnp.einsum("bth,hi->bti", h, p["up_proj"]))
   act = jax.nn.silu(gate) * up
-  return x + _lora(cfg, p, "down_proj", act,
-                   _matmul("bti,ih->bth", act, p["down_proj"], split_k))
+  return x + _lora(cfg, p, "down_proj", act, jnp.einsum("bti,ih->bth", act, p["down_proj"]))
 
 
 def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
@@ -465,7 +427,7 @@ class Transformer(nnx.Module):
                    block_tables: jax.Array, lengths: jax.Array, write_page: jax.Array,
                    write_offset: jax.Array, *, attention_impl: str = "auto",
                    pages_per_block: int = attention.DECODE_PAGES_PER_BLOCK, mesh=None,
-                   batch_axes=(), layers=None, split_k: int = 1):
+                   batch_axes=(), layers=None):
     """One decode step of B sequences against a paged cache.
 
     tokens, positions: int32 [B], each sequence's input token and its position (RoPE).
@@ -477,8 +439,7 @@ class Transformer(nnx.Module):
     mesh / batch_axes: a pool whose page axis is split over these mesh axes (write_page and
     block_tables then hold each row's shard-LOCAL page ids; attention.paged_write_attend).
     layers: self.decode_layers(), taken by a caller that loops over decode steps before its loop
-    (default: sliced here). split_k: the layers' weight matmuls in split_k_matmul's form when > 1
-    (it must divide hidden_size, num_heads * head_dim and intermediate_size; check_split_k).
+    (default: sliced here).
     Returns (logits float32 [B, V], the updated PagedKVCache); donate the cache to the jitted
     caller so every write happens in place.
     """
@@ -493,13 +454,13 @@ class Transformer(nnx.Module):
     new_k, new_v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers):
       p = _cast_layer(cfg, layers[i])  # a no-op on decode_layers()
-      q, k, v = _project_qkv(cfg, p, x, cos, sin, split_k)  # [B, 1, N, D], [B, 1, K, D]
+      q, k, v = _project_qkv(cfg, p, x, cos, sin)          # [B, 1, N, D], [B, 1, K, D]
       # [K, B, D] written at (page, offset) of each row (a scatter into the layer's pool), then
       # attention over the pool, read in place.
       attn, new_k[i], new_v[i] = attention.paged_write_attend(
           q[:, 0], k[:, 0], v[:, 0], new_k[i], new_v[i], write_page, write_offset, block_tables,
           lengths, impl=attention_impl, pages_per_block=pages_per_block, mesh=mesh,
           batch_axes=batch_axes)
-      x = _finish_layer(cfg, p, x, attn[:, None], split_k)
+      x = _finish_layer(cfg, p, x, attn[:, None])
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return self.logits(hidden)[:, 0], PagedKVCache(k=tuple(new_k), v=tuple(new_v))

@@ -117,11 +117,11 @@ class Rows(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "use_top_p",
                                              "greedy", "attention_impl", "pages_per_block",
-                                             "batch_spec", "split_k"),
+                                             "batch_spec"),
                    donate_argnames=("cache",))
 def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, queue: Rows, seed,
            stop_ids, temperature, top_p, pad_id, exit_after, *, num_steps, top_k, use_top_p,
-           greedy, attention_impl="auto", pages_per_block=8, batch_spec=None, split_k=1):
+           greedy, attention_impl="auto", pages_per_block=8, batch_spec=None):
     """Up to num_steps decode steps for all S slots, refilling each slot whose sample finishes
     with the next staged sample of the queue; returns early once `exit_after` slots have
     finished with no staged sample left to take them (so the scheduler can refill them) or none
@@ -135,8 +135,7 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
     slots, and each shard's active entries come first. A slot that finishes at a step takes its
     shard's next entry (slots in index order, entries in queue order) and decodes it from the
     next step. seed: uint32; stop_ids: int32 [num_stop] (-1 = unused); temperature, top_p,
-    pad_id, exit_after: traced scalars. split_k: the layers' weight matmuls in
-    models.transformer.split_k_matmul's form when > 1 (Sampler(decode_split_k=)).
+    pad_id, exit_after: traced scalars.
     Returns (cache, tokens int32 [S, num_steps], logprobs, tempered_logprobs float32
     [S, num_steps], owner int32 [S, num_steps], steps int32): owner[s, t] says whose token
     tokens[s, t] is: -1 the sample in slot s at entry, q >= 0 queue entry q, -2 none (the slot
@@ -194,7 +193,7 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
         logits, cache = model.decode_paged(
             rows.token, length, cache, rows.tables, jnp.where(active, length + 1, 0), page,
             offset, attention_impl=attention_impl, pages_per_block=pages_per_block,
-            mesh=mesh, batch_axes=batch_axes or (), layers=layers, split_k=split_k)
+            mesh=mesh, batch_axes=batch_axes or (), layers=layers)
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(row_keys, impl=impl),
                                             rows.generated)
         new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,

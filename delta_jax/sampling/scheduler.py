@@ -132,11 +132,6 @@ class Sampler:
       Default max(1, slots // 16): each call costs the device about a decode step of idle time
       (the host's work between calls), each slot left free until then a share of a step. Never
       changes the tokens.
-    decode_split_k: the decode step's layer matmuls with their contraction cut into this many
-      slices (models.transformer.split_k_matmul; 1, the default, is one dot each): an
-      experiment for the GPU decode's 64-row matmuls, which benchmarks/decode_gemm.py and
-      decode_throughput.py --split-k measure; not measured on a GPU yet. Changes the log-probs
-      by float32 rounding of the partial sums (and so, rarely, a sampled token).
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -147,7 +142,7 @@ class Sampler:
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
                  decode_attention: str = "auto", continuous: bool = True,
                  prefill_ahead: bool = True, refill_after: Optional[int] = None,
-                 refill_queue: Optional[int] = None, decode_split_k: int = 1):
+                 refill_queue: Optional[int] = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -168,7 +163,6 @@ class Sampler:
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
         cfg = model.cfg
-        models.check_split_k(cfg, decode_split_k, "decode_split_k (rollout.decode_split_k)")
         problem = dict(dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=page_size,
                        group=cfg.num_heads // cfg.num_kv_heads)
         # Validates the name; "auto" picks the Mosaic GPU kernel only where it takes the problem.
@@ -193,7 +187,6 @@ class Sampler:
         self.decode_steps_per_call = decode_steps_per_call
         self.decode_attention = decode_attention
         self.decode_impl = resolved  # what runs: attention.resolve_decode_impl's choice
-        self.decode_split_k = decode_split_k
         self.continuous = bool(continuous)
         self.prefill_ahead = bool(prefill_ahead)
         self.mesh = mesh
@@ -795,7 +788,7 @@ class _Run:
             top_k=self.params.effective_top_k(s.cfg.vocab_size),
             use_top_p=self.params.use_top_p, greedy=self.params.greedy,
             attention_impl=s.decode_impl, pages_per_block=self._pages_per_block(),
-            batch_spec=s._batch_spec, split_k=s.decode_split_k)
+            batch_spec=s._batch_spec)
         self.cache = out[0]
         toks, logp, tlogp, owner, steps = fetch_global(out[1:])
         self.decode_seconds += time.perf_counter() - start

@@ -150,14 +150,11 @@ def default_config() -> config_dict.ConfigDict:
     # in GiB (0 = the worst case of max_batch_size slots at full length, so nothing ever waits;
     # a smaller budget preempts and later restarts the newest samples, same tokens); decode
     # steps per jitted call; decode attention (auto = the project's Mosaic GPU kernel on Hopper
-    # GPUs, the jnp page reader elsewhere; models.attention.resolve_decode_impl); the decode's
-    # layer matmuls split into this many slices of their contraction (1 = one dot each;
-    # Sampler(decode_split_k=), an experiment for GPU decode at small batches).
+    # GPUs, the jnp page reader elsewhere; models.attention.resolve_decode_impl).
     c.rollout.page_size = 32
     c.rollout.kv_budget_gb = 0.0
     c.rollout.decode_steps_per_call = 32
     c.rollout.decode_attention = "auto"
-    c.rollout.decode_split_k = 1
 
     c.rewards = config_dict.ConfigDict()
     c.rewards.name = "math"
@@ -450,7 +447,7 @@ def _check_combinations(c):
              "RL needs sampling (temperature > 0)")
     _require(0 < c.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _require(c.rollout.top_k == -1 or c.rollout.top_k >= 1, "rollout.top_k", "-1 or >= 1")
-    for name in ("rollout.page_size", "rollout.decode_steps_per_call", "rollout.decode_split_k"):
+    for name in ("rollout.page_size", "rollout.decode_steps_per_call"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     _require(c.rollout.kv_budget_gb >= 0, "rollout.kv_budget_gb",
              f"must be >= 0 (0 = the worst case), got {c.rollout.kv_budget_gb}")
@@ -533,7 +530,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "train.export_final", "train.progress_bar", "train.allow_config_change",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
-                    "rollout.decode_attention", "rollout.decode_split_k")
+                    "rollout.decode_attention")
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 

@@ -267,8 +267,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                           page_size=cfg.rollout.page_size,
                           kv_budget_bytes=int(cfg.rollout.kv_budget_gb * 2**30) or None,
                           decode_steps_per_call=cfg.rollout.decode_steps_per_call,
-                          decode_attention=cfg.rollout.decode_attention,
-                          decode_split_k=cfg.rollout.decode_split_k)
+                          decode_attention=cfg.rollout.decode_attention)
     except ValueError as e:  # a rollout.* setting this model or device cannot run (e names it)
         raise config_lib.ConfigError(f"rollout: {e}") from e
     run = Run(
