@@ -11,8 +11,11 @@ Why: on an H200 (2026-11-26, BENCHMARKS.md "Fourth GPU run") a batch-64 decode s
 ms in its four per-layer matmul fusions, which read 0.88 GB of layer weights: ~1.4 TB/s against
 a ~4.2 TB/s copy, the largest part of the step outside attention. A matmul of 64 rows reads its
 weights once and does little arithmetic per byte, so it is bandwidth-bound; if it reads slower
-than a copy, the cause is how its work spreads over the GPU (too few output tiles to keep every
-SM reading), which splitting the contraction (split-K) addresses.
+than a copy, the cause may be how its work spreads over the GPU (too few output tiles to keep
+every SM reading), which splitting the contraction (split-K) addresses. What the seventh run
+found (H200, 2026-11-26, BENCHMARKS.md): XLA's Triton GEMM fusions already split the contraction;
+alone, each layer GEMM takes the 4-7 us it takes inside the decode (a kernel's fixed cost, its
+weights read in 1-3 us at the copy rate), and no variant here gains more than 0.4 us a call.
 
 Groups (one layer's matmuls, as models.transformer._project_qkv / _finish_layer issue them, in
 the compute dtype, without the norms and rotary in between):
@@ -35,7 +38,7 @@ float32 array, chains of copies waited for once). Timing, two figures:
     rates and % of copy come from it where present.
   - wall time: kernels.timing.median_seconds, calls back to back and waited for once. For
     matmuls of a few microseconds this is the host's dispatch rate, not the GPU's: on an H200
-    (2026-11-26, sixth run) every layer matmul read ~40-70 us a call, where the same GEMM fusions
+    (2026-11-26, seventh run) every layer matmul read ~40-70 us a call, where the same GEMM fusions
     inside the decode program took 4-7 us of device time. Hence the device figure.
 Each variant's output is compared with "xla"'s (max abs error; bf16 outputs), and its compiled
 program's XLA memory analysis on the backend it runs on is recorded (temporaries printed: split-K's

@@ -247,13 +247,17 @@ for s in "$@"; do
         [ -f "$hlo" ] && stage decode_anatomy_fusions 60 python3 benchmarks/hlo_fusions.py \
           "$hlo" --profile "$OUT/decode_anatomy$SUFFIX.json" \
           --out "$OUT/decode_anatomy_fusions_$(basename "$hlo" | cut -d. -f1)$SUFFIX.json"
-      done ;;
+      done
+      # one file for the dumped modules: a device call returns at most 8 files (the seventh
+      # run's three HLO files were left behind)
+      [ -d "$OUT/hlo" ] && tar czf "$OUT/decode_anatomy_hlo$SUFFIX.tar.gz" -C "$OUT" hlo \
+        && rm -rf "$OUT/hlo" ;;
     decode_gemm)  # issue 15: the decode step's weight matmuls alone (benchmarks/decode_gemm.py,
                   # Qwen3-0.6B shape, bf16, 64 and 256 rows): XLA's dot and its GEMM choices,
                   # split-K 2 / 4 / 8 and concatenated weights, against the copy rate measured
                   # in the same process. Rates from each program's device time (profiler
                   # trace): the wall time of a few-microsecond matmul is the host's dispatch
-                  # rate (~40-70 us a call on an H200, sixth run). ~1-2 minutes.
+                  # rate (~40-70 us a call on an H200, seventh run). ~1-2 minutes.
       stage decode_gemm 240 python3 benchmarks/decode_gemm.py --batch 64 256 \
         --out "$OUT/decode_gemm.json" ;;
     tunix)  # issue 15: the peer, google-tunix 0.1.7's JAX sampler (.whl/tunix_decode.py from
