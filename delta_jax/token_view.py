@@ -82,14 +82,12 @@ class TokenView:
 # ----------------------------------------------------------------------------- computing
 
 
-# Config sections / fields of earlier versions that no longer exist: skipped when a run's
-# config.json is read (debug only held test hooks; model.logprob_chunk became
-# model.logprob_chunk_tokens, a memory budget that changes no result).
-_RETIRED = ("debug", "model.logprob_chunk")
-
-
 def load_run_config(workdir: str):
-    """The run's resolved config (<workdir>/config.json) on top of today's schema, in train mode."""
+    """The run's resolved config (<workdir>/config.json) on top of today's schema, in train mode.
+
+    config.json is written by delta_jax.main, so a field today's schema lacks was retired since
+    the run started (as config.resume_changes treats it: e.g. debug, model.logprob_chunk,
+    rollout.decode_split_k); such fields are skipped and named on stderr."""
     from ml_collections import config_dict
 
     from delta_jax.train.config import default_config, validate_config
@@ -101,19 +99,21 @@ def load_run_config(workdir: str):
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
     cfg = default_config()
+    retired = []
 
     def merge(node, values, prefix):
         for key, value in values.items():
-            if prefix + key in _RETIRED:
-                continue
             if key not in node:
-                raise ValueError(f"{path}: unknown config field {prefix}{key}")
-            if isinstance(node[key], config_dict.ConfigDict):
+                retired.append(prefix + key)
+            elif isinstance(node[key], config_dict.ConfigDict):
                 merge(node[key], value, f"{prefix}{key}.")
             else:
                 node[key] = value
 
     merge(cfg, saved, "")
+    if retired:
+        print(f"{path}: skipped config fields this version no longer has: "
+              f"{', '.join(sorted(retired))}", file=sys.stderr)
     cfg.mode = "train"
     cfg.train.progress_bar = False
     return validate_config(cfg)

@@ -158,6 +158,25 @@ def test_bad_step_is_a_clear_error(tiny_run):
         token_view.compute_token_view(str(tiny_run[0]), step=7)
 
 
+def test_a_run_config_with_retired_fields_loads_and_names_them(tiny_run, tmp_path, capsys):
+    """A run written by an earlier version: its config.json holds fields since retired from the
+    schema (a section, a renamed field, a removed rollout option). They are skipped and named;
+    every field today's schema has still takes the run's value."""
+    saved = json.loads((tiny_run[0] / "config.json").read_text())
+    saved["debug"] = {"hook": 1}
+    saved["model"]["logprob_chunk"] = 256
+    saved["rollout"]["decode_split_k"] = 2
+    saved["delta"]["lam_max"] = 1.7
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    cfg = token_view.load_run_config(str(tmp_path))
+    err = capsys.readouterr().err
+    assert "debug, model.logprob_chunk, rollout.decode_split_k" in err, err
+    assert cfg.delta.lam_max == 1.7 and cfg.mode == "train"
+    del saved["rollout"]["decode_split_k"], saved["model"]["logprob_chunk"]
+    assert json.loads(json.dumps(cfg.rollout.to_dict())) == saved["rollout"]
+    assert json.loads(json.dumps(cfg.model.to_dict())) == saved["model"]
+
+
 @pytest.mark.devices(8)
 def test_view_of_a_topk_proxy_run_on_a_mesh(tmp_path, monkeypatch):
     """delta.proxy=hidden_topk (a 5-output old-policy pass) on an explicit (4, 2, 1) mesh, with
