@@ -257,10 +257,21 @@ class EvalResult:
         }
 
     def flat_metrics(self, prefix: str = "eval") -> dict:
-        """{"eval/<benchmark>/<metric>": value, ..., "eval/average/<metric>": value} (fractions)."""
-        out = {f"{prefix}/{name}/{m}": v for name, b in self.benchmarks.items()
-               for m, v in self._row(b).items()}
-        out.update({f"{prefix}/average/{m}": v for m, v in self.average().items()})
+        """Every number of to_dict() but the settings, as {"<prefix>/<path>": float}: e.g.
+        "eval/benchmarks/<name>/avg@4", "eval/benchmarks/<name>/num_no_box",
+        "eval/average/pass@4", "eval/seconds" (fractions; what the training loop logs)."""
+        out = {}
+
+        def walk(path, value):
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    walk(f"{path}/{key}", item)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[path] = float(value)
+
+        for key, value in self.to_dict().items():
+            if key != "settings":
+                walk(f"{prefix}/{key}", value)
         return out
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -280,15 +291,6 @@ class EvalResult:
         lines.append(f"| average (question-weighted) | {total} | "
                      + " | ".join(f"{100 * avg[m]:.1f}" for m in metrics) + " |")
         return "\n".join(lines) + "\n"
-
-    def save(self, directory: str | os.PathLike, stem: str = "eval") -> tuple[str, str]:
-        """Writes <stem>.json and <stem>.md into `directory`; returns their paths."""
-        directory = pathlib.Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
-        json_path.write_text(self.to_json())
-        md_path.write_text(self.to_markdown())
-        return str(json_path), str(md_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def _expected_metrics(counts, k, pass_ks):
     return exp
 
 
-def test_evaluate_on_shared_benchmarks(shared_dir, scorer, tmp_path):
+def test_evaluate_on_shared_benchmarks(shared_dir, scorer):
     paths = {"aime24": shared_dir / "data/aime24.jsonl", "amc23": shared_dir / "data/amc23.jsonl"}
     for p in paths.values():
         if not p.is_file():
@@ -157,12 +157,18 @@ def test_evaluate_on_shared_benchmarks(shared_dir, scorer, tmp_path):
     assert data["benchmarks"]["aime24"]["per_question"][3] == {"id": "aime-2024-I-4",
                                                                 "num_correct": 3}
     flat = result.flat_metrics()
-    assert flat["eval/amc23/pass@2"] == pytest.approx(
+    assert flat["eval/benchmarks/amc23/pass@2"] == pytest.approx(
         _expected_metrics(counts["amc23"], k, pass_ks)["pass@2"])
     assert flat["eval/average/avg@4"] == pytest.approx(exp_avg["avg@4"])
-    assert len(flat) == 3 * 4
-    json_path, md_path = result.save(tmp_path)
-    assert json.load(open(json_path))["k"] == 4 and open(md_path).read() == result.to_markdown()
+    # Every number of the JSON but the settings: per benchmark its question count, k, the four
+    # metrics and the three failure counts; the average's count and metrics; k and the seconds.
+    per_benchmark = ["num_questions", "k", "avg@4", "pass@1", "pass@2", "pass@4", "num_no_box",
+                     "num_timeouts", "num_errors"]
+    assert sorted(flat) == sorted(
+        [f"eval/benchmarks/{b}/{m}" for b in ("aime24", "amc23") for m in per_benchmark]
+        + [f"eval/average/{m}" for m in ("num_questions", "avg@4", "pass@1", "pass@2", "pass@4")]
+        + ["eval/k", "eval/seconds"])
+    assert flat["eval/benchmarks/aime24/num_questions"] == 30.0
 
 
 def test_evaluate_rows_custom_prompt_and_batching(scorer):

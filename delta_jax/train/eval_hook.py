@@ -42,33 +42,16 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
         format_prompt=run.eval_prompts, limit=cfg.eval.limit or None, scorer=run.eval_scorers,
         settings={"step": step, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                   "max_new_tokens": cfg.eval.max_new_tokens})
-    metrics = _flatten_eval(result)
+    metrics = result.flat_metrics()
     metrics["time/eval_s"] = time.perf_counter() - t0
     os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
     stem = file_stem or f"step_{step}"
     if jax.process_index() == 0:
         with open(os.path.join(run.workdir, "eval", f"{stem}.json"), "w") as f:
-            f.write(result.to_json() if hasattr(result, "to_json") else str(result))
-    if hasattr(result, "to_markdown") and file_stem is None:
+            f.write(result.to_json())
+    if file_stem is None:
         run.writer.write_text(step, "eval", result.to_markdown())
     return metrics, result
-
-
-def _flatten_eval(result) -> dict:
-    import json
-    data = json.loads(result.to_json()) if hasattr(result, "to_json") else dict(result)
-    out = {}
-
-    def walk(prefix, value):
-        if prefix == "settings":
-            return
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out["eval/" + prefix] = float(value)
-    walk("", data)
-    return out
 
 
 
