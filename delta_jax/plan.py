@@ -59,7 +59,6 @@ from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh
 
 from delta_jax import models

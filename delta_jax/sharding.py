@@ -13,7 +13,7 @@ axis names through one rules table, and jit/GSPMD partitions the programs.
     batch = put_batch({"input_ids": ids, ...}, mesh)      # rows over ("data", "fsdp")
 
 Logical names: the parameters' names come from the model (models.transformer LAYER_AXES, the
-`out_sharding` metadata of each nnx.Param; the KV cache's `logical_axes`); batch arrays split
+`out_sharding` metadata of each nnx.Param); batch arrays split
 their rows by the "batch" name (put_batch, constrain_batch). A mesh axis that does not divide an array
 dimension is dropped for that dimension (replicated there) with a logged note, so one rules table
 works for every model size and mesh. A mesh axis is used at most once per array.
@@ -52,10 +52,8 @@ DEFAULT_RULES: dict[str, Any] = {
     "head_dim": None,
     "layers": None,
     "norm": None,
-    # activations, rollout batches, caches
+    # activations, rollout batches
     "batch": ("data", "fsdp"),
-    "cache_batch": ("data", "fsdp"),
-    "cache_sequence": None,
     "sequence": None,
     "response": None,
     "hidden": None,
@@ -258,7 +256,7 @@ def param_sharding_fn(mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES):
     return fn
 
 
-# ----------------------------------------------------------------------------- batches, caches
+# ----------------------------------------------------------------------------- batches
 
 
 def _with_batch_axes(rules: Mapping[str, Any], batch_axes: Optional[Sequence[str]]):
@@ -319,30 +317,6 @@ def constrain_batch(tree, mesh: Optional[Mesh], rules: Mapping[str, Any] = DEFAU
             spec = PartitionSpec(*(e if d == axis else others for d, e in enumerate(entries)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     return jax.tree.map(one, tree)
-
-
-def cache_shardings(cache, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES,
-                    axes: Optional[Sequence[Optional[str]]] = None):
-    """Shardings of a KV cache (or its eval_shape): each array by the logical names `axes`,
-    by default the cache type's own `logical_axes` (models.KVCache declares models.CACHE_AXES).
-    This module knows no model: the cache brings its names, as parameters do."""
-    if axes is None:
-        axes = getattr(cache, "logical_axes", None)
-        if axes is None:
-            raise ValueError(f"cache_shardings: {type(cache).__name__} declares no logical_axes; "
-                             "pass axes=")
-    return jax.tree.map(lambda x: logical_sharding(axes, x.shape, mesh, rules), cache)
-
-
-def local_shard_bytes(tree, device=None) -> int:
-    """Bytes of `tree`'s arrays held on `device` (default: this process's first device)."""
-    device = jax.local_devices()[0] if device is None else device
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        for shard in getattr(leaf, "addressable_shards", []):
-            if shard.device == device:
-                total += shard.data.nbytes
-    return total
 
 
 # ----------------------------------------------------------------------------- multi-host

@@ -12,9 +12,7 @@ the Mosaic kernel refuses get the jnp page reader (delta_jax.models.attention.re
 from delta_jax.kernels.delta_pass import (
     DeltaPassSums,
     add_sums,
-    centroids_from_sums,
     delta_pass,
-    margin_std_from_sums,
     masked_moments,
     merge_moments,
 )
@@ -23,10 +21,8 @@ from delta_jax.kernels.lm_head_logprob import lm_head_logprob
 __all__ = [
     "DeltaPassSums",
     "add_sums",
-    "centroids_from_sums",
     "delta_pass",
     "lm_head_logprob",
-    "margin_std_from_sums",
     "masked_moments",
     "merge_moments",
 ]

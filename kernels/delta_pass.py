@@ -130,19 +130,6 @@ def add_sums(x: DeltaPassSums, y: DeltaPassSums) -> DeltaPassSums:
         lam_sum=x.lam_sum + y.lam_sum, num_valid=x.num_valid + y.num_valid, lam=None)
 
 
-def centroids_from_sums(sums: DeltaPassSums, eps: float = 1e-8) -> tuple[jax.Array, jax.Array]:
-    """(mu_pos, mu_neg) [H] = centroid_sum / max(weight_sum, eps) per side (spec 2.2 / 2.5)."""
-    mu = sums.centroid_sum / jnp.maximum(sums.weight_sum, eps)[:, None]
-    return mu[0], mu[1]
-
-
-def margin_std_from_sums(sums: DeltaPassSums, var_floor: float = 1e-8) -> tuple[jax.Array, jax.Array]:
-    """(gamma_pos, gamma_neg): population std of the margins per side, count clamped >= 1 (2.4)."""
-    var = jnp.maximum(sums.margin_m2 / jnp.maximum(sums.count, 1.0), var_floor)
-    gamma = jnp.sqrt(var)
-    return gamma[0], gamma[1]
-
-
 # ----------------------------------------------------------------------------- the pass
 
 

@@ -20,6 +20,14 @@ from delta_jax.train import run as run_lib
 from delta_jax.train.config import default_config, validate_config
 from delta_jax.train.state import init_train_state
 
+def device_bytes(tree, device=None) -> int:
+    """Bytes of `tree`'s arrays held on `device` (default: this process's first device), from
+    the placed shards themselves."""
+    device = jax.local_devices()[0] if device is None else device
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+               for shard in getattr(leaf, "addressable_shards", []) if shard.device == device)
+
+
 # The tiny model's shape (model.* fields), shared with test_main's config file.
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=16, logprob_chunk_tokens=32)

@@ -241,8 +241,8 @@ def test_impl_resolution_and_errors():
 
 
 def test_model_blockwise_matches_xla():
-  """Padded forward (logits) and a cache prefill + decode step: attention="blockwise" with
-  blocks smaller than the sequence (key blocks of 3 over a 16-slot cache) equals
+  """Padded forward (logits, and the keys / values a prefill returns): attention="blockwise" with
+  blocks smaller than the sequence (query blocks of 4, key blocks of 3 over 11 tokens) equals
   attention="xla"."""
   cfg = models.get_preset("tiny", attention="xla")
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))
@@ -251,25 +251,16 @@ def test_model_blockwise_matches_xla():
       cfg.replace(attention="blockwise", attention_block_q=4, attention_block_kv=3),
       rngs=nnx.Rngs(0)))
   rng = np.random.RandomState(0)
-  B, T, S = 3, 11, 16
+  B, T = 3, 11
   ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (B, T)), jnp.int32)
   mask = padded_valid(B, T, left=(0, 4, 0), right=(0, 0, 2)).astype(np.int32)
-  kv_mask = np.zeros((B, S), bool)
-  kv_mask[:, :T] = mask.astype(bool)
-  kv_mask[:, T] = True
 
   @jax.jit
   def run(state):
     outs = []
     for gd in (graphdef, block_def):
-      m = nnx.merge(gd, state)
-      full = m(ids, attention_mask=jnp.asarray(mask)).logits
-      cache = models.init_cache(cfg, B, S)
-      prefill = m(ids, cache=cache, cache_index=0, kv_mask=jnp.asarray(kv_mask[:, :S]) &
-                  (jnp.arange(S) < T)[None])
-      step = m(ids[:, -1:], positions=jnp.full((B, 1), T, jnp.int32), cache=prefill.cache,
-               cache_index=jnp.int32(T), kv_mask=jnp.asarray(kv_mask))
-      outs.append((full, prefill.logits, step.logits))
+      out = nnx.merge(gd, state)(ids, attention_mask=jnp.asarray(mask), return_kv=True)
+      outs.append((out.logits, out.cache.k, out.cache.v))
     return outs
 
   ref, blockwise = run(state)

@@ -4,13 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from delta_jax.kernels.delta_pass import (
-    DeltaPassSums,
-    add_sums,
-    centroids_from_sums,
-    delta_pass,
-    margin_std_from_sums,
-)
+from delta_jax.kernels.delta_pass import DeltaPassSums, add_sums, delta_pass
+from delta_jax.rl import delta as D
+
+
+def discriminator(sums):
+    """What the trainer makes of a pass's sums (rl.delta: the sums as PassStats, then
+    finalize_pass): centroids mu [2, H] and temperatures gamma [2]."""
+    return D.finalize_pass(D._as_pass_stats(sums))
 
 LAM_RANGE = (0.8, 1.2)
 
@@ -110,7 +111,7 @@ def test_initial_centroids_are_the_advantage_weighted_means():
     """Spec 2.2: mu+ = sum_P A v / sum_P A with use_alpha=False."""
     h, p, a, mask, mu_pos, mu_neg, gp, gn = make_inputs(1, hidden=16, poison_padding=False)
     sums = delta_pass(h, p, a, mask, mu_pos, mu_neg, gp, gn, use_alpha=False)
-    mu_p, mu_n = centroids_from_sums(sums)
+    mu_p, mu_n = discriminator(sums).mu
     v = np.asarray((1 - p)[:, None] * h, np.float64)
     a, valid = np.asarray(a, np.float64), np.asarray(mask) > 0
     for mu, side in ((mu_p, valid & (a > 0)), (mu_n, valid & (a < 0))):
@@ -118,13 +119,13 @@ def test_initial_centroids_are_the_advantage_weighted_means():
         assert_close(mu, (w[:, None] * v).sum(0) / w.sum(), 1e-5)
 
 
-def test_margin_std_from_sums_is_population_std():
+def test_temperatures_from_the_sums_are_the_population_std():
     inputs = make_inputs(2, hidden=24, poison_padding=False)
     sums = delta_pass(*inputs)
     h, p, a, mask, mu_pos, mu_neg = (np.asarray(x, np.float64) for x in inputs[:6])
     v = (1 - p)[:, None] * h
     s = v @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
-    gammas = margin_std_from_sums(sums)
+    gammas = discriminator(sums).gamma
     for gamma, side, sign in ((gammas[0], (mask > 0) & (a > 0), 1), (gammas[1], (mask > 0) & (a < 0), -1)):
         assert_close(gamma, np.std(2 * sign * s[side]), 1e-5)
 
@@ -148,7 +149,7 @@ def test_temperature_survives_a_large_mean_margin():
     want = spec_float64(h, p, a, mask, mu_pos, mu_neg, gp, gn, True, LAM_RANGE)
     want_gamma = np.sqrt(want["margin_m2"] / want["count"])
     sums = jax.jit(delta_pass)(h, p, a, mask, mu_pos, mu_neg, gp, gn)
-    assert_close(np.array(margin_std_from_sums(sums)), want_gamma, 1e-3, name="gamma")
+    assert_close(np.array(discriminator(sums).gamma), want_gamma, 1e-3, name="gamma")
 
 
 def test_bf16_features():

@@ -163,42 +163,6 @@ def test_padding_is_invisible_and_fully_masked_rows_are_finite(model):
   assert np.isfinite(np.asarray(out.logits)).all() and np.isfinite(np.asarray(out.hidden)).all()
 
 
-def test_kv_cache_decoding_matches_full_forward(model):
-  """Left-padded prompts: prefill into the cache, then decode token by token (jitted step)."""
-  rng = np.random.RandomState(2)
-  B, P, G, S = 3, 5, 4, 12  # batch, padded prompt length, generated tokens, cache slots
-  prompt_lens = np.array([5, 3, 1])
-  ids = rng.randint(0, CFG.vocab_size, (B, P + G))
-  mask = np.ones((B, P + G), np.int32)
-  for b, n in enumerate(prompt_lens):
-    mask[b, :P - n] = 0
-  positions = np.maximum(mask.cumsum(1) - 1, 0)
-  full = model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)).logits
-
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, cache, tokens, pos, index, kv_mask):
-    m = nnx.merge(graphdef, state)
-    out = m(tokens, positions=pos, cache=cache, cache_index=index, kv_mask=kv_mask)
-    return out.logits, out.cache
-
-  kv_mask = np.zeros((B, S), bool)
-  kv_mask[:, :P] = mask[:, :P].astype(bool)
-  cache = models.init_cache(CFG, B, S)
-  logits, cache = step(state, cache, jnp.asarray(ids[:, :P], jnp.int32),
-                       jnp.asarray(positions[:, :P]), 0, jnp.asarray(kv_mask))
-  valid = mask[:, :P].astype(bool)
-  np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(full[:, :P])[valid], atol=1e-5)
-  for t in range(P, P + G):
-    kv_mask[:, t] = True
-    logits, cache = step(state, cache, jnp.asarray(ids[:, t:t + 1], jnp.int32),
-                         jnp.asarray(positions[:, t:t + 1]), t, jnp.asarray(kv_mask))
-    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
-  assert cache.k.shape == (CFG.num_layers, B, S, CFG.num_kv_heads, CFG.head_dim)
-  assert step._cache_size() == 2  # one prefill + one decode program
-
-
 @pytest.mark.parametrize("which", ["model", "lora_model"])
 def test_paged_decoding_matches_full_forward(request, which):
   """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
@@ -287,14 +251,10 @@ def test_remat_gives_same_gradients(model):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_return_logits_false_and_cache_index_required(model):
+def test_return_logits_false(model):
   ids = jnp.zeros((1, 3), jnp.int32)
   out = model(ids, return_logits=False)
   assert out.logits is None and out.hidden.shape == (1, 3, CFG.hidden_size) and out.cache is None
-  with pytest.raises(ValueError, match="cache_index"):
-    model(ids, cache=models.init_cache(CFG, 1, 4))
-  with pytest.raises(ValueError, match="overflows"):
-    model(ids, cache=models.init_cache(CFG, 1, 4), cache_index=2)
 
 
 def test_lora_adapters(model, lora_model):

@@ -14,6 +14,7 @@ from flax import nnx
 from delta_jax import models, plan, sharding
 from delta_jax.train.state import init_train_state, split_model
 from tests.decode_args import abstract_decode_args
+from tests.rl_fixtures import device_bytes
 
 # hidden 36 does not divide by fsdp=8 (the rules fall back to replication there).
 SMALL = models.get_preset("tiny").replace(vocab_size=96, hidden_size=36, intermediate_size=80,
@@ -32,10 +33,10 @@ def real_device0_bytes(mcfg, mesh_shape, optimizer):
     state = sharding.shard_tree(state, sharding.tree_shardings(state, mesh))
     device0 = jax.devices()[0]
     adapters = nnx.split_state(state.params, models.LoRAParam, ...)[0]
-    return (sharding.local_shard_bytes(state.params, device0),
-            sharding.local_shard_bytes(state.opt_state, device0),
-            sharding.local_shard_bytes(adapters, device0),
-            sharding.local_shard_bytes(reference_part(state.params), device0))
+    return (device_bytes(state.params, device0),
+            device_bytes(state.opt_state, device0),
+            device_bytes(adapters, device0),
+            device_bytes(reference_part(state.params), device0))
 
 
 @pytest.mark.parametrize("mesh_shape,dtype,lora_rank", [((1, 4, 2), jnp.float32, 0),

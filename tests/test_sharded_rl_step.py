@@ -20,7 +20,7 @@ import pytest
 
 from delta_jax import sharding
 from delta_jax.train import rl_step as rl_step_lib
-from tests.rl_fixtures import (build_scored_run, initial_state, single_device_mesh,
+from tests.rl_fixtures import (build_scored_run, device_bytes, initial_state, single_device_mesh,
                                tiny_rl_config, tree_max_abs_diff)
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
@@ -123,4 +123,4 @@ def test_parameters_and_moments_are_sharded_by_the_rules(results, shape):
         assert x.sharding.shard_shape(x.shape) == params[pname].sharding.shard_shape(x.shape)
     if shape[1] * shape[2] > 1:  # something is split: device 0 holds less than everything
         total = sum(x.nbytes for x in params.values())
-        assert sharding.local_shard_bytes(state.params) < total
+        assert device_bytes(state.params) < total

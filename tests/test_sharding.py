@@ -125,32 +125,14 @@ def test_explicit_batch_axes_and_unconstrained_others():
     assert out.sharding.spec == P(None, "fsdp")
 
 
-@pytest.mark.devices(8)
-def test_cache_shardings_follow_cache_axes():
-    cfg = models.get_preset("tiny")
-    mesh = sharding.make_mesh(2, 2, 2)
-    cache = jax.eval_shape(lambda: models.init_cache(cfg, 8, 16))
-    sh = sharding.cache_shardings(cache, mesh)
-    # [layers, batch, slots, kv_heads, head_dim]: batch over (data, fsdp), kv heads over tensor.
-    assert sh.k.spec == P(None, ("data", "fsdp"), None, "tensor")
-    assert sh.k.shard_shape(cache.k.shape) == (2, 2, 16, 1, 32)
-    # Any cache pytree, given its names; one that declares none is a clear error.
-    plain = {"k": cache.k}
-    assert sharding.cache_shardings(plain, mesh, axes=models.CACHE_AXES)["k"] == sh.k
-    with pytest.raises(ValueError, match="logical_axes"):
-        sharding.cache_shardings(plain, mesh)
-
-
 def test_sharding_is_the_bottom_layer():
     """delta_jax.sharding imports no delta_jax module (the models import it, not the reverse),
-    also when its cache and batch helpers run."""
+    also when its sharding and batch helpers run."""
     code = (
         "import sys, jax, numpy as np\n"
         "import delta_jax.sharding as s\n"
         "mesh = s.make_mesh(-1, 1, 1)\n"
-        "cache = {'k': jax.ShapeDtypeStruct((2, 4, 8, 1, 16), np.float32)}\n"
-        "s.cache_shardings(cache, mesh, axes=('layers', 'cache_batch', 'cache_sequence',"
-        " 'kv_heads', 'head_dim'))\n"
+        "s.logical_sharding(('batch', 'kv_heads', 'head_dim'), (4, 8, 16), mesh)\n"
         "s.put_batch({'x': np.zeros((4, 2))}, mesh)\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('delta_jax.'))\n"
         "assert loaded == ['delta_jax.sharding'], loaded\n"

@@ -98,10 +98,6 @@ class PromptIterator:
         """Records in this host's shard (one epoch)."""
         return self.settings["num_records"]
 
-    @property
-    def batches_per_epoch(self) -> float:
-        return self.num_records / self.settings["batch_size"]
-
     def __iter__(self) -> "PromptIterator":
         return self
 

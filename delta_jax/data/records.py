@@ -83,13 +83,6 @@ class LoadStats:
         if len(self.skipped) < 100:
             self.skipped.append(f"{where}: {reason}")
 
-    def merge(self, other: "LoadStats") -> None:
-        self.num_rows += other.num_rows
-        self.num_records += other.num_records
-        self.num_skipped += other.num_skipped
-        self.skipped.extend(other.skipped[: max(0, 100 - len(self.skipped))])
-        self.layouts.update(other.layouts)
-
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

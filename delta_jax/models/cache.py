@@ -1,23 +1,21 @@
 """Key/value caches.
 
-KVCache(k, v): the layer-stacked contiguous cache [layers, batch, max_len, num_kv_heads,
-head_dim] of the model's generic cache path (Transformer.__call__(..., cache=, cache_index=)):
-simple prefill + decode loops and tests. The model writes new entries with
-lax.dynamic_update_slice at `cache_index` and returns a new cache; callers should donate the old
-one so XLA updates it in place.
+KVCache(k, v): the keys and values a prefill computed, layer-stacked [layers, batch, T,
+num_kv_heads, head_dim] (Transformer.__call__(..., return_kv=True)); the rollout engine writes
+them into its pages.
 
 PagedKVCache(k, v): the rollout engine's cache (Transformer.decode_paged). One page pool per
 layer, k[l] and v[l] of shape [num_kv_heads, num_pages, page_size, head_dim]: separate arrays, so
 a layer's decode attention reads its own pool in place (no slice of a layer-stacked array), in
-the layout the Pallas GPU paged-attention kernel reads. Which pages hold a sequence's tokens is
-a block table owned by the caller (delta_jax.sampling); page 0 is by convention a scratch page:
-the filler of unused block-table entries, attended by no sequence (padding rows write nothing:
-attention.write_pages drops rows with a negative page id).
+the layout the paged decode attention kernels read (kernels/paged_decode.py on Hopper GPUs,
+attention.paged_decode_tpu on TPUs). Which pages hold a sequence's tokens is a block table owned
+by the caller (delta_jax.sampling); page 0 is by convention a scratch page: the filler of unused
+block-table entries, attended by no sequence (padding rows write nothing: attention.write_pages
+drops rows with a negative page id).
 """
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
 
 import flax.struct
 import jax
@@ -25,44 +23,17 @@ import jax.numpy as jnp
 
 from delta_jax.models.config import ModelConfig
 
-# Logical axis names of the cache arrays, for the sharding module.
-CACHE_AXES = ("layers", "cache_batch", "cache_sequence", "kv_heads", "head_dim")
-# Logical axis names of one layer's page pool.
-PAGE_AXES = ("kv_heads", "cache_pages", "cache_page_slot", "head_dim")
-
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array  # [layers, B, S, num_kv_heads, head_dim]
-  v: jax.Array  # [layers, B, S, num_kv_heads, head_dim]
-  # The arrays' logical names: sharding.cache_shardings reads them from the cache.
-  logical_axes: ClassVar[tuple] = CACHE_AXES
-
-  @property
-  def max_len(self) -> int:
-    return self.k.shape[2]
-
-  @property
-  def batch_size(self) -> int:
-    return self.k.shape[1]
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-  """A zero cache for `batch` sequences of up to `max_len` slots (dtype defaults to cfg.dtype)."""
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  dtype = cfg.dtype if dtype is None else dtype
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+  k: jax.Array  # [layers, B, T, num_kv_heads, head_dim]
+  v: jax.Array  # [layers, B, T, num_kv_heads, head_dim]
 
 
 @flax.struct.dataclass
 class PagedKVCache:
   k: tuple  # num_layers arrays [num_kv_heads, num_pages, page_size, head_dim]
   v: tuple
-  logical_axes: ClassVar[tuple] = PAGE_AXES  # of each array
-
-  @property
-  def num_pages(self) -> int:
-    return self.k[0].shape[1]
 
   @property
   def page_size(self) -> int:

@@ -26,8 +26,7 @@ from safetensors.numpy import save_file
 
 from delta_jax.errors import InputError, MissingInputError
 from delta_jax.models.config import ModelConfig
-from delta_jax.models.transformer import (LAYER_AXES, Transformer, layer_param_shapes,
-                                          merge_lora)
+from delta_jax.models.transformer import Transformer, layer_param_shapes, merge_lora
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -52,8 +51,6 @@ _LAYER_HF_NAMES = {
 # Number of leading "input" axes of each linear weight (per-layer shape); None = not a linear.
 _IN_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1,
             "down_proj": 1, "lm_head": 1}
-
-_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class CheckpointError(InputError):

@@ -10,8 +10,6 @@ from typing import Optional, Sequence
 
 from delta_jax.errors import InputError, MissingInputError
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
 
 class Tokenizer:
   """encode/decode/apply_chat_template with ids as plain Python ints.
@@ -44,9 +42,6 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-  def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = False):
-    return [self.decode(ids, skip_special_tokens) for ids in batch]
 
   def token_to_id(self, token: str) -> Optional[int]:
     tid = self.hf.convert_tokens_to_ids(token)

@@ -32,11 +32,11 @@ decode step (and the Hugging Face export) uses the merged W + scale A B of each 
 per call (DecoderLayers.unstacked, merge_lora). A starts N(0, 1 / fan-in), B at zero: a fresh
 adapter leaves the model as it was.
 
-Two cache paths: __call__(..., cache=KVCache, cache_index=...) writes into and attends a
-layer-stacked contiguous cache (simple loops, tests); decode_paged(...) is the rollout engine's
-decode step over a PagedKVCache (one page pool per layer, read in place by
-attention.paged_decode_attention). decode_paged runs the layers as a Python loop, so every
-layer's pool is its own array (a scan would carry a layer-stacked cache and slice it per layer).
+Decoding: __call__(..., return_kv=True) is the prefill (it returns the keys and values its layers
+computed, KVCache [L, B, T, K, D]); decode_paged(...) is the decode step over a PagedKVCache (one
+page pool per layer, read in place by attention.paged_decode_attention), what the rollout engine
+(delta_jax.sampling) runs. decode_paged runs the layers as a Python loop, so every layer's pool is
+its own array (a scan would carry a layer-stacked cache and slice it per layer).
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def _lora(cfg: ModelConfig, p: dict, name: str, x: jax.Array, y: jax.Array) -> j
 class ModelOutput:
   logits: Optional[jax.Array]  # float32 [B, T, V], or None when return_logits=False
   hidden: jax.Array            # [B, T, H], after the final RMSNorm
-  cache: Optional[KVCache]     # updated cache; with return_kv the input's keys/values; or None
+  cache: Optional[KVCache]     # with return_kv the keys/values the layers computed, else None
 
 
 def _param(value, axes):
@@ -185,9 +185,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def _attend(cfg: ModelConfig, q, k, v, q_offset, kv_valid) -> jax.Array:
+def _attend(cfg: ModelConfig, q, k, v, kv_valid) -> jax.Array:
   """Causal grouped-query attention with the configured implementation (models.attention)."""
-  return attention.attend(q, k, v, q_offset=q_offset, kv_valid=kv_valid, causal=True,
+  return attention.attend(q, k, v, kv_valid=kv_valid, causal=True,
                           impl=cfg.attention, block_q=cfg.attention_block_q,
                           block_kv=cfg.attention_block_kv)
 
@@ -343,81 +343,37 @@ class Transformer(nnx.Module):
     return jnp.einsum("bth,hv->btv", hidden, w, preferred_element_type=jnp.float32)
 
   def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-               attention_mask: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
-               cache_index=None, kv_mask: Optional[jax.Array] = None,
-               return_logits: bool = True, return_kv: bool = False) -> ModelOutput:
+               attention_mask: Optional[jax.Array] = None, return_logits: bool = True,
+               return_kv: bool = False) -> ModelOutput:
     """Forward pass.
 
     input_ids: int32 [B, T].
     positions: int32 [B, T]. Default: cumsum(attention_mask) - 1 clipped at 0 when an
-      attention_mask is given; otherwise cache_index + arange(T) (arange(T) without a cache).
-    attention_mask: [B, T], 1 = real token. Without a cache, keys are masked by it (padding may
-      be anywhere). With a cache it only sets the default positions; use kv_mask instead.
-    cache / cache_index: a KVCache and the int32 scalar slot of input_ids[:, 0]; the new keys and
-      values are written at slots cache_index .. cache_index + T - 1.
-    kv_mask: bool [B, S], the valid cache slots after this write (default: all). The query at
-      slot cache_index + t attends to slots s <= cache_index + t with kv_mask[b, s].
-    return_kv: without a cache, also return the keys/values the layers computed for the input
-      as ModelOutput.cache = KVCache(k, v) of [layers, B, T, K, D] (the rollout prefill).
+      attention_mask is given, otherwise arange(T).
+    attention_mask: [B, T], 1 = real token; keys are masked by it (padding may be anywhere).
+    return_kv: also return the keys/values the layers computed for the input as
+      ModelOutput.cache = KVCache(k, v) of [layers, B, T, K, D] (the rollout prefill).
     Returns ModelOutput(logits float32 [B, T, V] or None, hidden [B, T, H], cache or None).
     """
     cfg = self.cfg
     B, T = input_ids.shape
-    if cache is not None and cache_index is None:
-      raise ValueError("Transformer: cache_index is required when a cache is given")
     if positions is None:
       if attention_mask is not None:
         positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
       else:
-        start = 0 if cache is None else cache_index
-        positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.dtype)
-    layer_params = self.layers.arrays()
+    key_valid = None if attention_mask is None else attention_mask.astype(bool)
 
-    if cache is None:
-      key_valid = None if attention_mask is None else attention_mask.astype(bool)
+    def layer(x, p):
+      p = _cast_layer(cfg, p)
+      q, k, v = _project_qkv(cfg, p, x, cos, sin)
+      x = _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid))
+      return x, ((k, v) if return_kv else None)
 
-      def layer(x, p):
-        p = _cast_layer(cfg, p)
-        q, k, v = _project_qkv(cfg, p, x, cos, sin)
-        x = _finish_layer(cfg, p, x, _attend(cfg, q, k, v, 0, key_valid))
-        return x, ((k, v) if return_kv else None)
-
-      x, kv = jax.lax.scan(_maybe_remat(cfg, layer), x, layer_params)
-      new_cache = KVCache(k=kv[0], v=kv[1]) if return_kv else None
-    else:
-      S = cache.max_len
-      # dynamic_update_slice clamps out-of-range writes silently; catch what can be seen here.
-      if T > S or (isinstance(cache_index, int) and cache_index + T > S):
-        raise ValueError(f"Transformer: writing {T} tokens at cache_index={cache_index} "
-                         f"overflows the cache of {S} slots")
-      # A Python-int start slot stays static for attend() (cuDNN needs a known zero offset).
-      static_start = isinstance(cache_index, int) and not isinstance(cache_index, bool)
-      q_offset = cache_index if static_start else jnp.asarray(cache_index, jnp.int32)
-      cache_index = jnp.asarray(cache_index, jnp.int32)
-      kv_valid = None if kv_mask is None else kv_mask.astype(bool)
-
-      # The whole cache rides in the carry and is updated slice-wise, so a donated cache
-      # buffer can be updated in place.
-      def layer(carry, inputs):
-        x, k_cache, v_cache = carry
-        p, i = inputs
-        p = _cast_layer(cfg, p)
-        q, k, v = _project_qkv(cfg, p, x, cos, sin)
-        start = (i, 0, cache_index, 0, 0)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
-        k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(cfg.dtype)
-        v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(cfg.dtype)
-        attn = _attend(cfg, q, k_all, v_all, q_offset, kv_valid)
-        x = _finish_layer(cfg, p, x, attn)
-        return (x, k_cache, v_cache), None
-
-      layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-      (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, cache.k, cache.v),
-                                              (layer_params, layer_ids))
-      new_cache = KVCache(k=k_cache, v=v_cache)
+    x, kv = jax.lax.scan(_maybe_remat(cfg, layer), x, self.layers.arrays())
+    new_cache = KVCache(k=kv[0], v=kv[1]) if return_kv else None
 
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     logits = self.logits(hidden) if return_logits else None

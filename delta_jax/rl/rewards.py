@@ -40,7 +40,6 @@ from delta_jax.rl import verify_pool as vp
 # Answer extraction
 # ---------------------------------------------------------------------------------------------
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 

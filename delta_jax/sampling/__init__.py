@@ -14,8 +14,8 @@ programs), output (GenerationOutput, buckets, host transfer). Token filtering an
 delta_jax.sampling_utils. Decode attention over pages: delta_jax.models.attention.
 """
 from delta_jax.sampling.kv_cache import KVPlan, PageAllocator, plan_kv
-from delta_jax.sampling.output import GenerationOutput, bucket_size, fetch_global, left_pad
+from delta_jax.sampling.output import GenerationOutput, bucket_size, fetch_global
 from delta_jax.sampling.scheduler import DEFAULT_BATCH_AXES, Sampler
 
 __all__ = ["DEFAULT_BATCH_AXES", "GenerationOutput", "KVPlan", "PageAllocator", "Sampler",
-           "bucket_size", "fetch_global", "left_pad", "plan_kv"]
+           "bucket_size", "fetch_global", "plan_kv"]

@@ -64,10 +64,6 @@ class KVPlan:
         KV heads over "tensor")."""
         return self.pages_per_shard * self.page_bytes
 
-    @property
-    def worst_case_bytes(self) -> int:
-        return self.worst_case_pages * self.page_bytes
-
 
 def sample_pages(prompt_len: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
     """(shared prompt pages, own pages at most) of one sample."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -33,17 +33,6 @@ def fetch_global(tree):
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
     return jax.tree.map(one, tree)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
-    """Ragged prompts -> (ids int32 [B, length], mask int32 [B, length]), right-aligned."""
-    ids = np.full((len(prompts), length), pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), np.int32)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, length - len(prompt):] = prompt
-            mask[row, length - len(prompt):] = 1
-    return ids, mask
 
 
 @dataclasses.dataclass

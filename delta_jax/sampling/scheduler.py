@@ -289,7 +289,7 @@ class Sampler:
 
     def kv_plan(self, prompt_len: int, max_new_tokens: int):
         """The page pool generate() would use for prompts up to prompt_len tokens
-        (kv_cache.KVPlan: num_pages, page_bytes, bytes, worst_case_bytes, shards,
+        (kv_cache.KVPlan: num_pages, page_bytes, bytes, worst_case_pages, shards,
         shard_bytes)."""
         return plan_kv(self.cfg, slots=self.num_slots, shards=self._batch_shards,
                        prompt_len=prompt_len,

@@ -25,7 +25,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from delta_jax import models
 from delta_jax.models.logprobs import positions_per_chunk
