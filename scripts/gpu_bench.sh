@@ -86,7 +86,7 @@ stage() {  # [STAGE_SIGNAL=INT] stage NAME DEFAULT_LIMIT CMD...: at the limit CM
 
 for s in "$@"; do
   case $s in
-    decode)  # issue 15: fixed and long-tailed workloads, batch 64 and 256, the Pallas path
+    decode)  # issue 15: fixed and long-tailed workloads, batch 64 and 256, $DECODE attention
              # (H100, 2026-11-24: ~100 s at batch 64, ~190 s at batch 256 with --repeats 1)
       stage decode 420 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \

@@ -5,11 +5,12 @@ Backend. The suite runs on CPU unless told otherwise: JAX_PLATFORMS defaults to 
 
     JAX_PLATFORMS=cuda,cpu bash scripts/test.sh
 
-Tests marked `@pytest.mark.gpu` (the compiled Pallas paged decode attentions, cuDNN attention) run
-only when JAX's default backend is a GPU and are skipped elsewhere with that reason. Tests marked
-`@pytest.mark.devices(n)` (meshes of n devices) skip when the default backend has fewer (one GPU
-has one; the CPU has eight, below). `XLA_FLAGS=--xla_force_host_platform_device_count=1 bash
-scripts/test.sh` shows on a CPU what a one-GPU machine skips.
+Tests marked `@pytest.mark.gpu` (the compiled Mosaic GPU paged decode attention, cuDNN
+attention) run only when JAX's default backend is a GPU and are skipped elsewhere with that
+reason. Tests marked `@pytest.mark.devices(n)` (meshes of n devices) skip when the default
+backend has fewer (one GPU has one; the CPU has eight, below).
+`XLA_FLAGS=--xla_force_host_platform_device_count=1 bash scripts/test.sh` shows on a CPU what a
+one-GPU machine skips.
 
 Tests marked `@pytest.mark.cpu` expect what only the CPU gives (figures of XLA:CPU's own, a host-only
 profiler trace, no data-sheet peak) and skip elsewhere; the GPU side of what they cover is
