@@ -22,8 +22,12 @@ cost tensor-core time, which decode has spare, and no memory traffic). The block
 of the sequence's live pages in steps of `pages_per_block` pages: each page of K and of V is one
 TMA copy (the page id read from the block table), `stages` steps are in flight, and each step is
 S = q K^T (WGMMA into float32), the length mask, an online-softmax update, and O += P V (WGMMA).
-Pages past the sequence's length are never read. With k_splits > 1 each split writes its
-normalised partial output and log-sum-exp and the splits are merged in jnp.
+Pages past the sequence's length are never read. The output tile goes to an untiled
+shared-memory buffer, from which one TMA copy stores its G real rows straight into the
+[B, N, D] output (the padded rows never leave the block, so nothing is sliced off afterwards:
+that slice was a kernel of its own a layer, ~1.8 us at batch 64 on an H200). With k_splits > 1
+each split writes its normalised partial output and log-sum-exp and the splits are merged in
+jnp.
 
 It runs on NVIDIA Hopper GPUs. Without one it is checked two ways (tests/test_paged_decode.py):
 its lowering to the Mosaic GPU dialect (jax.export for "cuda": register layouts, WGMMA and TMA
@@ -54,9 +58,10 @@ from jax import lax
 WGMMA_ROWS = 64
 # Defaults, chosen by benchmarks/paged_attention.py's sweep on an H200 (2026-11-26, calls timed
 # back to back, one layer's call at 1,024 live tokens; BENCHMARKS.md "Fifth GPU run"): 2 pages
-# (64 tokens of 32-token pages) a step, 2 steps in flight, one split: 16 KiB of q/out +
-# 2 x 2 x 16 KiB of K/V = 80 KiB of shared memory a block. The fastest of 15 settings at batch
-# 64 and 256 (81.4 / 273.6 us against 89.0 / 321.8 us with 3 steps in flight, the earlier
+# (64 tokens of 32-token pages) a step, 2 steps in flight, one split: 16 KiB of q tile, 16 KiB
+# of output tile and 2 x 2 x 16 KiB of K/V, 96 KiB of shared memory a block, two blocks an SM
+# (the sweep ran with the output in q's tile: 80 KiB, also two). The fastest of 15 settings at
+# batch 64 and 256 (81.4 / 273.6 us against 89.0 / 321.8 us with 3 steps in flight, the earlier
 # default; 4 in flight and 4 pages a step were slower too); the whole decode at batch 256 ran
 # 27,197 tokens/s against 23,678.
 PAGES_PER_BLOCK = 2
@@ -69,9 +74,9 @@ SMEM_LIMIT_BYTES = 227 * 1024
 
 def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
                itemsize: int = 2) -> int:
-  """Shared memory of one block: the q / output tile, `stages` steps of K and V pages and the
-  log-sum-exp row (barriers aside)."""
-  return (WGMMA_ROWS * head_dim * itemsize
+  """Shared memory of one block: the q tile, the output tile, `stages` steps of K and V pages
+  and the log-sum-exp row of k_splits > 1 (counted always; barriers aside)."""
+  return (2 * WGMMA_ROWS * head_dim * itemsize
           + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS)
 
 
@@ -141,8 +146,11 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   tile = (8, swizzle // jnp.dtype(dtype).itemsize)
   transforms = (plgpu.TilingTransform(tile), plgpu.SwizzleTransform(swizzle))
 
-  def kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar):
+  def kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *rest):
+    if k_splits > 1:
+      lse_ref, q_smem, o_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar = rest
+    else:
+      q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar = rest
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
@@ -224,36 +232,40 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     has = l_i > 0.0
     inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    q_smem[...] = out.astype(dtype)               # q's tile is free: it holds the output
-    lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
+    # The output goes through an untiled buffer, so its G real rows are one TMA store straight
+    # into the [B, N, D] layout the caller reads (no padded rows to slice off afterwards).
+    o_smem[...] = out.astype(dtype)
+    if k_splits > 1:
+      lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows)], o_ref.at[split, b, h])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], o_ref.at[split, b, pl.ds(h * G, G)])
+    if k_splits > 1:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
     plgpu.wait_smem_to_gmem(0)
 
   scratch = [
       plgpu.SMEM((WGMMA_ROWS, D), dtype, transforms=transforms),
+      plgpu.SMEM((WGMMA_ROWS, D), dtype),        # the output, untiled
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
-      plgpu.SMEM((WGMMA_ROWS,), jnp.float32),
+      *([plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] if k_splits > 1 else []),
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_barriers=stages * pages_per_block),
       plgpu.Barrier(num_barriers=stages * pages_per_block),
   ]
-  out_type = (jax.ShapeDtypeStruct((k_splits, B, K, rows, D), dtype),
-              jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
+  out_type = [jax.ShapeDtypeStruct((k_splits, B, N, D), dtype)]
+  if k_splits > 1:  # each split's log-sum-exp, to merge the splits' outputs
+    out_type.append(jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
   call = plgpu.kernel(
-      kernel, out_type=out_type, scratch_types=scratch, grid=(B, K, k_splits),
+      kernel, out_type=tuple(out_type), scratch_types=scratch, grid=(B, K, k_splits),
       grid_names=("batch", "heads", "split"), kernel_name="paged_decode_mosaic",
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  o, lse = call(lengths, tables, qg, k_pages, v_pages)
-  o = o[:, :, :, :G].astype(jnp.float32)                              # [S, B, K, G, D]
-  lse = lse[:, :, :, :G]                                              # [S, B, K, G]
+  o, *lse = call(lengths, tables, qg, k_pages, v_pages)
   if k_splits == 1:
-    out = o[0]
-  else:
-    top = jnp.max(lse, axis=0)
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    total = jnp.sum(w, axis=0)
-    out = jnp.einsum("sbkg,sbkgd->bkgd", w, o) / jnp.where(total > 0, total, 1.0)[..., None]
-  return out.reshape(B, N, D).astype(dtype)
+    return o[0]                                                       # [B, N, D]
+  lse = lse[0][:, :, :, :G].reshape(k_splits, B, N)                   # [S, B, N]
+  top = jnp.max(lse, axis=0)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = jnp.sum(w, axis=0)
+  out = jnp.einsum("sbn,sbnd->bnd", w, o.astype(jnp.float32))
+  return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)

@@ -134,7 +134,8 @@ def test_lowering_checks_the_shared_memory_budget(monkeypatch):
   """The lowering these tests rely on does check the kernel: with the kernel's own budget check
   lifted, 8 steps of 8 pages in flight (~1 MiB of shared memory) are refused by Mosaic GPU on the
   way to CUDA; with it, they are refused first, naming the knobs."""
-  with pytest.raises(ValueError, match="stages 8 x pages_per_block 8 need 1065216 B"):
+  # 2 x 16 KiB of q and output tiles + 8 x 8 x 2 x 8 KiB of K / V pages + 256 B = 1,081,600 B
+  with pytest.raises(ValueError, match="stages 8 x pages_per_block 8 need 1081600 B"):
     lower_for_cuda(pages_per_seq=64, stages=8, pages_per_block=8)
   assert PD.smem_bytes(128, 32, PD.PAGES_PER_BLOCK, PD.STAGES) <= PD.SMEM_LIMIT_BYTES
   monkeypatch.setattr(PD, "SMEM_LIMIT_BYTES", 1 << 30)
