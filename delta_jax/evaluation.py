@@ -259,7 +259,7 @@ class EvalResult:
     def flat_metrics(self, prefix: str = "eval") -> dict:
         """Every number of to_dict() but the settings, as {"<prefix>/<path>": float}: e.g.
         "eval/benchmarks/<name>/avg@4", "eval/benchmarks/<name>/num_no_box",
-        "eval/average/pass@4", "eval/seconds" (fractions; what the training loop logs)."""
+        "eval/average/pass@4", "eval/seconds" (the metrics as fractions): what training logs."""
         out = {}
 
         def walk(path, value):
