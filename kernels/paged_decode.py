@@ -1,6 +1,7 @@
 """Paged decode attention on the Pallas Mosaic GPU backend (Hopper: TMA page copies + WGMMA).
 
     out = paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)    # [B, N, D]
+    out = paged_decode_mosaic(q, ..., rope=(cos, sin))     # q rotated first, in the kernel
 
 The contract is delta_jax.models.attention.paged_decode_reference's: q [B, N, D] (one query per
 sequence, N = K * G query heads over K key/value heads); k_pages, v_pages [K, P, page_size, D]
@@ -8,7 +9,9 @@ sequence, N = K * G query heads over K key/value heads); k_pages, v_pages [K, P,
 lives at page block_tables[b, t // page_size], offset t % page_size); lengths int32 [B] (sequence
 b attends its tokens [0, lengths[b]); 0 gives output 0). Scores q.k accumulate in float32, are
 scaled by D ** -0.5, softmax in float32, probabilities cast to v's dtype for the value product
-(float32 accumulation).
+(float32 accumulation). rope=(cos, sin), float32 [B, D] each: q is first rotated by them as
+models.rope.apply_rope does (the decode step passes q unrotated, so its RoPE costs no kernel of
+its own).
 
 Why it exists: jax.experimental.pallas.ops.gpu.paged_attention runs on Pallas' Triton backend,
 which jax 0.11 deprecates (issue #16), and no maintained Mosaic GPU paged decode kernel was found:
@@ -16,16 +19,21 @@ pallas.ops.gpu has none (its ragged and decode attention are Triton too), and to
 Mosaic GPU attention refuses paging ("Paged attention not supported"; only its XLA path pages).
 
 How it works. One CUDA block (one warpgroup) per (sequence, KV head, split of the pages). The G
-query heads of the KV head sit in the first rows of a 64-row WGMMA tile (q is padded to a multiple
-of 8 rows in GMEM, the other rows of the tile are zeros: rows of a matmul are independent, so they
-cost tensor-core time, which decode has spare, and no memory traffic). The block walks its share
+query heads of the KV head sit in a 64-row WGMMA tile: one TMA copy brings a window of q's rows,
+a multiple of 8, read in place from [B, N, D] (where the window reaches past the block's G rows it
+holds other heads' queries, and the tile's other rows are zeros: rows of a matmul are
+independent, so they cost tensor-core time, which decode has spare, and no memory traffic; their
+outputs are never stored). With rope, the prologue rotates the tile in float32 by halves (D = 128
+in bf16: each half is whole 128-byte swizzle atoms; a narrower head is rotated by XLA before the
+call). The block walks its share
 of the sequence's live pages in steps of `pages_per_block` pages: each page of K and of V is one
 TMA copy (the page id read from the block table), `stages` steps are in flight, and each step is
 S = q K^T (WGMMA into float32), the length mask, an online-softmax update, and O += P V (WGMMA).
 Pages past the sequence's length are never read. The output tile goes to an untiled
 shared-memory buffer, from which one TMA copy stores its G real rows straight into the
-[B, N, D] output (the padded rows never leave the block, so nothing is sliced off afterwards:
-that slice was a kernel of its own a layer, ~1.8 us at batch 64 on an H200). With k_splits > 1
+[B, N, D] output (the other rows never leave the block, so nothing is sliced off afterwards:
+that slice was a kernel of its own a layer, ~1.8 us at batch 64 on an H200, and so was q's RoPE
+with the padding of q to 8 rows a KV head, ~2.1 us). With k_splits > 1
 each split writes its normalised partial output and log-sum-exp and the splits are merged in
 jnp.
 
@@ -118,12 +126,14 @@ def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages"))
 def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                        block_tables: jax.Array, lengths: jax.Array, *,
+                        block_tables: jax.Array, lengths: jax.Array, *, rope=None,
                         pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
                         stages: int = STAGES) -> jax.Array:
   """Decode attention over a page pool (the contract in the module docstring), on Mosaic GPU.
-  pages_per_block pages make one step (pages_per_block * page_size must be a multiple of 64),
-  `stages` steps are copied ahead, k_splits blocks share a sequence's pages."""
+  rope: None, or (cos, sin) float32 [B, D] each: q is rotated by them in the kernel's prologue
+  (rope.apply_rope's rotation). pages_per_block pages make one step (pages_per_block * page_size
+  must be a multiple of 64), `stages` steps are copied ahead, k_splits blocks share a sequence's
+  pages."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -132,6 +142,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   K, P, page_size, _ = k_pages.shape
   G = N // K
   rows = -(-G // 8) * 8                          # q rows copied per block (TMA tile of 8 rows)
+  D2 = D // 2
   dtype = q.dtype
   k_pages = k_pages.astype(dtype)
   v_pages = v_pages.astype(dtype)
@@ -141,19 +152,37 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   scale = (D ** -0.5) * _LOG2E                   # scores in log2 units: exp2 in the softmax
   tables = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
-  qg = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+  # A block reads `rows` rows of q in place, the window [start, start + rows) around its G rows
+  # (the other rows are other heads' queries: rows of a matmul are independent, and their
+  # outputs are never stored); only a q of fewer than `rows` rows in all is padded.
+  q_rows = max(N, rows)
+  q = jnp.pad(q, ((0, 0), (0, q_rows - N), (0, 0))) if q_rows > N else q
+  if rope is not None:
+    rope = tuple(jnp.asarray(x, jnp.float32).reshape(B, D) for x in rope)
   swizzle = 128
   tile = (8, swizzle // jnp.dtype(dtype).itemsize)
   transforms = (plgpu.TilingTransform(tile), plgpu.SwizzleTransform(swizzle))
+  if rope is not None and (D2 * jnp.dtype(dtype).itemsize) % swizzle:
+    # The RoPE prologue loads and stores each half of q's tile, and a slice of a swizzled
+    # buffer must cover whole 128-byte atoms (WGMMA wants q's swizzle to be K's): a half row
+    # narrower than that (D = 64 in bf16) is rotated by XLA before the call instead.
+    from delta_jax.models.rope import apply_rope
+    q, rope = apply_rope(q, *rope), None
 
-  def kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *rest):
-    if k_splits > 1:
-      lse_ref, q_smem, o_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar = rest
-    else:
-      q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar = rest
+  def kernel(lengths_ref, tables_ref, q_ref, *rest):
+    rest = list(rest)
+    cos_ref, sin_ref = (rest.pop(0), rest.pop(0)) if rope is not None else (None, None)
+    k_ref, v_ref, o_ref = rest[:3]
+    lse_ref = rest[3] if k_splits > 1 else None
+    q_smem, o_smem, k_smem, v_smem = rest[3 + (k_splits > 1):7 + (k_splits > 1)]
+    lse_smem = rest[7 + (k_splits > 1)] if k_splits > 1 else None
+    cs_smem = rest[-4] if rope is not None else None
+    q_bar, k_bar, v_bar = rest[-3:]
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
+    start = jnp.minimum(h * G, q_rows - rows)    # the block's window of q rows
+    off = h * G - start                          # its own G rows within the window
     length = lengths_ref[b]
     first = split * share
     # live pages of this split: [first, first + live)
@@ -185,8 +214,27 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     q_smem[...] = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(start, rows)], q_smem.at[pl.ds(0, rows)],
+                            q_bar.at[0])
+    if rope is not None:
+      plgpu.copy_gmem_to_smem(cos_ref.at[b], cs_smem.at[0], q_bar.at[1])
+      plgpu.copy_gmem_to_smem(sin_ref.at[b], cs_smem.at[1], q_bar.at[2])
+      plgpu.barrier_wait(q_bar.at[1])
+      plgpu.barrier_wait(q_bar.at[2])
     plgpu.barrier_wait(q_bar.at[0])
+    if rope is not None:
+      # q cos + rotate_half(q) sin in float32 (rotate_half(q) = [-q2, q1]), by halves of the
+      # tile; cos and sin are the row's, the same for every row of the tile.
+      def half(ref, j, layout):
+        return plgpu.layout_cast(ref[..., pl.ds(j * D2, D2)], layout).astype(jnp.float32)
+
+      def row_vector(i, j):
+        v = half(cs_smem.at[i], j, plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(v, (WGMMA_ROWS, D2), [1])
+      q1, q2 = half(q_smem, 0, plgpu.Layout.WGMMA), half(q_smem, 1, plgpu.Layout.WGMMA)
+      q_smem[:, pl.ds(0, D2)] = (q1 * row_vector(0, 0) - q2 * row_vector(1, 0)).astype(dtype)
+      q_smem[:, pl.ds(D2, D2)] = (q2 * row_vector(0, 1) + q1 * row_vector(1, 1)).astype(dtype)
+      plgpu.commit_smem()
 
     def body(step, carry):
       acc, m_i, l_i = carry
@@ -238,7 +286,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if k_splits > 1:
       lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], o_ref.at[split, b, pl.ds(h * G, G)])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, G)], o_ref.at[split, b, pl.ds(h * G, G)])
     if k_splits > 1:
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
     plgpu.wait_smem_to_gmem(0)
@@ -249,7 +297,8 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       *([plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] if k_splits > 1 else []),
-      plgpu.Barrier(num_barriers=1),
+      *([plgpu.SMEM((2, D), jnp.float32)] if rope is not None else []),   # cos, sin
+      plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=stages * pages_per_block),
       plgpu.Barrier(num_barriers=stages * pages_per_block),
   ]
@@ -260,10 +309,13 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       kernel, out_type=tuple(out_type), scratch_types=scratch, grid=(B, K, k_splits),
       grid_names=("batch", "heads", "split"), kernel_name="paged_decode_mosaic",
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  o, *lse = call(lengths, tables, qg, k_pages, v_pages)
+  o, *lse = call(lengths, tables, q, *(rope or ()), k_pages, v_pages)
   if k_splits == 1:
     return o[0]                                                       # [B, N, D]
-  lse = lse[0][:, :, :, :G].reshape(k_splits, B, N)                   # [S, B, N]
+  # each head's G rows sit at its window offset in the block's log-sum-exp row
+  offsets = [h * G - min(h * G, q_rows - rows) for h in range(K)]
+  lse = jnp.stack([lse[0][:, :, h, o:o + G] for h, o in enumerate(offsets)], axis=2)
+  lse = lse.reshape(k_splits, B, N)                                   # [S, B, N]
   top = jnp.max(lse, axis=0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
   total = jnp.sum(w, axis=0)

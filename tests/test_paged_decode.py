@@ -66,6 +66,35 @@ def test_interpreted_matches_reference(G, lengths, kw):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("G,K,kw", [
+    (2, 8, {}),                           # Qwen3-0.6B's 16 / 8 heads: windows clipped at the end
+    (5, 2, dict(k_splits=2)),             # 14B's 5 per KV head: a window of 8 rows per block
+    (1, 4, dict(pages_per_block=4)),      # 4 rows in all, padded to the 8-row window
+])
+def test_interpreted_rotates_q_as_apply_rope_does(G, K, kw):
+  """rope=(cos, sin): the kernel rotates q in its prologue (D 128, halves of whole swizzle
+  atoms; 32-token pages). Within bf16 rounding of the jnp reference on q rotated by
+  rope.apply_rope, for every head's window offset; the rotation matters (without it the output
+  differs)."""
+  from delta_jax.models.rope import apply_rope, rope_cos_sin
+
+  block = kw.get("pages_per_block", PD.PAGES_PER_BLOCK) * kw.get("k_splits", 1)
+  q, kp, vp, tables, lengths, _, _ = paged_case(
+      40 + G, B=3, K=K, G=G, D=128, page_size=32, pages_per_seq=8, lengths=(70, 1, 33),
+      dtype=jnp.bfloat16, pages_per_block=block)
+  cos, sin = rope_cos_sin(jnp.asarray([69, 0, 1000]), 128, 1e6)
+  ref, unrotated = (np.asarray(A.paged_decode_reference(x, kp, vp, tables, lengths,
+                                                        pages_per_block=block), np.float32)
+                    for x in (apply_rope(q, cos, sin), q))
+  with mosaic_interpret.interpreting(detect_races=True):
+    got = np.asarray(PD.paged_decode_mosaic(q, kp, vp, tables, lengths, rope=(cos, sin), **kw),
+                     np.float32)
+  assert not mosaic_interpret.races_found()
+  np.testing.assert_allclose(got, ref, atol=1e-2, rtol=1e-2)
+  assert np.abs(unrotated - ref).max() > 0.1
+
+
+@needs_interpreter
 @pytest.mark.parametrize("wait", [True, False])
 def test_race_detector_is_live(wait):
   """The positive control of the no-race assertion above: a TMA copy into shared memory whose
@@ -92,40 +121,50 @@ def test_race_detector_is_live(wait):
 
 
 def lower_for_cuda(B=4, K=8, G=2, D=128, page_size=32, pages=64, pages_per_seq=16,
-                   dtype=jnp.bfloat16, **kw):
-  """The kernel exported for CUDA from abstract shapes: the Mosaic GPU module's text."""
+                   dtype=jnp.bfloat16, rope=False, **kw):
+  """The kernel exported for CUDA from abstract shapes (rope: with cos / sin given): the Mosaic
+  GPU module's text."""
   sd = jax.ShapeDtypeStruct
   pool = sd((K, pages, page_size, D), dtype)
   args = (sd((B, K * G, D), dtype), pool, pool, sd((B, pages_per_seq), jnp.int32),
-          sd((B,), jnp.int32))
-  fn = jax.jit(lambda *a: PD.paged_decode_mosaic(*a, **kw))
-  return export.export(fn, platforms=["cuda"])(*args).mlir_module()
+          sd((B,), jnp.int32)) + ((sd((B, D), jnp.float32),) * 2 if rope else ())
+
+  def fn(q, kp, vp, tables, lengths, *cs):
+    return PD.paged_decode_mosaic(q, kp, vp, tables, lengths, rope=cs or None, **kw)
+  return export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
 
 
+@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("shape,kw", [
     (dict(G=2), {}),                                          # Qwen3-0.6B / 1.7B: 16 / 8 heads
     (dict(G=4), dict(k_splits=4, pages_per_block=4)),         # Qwen3-8B: 32 / 8 heads
     (dict(G=5, pages_per_seq=32), dict(k_splits=2, stages=2)),  # Qwen3-14B: 40 / 8 heads
     (dict(G=2, D=64, page_size=16, dtype=jnp.float16), dict(pages_per_block=4)),
 ])
-def test_lowers_to_mosaic_gpu_at_model_shapes(shape, kw):
-  text = lower_for_cuda(**shape, **kw)
+def test_lowers_to_mosaic_gpu_at_model_shapes(shape, kw, rope):
+  """With rope the prologue's half-tile loads and stores lower too (at D 64 the rotation is
+  XLA's, before the call: the kernel module's text is the one without rope)."""
+  text = lower_for_cuda(**shape, **kw, rope=rope)
   assert "mosaic_gpu" in text
 
 
 @pytest.mark.devices(2)
 def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch):
   """On a mesh (the sampler's pool split over "data": attention.paged_write_attend under
-  shard_map, as a multi-GPU rollout runs it), the layer's write + Mosaic GPU attention exports
-  for CUDA over two devices, with the kernel lowered once, per shard."""
-  from jax.sharding import Mesh
+  shard_map, as a multi-GPU rollout runs it, with the rows' RoPE cos / sin split like the rows),
+  the layer's write + Mosaic GPU attention exports for CUDA over two devices, with the kernel
+  lowered once, per shard."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
   from tests.decode_args import abstract_write_attend_args
   allow_mosaic_here(monkeypatch)
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
   args = abstract_write_attend_args(mesh)
-  fn = jax.jit(lambda *a: A.paged_write_attend(*a, impl="mosaic", mesh=mesh,
+  B, D = args[0].shape[0], args[0].shape[2]
+  cs = jax.ShapeDtypeStruct((B, D), jnp.float32,
+                            sharding=NamedSharding(mesh, PartitionSpec("data")))
+  fn = jax.jit(lambda *a: A.paged_write_attend(*a[:-2], rope=a[-2:], impl="mosaic", mesh=mesh,
                                                batch_axes=("data",)))
-  exported = export.export(fn, platforms=["cuda"])(*args)
+  exported = export.export(fn, platforms=["cuda"])(*args, cs, cs)
   assert exported.nr_devices == 2
   assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
 
@@ -248,16 +287,19 @@ def test_selected_through_paged_decode_attention():
   np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(direct, np.float32))
 
 
-def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
   """rollout.decode_attention="mosaic" in the sampler's whole decode program (tiny model in
-  bf16 with 64-wide heads, 32-token pages): the program, kernel included, lowers for CUDA, with
-  the Mosaic GPU kernel called once per layer in the step loop."""
+  bf16, 32-token pages; with 128-wide heads q's RoPE is in the kernel, with 64-wide ones XLA's):
+  the program, kernel included, lowers for CUDA, with the Mosaic GPU kernel called once per
+  layer in the step loop."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import programs
 
   allow_mosaic_here(monkeypatch)
-  cfg = models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  cfg = models.get_preset("tiny", head_dim=head_dim, dtype=jnp.bfloat16,
+                          param_dtype=jnp.bfloat16)
   S, page_size, pages_per_seq = 4, 32, 4
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, 1 + S * pages_per_seq, page_size))
@@ -270,18 +312,19 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch):
 
 
 @needs_interpreter
-def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, head_dim):
   """The rollout engine with rollout.decode_attention="mosaic" (the kernel interpreted, in every
-  layer of every decode step; tiny bf16 model with 64-wide heads, 32-token pages, two samples of
-  three prompts in four slots, so slots refill): the same greedy tokens and log-probs (within
-  bf16 rounding) as with the jnp page reader. Both on the CPU (on_cpu), so the tokens compare
-  exactly on a GPU machine too."""
+  layer of every decode step; tiny bf16 model, 32-token pages, two samples of three prompts in
+  four slots, so slots refill; with 128-wide heads the kernel rotates q itself, with 64-wide
+  ones XLA does): the same greedy tokens and log-probs (within bf16 rounding) as with the jnp
+  page reader. Both on the CPU (on_cpu), so the tokens compare exactly on a GPU machine too."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import Sampler
 
   allow_mosaic_here(monkeypatch)
-  cfg = models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16)
+  cfg = models.get_preset("tiny", head_dim=head_dim, dtype=jnp.bfloat16)
   model = models.Transformer(cfg, rngs=nnx.Rngs(1))
   prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99]]
   kwargs = dict(n=2, max_new_tokens=12, seed=0)
@@ -293,7 +336,7 @@ def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu):
                       lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
   with mosaic_interpret.interpreting():
     got = Sampler(model, decode_attention="mosaic", **common).generate(prompts, **kwargs)
-  assert traced and all(shape[1:] == (cfg.num_heads, 64) for shape in traced)  # it ran
+  assert traced and all(shape[1:] == (cfg.num_heads, head_dim) for shape in traced)  # it ran
   assert got.response_ids == ref.response_ids
   assert sum(map(len, sum(got.response_ids, []))) == 6 * 12
   for a, b in zip(sum(got.logprobs, []), sum(ref.logprobs, [])):

@@ -55,6 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.models.rope import apply_rope
+
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 # Paged decode attention (the rollout engine's decode): implementations and block sizes.
 DECODE_IMPLS = ("auto", "reference", "mosaic", "tpu")
@@ -514,21 +516,26 @@ def _device_name() -> str:
           + (f" (compute capability {capability})" if capability else ""))
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, impl: str = "auto",
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, rope=None,
+                           impl: str = "auto",
                            pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
   """Decode attention over a page pool (see paged_decode_reference for the contract).
-  impl: "auto" | "reference" | "mosaic" | "tpu" (resolve_decode_impl); pages_per_block: the
-  reader's block of pages, and the TPU kernel's compute block."""
+  rope: None, or (cos, sin) [B, D] each: q is rotated by them first (rope.apply_rope; the Mosaic
+  kernel does it in its prologue). impl: "auto" | "reference" | "mosaic" | "tpu"
+  (resolve_decode_impl); pages_per_block: the reader's block of pages, and the TPU kernel's
+  compute block."""
   chosen = resolve_decode_impl(impl, dtype=q.dtype, head_dim=q.shape[-1],
                                page_size=k_pages.shape[2], group=q.shape[1] // k_pages.shape[0])
+  if chosen == "mosaic":
+    from delta_jax.kernels.paged_decode import paged_decode_mosaic
+    return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths, rope=rope)
+  if rope is not None:
+    q = apply_rope(q, *rope)
   if chosen == "reference":
     return paged_decode_reference(q, k_pages, v_pages, block_tables, lengths,
                                   pages_per_block=pages_per_block)
-  if chosen == "tpu":
-    return paged_decode_tpu(q, k_pages, v_pages, block_tables, lengths,
-                            pages_per_block=pages_per_block)
-  from delta_jax.kernels.paged_decode import paged_decode_mosaic
-  return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)
+  return paged_decode_tpu(q, k_pages, v_pages, block_tables, lengths,
+                          pages_per_block=pages_per_block)
 
 
 def drop_negative(pages: jax.Array, num_pages: int) -> jax.Array:
@@ -578,7 +585,7 @@ def shard_pages(fn, mesh, batch_axes, num_kv_heads: int, in_kinds, out_kinds):
   def spec(kind):
     if isinstance(kind, (tuple, list)):
       return tuple(spec(k) for k in kind)
-    return specs[kind]
+    return None if kind is None else specs[kind]  # None: an argument that is None
 
   # check_vma=False: a Pallas call's outputs carry no varying-axes annotation (every input and
   # output here is split over the batch axes or replicated where it is the same everywhere).
@@ -587,31 +594,34 @@ def shard_pages(fn, mesh, batch_axes, num_kv_heads: int, in_kinds, out_kinds):
 
 
 def paged_write_attend(q, k_new, v_new, k_pages, v_pages, write_page, write_offset,
-                       block_tables, lengths, *, impl: str = "auto",
+                       block_tables, lengths, *, rope=None, impl: str = "auto",
                        pages_per_block: int = DECODE_PAGES_PER_BLOCK, mesh=None,
                        batch_axes=()):
   """One decode step of one layer: write each row's new key/value (k_new, v_new [B, K, D]) at
   (write_page[b], write_offset[b]) of the layer's pools, then paged_decode_attention of q
-  [B, N, D] over block_tables / lengths. Returns (out [B, N, D], k_pages, v_pages).
+  [B, N, D] (rotated first by rope=(cos, sin) [B, D] each, when given) over block_tables /
+  lengths. Returns (out [B, N, D], k_pages, v_pages).
 
   With a mesh and batch_axes, the pools' page axis is split over the batch axes (shard j owns
   pages [j * P / S, (j + 1) * P / S)), the rows are split the same way, and write_page /
   block_tables hold LOCAL page ids: the write and the attention run per shard (shard_map), so
   no pool page is gathered or moved across devices."""
-  def local(q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths):
+  def local(q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths,
+            rope):
     k_pages = write_pages(k_pages, write_page, write_offset, k_new)
     v_pages = write_pages(v_pages, write_page, write_offset, v_new)
-    out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, impl=impl,
-                                 pages_per_block=pages_per_block)
+    out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, rope=rope,
+                                 impl=impl, pages_per_block=pages_per_block)
     return out, k_pages, v_pages
 
+  args = (q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths,
+          rope)
   if mesh is None or not batch_axes:
-    return local(q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables,
-                 lengths)
+    return local(*args)
   return shard_pages(local, mesh, batch_axes, k_pages.shape[0],
-                     ("heads", "heads", "heads", "pool", "pool", "rows", "rows", "rows", "rows"),
-                     ("heads", "pool", "pool"))(
-      q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths)
+                     ("heads", "heads", "heads", "pool", "pool", "rows", "rows", "rows", "rows",
+                      None if rope is None else ("rows", "rows")),
+                     ("heads", "pool", "pool"))(*args)
 
 
 # ---------------------------------------------------------------------------------------------

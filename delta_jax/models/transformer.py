@@ -53,6 +53,7 @@ from flax import nnx
 from delta_jax.models import attention
 from delta_jax.models.cache import KVCache, PagedKVCache
 from delta_jax.models.config import LORA_TARGETS, ModelConfig
+from delta_jax.models.rope import apply_rope, rope_cos_sin
 
 LAYER_AXES = {
     "input_norm": ("layers", "norm"),
@@ -168,23 +169,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
-  """float32 cos, sin of shape [B, T, head_dim] (half-split "rotate_half" layout, as in HF)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x [B, T, heads, D]; cos/sin [B, T, D]. Rotation in float32, result in x.dtype."""
-  xf = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-  out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-  return out.astype(x.dtype)
-
-
 def _attend(cfg: ModelConfig, q, k, v, kv_valid) -> jax.Array:
   """Causal grouped-query attention with the configured implementation (models.attention)."""
   return attention.attend(q, k, v, kv_valid=kv_valid, causal=True,
@@ -192,8 +176,9 @@ def _attend(cfg: ModelConfig, q, k, v, kv_valid) -> jax.Array:
                           block_kv=cfg.attention_block_kv)
 
 
-def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
-  """Pre-norm, q/k/v projections, optional per-head q/k RMSNorm and RoPE."""
+def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array):
+  """Pre-norm, q/k/v projections, optional per-head q/k RMSNorm; q and k not yet rotated
+  (RoPE: rope.apply_rope, by the caller)."""
   h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
   q = _lora(cfg, p, "q_proj", h, jnp.einsum("bth,hnd->btnd", h, p["q_proj"]))
   k = _lora(cfg, p, "k_proj", h, jnp.einsum("bth,hkd->btkd", h, p["k_proj"]))
@@ -201,7 +186,7 @@ def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin):
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+  return q, k, v
 
 
 def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -368,7 +353,8 @@ class Transformer(nnx.Module):
 
     def layer(x, p):
       p = _cast_layer(cfg, p)
-      q, k, v = _project_qkv(cfg, p, x, cos, sin)
+      q, k, v = _project_qkv(cfg, p, x)
+      q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
       x = _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid))
       return x, ((k, v) if return_kv else None)
 
@@ -404,19 +390,20 @@ class Transformer(nnx.Module):
     if len(cache.k) != cfg.num_layers:
       raise ValueError(f"decode_paged: the cache has {len(cache.k)} layers, the model "
                        f"{cfg.num_layers}")
-    cos, sin = rope_cos_sin(positions.reshape(B, 1), cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # [B, D] each
     x = jnp.take(self.embed[...], tokens.reshape(B, 1), axis=0).astype(cfg.dtype)
     layers = self.decode_layers() if layers is None else layers
     new_k, new_v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers):
       p = _cast_layer(cfg, layers[i])  # a no-op on decode_layers()
-      q, k, v = _project_qkv(cfg, p, x, cos, sin)          # [B, 1, N, D], [B, 1, K, D]
-      # [K, B, D] written at (page, offset) of each row (a scatter into the layer's pool), then
-      # attention over the pool, read in place.
+      q, k, v = _project_qkv(cfg, p, x)                    # [B, 1, N, D], [B, 1, K, D]
+      # k rotated, written at (page, offset) of each row (a scatter into the layer's pool), then
+      # attention over the pool, read in place, of q, which the attention rotates (the Mosaic
+      # kernel in its own prologue: no kernel of its own for q's RoPE).
       attn, new_k[i], new_v[i] = attention.paged_write_attend(
-          q[:, 0], k[:, 0], v[:, 0], new_k[i], new_v[i], write_page, write_offset, block_tables,
-          lengths, impl=attention_impl, pages_per_block=pages_per_block, mesh=mesh,
-          batch_axes=batch_axes)
+          q[:, 0], apply_rope(k[:, 0], cos, sin), v[:, 0], new_k[i], new_v[i], write_page,
+          write_offset, block_tables, lengths, rope=(cos, sin), impl=attention_impl,
+          pages_per_block=pages_per_block, mesh=mesh, batch_axes=batch_axes)
       x = _finish_layer(cfg, p, x, attn[:, None])
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return self.logits(hidden)[:, 0], PagedKVCache(k=tuple(new_k), v=tuple(new_v))
