@@ -169,15 +169,15 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     from delta_jax.models.rope import apply_rope
     q, rope = apply_rope(q, *rope), None
 
-  def kernel(lengths_ref, tables_ref, q_ref, *rest):
-    rest = list(rest)
-    cos_ref, sin_ref = (rest.pop(0), rest.pop(0)) if rope is not None else (None, None)
-    k_ref, v_ref, o_ref = rest[:3]
-    lse_ref = rest[3] if k_splits > 1 else None
-    q_smem, o_smem, k_smem, v_smem = rest[3 + (k_splits > 1):7 + (k_splits > 1)]
-    lse_smem = rest[7 + (k_splits > 1)] if k_splits > 1 else None
-    cs_smem = rest[-4] if rope is not None else None
-    q_bar, k_bar, v_bar = rest[-3:]
+  def kernel(lengths_ref, tables_ref, q_ref, *refs):
+    # the rest of the inputs, the outputs and the scratch buffers, in the order declared below
+    refs = list(refs)
+    take = lambda present=True: refs.pop(0) if present else None  # noqa: E731
+    cos_ref, sin_ref = take(rope is not None), take(rope is not None)
+    k_ref, v_ref, o_ref, lse_ref = take(), take(), take(), take(k_splits > 1)
+    q_smem, o_smem, k_smem, v_smem = take(), take(), take(), take()
+    lse_smem, cs_smem = take(k_splits > 1), take(rope is not None)
+    q_bar, k_bar, v_bar = refs
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
