@@ -156,6 +156,11 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   # (the other rows are other heads' queries: rows of a matmul are independent, and their
   # outputs are never stored); only a q of fewer than `rows` rows in all is padded.
   q_rows = max(N, rows)
+
+  def window_offset(h, minimum=min):
+    """Where KV head h's G rows sit in its window of q rows, which starts at h * G - offset
+    (the last windows are clipped to end at q's last row)."""
+    return h * G - minimum(h * G, q_rows - rows)
   q = jnp.pad(q, ((0, 0), (0, q_rows - N), (0, 0))) if q_rows > N else q
   if rope is not None:
     rope = tuple(jnp.asarray(x, jnp.float32).reshape(B, D) for x in rope)
@@ -181,8 +186,8 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
-    start = jnp.minimum(h * G, q_rows - rows)    # the block's window of q rows
-    off = h * G - start                          # its own G rows within the window
+    off = window_offset(h, jnp.minimum)          # its own G rows within the window
+    start = h * G - off                          # the block's window of q rows
     length = lengths_ref[b]
     first = split * share
     # live pages of this split: [first, first + live)
@@ -298,7 +303,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       *([plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] if k_splits > 1 else []),
       *([plgpu.SMEM((2, D), jnp.float32)] if rope is not None else []),   # cos, sin
-      plgpu.Barrier(num_barriers=3),
+      plgpu.Barrier(num_barriers=1 if rope is None else 3),   # q (and cos, sin)
       plgpu.Barrier(num_barriers=stages * pages_per_block),
       plgpu.Barrier(num_barriers=stages * pages_per_block),
   ]
@@ -313,8 +318,8 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if k_splits == 1:
     return o[0]                                                       # [B, N, D]
   # each head's G rows sit at its window offset in the block's log-sum-exp row
-  offsets = [h * G - min(h * G, q_rows - rows) for h in range(K)]
-  lse = jnp.stack([lse[0][:, :, h, o:o + G] for h, o in enumerate(offsets)], axis=2)
+  lse = jnp.stack([lse[0][:, :, h, window_offset(h):window_offset(h) + G] for h in range(K)],
+                  axis=2)
   lse = lse.reshape(k_splits, B, N)                                   # [S, B, N]
   top = jnp.max(lse, axis=0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
