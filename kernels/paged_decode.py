@@ -42,8 +42,11 @@ its lowering to the Mosaic GPU dialect (jax.export for "cuda": register layouts,
 shapes, the shared-memory budget), and its numbers, run by Mosaic GPU's CPU interpreter (simulated
 shared memory, TMA copies and barriers; tests/mosaic_interpret.py adds the transposed and register
 WGMMA operands and layout casts it lacks) against the jnp reference, alone and inside the rollout
-engine. Where a GPU is, the compiled kernel is checked against the same reference (its five GPU
-tests passed on an H200, 2026-11-26).
+engine. The CI's jax is the newest for its Python (0.10 on 3.11); scripts/gpu_jax_check.sh runs
+the same tests under the GPU image's jax 0.11.2, whose lowering is stricter (it refuses a tiled q
+copy from an unaligned row, which 0.10 and the interpreter took). Where a GPU is, the compiled
+kernel is checked against the same reference (its five GPU tests passed on an H200, 2026-11-26,
+before q was read in place).
 
 Speed, one H200, 2026-11-26, the whole decode of the Qwen3-0.6B shape (bf16, prompt 512 + 1,024
 new tokens; benchmarks/decode_throughput.py with a profiler trace; BENCHMARKS.md): this kernel with
@@ -88,6 +91,26 @@ def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
           + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS)
 
 
+def q_windows(num_heads: int, num_kv_heads: int) -> tuple[int, int, list[int]]:
+  """(rows, q_rows, starts): the window of q's rows each block copies, for q [B, num_heads, D]
+  with G = num_heads / num_kv_heads query heads a KV head. KV head h's block copies rows
+  [starts[h], starts[h] + rows) of q (padded to q_rows rows when num_heads is not a whole
+  number of 8-row tiles). A TMA copy into the tiled q tile moves whole 8-row tiles, so every
+  start is a multiple of 8 (a copy from an unaligned row would read the wrong rows on a GPU;
+  jax 0.11's lowering refuses it, jax 0.10's and the CPU interpreter did not), and the window
+  covers the head's rows [h G, h G + G)."""
+  G = num_heads // num_kv_heads
+  rows = -(-max(h * G % 8 + G for h in range(num_kv_heads)) // 8) * 8
+  q_rows = -(-max(num_heads, rows) // 8) * 8
+  return rows, q_rows, [window_start(h, G, rows, q_rows) for h in range(num_kv_heads)]
+
+
+def window_start(h, G: int, rows: int, q_rows: int, minimum=min):
+  """KV head h's window start (q_windows'): the tile holding its first row, moved back where the
+  window would reach past q's q_rows rows. minimum: min, or jnp.minimum for a traced h."""
+  return minimum(h * G // 8 * 8, q_rows - rows)
+
+
 def config_problem(dtype, head_dim: int, page_size: int, group: int,
                    pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
                    stages: int = STAGES) -> str | None:
@@ -98,8 +121,10 @@ def config_problem(dtype, head_dim: int, page_size: int, group: int,
     return f"q dtype {jnp.dtype(dtype)} must be bfloat16 or float16 (the WGMMA operand types)"
   if head_dim % 64:
     return f"head_dim {head_dim} must be a multiple of 64"
-  if group > WGMMA_ROWS:
-    return f"{group} query heads per KV head exceed the {WGMMA_ROWS}-row tile"
+  rows = q_windows(8 * group, 8)[0]   # the widest window any number of KV heads gives
+  if rows > WGMMA_ROWS:
+    return (f"{group} query heads per KV head need a window of {rows} rows of q (8-row tiles "
+            f"from an offset of up to 7 rows), over the {WGMMA_ROWS}-row tile")
   if page_size % 8:
     return f"page_size {page_size} must be a multiple of 8"
   block_kv = pages_per_block * page_size
@@ -141,7 +166,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   B, N, D = q.shape
   K, P, page_size, _ = k_pages.shape
   G = N // K
-  rows = -(-G // 8) * 8                          # q rows copied per block (TMA tile of 8 rows)
+  rows, q_rows, starts = q_windows(N, K)
   D2 = D // 2
   dtype = q.dtype
   k_pages = k_pages.astype(dtype)
@@ -152,15 +177,10 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   scale = (D ** -0.5) * _LOG2E                   # scores in log2 units: exp2 in the softmax
   tables = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
-  # A block reads `rows` rows of q in place, the window [start, start + rows) around its G rows
-  # (the other rows are other heads' queries: rows of a matmul are independent, and their
-  # outputs are never stored); only a q of fewer than `rows` rows in all is padded.
-  q_rows = max(N, rows)
-
-  def window_offset(h, minimum=min):
-    """Where KV head h's G rows sit in its window of q rows, which starts at h * G - offset
-    (the last windows are clipped to end at q's last row)."""
-    return h * G - minimum(h * G, q_rows - rows)
+  # A block reads `rows` rows of q in place, the window of q_windows around its G rows (the
+  # other rows are other heads' queries: rows of a matmul are independent, and their outputs are
+  # never stored); only a q whose rows are not a whole number of tiles is padded.
+  offsets = [h * G - starts[h] for h in range(K)]   # each head's G rows within its window
   q = jnp.pad(q, ((0, 0), (0, q_rows - N), (0, 0))) if q_rows > N else q
   if rope is not None:
     rope = tuple(jnp.asarray(x, jnp.float32).reshape(B, D) for x in rope)
@@ -186,8 +206,10 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
-    off = window_offset(h, jnp.minimum)          # its own G rows within the window
-    start = h * G - off                          # the block's window of q rows
+    # the block's window of q rows: q_windows' start, in a form whose multiple of the tile's 8
+    # rows the TMA lowering can see (a tiled copy must start on a tile)
+    start = pl.multiple_of(window_start(h, G, rows, q_rows, jnp.minimum), 8)
+    off = h * G - start                          # its own G rows within the window
     length = lengths_ref[b]
     first = split * share
     # live pages of this split: [first, first + live)
@@ -291,7 +313,14 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if k_splits > 1:
       lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, G)], o_ref.at[split, b, pl.ds(h * G, G)])
+    # The rows' offset in the tile is one of the few values of `offsets`: a branch per value
+    # keeps the shared-memory slice static (jax 0.11's Mosaic GPU layout inference refuses a
+    # dynamic row offset into it; 0.10 accepted one).
+    for value in sorted(set(offsets)):
+      @pl.when(off == value)
+      def _():
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(value, G)],
+                                o_ref.at[split, b, pl.ds(h * G, G)])
     if k_splits > 1:
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
     plgpu.wait_smem_to_gmem(0)
@@ -318,8 +347,7 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if k_splits == 1:
     return o[0]                                                       # [B, N, D]
   # each head's G rows sit at its window offset in the block's log-sum-exp row
-  lse = jnp.stack([lse[0][:, :, h, window_offset(h):window_offset(h) + G] for h in range(K)],
-                  axis=2)
+  lse = jnp.stack([lse[0][:, :, h, offsets[h]:offsets[h] + G] for h in range(K)], axis=2)
   lse = lse.reshape(k_splits, B, N)                                   # [S, B, N]
   top = jnp.max(lse, axis=0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)

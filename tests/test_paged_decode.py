@@ -67,8 +67,8 @@ def test_interpreted_matches_reference(G, lengths, kw):
 
 @needs_interpreter
 @pytest.mark.parametrize("G,K,kw", [
-    (2, 8, {}),                           # Qwen3-0.6B's 16 / 8 heads: windows clipped at the end
-    (5, 2, dict(k_splits=2)),             # 14B's 5 per KV head: a window of 8 rows per block
+    (2, 8, {}),                    # Qwen3-0.6B's 16 / 8 heads: windows at rows 0 and 8
+    (5, 8, dict(k_splits=2)),      # 14B's 40 / 8: 16-row windows on tiles, the last ones clipped
     (1, 4, dict(pages_per_block=4)),      # 4 rows in all, padded to the 8-row window
 ])
 def test_interpreted_rotates_q_as_apply_rope_does(G, K, kw):
@@ -118,6 +118,28 @@ def test_race_detector_is_live(wait):
   with mosaic_interpret.interpreting(detect_races=True):
     jax.block_until_ready(call(x))
   assert mosaic_interpret.races_found() == (not wait)
+
+
+def test_q_windows_start_on_tiles_and_cover_each_heads_rows():
+  """Each KV head's window of q rows starts on an 8-row tile (a tiled TMA copy from any other row
+  reads the wrong rows on a GPU; only jax 0.11's lowering refuses it), lies inside q (padded only
+  to whole tiles, or to one window), and holds the head's G rows; config_problem refuses exactly
+  the groups whose widest window (any number of KV heads) exceeds the 64-row tile."""
+  for group in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 57, 59):
+    widest = PD.q_windows(8 * group, 8)[0]
+    for num_kv_heads in (1, 2, 4, 8, 16):
+      N = group * num_kv_heads
+      rows, q_rows, starts = PD.q_windows(N, num_kv_heads)
+      assert rows % 8 == 0 and q_rows % 8 == 0, (group, num_kv_heads, rows, q_rows)
+      assert q_rows == max(-(-N // 8) * 8, rows), (group, num_kv_heads, q_rows)
+      assert rows <= widest, (group, num_kv_heads, rows, widest)
+      for h, start in enumerate(starts):
+        assert start % 8 == 0 and 0 <= start and start + rows <= q_rows, (group, h, start)
+        assert start <= h * group and h * group + group <= start + rows, (group, h, start)
+    fits = PD.config_problem(jnp.bfloat16, 128, 32, group) is None
+    assert fits == (widest <= PD.WGMMA_ROWS), (group, widest)
+  assert PD.config_problem(jnp.bfloat16, 128, 32, 57) is None
+  assert "window of 72 rows" in PD.config_problem(jnp.bfloat16, 128, 32, 59)
 
 
 def lower_for_cuda(B=4, K=8, G=2, D=128, page_size=32, pages=64, pages_per_seq=16,
