@@ -211,13 +211,32 @@ for s in "$@"; do
                    # variant): as is, the exhaustive Triton GEMM tile search (the skinny 64-row
                    # GEMMs), cuBLASLt, no command buffers (CUDA graphs). (cuBLAS instead of the
                    # Triton GEMM fusions, --xla_gpu_enable_triton_gemm=false, ran 16,688 tok/s
-                   # against 18,895 on an H200, 2026-11-26: slower.)
+                   # against 18,895 on an H200, 2026-11-26: slower.) More variants, by name in
+                   # DECODE_FLAG_VARIANTS (flags that jaxlib 0.11.2, the GPU image's, accepts:
+                   # checked on the CPU with scripts/gpu_jax_check.sh's venv, 2026-11-26; their
+                   # defaults not known): pdl_off / pdl_on (programmatic dependent launch: a
+                   # kernel starts while the previous one drains, for the ~420 kernels of a few
+                   # us a step), concurrent_graph (independent kernels of a CUDA graph side by
+                   # side), warp_spec (warp-specialised Triton GEMMs), multi_output (Triton
+                   # multi-output fusions), all_triton (every fusion emitted by Triton), heroless
+                   # (Triton's heroless priority fusion), block_level (the block-level fusion
+                   # rewriter). Suggested, ~40 s each:
+                   # DECODE_FLAG_VARIANTS="base pdl_off pdl_on concurrent_graph warp_spec all_triton"
       for variant in ${DECODE_FLAG_VARIANTS:-base exhaustive_tiling cublaslt no_command_buffer}; do
         case $variant in
           base) flags="" ;;
           exhaustive_tiling) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
           cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
           no_command_buffer) flags="--xla_gpu_enable_command_buffer=" ;;
+          pdl_off) flags="--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" ;;
+          pdl_on) flags="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" ;;
+          concurrent_graph) flags="--xla_gpu_graph_enable_concurrent_region=true" ;;
+          warp_spec) flags="--xla_gpu_experimental_enable_triton_warp_specialization=true" ;;
+          multi_output) flags="--xla_gpu_unsupported_enable_triton_multi_output_fusion=true" ;;
+          all_triton) flags="--xla_gpu_experimental_all_fusions_with_triton=true" ;;
+          heroless) flags="--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true" ;;
+          block_level) flags="--xla_gpu_experimental_enable_fusion_block_level_rewriter=true" ;;
+          *) echo "unknown decode_flags variant $variant" | tee -a "$LOG"; continue ;;
         esac
         # XLA aborts on an XLA_FLAGS that is blank but not empty (it reads it as a file name)
         xla_flags=$(echo ${XLA_FLAGS:-} $flags)
