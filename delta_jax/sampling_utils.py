@@ -138,6 +138,52 @@ def filtered_log_probs(logits: jax.Array, temperature, top_p, *, top_k: int,
     return full.at[rows, ids].set(logp)
 
 
+# categorical()'s block width: slabs of 64 x 64 candidates (151,936 tokens: 38 slabs, 2.4%
+# padding).
+_BLOCK = 64
+
+
+def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row, the index i with cum[i - 1] <= u * total < cum[i] (cum: the running sum of
+    weights [B, n] >= 0, some positive): i drawn with probability weights[i] / total. An index of
+    weight 0 is never returned (its interval is empty; rounding that puts u * total at or past
+    the total falls back to the last index of positive weight). u [B] in [0, 1)."""
+    cum = jnp.cumsum(weights, axis=-1)
+    target = u * cum[:, -1]
+    index = jnp.sum(cum <= target[:, None], axis=-1)
+    last = jnp.max(jnp.where(weights > 0, jnp.arange(weights.shape[-1]), -1), axis=-1)
+    return jnp.clip(jnp.minimum(index, last), 0, weights.shape[-1] - 1).astype(jnp.int32)
+
+
+def categorical(keys: jax.Array, values: jax.Array, *, width: int = _BLOCK) -> jax.Array:
+    """One draw per row from softmax(values): keys [B] PRNG keys, values fp32 [B, K] (-inf
+    excluded, at least one finite) -> int32 [B].
+
+    By inverse CDF over a three-level search: the candidates are cut into slabs of w * w, each
+    slab into blocks of w (w = `width`, or less for a short row); a slab is drawn by its
+    probability mass, then a block of it, then a candidate of the block, each with a uniform of
+    its own (P(token) = its slab's mass x its block's share of the slab x its share of the block
+    = its probability; each level's uniform resolves that level's masses). Its cost is three
+    uniforms a row and two reads of the values (their maximum, then their exponentials summed by
+    slab), where jax.random.categorical's Gumbel arg-max hashes one Gumbel variate per
+    candidate: 151,936 a row for the Qwen3 vocabulary (65 us of a 2.8 ms batch-64 decode step on
+    an H200, 2026-11-26)."""
+    B, K = values.shape
+    w = max(1, min(width, math.isqrt(K - 1) + 1))           # w * w >= K for a row under w**2
+    slabs = -(-K // (w * w))
+    m = jnp.max(values, axis=-1, keepdims=True)
+    e = jnp.exp(values - m)                                 # 0 where excluded
+    if slabs * w * w > K:
+        e = jnp.pad(e, ((0, 0), (0, slabs * w * w - K)))
+    e = e.reshape(B, slabs, w, w)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (3,), jnp.float32))(keys)
+    slab = _pick(e.sum(axis=(2, 3)), u[:, 0])
+    e = jnp.take_along_axis(e, slab[:, None, None, None], axis=1)[:, 0]     # [B, w, w]
+    block = _pick(e.sum(axis=2), u[:, 1])
+    e = jnp.take_along_axis(e, block[:, None, None], axis=1)[:, 0]          # [B, w]
+    return slab * (w * w) + block * w + _pick(e, u[:, 2])
+
+
 def sample_tokens(
     keys: jax.Array,
     logits: jax.Array,
@@ -170,7 +216,7 @@ def sample_tokens(
     # [B, V] log-prob array).
     tempered_lse = jax.nn.logsumexp(scaled, axis=-1)
     values, ids = filtered_candidates(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
-    choice = jax.vmap(jax.random.categorical)(keys, values).astype(jnp.int32)
+    choice = categorical(keys, values)
     if ids is None:  # nothing filtered: the sampling distribution is the tempered one
         tempered_logp = scaled[rows, choice] - tempered_lse
         return choice, tempered_logp, tempered_logp

@@ -91,9 +91,14 @@ def one_step(mesh):
 
 
 # Rollout prompts: 3 prompts x 2 samples in 4 slots (2 per fsdp batch shard of the (1, 2, 2)
-# mesh, whose devices span both processes), so slots are refilled; stop id 5 ends some early.
+# mesh, whose devices span both processes), so slots are refilled; STOP_IDS end some early.
 ROLLOUT_PROMPTS = [[7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 ROLLOUT_NEW = 6
+
+
+# Eight stop ids of the 64-token vocabulary: about one token in eight stops its sample, so some
+# of the six samples stop early and some run to ROLLOUT_NEW whatever the random stream.
+STOP_IDS = tuple(range(1, 9))
 
 
 def rollout(mesh):
@@ -108,7 +113,7 @@ def rollout(mesh):
     if mesh is not None:
         sharding.shard_model(model, mesh)
     out = Sampler(model, max_batch_size=4, mesh=mesh, page_size=4).generate(
-        ROLLOUT_PROMPTS, n=2, temperature=1.0, max_new_tokens=ROLLOUT_NEW, stop_token_ids=(5,),
+        ROLLOUT_PROMPTS, n=2, temperature=1.0, max_new_tokens=ROLLOUT_NEW, stop_token_ids=STOP_IDS,
         seed=3)
     ids = np.full((6, ROLLOUT_NEW), -1, np.int32)
     logp = np.zeros((6, ROLLOUT_NEW), np.float32)

@@ -148,3 +148,57 @@ def test_effective_top_k_disables_when_not_filtering():
     assert su.SamplingParams(1.0, 1.0, 50).effective_top_k(50) == -1
     assert su.SamplingParams(1.0, 1.0, 49).effective_top_k(50) == 49
     assert not su.SamplingParams(1.0, 1.0, -1).use_top_p
+
+
+@pytest.mark.parametrize("width", [4, 64])
+def test_categorical_draws_softmax_over_slabs_and_blocks(width):
+    """su.categorical (the sampler's draw: inverse CDF over slabs, blocks and candidates) against
+    softmax(values) by a chi-square test, over 300 candidates: at width 4, 19 slabs of 4 x 4 with
+    the last one padded, so every level of the search chooses; excluded (-inf) candidates,
+    including whole blocks, are never drawn; the same counts reject a slightly tilted softmax."""
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=300).astype(np.float32)
+    values[[0, 17, 150, 299]] = -np.inf
+    values[32:48] = -np.inf                            # whole blocks (and a slab's share) excluded
+    num_draws = 60000
+    keys = jax.random.split(jax.random.key(5), num_draws)
+    rows = jnp.broadcast_to(jnp.asarray(values), (num_draws, values.size))
+    tokens = np.asarray(jax.jit(lambda k, v: su.categorical(k, v, width=width))(keys, rows))
+    counts = np.bincount(tokens, minlength=values.size)
+    p = np.exp(values.astype(np.float64) - values[np.isfinite(values)].max())
+    p /= p.sum()
+    support = p > 0
+    assert counts[~support].sum() == 0
+    chi2 = (((counts - num_draws * p) ** 2)[support] / (num_draws * p[support])).sum()
+    assert chi2 < stats.chi2.ppf(0.999, df=support.sum() - 1), chi2
+    tilted = p * np.exp(0.3 * np.arange(values.size) / values.size)    # last / first: 1.35
+    tilted /= tilted.sum()
+    wrong = (((counts - num_draws * tilted) ** 2)[support] / (num_draws * tilted[support])).sum()
+    assert wrong > stats.chi2.ppf(0.999, df=support.sum() - 1), wrong
+
+
+def test_categorical_edge_rows():
+    """A row with one finite candidate always draws it (wherever it sits: first, a padded
+    slab's last real one, alone in its block); a row of equal values draws every candidate; rows
+    are independent of their batch neighbours (each draws from its own key)."""
+    keys = jax.random.split(jax.random.key(0), 6)
+    one = np.full((6, 70), -np.inf, np.float32)
+    spots = [0, 69, 16, 33, 63, 64]
+    for row, spot in enumerate(spots):
+        one[row, spot] = 1.0
+    assert np.asarray(su.categorical(keys, jnp.asarray(one), width=4)).tolist() == spots
+    flat = su.categorical(jax.random.split(jax.random.key(1), 4000), jnp.zeros((4000, 70)),
+                          width=4)
+    assert set(np.asarray(flat).tolist()) == set(range(70))
+    values = jax.random.normal(jax.random.key(2), (6, 70))
+    alone = [int(su.categorical(keys[i:i + 1], values[i:i + 1])[0]) for i in range(6)]
+    assert np.asarray(su.categorical(keys, values)).tolist() == alone
+
+
+def test_pick_falls_back_to_the_last_positive_weight():
+    """_pick's guard: a target at or past the total (u * total rounding up) returns the last index
+    of positive weight, never a zero-weight index after it; u = 0 returns the first positive one."""
+    weights = jnp.asarray([[0.0, 1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0, 0.0]])
+    assert su._pick(weights, jnp.asarray([1.0, 1.0])).tolist() == [2, 3]
+    assert su._pick(weights, jnp.asarray([0.0, 0.0])).tolist() == [1, 2]
+    assert su._pick(weights, jnp.asarray([0.4, 0.8])).tolist() == [2, 3]

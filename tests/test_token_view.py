@@ -132,6 +132,18 @@ def test_view_matches_an_independent_recomputation(tiny_run, view):
     np.testing.assert_allclose(view.token_prob, np.asarray(p) * view.mask, atol=1e-4)
 
 
+def test_html_escapes_token_texts(view):
+    """A shown response token whose text is markup appears escaped, never as markup."""
+    import dataclasses
+    r, t = 0, int(np.flatnonzero(view.mask[0] > 0)[0])
+    tid = int(view.token_ids[r, t])
+    marked = dataclasses.replace(view, token_text={**view.token_text, tid: "<|im_end|>&"})
+    ranking = token_view.rank_tokens(view.token_ids, view.weights, view.advantages, view.mask,
+                                     min_count=1, top=3)
+    page = token_view.render_html(marked, ranking)
+    assert "&lt;|im_end|&gt;&amp;" in page and "<|im_end|>" not in page
+
+
 def test_cli_writes_html_and_png_and_prints_the_ranking(tiny_run, tmp_path, capsys):
     workdir, _ = tiny_run
     html_path, png_path = tmp_path / "view.html", tmp_path / "view.png"
@@ -142,7 +154,7 @@ def test_cli_writes_html_and_png_and_prints_the_ranking(tiny_run, tmp_path, caps
     assert "most down-weighted tokens, side A > 0" in out and f"html: {html_path}" in out
     page = html_path.read_text()
     assert page.startswith("<!doctype html>") and page.count("class='tok'") > 10
-    assert "&lt;|im_end|&gt;" in page  # token texts are escaped
+    assert "<|im_end|>" not in page     # token texts are escaped (below, whatever was sampled)
     assert png_path.read_bytes().startswith(PNG_MAGIC)
     # The synthetic task: credit classes on the tokens, per class weights, a marked response.
     assert "mean DelTA weight per credit class, side A < 0" in out
