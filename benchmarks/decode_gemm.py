@@ -176,15 +176,6 @@ def gemm_configs(compiled_text: str) -> list[str]:
     return found
 
 
-def device_seconds_per_call(folder, program, operands, calls: int):
-    """The device time of one call of program(*operands): `calls` calls dispatched back to back
-    under the profiler, the trace's device events summed (kernels.timing.traced_kernels) and
-    divided by `calls`. None where the trace has no device events (XLA:CPU)."""
-    _, _, device_s = timing.traced_kernels(folder, lambda: [program(*operands)
-                                                            for _ in range(calls)])
-    return None if device_s is None else device_s / calls
-
-
 def main(argv=None):
     args = parse_args(argv)
     cfg = models.get_preset(args.preset)
@@ -232,7 +223,7 @@ def main(argv=None):
                                                              calls=calls)
                     device_s = None
                     if args.trace_calls:
-                        device_s = device_seconds_per_call(
+                        device_s = timing.device_seconds_per_call(
                             f"{args.trace_dir}/{group}_b{batch}_{variant}", program, operands,
                             args.trace_calls)
                     rate_s = seconds if device_s is None else device_s

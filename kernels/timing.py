@@ -224,6 +224,15 @@ def traced_kernels(folder, fn) -> tuple:
     return result, every, (sum(r["total_us"] for r in device) / 1e6 if device else None)
 
 
+def device_seconds_per_call(folder, program, operands, calls: int):
+    """The device time of one call of program(*operands): `calls` calls dispatched back to back
+    under the profiler, the trace's device events summed (traced_kernels) and divided by
+    `calls`. None where the trace has no device events (XLA:CPU). For programs of a few
+    microseconds, whose wall time is the host's dispatch rate."""
+    _, _, device_s = traced_kernels(folder, lambda: [program(*operands) for _ in range(calls)])
+    return None if device_s is None else device_s / calls
+
+
 def device_description() -> str:
     device = jax.devices()[0]
     return f"{jax.default_backend()}: {getattr(device, 'device_kind', str(device))}"

@@ -23,6 +23,7 @@
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
 #   bash scripts/gpu_bench.sh decode_gemm        # the decode's weight matmuls alone, split-K (#15)
+#   bash scripts/gpu_bench.sh draw               # the sampling draw alone: inverse CDF vs Gumbel (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
@@ -279,6 +280,11 @@ for s in "$@"; do
                   # rate (~40-70 us a call on an H200, seventh run). ~1-2 minutes.
       stage decode_gemm 240 python3 benchmarks/decode_gemm.py --batch 64 256 \
         --out "$OUT/decode_gemm.json" ;;
+    draw)  # issue 15: the sampling draw alone (benchmarks/sampling_draw.py: the sampler's inverse
+           # CDF against jax.random.categorical's Gumbel arg-max, the Qwen3 vocabulary, 64 and
+           # 256 rows, device time from a profiler trace); the Gumbel draw was 65 us of a 2.8 ms
+           # batch-64 decode step on an H200 (2026-11-26). ~1 minute.
+      stage draw 120 python3 benchmarks/sampling_draw.py --out "$OUT/sampling_draw.json" ;;
     tunix)  # issue 15: the peer, google-tunix 0.1.7's JAX sampler (.whl/tunix_decode.py from
             # ../shared/bench), at batch 64 on this GPU (batch 256 did not fit its prefill on
             # an H100); compare its decode tok/s with the decode stage's on the same machine
