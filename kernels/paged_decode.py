@@ -19,9 +19,10 @@ pallas.ops.gpu has none (its ragged and decode attention are Triton too), and to
 Mosaic GPU attention refuses paging ("Paged attention not supported"; only its XLA path pages).
 
 How it works. One CUDA block (one warpgroup) per (sequence, KV head, split of the pages). The G
-query heads of the KV head sit in a 64-row WGMMA tile: one TMA copy brings a window of q's rows,
-a multiple of 8, read in place from [B, N, D] (where the window reaches past the block's G rows it
-holds other heads' queries, and the tile's other rows are zeros: rows of a matmul are
+query heads of the KV head sit in a 64-row WGMMA tile: one TMA copy brings a window of q's rows
+read in place from [B, N, D], whole 8-row tiles from the tile holding the head's first row
+(q_windows: 8 rows at Qwen3-0.6B / 8B, 16 at 14B's 5 heads a KV head), holding its G rows
+and other heads' queries (and the tile's other rows are zeros: rows of a matmul are
 independent, so they cost tensor-core time, which decode has spare, and no memory traffic; their
 outputs are never stored). With rope, the prologue rotates the tile in float32 by halves (D = 128
 in bf16: each half is whole 128-byte swizzle atoms; a narrower head is rotated by XLA before the
