@@ -50,7 +50,9 @@ PAGES_PER_BLOCK STAGES runs the Mosaic GPU decode kernel (delta_jax.kernels.page
 --decode-attention mosaic, and auto on Hopper, run) with these instead of its defaults, so its
 parameters can be compared in the whole decode (on an H200 the long-tailed workload's attention
 read K/V at ~2.2 TB/s where every-row-live decode read ~3.35: k_splits > 1 may balance the
-ragged rows better). Each row records them (mosaic_kernel).
+ragged rows better). --mosaic-pdl runs it with programmatic dependent launch (paged_decode_mosaic's
+pdl: its blocks start while the kernel before it drains; marked for the launch by jax >= 0.11).
+Each row records them (mosaic_kernel).
 Memory: for every engine configuration, XLA's memory analysis of the sampler's jitted programs
 (prefill, decode, page copy; each compiled again from its first call's shapes) on the backend
 that runs them is printed and stored with the results (compiled_memory).
@@ -132,6 +134,8 @@ def parse_args(argv=None):
     p.add_argument("--mosaic-kernel", type=int, nargs=3, default=None,
                    metavar=("K_SPLITS", "PAGES_PER_BLOCK", "STAGES"),
                    help="the Mosaic GPU decode kernel's parameters (default: its own)")
+    p.add_argument("--mosaic-pdl", action="store_true",
+                   help="the Mosaic GPU decode kernel with programmatic dependent launch")
     p.add_argument("--output", default="decode_throughput.json")
     p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -145,17 +149,18 @@ def parse_args(argv=None):
         cfg = model_config(args)
         problem = paged_decode.config_problem(
             cfg.dtype, cfg.head_dim, args.page_size, cfg.num_heads // cfg.num_kv_heads,
-            **mosaic_kwargs(args))
+            **dict(zip(("k_splits", "pages_per_block", "stages"), args.mosaic_kernel)))
         if problem:
             p.error(f"--mosaic-kernel: {problem}")
     return args
 
 
 def mosaic_kwargs(args) -> dict:
-    """paged_decode_mosaic's keyword arguments from --mosaic-kernel ({} without it)."""
-    if args.mosaic_kernel is None:
-        return {}
-    return dict(zip(("k_splits", "pages_per_block", "stages"), args.mosaic_kernel))
+    """paged_decode_mosaic's keyword arguments from --mosaic-kernel and --mosaic-pdl ({} without
+    either)."""
+    kwargs = {} if args.mosaic_kernel is None else dict(
+        zip(("k_splits", "pages_per_block", "stages"), args.mosaic_kernel))
+    return {**kwargs, "pdl": True} if args.mosaic_pdl else kwargs
 
 
 @contextlib.contextmanager

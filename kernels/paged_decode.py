@@ -150,16 +150,21 @@ def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits
     raise ValueError(f"paged_decode_mosaic: {problem}")
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages"))
+@functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages", "pdl"))
 def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         block_tables: jax.Array, lengths: jax.Array, *, rope=None,
                         pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
-                        stages: int = STAGES) -> jax.Array:
+                        stages: int = STAGES, pdl: bool = False) -> jax.Array:
   """Decode attention over a page pool (the contract in the module docstring), on Mosaic GPU.
   rope: None, or (cos, sin) float32 [B, D] each: q is rotated by them in the kernel's prologue
   (rope.apply_rope's rotation). pages_per_block pages make one step (pages_per_block * page_size
   must be a multiple of 64), `stages` steps are copied ahead, k_splits blocks share a sequence's
-  pages."""
+  pages. pdl (an experiment, off by default): the kernel takes part in CUDA's programmatic
+  dependent launch; its blocks can start while the kernel before it drains, each waits for that
+  kernel's results (griddepcontrol.wait) before it reads any input, and lets the kernel after it
+  launch once its pages are read (griddepcontrol.launch_dependents). jax 0.11's Pallas marks
+  such a kernel for a PDL launch; jax 0.10 lowers the two instructions without the mark, where
+  they wait for nothing."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -204,6 +209,9 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q_smem, o_smem, k_smem, v_smem = take(), take(), take(), take()
     lse_smem, cs_smem = take(k_splits > 1), take(rope is not None)
     q_bar, k_bar, v_bar = refs
+    if pdl:
+      plgpu.griddepcontrol_wait()   # the inputs (q, this step's K / V writes) are the last
+                                    # kernels' outputs
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
@@ -304,6 +312,8 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     l_i = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
     acc, m_i, l_i = lax.fori_loop(0, steps, body, (acc, m_i, l_i))
+    if pdl:
+      plgpu.griddepcontrol_launch_dependents()   # every page read: the next kernel may start
 
     has = l_i > 0.0
     inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)

@@ -24,6 +24,7 @@
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
 #   bash scripts/gpu_bench.sh decode_gemm        # the decode's weight matmuls alone, split-K (#15)
 #   bash scripts/gpu_bench.sh draw               # the sampling draw alone: inverse CDF vs Gumbel (#15)
+#   bash scripts/gpu_bench.sh decode_pdl         # batch-64 decode, Mosaic kernel without / with PDL (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
@@ -245,6 +246,16 @@ for s in "$@"; do
           python3 benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 --batch 64 \
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
+      done ;;
+    decode_pdl)  # issue 15: the fixed workload at batch 64 with the Mosaic kernel as is and with
+                 # programmatic dependent launch (--mosaic-pdl: it starts while the kernel before
+                 # it drains and lets the next one start once its pages are read), one process
+                 # each; whether XLA's own kernels use PDL, decode_flags' pdl_off says. ~80 s.
+      for v in off on; do
+        stage "decode_pdl_$v" 150 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 --decode-attention mosaic \
+          --workload fixed --hf never --repeats 1 $([ "$v" = on ] && echo --mosaic-pdl) \
+          --output "$OUT/decode_pdl_$v.json"
       done ;;
     decode_anatomy)  # issue 15: what each kernel of a batch-64 decode step is. The fixed
                      # workload at batch 64 (256 new tokens: the same per-step program), traced

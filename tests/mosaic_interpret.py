@@ -6,7 +6,9 @@ for what a flash-attention kernel uses and it lacks. jax 0.10 (the CPU venv's) l
   * a WGMMA whose B operand is a transposed view of a shared-memory buffer (ref.transpose);
   * a WGMMA whose A operand is a register array (the probabilities of P V);
   * the race detector's check of WGMMA operands read from shared memory, like any other read
-    (the interpreter's own WGMMA skips it).
+    (the interpreter's own WGMMA skips it);
+  * griddepcontrol.wait / .launch_dependents (programmatic dependent launch; nothing to order
+    in an interpreter that runs one kernel at a time: no-ops, here and under jax 0.11).
 
 What catches a skipped barrier wait: the race detector sees a TMA copy into a buffer that is
 then stored to or loaded from without the wait (tests/test_paged_decode.py's positive control);
@@ -130,6 +132,12 @@ def _install():
   if _installed:
     return
   mlir, gpu_core, gpu_callbacks, jaxpr_interpret, _, state_types = _modules()
+  # Programmatic dependent launch (griddepcontrol.wait / .launch_dependents): the interpreter runs
+  # one kernel at a time, so both order nothing there; neither version has a rule for them.
+  from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+  for name in ("griddepcontrol_wait_p", "griddepcontrol_launch_dependents_p"):
+    if hasattr(gpu_primitives, name):
+      mlir.register_lowering(getattr(gpu_primitives, name), lambda ctx: [], platform="cpu")
   if "mesh_location" in inspect.signature(gpu_callbacks.wgmma).parameters:
     _install_register_operand_wgmma(gpu_callbacks, jaxpr_interpret, state_types)
     _installed = True

@@ -26,6 +26,12 @@ def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
     assert paged_decode.paged_decode_mosaic is original
     with bench.mosaic_parameters(bench.mosaic_kwargs(bench.parse_args(["--preset", "tiny"]))):
         assert paged_decode.paged_decode_mosaic is original
+    # --mosaic-pdl adds pdl=True, alone or beside --mosaic-kernel
+    assert bench.mosaic_kwargs(bench.parse_args(["--preset", "tiny", "--mosaic-pdl"])) == {
+        "pdl": True}
+    assert bench.mosaic_kwargs(bench.parse_args(
+        ["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-kernel", "2", "4", "2",
+         "--mosaic-pdl"])) == {**kwargs, "pdl": True}
 
 
 def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time():

@@ -95,6 +95,33 @@ def test_interpreted_rotates_q_as_apply_rope_does(G, K, kw):
 
 
 @needs_interpreter
+def test_interpreted_with_pdl_matches_reference():
+  """pdl=True (programmatic dependent launch) only adds the grid-dependency instructions: the
+  same outputs as the reference, k_splits 2 included."""
+  q, kp, vp, tables, lengths, _, _ = paged_case(
+      61, B=3, K=2, G=2, D=64, page_size=16, pages_per_seq=8, lengths=(70, 1, 33),
+      dtype=jnp.bfloat16, pages_per_block=4)
+  ref = np.asarray(A.paged_decode_reference(q, kp, vp, tables, lengths), np.float32)
+  with mosaic_interpret.interpreting(detect_races=True):
+    got = np.asarray(PD.paged_decode_mosaic(q, kp, vp, tables, lengths, pdl=True,
+                                            pages_per_block=4, k_splits=2), np.float32)
+  assert not mosaic_interpret.races_found()
+  np.testing.assert_allclose(got, ref, atol=1e-2, rtol=1e-2)
+
+
+def test_pdl_lowers_to_the_grid_dependency_instructions():
+  """pdl=True puts griddepcontrol.wait / .launch_dependents in the kernel (pdl=False neither),
+  and where this jax's Pallas marks a kernel for a PDL launch (jax >= 0.11: the PdlEffect), the
+  module carries the mark."""
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  plain, pdl = lower_for_cuda(), lower_for_cuda(pdl=True)
+  for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+    assert op in pdl and op not in plain
+  marks = hasattr(gpu_core, "PdlEffect")
+  assert ("mosaic_gpu.uses_pdl" in pdl) == marks and "mosaic_gpu.uses_pdl" not in plain
+
+
+@needs_interpreter
 @pytest.mark.parametrize("wait", [True, False])
 def test_race_detector_is_live(wait):
   """The positive control of the no-race assertion above: a TMA copy into shared memory whose
