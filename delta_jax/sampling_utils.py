@@ -138,9 +138,9 @@ def filtered_log_probs(logits: jax.Array, temperature, top_p, *, top_k: int,
     return full.at[rows, ids].set(logp)
 
 
-# categorical()'s block width: slabs of 64 x 64 candidates (151,936 tokens: 38 slabs, 2.4%
-# padding).
-_BLOCK = 64
+# categorical()'s most slabs a row: the largest power of two dividing the row's length, up to
+# this (151,936 Qwen3 tokens: 128 slabs of 1,187).
+_MAX_SLABS = 1024
 
 
 def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
@@ -155,33 +155,35 @@ def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.clip(jnp.minimum(index, last), 0, weights.shape[-1] - 1).astype(jnp.int32)
 
 
-def categorical(keys: jax.Array, values: jax.Array, *, width: int = _BLOCK) -> jax.Array:
+def categorical(keys: jax.Array, values: jax.Array, *, max_slabs: int = _MAX_SLABS) -> jax.Array:
     """One draw per row from softmax(values): keys [B] PRNG keys, values fp32 [B, K] (-inf
     excluded, at least one finite) -> int32 [B].
 
-    By inverse CDF over a three-level search: the candidates are cut into slabs of w * w, each
-    slab into blocks of w (w = `width`, or less for a short row); a slab is drawn by its
-    probability mass, then a block of it, then a candidate of the block, each with a uniform of
-    its own (P(token) = its slab's mass x its block's share of the slab x its share of the block
-    = its probability; each level's uniform resolves that level's masses). Its cost is three
-    uniforms a row and two reads of the values (their maximum, then their exponentials summed by
-    slab), where jax.random.categorical's Gumbel arg-max hashes one Gumbel variate per
-    candidate: 151,936 a row for the Qwen3 vocabulary (65 us of a 2.8 ms batch-64 decode step on
-    an H200, 2026-11-26)."""
+    By inverse CDF over three levels, a uniform each: a slab of the row by its probability mass,
+    then a block of the slab, then a candidate of the block (P(token) = its slab's mass x its
+    block's share of the slab x its share of the block = its probability; each level's uniform
+    resolves that level's masses). The slabs are S equal, contiguous parts of the row, S the
+    largest power of two dividing K (at most max_slabs; 128 slabs of 1,187 for the Qwen3
+    vocabulary), so a row split over devices in equal contiguous parts (the logits' vocabulary
+    over a "tensor" mesh axis of 2, 4, ... devices) keeps whole slabs on each device: the slab
+    masses are local sums and only the chosen slab's W = K / S values move. The slab's blocks are
+    w of w candidates (w * w >= W, padded). Its cost is three uniforms a row and two reads of the
+    values (their maximum, then their exponentials summed by slab), where
+    jax.random.categorical's Gumbel arg-max hashes one Gumbel variate per candidate: 151,936 a
+    row for the Qwen3 vocabulary (65 us of a 2.8 ms batch-64 decode step on an H200,
+    2026-11-26)."""
     B, K = values.shape
-    w = max(1, min(width, math.isqrt(K - 1) + 1))           # w * w >= K for a row under w**2
-    slabs = -(-K // (w * w))
-    m = jnp.max(values, axis=-1, keepdims=True)
-    e = jnp.exp(values - m)                                 # 0 where excluded
-    if slabs * w * w > K:
-        e = jnp.pad(e, ((0, 0), (0, slabs * w * w - K)))
-    e = e.reshape(B, slabs, w, w)
+    S = min(K & -K, max_slabs)                              # a power of two dividing K
+    W = K // S
+    w = math.isqrt(W - 1) + 1                               # w * w >= W
     u = jax.vmap(lambda k: jax.random.uniform(k, (3,), jnp.float32))(keys)
-    slab = _pick(e.sum(axis=(2, 3)), u[:, 0])
-    e = jnp.take_along_axis(e, slab[:, None, None, None], axis=1)[:, 0]     # [B, w, w]
+    e = jnp.exp(values - jnp.max(values, axis=-1, keepdims=True)).reshape(B, S, W)
+    slab = _pick(e.sum(axis=2), u[:, 0])                    # 0 where excluded
+    e = jnp.take_along_axis(e, slab[:, None, None], axis=1)[:, 0]            # [B, W]
+    e = jnp.pad(e, ((0, 0), (0, w * w - W))).reshape(B, w, w)
     block = _pick(e.sum(axis=2), u[:, 1])
     e = jnp.take_along_axis(e, block[:, None, None], axis=1)[:, 0]          # [B, w]
-    return slab * (w * w) + block * w + _pick(e, u[:, 2])
+    return slab * W + block * w + _pick(e, u[:, 2])
 
 
 def sample_tokens(

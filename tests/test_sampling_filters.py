@@ -150,20 +150,21 @@ def test_effective_top_k_disables_when_not_filtering():
     assert not su.SamplingParams(1.0, 1.0, -1).use_top_p
 
 
-@pytest.mark.parametrize("width", [4, 64])
-def test_categorical_draws_softmax_over_slabs_and_blocks(width):
+@pytest.mark.parametrize("size,max_slabs", [(300, 1024), (320, 1024), (300, 1)])
+def test_categorical_draws_softmax_over_slabs_and_blocks(size, max_slabs):
     """su.categorical (the sampler's draw: inverse CDF over slabs, blocks and candidates) against
-    softmax(values) by a chi-square test, over 300 candidates: at width 4, 19 slabs of 4 x 4 with
-    the last one padded, so every level of the search chooses; excluded (-inf) candidates,
-    including whole blocks, are never drawn; the same counts reject a slightly tilted softmax."""
+    softmax(values) by a chi-square test: 300 candidates make 4 slabs of 75 in blocks of 9 (the
+    last block padded), 320 make 64 slabs of 5 in blocks of 3, and one slab of 300 is blocks of 18,
+    so every level chooses; excluded (-inf) candidates, including whole slabs and blocks, are
+    never drawn; the same counts reject a slightly tilted softmax."""
     rng = np.random.default_rng(1)
-    values = rng.normal(size=300).astype(np.float32)
-    values[[0, 17, 150, 299]] = -np.inf
-    values[32:48] = -np.inf                            # whole blocks (and a slab's share) excluded
+    values = rng.normal(size=size).astype(np.float32)
+    values[[0, 17, 150, size - 1]] = -np.inf
+    values[32:48] = -np.inf
     num_draws = 60000
     keys = jax.random.split(jax.random.key(5), num_draws)
     rows = jnp.broadcast_to(jnp.asarray(values), (num_draws, values.size))
-    tokens = np.asarray(jax.jit(lambda k, v: su.categorical(k, v, width=width))(keys, rows))
+    tokens = np.asarray(jax.jit(lambda k, v: su.categorical(k, v, max_slabs=max_slabs))(keys, rows))
     counts = np.bincount(tokens, minlength=values.size)
     p = np.exp(values.astype(np.float64) - values[np.isfinite(values)].max())
     p /= p.sum()
@@ -178,21 +179,41 @@ def test_categorical_draws_softmax_over_slabs_and_blocks(width):
 
 
 def test_categorical_edge_rows():
-    """A row with one finite candidate always draws it (wherever it sits: first, a padded
-    slab's last real one, alone in its block); a row of equal values draws every candidate; rows
-    are independent of their batch neighbours (each draws from its own key)."""
+    """A row with one finite candidate always draws it (wherever it sits: first, last, alone in
+    its block, at a slab's edge); a row of equal values draws every candidate; rows are
+    independent of their batch neighbours (each draws from its own key)."""
     keys = jax.random.split(jax.random.key(0), 6)
-    one = np.full((6, 70), -np.inf, np.float32)
-    spots = [0, 69, 16, 33, 63, 64]
+    one = np.full((6, 70), -np.inf, np.float32)                # 2 slabs of 35, blocks of 6
+    spots = [0, 69, 16, 34, 35, 64]
     for row, spot in enumerate(spots):
         one[row, spot] = 1.0
-    assert np.asarray(su.categorical(keys, jnp.asarray(one), width=4)).tolist() == spots
-    flat = su.categorical(jax.random.split(jax.random.key(1), 4000), jnp.zeros((4000, 70)),
-                          width=4)
+    assert np.asarray(su.categorical(keys, jnp.asarray(one))).tolist() == spots
+    flat = su.categorical(jax.random.split(jax.random.key(1), 4000), jnp.zeros((4000, 70)))
     assert set(np.asarray(flat).tolist()) == set(range(70))
     values = jax.random.normal(jax.random.key(2), (6, 70))
     alone = [int(su.categorical(keys[i:i + 1], values[i:i + 1])[0]) for i in range(6)]
     assert np.asarray(su.categorical(keys, values)).tolist() == alone
+
+
+@pytest.mark.devices(4)
+def test_categorical_keeps_a_vocabulary_split_over_devices_local():
+    """Logits whose vocabulary is split over a "tensor" mesh axis (4 devices, the Qwen3
+    vocabulary): the compiled draw's collectives move the slab masses and one slab a row, never
+    the row (a layout that cut the row across the devices' parts gathered 77,824 values a row)."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("tensor",))
+    rows, vocab = 16, 151936
+    values = jax.ShapeDtypeStruct((rows, vocab), jnp.float32,
+                                  sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
+    keys = jax.ShapeDtypeStruct((rows,), jax.random.key(0).dtype,
+                                sharding=NamedSharding(mesh, PartitionSpec()))
+    text = jax.jit(su.categorical).lower(keys, values).compile().as_text()
+    moved = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+             for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? (?:all-gather|all-reduce|"
+                                  r"all-to-all|collective-permute)\(", text)]
+    assert moved and max(moved) <= rows * 1187, sorted(moved)[-3:]   # 128 slabs of 1,187
 
 
 def test_pick_falls_back_to_the_last_positive_weight():
