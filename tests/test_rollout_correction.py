@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from delta_jax.rl import rollout_correction
 from delta_jax.rl.rollout_correction import MODES, rollout_is_weights
 from delta_jax.train import rl_step as rl_step_lib
 from delta_jax.train.config import ConfigError
@@ -128,11 +129,23 @@ def test_prepare_batch_weights_tokens_by_the_truncated_ratio(tmp_path):
     assert np.mean(ratio[valid] > 1.2) > 0.05 and np.mean(ratio[valid] < 0.9) > 0.05
     assert prep.metrics["rollout/is_beyond_cap_fraction"] == pytest.approx(
         np.mean(ratio[valid] > 1.2), abs=1e-6)
-    assert prep.metrics["rollout/mismatch_k3"] > 0.01
+    assert prep.metrics["rollout/mismatch_k3"] == pytest.approx(_k3(old, prep), rel=1e-4)
+    assert _k3(old, prep) > 1e-3
 
     plain, plain_prep = _prepared(tmp_path, "none")
     np.testing.assert_array_equal(plain["token_weights"], plain["response_mask"])
-    assert plain_prep.metrics["rollout/mismatch_k3"] > 0.01  # logged whatever the mode
+    # logged whatever the mode
+    assert plain_prep.metrics["rollout/mismatch_k3"] == pytest.approx(
+        _k3(plain["old_logp"], plain_prep), rel=1e-4)
+
+
+def _k3(old_logp, prep):
+    """The batch's mean k3 (r - 1 - log r, r = pi_old / pi_sampler) over its response tokens, in
+    float64 from the two log-probs (the clamp the correction applies to log r included)."""
+    mask = prep.batch["response_mask"] > 0
+    d = np.clip(np.asarray(old_logp, np.float64) - np.asarray(prep.packed.sampler_logp, np.float64),
+                -rollout_correction._LOG_RATIO_CLAMP, rollout_correction._LOG_RATIO_CLAMP)
+    return float(np.mean((np.expm1(d) - d)[np.asarray(mask)]))
 
 
 def test_with_delta_the_importance_and_delta_weights_multiply(tmp_path):
