@@ -88,6 +88,10 @@ from delta_jax.sampling import programs as sampling_programs
 WORKLOADS = ("fixed", "longtail")
 
 
+# --mosaic-kernel's three values, in order: paged_decode_mosaic's (and config_problem's) names
+MOSAIC_KERNEL_PARAMS = ("k_splits", "pages_per_block", "stages")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-0.6b", help="models.get_preset name")
@@ -149,7 +153,7 @@ def parse_args(argv=None):
         cfg = model_config(args)
         problem = paged_decode.config_problem(
             cfg.dtype, cfg.head_dim, args.page_size, cfg.num_heads // cfg.num_kv_heads,
-            **dict(zip(("k_splits", "pages_per_block", "stages"), args.mosaic_kernel)))
+            **dict(zip(MOSAIC_KERNEL_PARAMS, args.mosaic_kernel)))
         if problem:
             p.error(f"--mosaic-kernel: {problem}")
     return args
@@ -159,7 +163,7 @@ def mosaic_kwargs(args) -> dict:
     """paged_decode_mosaic's keyword arguments from --mosaic-kernel and --mosaic-pdl ({} without
     either)."""
     kwargs = {} if args.mosaic_kernel is None else dict(
-        zip(("k_splits", "pages_per_block", "stages"), args.mosaic_kernel))
+        zip(MOSAIC_KERNEL_PARAMS, args.mosaic_kernel))
     return {**kwargs, "pdl": True} if args.mosaic_pdl else kwargs
 
 

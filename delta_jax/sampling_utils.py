@@ -177,8 +177,9 @@ def categorical(keys: jax.Array, values: jax.Array, *, max_slabs: int = _MAX_SLA
     W = K // S
     w = math.isqrt(W - 1) + 1                               # w * w >= W
     u = jax.vmap(lambda k: jax.random.uniform(k, (3,), jnp.float32))(keys)
+    # 0 where excluded
     e = jnp.exp(values - jnp.max(values, axis=-1, keepdims=True)).reshape(B, S, W)
-    slab = _pick(e.sum(axis=2), u[:, 0])                    # 0 where excluded
+    slab = _pick(e.sum(axis=2), u[:, 0])
     e = jnp.take_along_axis(e, slab[:, None, None], axis=1)[:, 0]            # [B, W]
     e = jnp.pad(e, ((0, 0), (0, w * w - W))).reshape(B, w, w)
     block = _pick(e.sum(axis=2), u[:, 1])
