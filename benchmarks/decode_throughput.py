@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from delta_jax import models
+from delta_jax import models, xla_env
 from delta_jax.kernels import paged_decode, timing
 from delta_jax.models import attention
 from delta_jax.sampling import Sampler
@@ -425,6 +425,7 @@ def attempt(fn, *a):
 
 
 def main(argv=None):
+    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cfg = model_config(args)

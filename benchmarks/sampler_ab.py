@@ -31,7 +31,7 @@ import sys
 
 from flax import nnx
 
-from delta_jax import models
+from delta_jax import models, xla_env
 from delta_jax.kernels import timing
 from delta_jax.sampling import Sampler
 
@@ -66,6 +66,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
     args = parse_args(argv)
     wl = decode_throughput.parse_args([
         "--preset", args.preset, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),

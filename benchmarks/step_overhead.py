@@ -52,6 +52,7 @@ import zlib
 
 import numpy as np
 
+from delta_jax import xla_env
 from delta_jax.models import REMAT_POLICIES
 
 PHASES = ("rollout_s", "reward_s", "old_policy_s", "delta_s", "update_s", "step_s")
@@ -244,6 +245,7 @@ def main(argv=None):
     parser.add_argument("--workdir", default="")
     parser.add_argument("--out", default="benchmarks/results/step_overhead.json")
     args = parser.parse_args(argv)
+    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
     if not args.tokenizer:
         found = os.path.isfile(os.path.join(QWEN3_TOKENIZER, "tokenizer.json"))
         args.tokenizer = os.path.abspath(QWEN3_TOKENIZER) if found else "synthetic"

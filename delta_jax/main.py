@@ -42,6 +42,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, met
 def run(cfg, workdir: str):
     """Validates `cfg` and runs its mode in `workdir`; returns the mode's result."""
     cfg = validate_config(cfg)
+    from delta_jax import xla_env
+    xla_env.apply_default_flags()  # before anything starts a backend
     if cfg.mode == "plan":
         from delta_jax import plan
         result = plan.plan_from_config(cfg, target=cfg.plan.target)

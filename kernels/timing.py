@@ -265,7 +265,8 @@ def write_json(path, payload: dict, *, args=None) -> pathlib.Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"device": device_description(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if args is not None:
         record["args"] = vars(args) if hasattr(args, "__dict__") else dict(args)
     record.update(payload)

@@ -5,6 +5,7 @@
 # Qwen3 tokenizer in .whl/qwen3).
 #
 #   bash scripts/gpu_bench.sh decode step        # rollout engine (#15), step memory/time (#16)
+#   bash scripts/gpu_bench.sh decode_fixed       # batch 64 and 256, fixed lengths only (#15)
 #   bash scripts/gpu_bench.sh lmhead train       # kernels, MFU (#16)
 #   bash scripts/gpu_bench.sh step_dapo step_delta   # step_overhead at full defaults, per variant
 #   bash scripts/gpu_bench.sh step_delta-recompute   #   (one call each pair: ~4 min a variant)
@@ -94,6 +95,12 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention "$DECODE" --workload fixed longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput$SUFFIX.json" ;;
+    decode_fixed)  # issue 15: the fixed workload alone at batch 64 and 256, $DECODE attention (the
+                   # acceptance's bandwidth figures without the long tail; H200 ~37 s at 64)
+      stage decode_fixed 240 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention "$DECODE" --workload fixed --hf never --repeats 1 \
+        --output "$OUT/decode_fixed$SUFFIX.json" ;;
     profile)  # issue 15: fixed lengths at batch 64 and 256 with the device time by kernel
               # (kernels.timing.trace_summary; H100, 2026-11-24: ~170 s)
       stage profile 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
@@ -206,25 +213,25 @@ for s in "$@"; do
           --decode-attention mosaic --mosaic-kernel "$ks" 2 3 --workload fixed longtail \
           --hf never --repeats 1 --output "$OUT/decode_throughput_splits_$ks.json"
       done ;;
-    decode_flags)  # issue 15: where a batch-64 decode step's ~1.3 ms outside attention goes (H200,
-                   # 2026-11-26: four per-layer GEMM fusions at ~1.4 TB/s, 0.61 ms a step, ~10
-                   # small per-layer kernels of ~2 us): the fixed workload at batch 64 under XLA
-                   # flag variants, one process each (an unknown flag aborts only its own
-                   # variant): as is, the exhaustive Triton GEMM tile search (the skinny 64-row
-                   # GEMMs), cuBLASLt, no command buffers (CUDA graphs). (cuBLAS instead of the
-                   # Triton GEMM fusions, --xla_gpu_enable_triton_gemm=false, ran 16,688 tok/s
-                   # against 18,895 on an H200, 2026-11-26: slower.) More variants, by name in
-                   # DECODE_FLAG_VARIANTS (flags that jaxlib 0.11.2, the GPU image's, accepts:
-                   # checked on the CPU with scripts/gpu_jax_check.sh's venv, 2026-11-26; their
-                   # defaults not known): pdl_off / pdl_on (programmatic dependent launch: a
-                   # kernel starts while the previous one drains, for the ~420 kernels of a few
-                   # us a step), concurrent_graph (independent kernels of a CUDA graph side by
-                   # side), warp_spec (warp-specialised Triton GEMMs), multi_output (Triton
-                   # multi-output fusions), all_triton (every fusion emitted by Triton), heroless
-                   # (Triton's heroless priority fusion), block_level (the block-level fusion
-                   # rewriter). Suggested, ~40 s each:
-                   # DECODE_FLAG_VARIANTS="base pdl_off pdl_on concurrent_graph warp_spec all_triton"
-      for variant in ${DECODE_FLAG_VARIANTS:-base exhaustive_tiling cublaslt no_command_buffer}; do
+    decode_flags)  # issue 15: the fixed workload at batch 64 under XLA flag variants, one process
+                   # each (an unknown flag aborts only its own variant); ~40 s a variant. "base"
+                   # is the product's flags (delta_jax.xla_env's defaults, which decode_throughput
+                   # applies: concurrent CUDA-graph regions since 2026-11-27). Measured on an H200:
+                   # cuBLAS instead of Triton GEMM fusions (--xla_gpu_enable_triton_gemm=false)
+                   # 16,688 tok/s against 18,895 (2026-11-26); no command buffers 17,531 against
+                   # 18,922; exhaustive tiling did not compile in 146 s; 2026-11-27: pdl_off /
+                   # pdl_on 19,471 / 19,489 against 19,503 (no effect), concurrent_graph 19,992-
+                   # 20,150 against 19,422-19,677 (adopted). Variants, by name in DECODE_FLAG_VARIANTS
+                   # (flags that jaxlib 0.11.2, the GPU image's, accepts: checked on the CPU with
+                   # scripts/gpu_jax_check.sh's venv): no_concurrent (the default off), no_splitk
+                   # (Triton GEMMs without split-K: at 64 rows the qkv fusion writes f32[4, 64,
+                   # 4096] partial sums that three consumers read, 4.2 MB each), warp_spec
+                   # (warp-specialised Triton GEMMs), multi_output (Triton multi-output fusions),
+                   # all_triton (every fusion emitted by Triton), heroless (Triton's heroless
+                   # priority fusion), block_level (the block-level fusion rewriter), pdl_off /
+                   # pdl_on (programmatic dependent launch), exhaustive_tiling, cublaslt,
+                   # no_command_buffer.
+      for variant in ${DECODE_FLAG_VARIANTS:-base no_concurrent no_splitk warp_spec}; do
         case $variant in
           base) flags="" ;;
           exhaustive_tiling) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
@@ -233,6 +240,8 @@ for s in "$@"; do
           pdl_off) flags="--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" ;;
           pdl_on) flags="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" ;;
           concurrent_graph) flags="--xla_gpu_graph_enable_concurrent_region=true" ;;
+          no_concurrent) flags="--xla_gpu_graph_enable_concurrent_region=false" ;;
+          no_splitk) flags="--xla_gpu_experimental_force_split_k=1" ;;
           warp_spec) flags="--xla_gpu_experimental_enable_triton_warp_specialization=true" ;;
           multi_output) flags="--xla_gpu_unsupported_enable_triton_multi_output_fusion=true" ;;
           all_triton) flags="--xla_gpu_experimental_all_fusions_with_triton=true" ;;

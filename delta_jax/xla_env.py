@@ -1,0 +1,65 @@
+"""The XLA flags delta_jax runs with unless the user's XLA_FLAGS names them.
+
+XLA reads XLA_FLAGS once, when the first backend starts, so `apply_default_flags` has to run
+before anything touches a device: `delta_jax.main.run` and the benchmarks that measure the
+product call it first. A flag the user sets in XLA_FLAGS (to any value) wins over the default
+of the same name, so `XLA_FLAGS=--xla_gpu_graph_enable_concurrent_region=false` turns one off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import MutableMapping, Optional
+
+log = logging.getLogger(__name__)
+
+DEFAULT_XLA_FLAGS = (
+    # CUDA graphs (XLA's command buffers) run the independent kernels of a graph side by side:
+    # in a decode layer q's norm, k's norm + RoPE + page write and v's page write all follow the
+    # qkv matmul alone. One H200, 2026-11-27 (BENCHMARKS.md, eighth GPU run): batch-64 decode
+    # 19,992 / 20,136 / 20,150 tokens/s with it against 19,422 / 19,503 / 19,677 without, batch 256
+    # 28,625 against 28,263. The train step with it: not measured. The CPU and TPU backends
+    # accept the flag and do nothing with it.
+    "--xla_gpu_graph_enable_concurrent_region=true",
+)
+
+
+def flag_name(flag: str) -> str:
+    """'--xla_foo=1' -> 'xla_foo'."""
+    return flag.lstrip("-").split("=", 1)[0]
+
+
+def missing_flags(current: str, defaults=DEFAULT_XLA_FLAGS) -> list[str]:
+    """The defaults whose names `current` (an XLA_FLAGS value) does not set."""
+    named = {flag_name(f) for f in current.split() if f.startswith("--")}
+    return [f for f in defaults if flag_name(f) not in named]
+
+
+def merged_flags(current: str, defaults=DEFAULT_XLA_FLAGS) -> str:
+    """`current` with `missing_flags` appended."""
+    return " ".join(current.split() + missing_flags(current, defaults))
+
+
+def backends_started() -> bool:
+    """Whether a jax backend has started in this process (XLA_FLAGS is read by then)."""
+    from jax._src import xla_bridge  # not public API in jax 0.10 / 0.11
+    return xla_bridge.backends_are_initialized()
+
+
+def apply_default_flags(env: Optional[MutableMapping[str, str]] = None,
+                        defaults=DEFAULT_XLA_FLAGS) -> tuple[str, ...]:
+    """Appends the missing defaults to env["XLA_FLAGS"] (env: default os.environ) before the
+    backend starts; returns the flags added. When a backend has started already (an in-process
+    caller such as a test) XLA would not read them: os.environ is left alone, and the return is
+    ()."""
+    env = os.environ if env is None else env
+    current = env.get("XLA_FLAGS", "")
+    added = missing_flags(current, defaults)
+    if not added:
+        return ()
+    if env is os.environ and backends_started():
+        log.debug("XLA_FLAGS: %s not applied, the backend has started", " ".join(added))
+        return ()
+    env["XLA_FLAGS"] = merged_flags(current, defaults)
+    log.debug("XLA_FLAGS += %s", " ".join(added))
+    return tuple(added)
