@@ -11,7 +11,9 @@ Why: on an H200 (2026-11-26, BENCHMARKS.md "Seventh GPU run") the Gumbel draw wa
 65 us in a 2.8 ms batch-64 decode step: it hashes a random number for each of the 151,936
 candidates of every row, where the inverse CDF draws three uniforms a row and reads the values
 twice. Both run on float32 values [rows, vocab] (the tempered logits) with one PRNG key a row,
-as sampling_utils.sample_tokens calls them. Timing: kernels.timing.median_seconds (calls back
+as sampling_utils.sample_tokens calls them, and return the drawn tokens with their log-probs
+(since 2026-11-27: the inverse CDF's normaliser comes from its slab masses, the Gumbel draw's
+from a logsumexp; the H200 figures of that day's eighth GPU run are of the tokens alone). Timing: kernels.timing.median_seconds (calls back
 to back, waited for once) and, where the profiler trace has device events (a GPU), the device
 time per call (--trace-calls calls under jax.profiler.trace): a draw of tens of microseconds
 is dispatch-bound in wall time. Each draw's tokens are checked to be in range; the two draws
@@ -27,10 +29,15 @@ import jax.numpy as jnp
 from delta_jax import sampling_utils
 from delta_jax.kernels import timing
 
-DRAWS = {
-    "inverse_cdf": sampling_utils.categorical,
-    "gumbel": lambda keys, values: jax.vmap(jax.random.categorical)(keys, values),
-}
+def gumbel(keys, values):
+    """The sampler's draw until 2026-11-27: the token by a Gumbel arg-max, its log-prob by a
+    logsumexp over the row."""
+    tokens = jax.vmap(jax.random.categorical)(keys, values)
+    chosen = jnp.take_along_axis(values, tokens[:, None], axis=1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(values, axis=-1)
+
+
+DRAWS = {"inverse_cdf": sampling_utils.categorical, "gumbel": gumbel}   # (tokens, log-probs)
 
 
 def parse_args(argv=None):
@@ -63,7 +70,7 @@ def main(argv=None):
         keys = jax.random.split(jax.random.fold_in(key, 1), rows)
         for name in args.draws:
             program = jax.jit(DRAWS[name]).lower(keys, values).compile()
-            tokens = jax.block_until_ready(program(keys, values))
+            tokens, _ = jax.block_until_ready(program(keys, values))
             seconds, _ = timing.median_seconds(program, keys, values, warmup=args.warmup,
                                                iters=args.iters, calls=None)
             device_s = None

@@ -156,7 +156,8 @@ def test_categorical_draws_softmax_over_slabs_and_blocks(size, max_slabs):
     softmax(values) by a chi-square test: 300 candidates make 4 slabs of 75 in blocks of 9 (the
     last block padded), 320 make 64 slabs of 5 in blocks of 3, and one slab of 300 is blocks of 18,
     so every level chooses; excluded (-inf) candidates, including whole slabs and blocks, are
-    never drawn; the same counts reject a slightly tilted softmax."""
+    never drawn; the same counts reject a slightly tilted softmax. Each draw's log-probability is
+    log softmax(values) at the drawn candidate (float64 reference)."""
     rng = np.random.default_rng(1)
     values = rng.normal(size=size).astype(np.float32)
     values[[0, 17, 150, size - 1]] = -np.inf
@@ -164,10 +165,12 @@ def test_categorical_draws_softmax_over_slabs_and_blocks(size, max_slabs):
     num_draws = 60000
     keys = jax.random.split(jax.random.key(5), num_draws)
     rows = jnp.broadcast_to(jnp.asarray(values), (num_draws, values.size))
-    tokens = np.asarray(jax.jit(lambda k, v: su.categorical(k, v, max_slabs=max_slabs))(keys, rows))
+    tokens, logp = jax.jit(lambda k, v: su.categorical(k, v, max_slabs=max_slabs))(keys, rows)
+    tokens = np.asarray(tokens)
     counts = np.bincount(tokens, minlength=values.size)
     p = np.exp(values.astype(np.float64) - values[np.isfinite(values)].max())
     p /= p.sum()
+    np.testing.assert_allclose(np.asarray(logp), np.log(p[tokens]), rtol=0, atol=2e-6)
     support = p > 0
     assert counts[~support].sum() == 0
     chi2 = (((counts - num_draws * p) ** 2)[support] / (num_draws * p[support])).sum()
@@ -187,12 +190,15 @@ def test_categorical_edge_rows():
     spots = [0, 69, 16, 34, 35, 64]
     for row, spot in enumerate(spots):
         one[row, spot] = 1.0
-    assert np.asarray(su.categorical(keys, jnp.asarray(one))).tolist() == spots
-    flat = su.categorical(jax.random.split(jax.random.key(1), 4000), jnp.zeros((4000, 70)))
+    tokens, logp = su.categorical(keys, jnp.asarray(one))
+    assert np.asarray(tokens).tolist() == spots
+    assert np.asarray(logp).tolist() == [0.0] * 6                # log 1, exactly
+    flat, logp = su.categorical(jax.random.split(jax.random.key(1), 4000), jnp.zeros((4000, 70)))
     assert set(np.asarray(flat).tolist()) == set(range(70))
+    np.testing.assert_allclose(np.asarray(logp), -np.log(70), rtol=1e-6)
     values = jax.random.normal(jax.random.key(2), (6, 70))
-    alone = [int(su.categorical(keys[i:i + 1], values[i:i + 1])[0]) for i in range(6)]
-    assert np.asarray(su.categorical(keys, values)).tolist() == alone
+    alone = [int(su.categorical(keys[i:i + 1], values[i:i + 1])[0][0]) for i in range(6)]
+    assert np.asarray(su.categorical(keys, values)[0]).tolist() == alone
 
 
 @pytest.mark.devices(4)
