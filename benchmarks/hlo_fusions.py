@@ -20,6 +20,9 @@ The trace names a fusion's kernel after the instruction with "." and "-" as "_";
 (decode_throughput.py's JSON, its "profile" of one workload: us and calls per decode step) each
 fusion gets its time per step and calls per step, and the rate (bytes x calls / time). Rows are
 the profile's kernels, largest time first, then (--all) the fusions it did not time.
+Each fusion also names the Python source it came from ("source": the innermost frames of the
+stack XLA records for the fusion, or for its root, in the module's StackFrames table, e.g.
+"sampling_utils.py:181 categorical < sampling_utils.py:222 sample_tokens").
 """
 from __future__ import annotations
 
@@ -92,6 +95,62 @@ def parse_module(text: str) -> dict:
     return computations
 
 
+SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def _fields(body: str) -> dict[str, str]:
+    """'{file_name_id=1 line=4 ...}' -> {"file_name_id": "1", "line": "4", ...}"""
+    return dict(re.findall(r"(\w+)=(\d+)", body))
+
+
+def stack_frames(text: str) -> dict[int, tuple[str, str, int, int]]:
+    """{frame id: (file base name, function, line, parent frame id or 0)} from the tables an HLO
+    module's text opens with. A frame's printed parent_frame_id p is the frame listed as p - 1
+    (0: none): checked on the decode program's dump, where the frame of categorical's max lists
+    p = its own id and the frame before it is sample_tokens' call of categorical."""
+    tables, current = {name: {} for name in SECTIONS}, None
+    for line in text.splitlines():
+        if line.strip() in SECTIONS:
+            current = tables[line.strip()]
+            continue
+        entry = re.match(r"^(\d+)\s+(.*)$", line.strip()) if current is not None else None
+        if entry is None:  # a table ends at its first line that is no entry
+            current = None
+            continue
+        current[int(entry.group(1))] = entry.group(2)
+    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in tables["FileNames"].items()}
+    functions = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+    locations = {k: _fields(v) for k, v in tables["FileLocations"].items()}
+    frames = {}
+    for frame, body in tables["StackFrames"].items():
+        f = _fields(body)
+        loc = locations.get(int(f.get("file_location_id", 0)), {})
+        frames[frame] = (files.get(int(loc.get("file_name_id", 0)), "?"),
+                         functions.get(int(loc.get("function_name_id", 0)), "?"),
+                         int(loc.get("line", 0)), max(0, int(f.get("parent_frame_id", 1)) - 1))
+    return frames
+
+
+def source(frame: int, frames: dict, depth: int = 2) -> str:
+    """"file:line function < file:line caller" of a stack frame, innermost first, `depth` deep."""
+    parts, seen = [], set()
+    while frame in frames and frame not in seen and len(parts) < depth:
+        seen.add(frame)
+        file, function, line, parent = frames[frame]
+        parts.append(f"{file}:{line} {function}")
+        frame = parent
+    return " < ".join(parts)
+
+
+def _frame_of(instruction: dict, body: list) -> int:
+    """The stack frame XLA recorded for a fusion instruction, else for its fused root."""
+    for text in [instruction["text"]] + [i["text"] for i in body if i["root"]]:
+        found = re.search(r"\bstack_frame_id=(\d+)", text)
+        if found:
+            return int(found.group(1))
+    return 0
+
+
 def _called(instruction: dict) -> list[str]:
     """The computations an instruction calls with calls= (a fusion's body, a nested fusion's);
     a reduce's to_apply is not followed: the reduce is the op."""
@@ -117,8 +176,9 @@ def _ops(computations: dict, name: str, seen=None) -> collections.Counter:
 
 def fusions(text: str) -> list[dict]:
     """Every fusion instruction of the module: {"name", "kernel", "kind", "shape", "ops" (opcode
-    counts of what it calls), "read_bytes", "write_bytes"}."""
+    counts of what it calls), "read_bytes", "write_bytes", "source" (stack_frames; "" if none)}."""
     computations = parse_module(text)
+    frames = stack_frames(text)
     out = []
     for instructions in computations.values():
         for ins in instructions:
@@ -140,7 +200,8 @@ def fusions(text: str) -> list[dict]:
             out.append({"name": ins["name"], "kernel": kernel_name(ins["name"]),
                         "kind": (custom or kind).group(1) if (custom or kind) else "?",
                         "shape": ins["shape"], "ops": dict(_ops(computations, called[0]))
-                        if called else {}, "read_bytes": read, "write_bytes": write})
+                        if called else {}, "read_bytes": read, "write_bytes": write,
+                        "source": source(_frame_of(ins, body), frames)})
     return out
 
 
@@ -220,7 +281,8 @@ def main(argv=None):
                       "" if rate is None else f"{rate:7.1f}")
         print(f"{r['kernel'][:34]:34s} {r['kind'][:20]:20s} {timed_cols[0]:>8s} "
               f"{timed_cols[1]:>6s} {r['read_bytes'] / 1e6:8.3f} {r['write_bytes'] / 1e6:8.3f} "
-              f"{timed_cols[2]:>7s}  {format_ops(r['ops'])}")
+              f"{timed_cols[2]:>7s}  {format_ops(r['ops'])}"
+              + (f"  @ {r['source']}" if r.get("source") else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"hlo": args.hlo, "profile": args.profile, "rows": rows}, f, indent=1)

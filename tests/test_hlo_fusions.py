@@ -112,3 +112,26 @@ def test_a_file_without_fusions_is_refused(tmp_path):
                      "  ROOT %p = f32[2]{0} parameter(0)\n}\n")
     with pytest.raises(SystemExit):
         hlo_fusions.main([str(empty)])
+
+
+def _row_norm(x):  # the source the test below expects a fusion to name
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+
+def _scaled_norm(x):
+    return _row_norm(x) * 3.0
+
+
+def test_each_fusion_names_its_python_source(on_cpu):
+    """The module's StackFrames table: a fusion of the norm names _row_norm at its line, called
+    from _scaled_norm at its line (innermost first, two deep)."""
+    import inspect
+    text = jax.jit(_scaled_norm).lower(jnp.ones((4, 64))).compile().as_text()
+    here = pathlib.Path(__file__).name
+    inner = inspect.getsourcelines(_row_norm)[1] + 1
+    outer = inspect.getsourcelines(_scaled_norm)[1] + 1
+    sources = {f["source"] for f in hlo_fusions.fusions(text) if "rsqrt" in f["ops"]}
+    assert f"{here}:{inner} _row_norm < {here}:{outer} _scaled_norm" in sources, sources
+    frames = hlo_fusions.stack_frames(text)
+    assert frames and all(parent in frames or parent == 0 for *_, parent in frames.values())
+    assert hlo_fusions.source(0, frames) == ""
