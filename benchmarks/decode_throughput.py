@@ -425,7 +425,7 @@ def attempt(fn, *a):
 
 
 def main(argv=None):
-    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
+    xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cfg = model_config(args)

@@ -66,7 +66,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
+    xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
     args = parse_args(argv)
     wl = decode_throughput.parse_args([
         "--preset", args.preset, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),

@@ -13,11 +13,12 @@ candidates of every row, where the inverse CDF draws three uniforms a row and re
 twice. Both run on float32 values [rows, vocab] (the tempered logits) with one PRNG key a row,
 as sampling_utils.sample_tokens calls them, and return the drawn tokens with their log-probs
 (since 2026-11-27: the inverse CDF's normaliser comes from its slab masses, the Gumbel draw's
-from a logsumexp; the H200 figures of that day's eighth GPU run are of the tokens alone). Timing: kernels.timing.median_seconds (calls back
-to back, waited for once) and, where the profiler trace has device events (a GPU), the device
-time per call (--trace-calls calls under jax.profiler.trace): a draw of tens of microseconds
-is dispatch-bound in wall time. Each draw's tokens are checked to be in range; the two draws
-differ (other random streams, the same distribution: tests/test_sampling_filters.py).
+from a logsumexp; the H200 figures of that day's eighth GPU run are of the tokens alone).
+Timing: kernels.timing.median_seconds (calls back to back, waited for once) and, where the
+profiler trace has device events (a GPU), the device time per call (--trace-calls calls under
+jax.profiler.trace): a draw of tens of microseconds is dispatch-bound in wall time. Each draw's
+tokens are checked to be in range; the two draws differ (other random streams, the same
+distribution: tests/test_sampling_filters.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 from delta_jax import sampling_utils
 from delta_jax.kernels import timing
+
 
 def gumbel(keys, values):
     """The sampler's draw until 2026-11-27: the token by a Gumbel arg-max, its log-prob by a

@@ -245,7 +245,7 @@ def main(argv=None):
     parser.add_argument("--workdir", default="")
     parser.add_argument("--out", default="benchmarks/results/step_overhead.json")
     args = parser.parse_args(argv)
-    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
+    xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
     if not args.tokenizer:
         found = os.path.isfile(os.path.join(QWEN3_TOKENIZER, "tokenizer.json"))
         args.tokenizer = os.path.abspath(QWEN3_TOKENIZER) if found else "synthetic"

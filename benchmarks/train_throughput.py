@@ -459,7 +459,7 @@ def main(argv=None):
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/train_throughput.json")
     args = parser.parse_args(argv)
-    xla_env.apply_default_flags()  # the product's XLA flags (delta_jax.main.run's), before JAX starts
+    xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
     if not 0 < args.response_len < args.seq or not 0 < args.memory_response_len < args.memory_seq:
         parser.error("response lengths must lie in (0, seq)")
     if args.lora_rank < 0:
