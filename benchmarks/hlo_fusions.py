@@ -18,7 +18,9 @@ parameters) and of its output written. For a fusion whose root updates a buffer 
 update as written: what the kernel moves, not the size of the buffer it is given.
 The trace names a fusion's kernel after the instruction with "." and "-" as "_"; with --profile
 (decode_throughput.py's JSON, its "profile" of one workload: us and calls per decode step) each
-fusion gets its time per step and calls per step, and the rate (bytes x calls / time). Rows are
+fusion gets its time per step and calls per step, and the rate (bytes x calls / time): the
+profile's kernels of this module's program (the trace names each kernel's program since
+2026-11-27; a kernel another program of the run shares the name with is left out). Rows are
 the profile's kernels, largest time first, then (--all) the fusions it did not time.
 Each fusion also names the Python source it came from ("source": the innermost frames of the
 stack XLA records for the fusion, or for its root, in the module's StackFrames table, e.g.
@@ -214,9 +216,13 @@ def _update_bytes(root: dict, body: list) -> int:
     return shape_bytes(shapes.get(update, ""))
 
 
-def profile_rows(path: str, workload: str | None = None) -> tuple[dict, str]:
+def profile_rows(path: str, workload: str | None = None,
+                 module: str | None = None) -> tuple[dict, str]:
     """{kernel name: (us per step, calls per step)} from a decode_throughput.py JSON's first
-    result with a profile (of `workload`, or the first that has one), and its label."""
+    result with a profile (of `workload`, or the first that has one), and its label. module:
+    keep only the kernels the trace places in that program (its "module"; kernels the trace
+    places in none are kept), so a kernel of another program with the same name (the prefill's
+    loop_select_fusion_1 beside the decode's) is not counted as this one's."""
     with open(path) as f:
         record = json.load(f)
     for result in record.get("results", []):
@@ -226,8 +232,12 @@ def profile_rows(path: str, workload: str | None = None) -> tuple[dict, str]:
             profile = part.get("profile")
             if profile and profile.get("kernels"):
                 steps = max(1, profile.get("decode_steps", 1))
-                rows = {r["name"]: (r["total_us"] / steps, r["count"] / steps)
-                        for r in profile["kernels"]}
+                rows = {}
+                for r in profile["kernels"]:
+                    if module and r.get("module") not in ("", None, module):
+                        continue
+                    us, calls = rows.get(r["name"], (0.0, 0.0))
+                    rows[r["name"]] = (us + r["total_us"] / steps, calls + r["count"] / steps)
                 return rows, f"{name}, batch {result.get('batch')}, {steps} decode steps"
     raise ValueError(f"{path}: no profile with kernels"
                      + (f" for workload {workload!r}" if workload else ""))
@@ -266,10 +276,13 @@ def main(argv=None):
     p.add_argument("--out", default="", help="write the rows as JSON here")
     args = p.parse_args(argv)
     with open(args.hlo) as f:
-        found = fusions(f.read())
+        text = f.read()
+    found = fusions(text)
     if not found:
         p.error(f"{args.hlo}: no fusion instruction found (is it an optimized HLO module?)")
-    timed, label = (profile_rows(args.profile, args.workload) if args.profile else (None, ""))
+    header = re.match(r"HloModule\s+([\w.\-]+)", text)
+    timed, label = (profile_rows(args.profile, args.workload, header and header.group(1))
+                    if args.profile else (None, ""))
     rows = table(found, timed, args.all)
     print(f"{len(found)} fusions in {args.hlo}" + (f"; profile: {label}" if label else ""))
     header = f"{'kernel':34s} {'kind':20s} {'us/step':>8s} {'calls':>6s} {'read MB':>8s} " \

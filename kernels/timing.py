@@ -186,10 +186,12 @@ def print_recorded_memory(calls: dict, prefix: str = "", plan_bytes: dict | None
 
 def trace_summary(trace_dir, top: int | None = 25) -> list[dict]:
     """The newest `*.trace.json.gz` under trace_dir (as jax.profiler.trace(trace_dir,
-    create_perfetto_trace=True) writes it) summed by event: [{"process", "name", "total_us",
-    "count", "share"}] for the complete ("X") events of the device processes (those named
-    "/device:..."; every process where none is), largest total first, `top` rows; share = the
-    fraction of those processes' summed time (top=None: every row)."""
+    create_perfetto_trace=True) writes it) summed by event: [{"process", "module", "name",
+    "total_us", "count", "share"}] for the complete ("X") events of the device processes (those
+    named "/device:..."; every process where none is), largest total first, `top` rows; share =
+    the fraction of those processes' summed time (top=None: every row). module: the event's
+    "hlo_module" argument, the program it ran in ("" where the event has none): two programs'
+    kernels of the same name are two rows."""
     traces = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"),
                     key=lambda f: f.stat().st_mtime)
     if not traces:
@@ -204,12 +206,13 @@ def trace_summary(trace_dir, top: int | None = 25) -> list[dict]:
     for e in events:
         if e.get("ph") != "X" or (device_pids and e.get("pid") not in device_pids):
             continue
-        key = (names.get(e.get("pid"), str(e.get("pid"))), e.get("name", "?"))
+        key = (names.get(e.get("pid"), str(e.get("pid"))),
+               str(e.get("args", {}).get("hlo_module", "")), e.get("name", "?"))
         total, count = sums.get(key, (0.0, 0))
         sums[key] = (total + float(e.get("dur", 0.0)), count + 1)
     whole = sum(total for total, _ in sums.values()) or 1.0
-    rows = [{"process": proc, "name": name, "total_us": total, "count": count,
-             "share": total / whole} for (proc, name), (total, count) in sums.items()]
+    rows = [{"process": proc, "module": module, "name": name, "total_us": total, "count": count,
+             "share": total / whole} for (proc, module, name), (total, count) in sums.items()]
     return sorted(rows, key=lambda r: -r["total_us"])[:top]
 
 

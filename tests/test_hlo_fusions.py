@@ -71,6 +71,30 @@ def test_profile_rows_join_by_kernel_name(tmp_path, on_cpu, capsys):
         hlo_fusions.profile_rows(str(path), "longtail")
 
 
+def test_profile_rows_keep_the_kernels_of_the_programs_module(tmp_path, on_cpu):
+    """A kernel name two programs share (the trace's "module" of each row) counts for the HLO
+    module's program alone; rows the trace places in no program count; main takes the module's
+    name from the HLO text's header."""
+    text = _program_text()
+    name = text.split()[1].rstrip(",")                         # HloModule <name>, ...
+    kernel = hlo_fusions.fusions(text)[0]["kernel"]
+    profile = {"results": [{"batch": 8, "fixed": {"profile": {"decode_steps": 10, "kernels": [
+        {"module": name, "name": kernel, "total_us": 40.0, "count": 10},
+        {"module": "jit_prefill", "name": kernel, "total_us": 900.0, "count": 1},
+        {"module": "", "name": "memcpy128", "total_us": 50.0, "count": 10}]}}}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    rows, _ = hlo_fusions.profile_rows(str(path), module=name)
+    assert rows == {kernel: (4.0, 1.0), "memcpy128": (5.0, 1.0)}
+    everything, _ = hlo_fusions.profile_rows(str(path))        # no module: summed by name
+    assert everything[kernel] == (94.0, 1.1)
+    hlo = tmp_path / "m.txt"
+    hlo.write_text(text)
+    joined = {r["kernel"]: r["us_per_step"] for r in hlo_fusions.main([str(hlo), "--profile",
+                                                                       str(path)])}
+    assert joined == {kernel: 4.0, "memcpy128": 5.0}
+
+
 def test_nested_fusions_are_followed_and_reducers_are_not():
     """A fusion's ops count a nested fusion's body in its place, and a reduce as one op (its
     reducer's add is the reduce, not an op of the kernel); GPU dumps name instructions without

@@ -39,9 +39,26 @@ def test_trace_summary_sums_device_kernels_by_name(tmp_path):
     assert len(timing.trace_summary(tmp_path, top=1)) == 1
 
 
+def test_trace_summary_keeps_each_programs_kernels_apart(tmp_path):
+    """Events carrying an "hlo_module" argument are summed per program: one kernel name in two
+    programs is two rows, each naming its module; events without it have module ""."""
+    def x(name, dur, module=None):
+        args = {} if module is None else {"hlo_module": module, "hlo_op": name}
+        return {"ph": "X", "pid": 1, "name": name, "dur": dur, "ts": 0, "args": args}
+    _write_trace(tmp_path, [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        x("loop_select_fusion_1", 2.0, "jit_decode"), x("loop_select_fusion_1", 2.0, "jit_decode"),
+        x("loop_select_fusion_1", 90.0, "jit_prefill"), x("memcpy", 6.0)])
+    rows = timing.trace_summary(tmp_path)
+    assert [(r["module"], r["name"], r["total_us"], r["count"]) for r in rows] == [
+        ("jit_prefill", "loop_select_fusion_1", 90.0, 1), ("", "memcpy", 6.0, 1),
+        ("jit_decode", "loop_select_fusion_1", 4.0, 2)]
+
+
 def test_trace_summary_reads_what_jax_profiler_writes(tmp_path):
     """On a real trace (no device process on the CPU: every process counts) the jitted
-    program's events are found; an empty folder is an error naming it."""
+    program's events are found, under its module's name; an empty folder is an error naming
+    it."""
     f = jax.jit(lambda a: jnp.tanh(a @ a).sum())
     a = jnp.ones((64, 64))
     f(a).block_until_ready()
@@ -50,6 +67,8 @@ def test_trace_summary_reads_what_jax_profiler_writes(tmp_path):
     rows = timing.trace_summary(tmp_path / "t", top=1000)
     assert rows and all(r["total_us"] >= 0 and r["count"] >= 1 for r in rows)
     assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    # the profiler names each XLA op's program: the module kept with the kernels
+    assert any(r["module"] == "jit__lambda" for r in rows), {r["module"] for r in rows}
     os.makedirs(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="empty"):
         timing.trace_summary(tmp_path / "empty")
