@@ -23,7 +23,8 @@ profile's kernels of this module's program (the trace names each kernel's progra
 2026-11-27; a kernel another program of the run shares the name with is left out). Rows are
 the profile's kernels, largest time first, then (--all) the fusions it did not time.
 Each fusion also names the Python source it came from ("source": the innermost frames of the
-stack XLA records for the fusion, or for its root, in the module's StackFrames table, e.g.
+stack XLA records for the fusion, its root or else its first op that has one, in the module's
+StackFrames table, e.g.
 "sampling_utils.py:181 categorical < sampling_utils.py:222 sample_tokens").
 """
 from __future__ import annotations
@@ -145,8 +146,10 @@ def source(frame: int, frames: dict, depth: int = 2) -> str:
 
 
 def _frame_of(instruction: dict, body: list) -> int:
-    """The stack frame XLA recorded for a fusion instruction, else for its fused root."""
-    for text in [instruction["text"]] + [i["text"] for i in body if i["root"]]:
+    """The stack frame XLA recorded for a fusion instruction, else for its fused root, else for
+    the first op of its body that has one (a cumulative sum's reduce-window root has none)."""
+    texts = [i["text"] for i in body if i["root"]] + [i["text"] for i in body if not i["root"]]
+    for text in [instruction["text"]] + texts:
         found = re.search(r"\bstack_frame_id=(\d+)", text)
         if found:
             return int(found.group(1))
