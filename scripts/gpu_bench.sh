@@ -38,7 +38,8 @@
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
 #
-# Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call.
+# Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call;
+# BUNDLE=1 packs all but the log into $OUT/gpu_bench_results.tar.gz at the end.
 # DECODE_ATTENTION=mosaic|reference runs the decode, profile and longtail stages with that decode
 # attention instead of rollout.decode_attention's default "auto" (the Mosaic GPU kernel on Hopper
 # since 2026-11-26); their JSON files then end in _mosaic, _reference.
@@ -372,3 +373,12 @@ for s in "$@"; do
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done
+# A device call returns at most 8 files: BUNDLE=1 packs every result but the log into one
+# (gpu_bench_results.tar.gz; the eighth run's call 1 wrote 15 files and was packed by hand).
+if [ -n "${BUNDLE:-}" ]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name gpu_bench.log \
+     ! -name gpu_bench_results.tar.gz -printf '%P\n' | sort > /tmp/gpu_bench_bundle.txt
+   [ -s /tmp/gpu_bench_bundle.txt ] && tar czf gpu_bench_results.tar.gz -T /tmp/gpu_bench_bundle.txt \
+     && xargs -d '\n' rm -rf < /tmp/gpu_bench_bundle.txt)
+  echo "bundled: $OUT/gpu_bench_results.tar.gz" | tee -a "$LOG"
+fi
