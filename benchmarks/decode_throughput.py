@@ -370,8 +370,9 @@ def profile_generate(sampler: Sampler, prompts, args, label: str, max_new_tokens
     rows = every[:25]
     steps = max(1, stats["decode_steps"])
     timing.print_table(f"device time by kernel, {label} ({steps} decode steps; us per step)", [
-        ("kernel", lambda r: r["name"][:70], "70s"), ("us/step", lambda r: r["total_us"] / steps,
-                                                       "10.1f"),
+        ("kernel", lambda r: r["name"][:60], "60s"),
+        ("program", lambda r: r["module"][:16], "16s"),
+        ("us/step", lambda r: r["total_us"] / steps, "10.1f"),
         ("calls/step", lambda r: r["count"] / steps, "10.1f"), ("share", "share", "7.3f")], rows)
     print(f"{label}: device kernels "
           f"{'n/a (no device in the trace)' if device_s is None else f'{device_s:.3f} s'} of "
