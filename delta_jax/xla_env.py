@@ -51,9 +51,11 @@ def apply_default_flags(env: Optional[MutableMapping[str, str]] = None,
     """Appends the missing defaults to env["XLA_FLAGS"] (env: default os.environ) before the
     backend starts; returns the flags added. When a backend has started already (an in-process
     caller such as a test) XLA would not read them: os.environ is left alone, and the return is
-    ()."""
+    (). So is an XLA_FLAGS that names a flag file (a value not starting with "--")."""
     env = os.environ if env is None else env
     current = env.get("XLA_FLAGS", "")
+    if current.strip() and not current.strip().startswith("--"):
+        return ()  # XLA reads a value that does not start with "--" as a flag file's name
     added = missing_flags(current, defaults)
     if not added:
         return ()

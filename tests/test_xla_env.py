@@ -34,6 +34,12 @@ def test_apply_default_flags_sets_a_given_environment_once():
     assert xla_env.apply_default_flags(env) == xla_env.DEFAULT_XLA_FLAGS
     assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", *xla_env.DEFAULT_XLA_FLAGS]
     assert xla_env.apply_default_flags(env) == ()
+    flagfile = {"XLA_FLAGS": "/path/to/xla_flags.txt"}   # XLA reads the file: left alone
+    assert xla_env.apply_default_flags(flagfile) == ()
+    assert flagfile == {"XLA_FLAGS": "/path/to/xla_flags.txt"}
+    blank = {"XLA_FLAGS": " "}                             # blank: XLA would fail on it as a file
+    assert xla_env.apply_default_flags(blank) == xla_env.DEFAULT_XLA_FLAGS
+    assert blank["XLA_FLAGS"] == " ".join(xla_env.DEFAULT_XLA_FLAGS)
     off = {"XLA_FLAGS": CONCURRENT.replace("true", "false")}
     assert xla_env.apply_default_flags(off) == ()
     assert off == {"XLA_FLAGS": "--xla_gpu_graph_enable_concurrent_region=false"}
