@@ -224,8 +224,9 @@ def profile_rows(path: str, workload: str | None = None,
     """{kernel name: (us per step, calls per step)} from a decode_throughput.py JSON's first
     result with a profile (of `workload`, or the first that has one), and its label. module:
     keep only the kernels the trace places in that program (its "module"; kernels the trace
-    places in none are kept), so a kernel of another program with the same name (the prefill's
-    loop_select_fusion_1 beside the decode's) is not counted as this one's."""
+    places in none are kept), so a kernel of another program with the same name (XLA names
+    fusions per module: a prefill's loop_select_fusion_1 and a decode's are two kernels) is not
+    counted as this one's."""
     with open(path) as f:
         record = json.load(f)
     for result in record.get("results", []):
