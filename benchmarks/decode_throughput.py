@@ -52,7 +52,11 @@ parameters can be compared in the whole decode (on an H200 the long-tailed workl
 read K/V at ~2.2 TB/s where every-row-live decode read ~3.35: k_splits > 1 may balance the
 ragged rows better). --mosaic-pdl runs it with programmatic dependent launch (paged_decode_mosaic's
 pdl: its blocks start while the kernel before it drains; marked for the launch by jax >= 0.11).
-Each row records them (mosaic_kernel).
+Each row records them (mosaic_kernel); they apply to the fused kernel (paged_write_decode_mosaic:
+the q / k norms, RoPE and page writes in the attention kernel, what "mosaic" runs where
+attention.fused_write_attend holds) and to the attention kernel alone. --unfused-write (an A/B,
+not a product setting) runs the Mosaic path as it was before the fused kernel: XLA's norms, RoPE
+and two scatters a layer, then the attention kernel (the row's "fused_write" says which ran).
 Memory: for every engine configuration, XLA's memory analysis of the sampler's jitted programs
 (prefill, decode, page copy; each compiled again from its first call's shapes) on the backend
 that runs them is printed and stored with the results (compiled_memory).
@@ -140,6 +144,9 @@ def parse_args(argv=None):
                    help="the Mosaic GPU decode kernel's parameters (default: its own)")
     p.add_argument("--mosaic-pdl", action="store_true",
                    help="the Mosaic GPU decode kernel with programmatic dependent launch")
+    p.add_argument("--unfused-write", action="store_true",
+                   help="the Mosaic path without the fused kernel: XLA's q / k norms, RoPE and "
+                        "page scatters before the attention kernel (an A/B)")
     p.add_argument("--output", default="decode_throughput.json")
     p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -168,16 +175,25 @@ def mosaic_kwargs(args) -> dict:
 
 
 @contextlib.contextmanager
-def mosaic_parameters(kwargs: dict):
-    """Within the block the Mosaic GPU decode kernel runs with `kwargs` (paged_decode_attention
-    looks paged_decode.paged_decode_mosaic up at each trace); nothing changes for {}."""
-    original = paged_decode.paged_decode_mosaic
+def mosaic_parameters(kwargs: dict, unfused_write: bool = False):
+    """Within the block the Mosaic GPU decode kernels (the attention alone and the fused step)
+    run with `kwargs`, and with unfused_write the fused step does not run
+    (attention.paged_write_attend looks them and attention.fused_write_attend up at each trace);
+    nothing changes for {} and False."""
+    names = ("paged_decode_mosaic", "paged_write_decode_mosaic")
+    originals = [getattr(paged_decode, name) for name in names]
+    fused = attention.fused_write_attend
     if kwargs:
-        paged_decode.paged_decode_mosaic = functools.partial(original, **kwargs)
+        for name, original in zip(names, originals):
+            setattr(paged_decode, name, functools.partial(original, **kwargs))
+    if unfused_write:
+        attention.fused_write_attend = lambda *a, **k: False
     try:
         yield
     finally:
-        paged_decode.paged_decode_mosaic = original
+        for name, original in zip(names, originals):
+            setattr(paged_decode, name, original)
+        attention.fused_write_attend = fused
 
 
 def param_bytes(cfg: models.ModelConfig) -> int:
@@ -462,9 +478,12 @@ def main(argv=None):
                    "device": f"{device.platform}:{device.device_kind}",
                    "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9,
                    "mosaic_kernel": mosaic_kwargs(args) or "defaults"}
+            row["fused_write"] = (not args.unfused_write) and attention.fused_write_attend(
+                row["resolved_attention"], cfg.dtype, cfg.dtype, cfg.head_dim, args.page_size,
+                cfg.num_heads // cfg.num_kv_heads, True)
             if "fixed" in args.workload:
                 print(f"fixed: batch {batch}, {impl}", flush=True)
-                with mosaic_parameters(mosaic_kwargs(args)):
+                with mosaic_parameters(mosaic_kwargs(args), args.unfused_write):
                     row["fixed"] = attempt(fixed_workload, model, batch, impl, args, bandwidth)
                 row.update(hf_results.get(batch, {}))
                 if "hf_decode_tokens_per_s" in row and "error" not in row["fixed"]:
@@ -472,7 +491,7 @@ def main(argv=None):
                                                      / row["hf_decode_tokens_per_s"])
             if "longtail" in args.workload:
                 print(f"longtail: batch {batch}, {impl}", flush=True)
-                with mosaic_parameters(mosaic_kwargs(args)):
+                with mosaic_parameters(mosaic_kwargs(args), args.unfused_write):
                     row["longtail"] = attempt(longtail_workload, model, batch, impl, args)
             results.append(row)
             write_results(args, results)  # after every configuration

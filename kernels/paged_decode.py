@@ -2,6 +2,10 @@
 
     out = paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths)    # [B, N, D]
     out = paged_decode_mosaic(q, ..., rope=(cos, sin))     # q rotated first, in the kernel
+    out, k_pages, v_pages = paged_write_decode_mosaic(     # a layer's whole decode attention:
+        qkv, k_pages, v_pages, block_tables, lengths,      #   q / k norms, RoPE, the new key /
+        write_page, write_offset, rope=(cos, sin),         #   value written in place, attention
+        q_norm=q_norm, k_norm=k_norm)
 
 The contract is delta_jax.models.attention.paged_decode_reference's: q [B, N, D] (one query per
 sequence, N = K * G query heads over K key/value heads); k_pages, v_pages [K, P, page_size, D]
@@ -12,6 +16,14 @@ scaled by D ** -0.5, softmax in float32, probabilities cast to v's dtype for the
 (float32 accumulation). rope=(cos, sin), float32 [B, D] each: q is first rotated by them as
 models.rope.apply_rope does (the decode step passes q unrotated, so its RoPE costs no kernel of
 its own).
+
+paged_write_decode_mosaic is the same kernel with the rest of a layer's attention step in it
+(models.attention.paged_write_attend runs it where it can): it reads each KV head's rows of the
+new token from the step's one q / k / v GEMM output, normalises and rotates q and k, scores the
+new token from registers, attends the older tokens from the pages and writes the new key and
+value into the pools, which it takes as jax Refs (aliased in and out of the call: no copy).
+Unfused, those are four more kernels a layer (q norm, k norm + RoPE, two scatters; ~230 us of
+a batch-64 step of Qwen3-0.6B on an H200, 2026-11-27 anatomy).
 
 Why it exists: jax.experimental.pallas.ops.gpu.paged_attention runs on Pallas' Triton backend,
 which jax 0.11 deprecates (issue #16), and no maintained Mosaic GPU paged decode kernel was found:
@@ -85,44 +97,58 @@ SMEM_LIMIT_BYTES = 227 * 1024
 
 
 def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
-               itemsize: int = 2) -> int:
+               itemsize: int = 2, fused: bool = False) -> int:
   """Shared memory of one block: the q tile, the output tile, `stages` steps of K and V pages
-  and the log-sum-exp row of k_splits > 1 (counted always; barriers aside)."""
+  and the log-sum-exp row of k_splits > 1 (counted always; barriers aside); with `fused`
+  (paged_write_decode_mosaic) also the new key / value rows and the float32 cos / sin and norm
+  weight rows."""
+  extra = 2 * head_dim * itemsize + 4 * 2 * head_dim * 4 if fused else 0
   return (2 * WGMMA_ROWS * head_dim * itemsize
-          + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS)
+          + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS
+          + extra)
 
 
-def q_windows(num_heads: int, num_kv_heads: int) -> tuple[int, int, list[int]]:
+def q_windows(num_heads: int, num_kv_heads: int,
+              stride: int | None = None) -> tuple[int, int, list[int]]:
   """(rows, q_rows, starts): the window of q's rows each block copies, for q [B, num_heads, D]
-  with G = num_heads / num_kv_heads query heads a KV head. KV head h's block copies rows
-  [starts[h], starts[h] + rows) of q (padded to q_rows rows when num_heads is not a whole
+  with G = num_heads / num_kv_heads query heads a KV head, KV head h's at rows
+  [h stride, h stride + G) (stride G, the default: q as it is; G + 2 for the fused kernel's
+  rows of a KV head, its queries then its key and value). KV head h's block copies rows
+  [starts[h], starts[h] + rows) (q padded to q_rows rows where its rows are not a whole
   number of 8-row tiles). A TMA copy into the tiled q tile moves whole 8-row tiles, so every
   start is a multiple of 8 (a copy from an unaligned row would read the wrong rows on a GPU;
   jax 0.11's lowering refuses it, jax 0.10's and the CPU interpreter did not), and the window
-  covers the head's rows [h G, h G + G)."""
+  covers the head's G rows."""
   G = num_heads // num_kv_heads
-  rows = -(-max(h * G % 8 + G for h in range(num_kv_heads)) // 8) * 8
-  q_rows = -(-max(num_heads, rows) // 8) * 8
-  return rows, q_rows, [window_start(h, G, rows, q_rows) for h in range(num_kv_heads)]
+  stride = G if stride is None else stride
+  rows = -(-max(h * stride % 8 + G for h in range(num_kv_heads)) // 8) * 8
+  q_rows = -(-max(num_kv_heads * stride, rows) // 8) * 8
+  return rows, q_rows, [window_start(h, stride, rows, q_rows) for h in range(num_kv_heads)]
 
 
-def window_start(h, G: int, rows: int, q_rows: int, minimum=min):
+def window_start(h, stride: int, rows: int, q_rows: int, minimum=min):
   """KV head h's window start (q_windows'): the tile holding its first row, moved back where the
   window would reach past q's q_rows rows. minimum: min, or jnp.minimum for a traced h."""
-  return minimum(h * G // 8 * 8, q_rows - rows)
+  return minimum(h * stride // 8 * 8, q_rows - rows)
 
 
 def config_problem(dtype, head_dim: int, page_size: int, group: int,
                    pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
-                   stages: int = STAGES) -> str | None:
+                   stages: int = STAGES, fused: bool = False) -> str | None:
   """Why the kernel cannot run this configuration (q dtype, head_dim, page_size, query heads per
   KV head, and its own parameters), or None: checked by the kernel and, at start-up, by the
-  Sampler for rollout.decode_attention="mosaic"."""
+  Sampler for rollout.decode_attention="mosaic". fused: for paged_write_decode_mosaic, which
+  also needs each half of a head to be whole 128-byte swizzle atoms (its RoPE and norms work
+  on the halves of q's swizzled tile: head_dim 128 in bf16)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"q dtype {jnp.dtype(dtype)} must be bfloat16 or float16 (the WGMMA operand types)"
   if head_dim % 64:
     return f"head_dim {head_dim} must be a multiple of 64"
-  rows = q_windows(8 * group, 8)[0]   # the widest window any number of KV heads gives
+  if fused and (head_dim // 2 * jnp.dtype(dtype).itemsize) % 128:
+    return (f"head_dim {head_dim} in {jnp.dtype(dtype).name}: the fused write + attention "
+            "needs halves of a head of whole 128-byte swizzle atoms (head_dim 128 in bf16)")
+  # the widest window any number of KV heads gives
+  rows = q_windows(8 * group, 8, group + 2 if fused else group)[0]
   if rows > WGMMA_ROWS:
     return (f"{group} query heads per KV head need a window of {rows} rows of q (8-row tiles "
             f"from an offset of up to 7 rows), over the {WGMMA_ROWS}-row tile")
@@ -134,20 +160,26 @@ def config_problem(dtype, head_dim: int, page_size: int, group: int,
             "must be a positive multiple of 64")
   if k_splits < 1 or stages < 1:
     return f"k_splits {k_splits} and stages {stages} must be >= 1"
-  need = smem_bytes(head_dim, page_size, pages_per_block, stages, jnp.dtype(dtype).itemsize)
+  need = smem_bytes(head_dim, page_size, pages_per_block, stages, jnp.dtype(dtype).itemsize,
+                    fused)
   if need > SMEM_LIMIT_BYTES:
     return (f"stages {stages} x pages_per_block {pages_per_block} need {need} B of shared "
             f"memory a block, over {SMEM_LIMIT_BYTES}: lower one")
   return None
 
 
-def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages):
+def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages,
+           fused=False):
   from delta_jax.models.attention import check_paged_decode_inputs
-  check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, "paged_decode_mosaic")
+  who = "paged_write_decode_mosaic" if fused else "paged_decode_mosaic"
+  check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, who)
   problem = config_problem(q.dtype, q.shape[-1], k_pages.shape[2], q.shape[1] // k_pages.shape[0],
-                           pages_per_block, k_splits, stages)
+                           pages_per_block, k_splits, stages, fused)
+  if fused and not problem and (k_pages.dtype != q.dtype or v_pages.dtype != q.dtype):
+    problem = (f"the pools ({k_pages.dtype} / {v_pages.dtype}) must be in q's dtype {q.dtype} "
+               "(they are written in place)")
   if problem:
-    raise ValueError(f"paged_decode_mosaic: {problem}")
+    raise ValueError(f"{who}: {problem}")
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages", "pdl"))
@@ -165,14 +197,89 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   launch once its pages are read (griddepcontrol.launch_dependents). jax 0.11's Pallas marks
   such a kernel for a PDL launch; jax 0.10 lowers the two instructions without the mark, where
   they wait for nothing."""
+  _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages)
+  return _run(q, k_pages, v_pages, block_tables, lengths, num_heads=q.shape[1], rope=rope,
+              pages_per_block=pages_per_block, k_splits=k_splits, stages=stages, pdl=pdl)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "pages_per_block", "k_splits", "stages",
+                                             "pdl"))
+def paged_write_decode_mosaic(qkv: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              block_tables: jax.Array, lengths: jax.Array,
+                              write_page: jax.Array, write_offset: jax.Array, *, rope,
+                              q_norm=None, k_norm=None, eps: float = 1e-6,
+                              pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
+                              stages: int = STAGES, pdl: bool = False):
+  """One layer's decode step of attention in one kernel: the new token's q / k RMSNorm and RoPE,
+  its key and value written into the pools, and the attention (models.attention.paged_write_attend's
+  contract, which runs it).
+
+  qkv [B, K, G + 2, D]: row b's projections of its new token by KV head h (N = K G query heads,
+  query head h G + g at qkv[b, h, g]), unnormalised and unrotated: qkv[b, h, :G] the head's
+  queries, qkv[b, h, G] its key, qkv[b, h, G + 1] its value (the layout of
+  models.Transformer.decode_layers' qkv_proj: one GEMM makes it, split the same way by tensor
+  parallelism as the pools' KV heads).
+  q_norm, k_norm: None, or the [D] weights of an RMSNorm over each head (models.norm.rms_norm,
+  with eps), applied first; rope = (cos, sin) float32 [B, D] each, then applied to q and k.
+  lengths [B]: row b's tokens with the new one (it attends [0, lengths[b]): the last from qkv,
+  the others from its pages; 0 = none, output 0); write_page, write_offset int32 [B]: where the
+  new key and value go (page -1: not written). Returns (out [B, N, D], k_pages, v_pages): the
+  pools are the kernel's in place (jax Refs aliased in and out of the Mosaic GPU call), so a
+  caller that donates them, or carries them through a loop, copies nothing.
+
+  Against the unfused step (XLA's q norm, k norm + RoPE, two scatters, then paged_decode_mosaic)
+  it saves four kernels a layer; a block reads its KV head's key and value rows beside its q
+  window. Written values are the unfused step's (each rounded to the model's dtype where XLA
+  rounds them); the new token's score is an fp32 dot of the rounded q and k (WGMMA's for the
+  pages). Each (row, KV head) has one writer: the block of the split whose pages hold the slot,
+  after its own page reads (the slot is past the tokens it attends, but on a page it reads);
+  no other block reads that page. Needs rope, a pool of q's
+  dtype and whole 128-byte halves of a head (head_dim 128 in bf16: config_problem(fused=True))."""
+  K = k_pages.shape[0]
+  if qkv.ndim != 4 or qkv.shape[1] != K or qkv.shape[2] < 3:
+    raise ValueError(f"paged_write_decode_mosaic: qkv {qkv.shape} must be [B, K={K}, G + 2, D] "
+                     "(each KV head's G >= 1 queries, then its key and value)")
+  B, _, G2, D = qkv.shape
+  G = G2 - 2
+  _check(jax.ShapeDtypeStruct((B, K * G, D), qkv.dtype), k_pages, v_pages, block_tables,
+         lengths, pages_per_block, k_splits, stages, fused=True)
+  if rope is None:
+    raise ValueError("paged_write_decode_mosaic: rope (cos, sin) is required")
+  if write_page.shape != (B,) or write_offset.shape != (B,):
+    raise ValueError(f"paged_write_decode_mosaic: write_page {write_page.shape} and "
+                     f"write_offset {write_offset.shape} must be [B={B}]")
+  if (q_norm is None) != (k_norm is None):
+    raise ValueError("paged_write_decode_mosaic: q_norm and k_norm go together (both or none)")
+  norms = None
+  if q_norm is not None:
+    # each its own input (stacking them would be a kernel a layer and step); one dtype in shared
+    # memory, used in float32
+    norms = (q_norm, k_norm.astype(q_norm.dtype))
+    if q_norm.shape != (D,) or k_norm.shape != (D,):
+      raise ValueError(f"paged_write_decode_mosaic: q_norm {q_norm.shape} and k_norm "
+                       f"{k_norm.shape} must be [head_dim={D}]")
+  return _run(qkv.reshape(B, K * G2, D), k_pages, v_pages, block_tables, lengths,
+              num_heads=K * G, rope=rope, pages_per_block=pages_per_block, k_splits=k_splits,
+              stages=stages, pdl=pdl,
+              write=(write_page.astype(jnp.int32), write_offset.astype(jnp.int32)), norms=norms,
+              eps=eps)
+
+
+def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_per_block,
+         k_splits, stages, pdl, write=None, norms=None, eps=1e-6):
+  """The kernel of paged_decode_mosaic (write None: q [B, N, D]) and of
+  paged_write_decode_mosaic (write = (write_page, write_offset): q is its qkv as
+  [B, K (G + 2), D], norms its (q_norm, k_norm) weights [D] or None)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages)
-  B, N, D = q.shape
+  fused = write is not None
+  B, _, D = q.shape
+  N = num_heads
   K, P, page_size, _ = k_pages.shape
   G = N // K
-  rows, q_rows, starts = q_windows(N, K)
+  stride = G + 2 if fused else G                 # rows of q a KV head's rows start apart
+  rows, q_rows, starts = q_windows(N, K, stride)
   D2 = D // 2
   dtype = q.dtype
   k_pages = k_pages.astype(dtype)
@@ -184,10 +291,11 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   tables = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
   # A block reads `rows` rows of q in place, the window of q_windows around its G rows (the
-  # other rows are other heads' queries: rows of a matmul are independent, and their outputs are
-  # never stored); only a q whose rows are not a whole number of tiles is padded.
-  offsets = [h * G - starts[h] for h in range(K)]   # each head's G rows within its window
-  q = jnp.pad(q, ((0, 0), (0, q_rows - N), (0, 0))) if q_rows > N else q
+  # other rows are other heads' queries, or with `write` keys and values: rows of a matmul are
+  # independent, and their outputs are never stored); only a q with fewer rows than the windows
+  # reach is padded.
+  offsets = [h * stride - starts[h] for h in range(K)]   # each head's G rows in its window
+  q = jnp.pad(q, ((0, 0), (0, q_rows - q.shape[1]), (0, 0))) if q_rows > q.shape[1] else q
   if rope is not None:
     rope = tuple(jnp.asarray(x, jnp.float32).reshape(B, D) for x in rope)
   swizzle = 128
@@ -196,18 +304,27 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if rope is not None and (D2 * jnp.dtype(dtype).itemsize) % swizzle:
     # The RoPE prologue loads and stores each half of q's tile, and a slice of a swizzled
     # buffer must cover whole 128-byte atoms (WGMMA wants q's swizzle to be K's): a half row
-    # narrower than that (D = 64 in bf16) is rotated by XLA before the call instead.
+    # narrower than that (D = 64 in bf16) is rotated by XLA before the call instead (the fused
+    # kernel refuses it: config_problem).
     from delta_jax.models.rope import apply_rope
     q, rope = apply_rope(q, *rope), None
+  # the prologue's TMA copies, one barrier each: q's window, cos, sin, the new key row, its value
+  # row, the norm weights
+  copies = ["q"] + ["cos", "sin"] * (rope is not None) + ["k", "v"] * fused \
+      + ["q_norm", "k_norm"] * (norms is not None)
+  bar_of = {name: i for i, name in enumerate(copies)}
 
   def kernel(lengths_ref, tables_ref, q_ref, *refs):
     # the rest of the inputs, the outputs and the scratch buffers, in the order declared below
     refs = list(refs)
     take = lambda present=True: refs.pop(0) if present else None  # noqa: E731
     cos_ref, sin_ref = take(rope is not None), take(rope is not None)
+    q_norm_ref, k_norm_ref = take(norms is not None), take(norms is not None)
+    page_ref, offset_ref = take(fused), take(fused)
     k_ref, v_ref, o_ref, lse_ref = take(), take(), take(), take(k_splits > 1)
     q_smem, o_smem, k_smem, v_smem = take(), take(), take(), take()
     lse_smem, cs_smem = take(k_splits > 1), take(rope is not None)
+    kv_smem, norms_smem = take(fused), take(norms is not None)
     q_bar, k_bar, v_bar = refs
     if pdl:
       plgpu.griddepcontrol_wait()   # the inputs (q, this step's K / V writes) are the last
@@ -217,17 +334,19 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     split = lax.axis_index("split")
     # the block's window of q rows: q_windows' start, in a form whose multiple of the tile's 8
     # rows the TMA lowering can see (a tiled copy must start on a tile)
-    start = pl.multiple_of(window_start(h, G, rows, q_rows, jnp.minimum), 8)
-    off = h * G - start                          # its own G rows within the window
+    start = pl.multiple_of(window_start(h, stride, rows, q_rows, jnp.minimum), 8)
+    off = h * stride - start                     # its own G rows within the window
     length = lengths_ref[b]
+    # tokens read from the pages: all of them, or with `write` all but the new one
+    paged = jnp.maximum(length - 1, 0) if fused else length
     first = split * share
     # live pages of this split: [first, first + live)
-    live = jnp.clip((length + page_size - 1) // page_size - first, 0, share)
+    live = jnp.clip((paged + page_size - 1) // page_size - first, 0, share)
     live = jnp.minimum(live, pages_per_seq - first)
     steps = (live + pages_per_block - 1) // pages_per_block
     # keys this block may attend: the row's, within its split (a step can reach past the split's
     # last page, or past the table, whose column is clipped: those keys are masked)
-    limit = jnp.minimum(length, jnp.minimum(first + share, pages_per_seq) * page_size)
+    limit = jnp.minimum(paged, jnp.minimum(first + share, pages_per_seq) * page_size)
 
     def page_ids(step):
       # the pool pages of a step (block-table reads; clipped so a step past the end reads in range)
@@ -251,26 +370,81 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q_smem[...] = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(start, rows)], q_smem.at[pl.ds(0, rows)],
-                            q_bar.at[0])
+                            q_bar.at[bar_of["q"]])
     if rope is not None:
-      plgpu.copy_gmem_to_smem(cos_ref.at[b], cs_smem.at[0], q_bar.at[1])
-      plgpu.copy_gmem_to_smem(sin_ref.at[b], cs_smem.at[1], q_bar.at[2])
-      plgpu.barrier_wait(q_bar.at[1])
-      plgpu.barrier_wait(q_bar.at[2])
-    plgpu.barrier_wait(q_bar.at[0])
-    if rope is not None:
-      # q cos + rotate_half(q) sin in float32 (rotate_half(q) = [-q2, q1]), by halves of the
-      # tile; cos and sin are the row's, the same for every row of the tile.
-      def half(ref, j, layout):
-        return plgpu.layout_cast(ref[..., pl.ds(j * D2, D2)], layout).astype(jnp.float32)
+      plgpu.copy_gmem_to_smem(cos_ref.at[b], cs_smem.at[0], q_bar.at[bar_of["cos"]])
+      plgpu.copy_gmem_to_smem(sin_ref.at[b], cs_smem.at[1], q_bar.at[bar_of["sin"]])
+    if fused:
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(h * stride + G, 1)], kv_smem.at[pl.ds(0, 1)],
+                              q_bar.at[bar_of["k"]])
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(h * stride + G + 1, 1)],
+                              kv_smem.at[pl.ds(1, 1)], q_bar.at[bar_of["v"]])
+    if norms is not None:
+      plgpu.copy_gmem_to_smem(q_norm_ref, norms_smem.at[0], q_bar.at[bar_of["q_norm"]])
+      plgpu.copy_gmem_to_smem(k_norm_ref, norms_smem.at[1], q_bar.at[bar_of["k_norm"]])
+    for i in range(len(copies)):
+      plgpu.barrier_wait(q_bar.at[i])
 
-      def row_vector(i, j):
-        v = half(cs_smem.at[i], j, plgpu.Layout.WGMMA.reduce(0))
-        return lax.broadcast_in_dim(v, (WGMMA_ROWS, D2), [1])
+    def rounded(x):  # as XLA rounds each step's result to the model's dtype
+      return x.astype(dtype).astype(jnp.float32)
+
+    def half(ref, j, layout):
+      return plgpu.layout_cast(ref[..., pl.ds(j * D2, D2)], layout).astype(jnp.float32)
+
+    def row_vector(ref, j):  # half j of a [D] row, the same for every row of the tile
+      v = half(ref, j, plgpu.Layout.WGMMA.reduce(0))
+      return lax.broadcast_in_dim(v, (WGMMA_ROWS, D2), [1])
+
+    def rms_norm(x1, x2, weight_ref):  # models.norm.rms_norm over D, the halves of each row
+      ss = (x1 * x1).sum(axis=1) + (x2 * x2).sum(axis=1)
+      inv = lax.broadcast_in_dim(lax.rsqrt(ss * (1.0 / D) + eps), (WGMMA_ROWS, D2), [0])
+      return (rounded(x1 * inv * row_vector(weight_ref, 0)),
+              rounded(x2 * inv * row_vector(weight_ref, 1)))
+
+    def rotate(x1, x2):  # x cos + rotate_half(x) sin in float32 (rotate_half(x) = [-x2, x1])
+      return (rounded(x1 * row_vector(cs_smem.at[0], 0) - x2 * row_vector(cs_smem.at[1], 0)),
+              rounded(x2 * row_vector(cs_smem.at[0], 1) + x1 * row_vector(cs_smem.at[1], 1)))
+
+    if rope is not None:
+      # q normalised (with `norms`) and rotated in float32 by halves of the tile; cos and sin are
+      # the row's, the same for every row of the tile.
       q1, q2 = half(q_smem, 0, plgpu.Layout.WGMMA), half(q_smem, 1, plgpu.Layout.WGMMA)
-      q_smem[:, pl.ds(0, D2)] = (q1 * row_vector(0, 0) - q2 * row_vector(1, 0)).astype(dtype)
-      q_smem[:, pl.ds(D2, D2)] = (q2 * row_vector(0, 1) + q1 * row_vector(1, 1)).astype(dtype)
+      if norms is not None:
+        q1, q2 = rms_norm(q1, q2, norms_smem.at[0])
+      q1, q2 = rotate(q1, q2)
+      q_smem[:, pl.ds(0, D2)] = q1.astype(dtype)
+      q_smem[:, pl.ds(D2, D2)] = q2.astype(dtype)
       plgpu.commit_smem()
+
+    m_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
+    if fused:
+      # The new key: normalised and rotated as q, its score an fp32 dot with the rounded q; it
+      # waits in the output buffer (free until the end) for its write to the pool.
+      k1, k2 = row_vector(kv_smem.at[0], 0), row_vector(kv_smem.at[0], 1)
+      if norms is not None:
+        k1, k2 = rms_norm(k1, k2, norms_smem.at[1])
+      k1, k2 = rotate(k1, k2)
+      s_new = ((q1 * k1).sum(axis=1) + (q2 * k2).sum(axis=1)) * scale
+      o_smem[:, pl.ds(0, D2)] = k1.astype(dtype)
+      o_smem[:, pl.ds(D2, D2)] = k2.astype(dtype)
+      plgpu.commit_smem()
+      # One block of a (row, KV head) writes its key and value: the split whose pages hold the
+      # new token's slot (its page is the row's last: a split whose block reads it is this one,
+      # which writes after its reads). The softmax of that split starts from the new token
+      # (weight 1, its value); the other splits and rows of length 0 start empty, from the same
+      # reference maximum, which only rescales.
+      owner = jnp.minimum(paged // page_size // share, k_splits - 1)
+      mine = split == owner
+      counts = (mine & (length > 0)).astype(jnp.float32)
+      v_row = plgpu.layout_cast(kv_smem.at[1][...], plgpu.Layout.WGMMA.reduce(0))
+      acc = lax.broadcast_in_dim(v_row.astype(jnp.float32), (WGMMA_ROWS, D), [1]) * counts
+      m_i = s_new
+      l_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 1.0, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1)) * counts
 
     def body(step, carry):
       acc, m_i, l_i = carry
@@ -306,11 +480,6 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         issue(ahead, slot)
       return acc, m_new, l_i
 
-    acc = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
     acc, m_i, l_i = lax.fori_loop(0, steps, body, (acc, m_i, l_i))
     if pdl:
       plgpu.griddepcontrol_launch_dependents()   # every page read: the next kernel may start
@@ -318,6 +487,21 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     has = l_i > 0.0
     inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    if fused:
+      # The new key and value to the pools (page -1: a row not to write), now that every page
+      # this block reads has arrived: the slot is on a page it may have read (masked).
+      wpage = page_ref[b]
+      # a proxy fence: the page reads this thread waited for come before the TMA's stores (the
+      # Mosaic GPU interpreter of jax 0.11 orders them by it; without it, it reports the slot's
+      # store racing with its page's read)
+      plgpu.commit_smem()
+
+      @pl.when((wpage >= 0) & mine)
+      def _():
+        at = (h, jnp.clip(wpage, 0, P - 1), pl.ds(offset_ref[b], 1))
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, 1)], k_ref.at[at])
+        plgpu.copy_smem_to_gmem(kv_smem.at[pl.ds(1, 1)], v_ref.at[at])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the key's row has left o_smem
     # The output goes through an untiled buffer, so its G real rows are one TMA store straight
     # into the [B, N, D] layout the caller reads (no padded rows to slice off afterwards).
     o_smem[...] = out.astype(dtype)
@@ -343,25 +527,44 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       *([plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] if k_splits > 1 else []),
       *([plgpu.SMEM((2, D), jnp.float32)] if rope is not None else []),   # cos, sin
-      plgpu.Barrier(num_barriers=1 if rope is None else 3),   # q (and cos, sin)
+      *([plgpu.SMEM((2, D), dtype)] if fused else []),                    # the new k, v rows
+      *([plgpu.SMEM((2, D), norms[0].dtype)] if norms is not None else []),  # q, k norms
+      plgpu.Barrier(num_barriers=len(copies)),   # the prologue's copies
       plgpu.Barrier(num_barriers=stages * pages_per_block),
       plgpu.Barrier(num_barriers=stages * pages_per_block),
   ]
   out_type = [jax.ShapeDtypeStruct((k_splits, B, N, D), dtype)]
   if k_splits > 1:  # each split's log-sum-exp, to merge the splits' outputs
     out_type.append(jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
-  call = plgpu.kernel(
-      kernel, out_type=tuple(out_type), scratch_types=scratch, grid=(B, K, k_splits),
-      grid_names=("batch", "heads", "split"), kernel_name="paged_decode_mosaic",
-      compiler_params=plgpu.CompilerParams(approx_math=True))
-  o, *lse = call(lengths, tables, q, *(rope or ()), k_pages, v_pages)
+  params = plgpu.CompilerParams(approx_math=True)
+  grid = dict(grid=(B, K, k_splits), grid_names=("batch", "heads", "split"))
+  inputs = (lengths, tables, q, *(rope or ()), *(norms or ()), *(write or ()))
+  if fused:
+    # The pools as jax Refs in global memory: the kernel writes them in place, and Pallas aliases
+    # them in and out of the custom call (plgpu.kernel's batching wrapper takes no Ref, so the
+    # mesh kernel is made here as plgpu.kernel makes it).
+    def with_scratch(*refs):
+      pl.run_scoped(lambda *scratch_refs: kernel(*refs, *scratch_refs), *scratch)
+    call = pl.kernel(with_scratch, out_type=tuple(out_type), mesh=plgpu.Mesh(**grid),
+                     compiler_params=params, name="paged_write_decode_mosaic")
+    k_pool = jax.new_ref(k_pages, memory_space=plgpu.GMEM)
+    v_pool = jax.new_ref(v_pages, memory_space=plgpu.GMEM)
+    o, *lse = call(*inputs, k_pool, v_pool)
+  else:
+    call = plgpu.kernel(kernel, out_type=tuple(out_type), scratch_types=scratch, **grid,
+                        kernel_name="paged_decode_mosaic", compiler_params=params)
+    o, *lse = call(*inputs, k_pages, v_pages)
   if k_splits == 1:
-    return o[0]                                                       # [B, N, D]
-  # each head's G rows sit at its window offset in the block's log-sum-exp row
-  lse = jnp.stack([lse[0][:, :, h, offsets[h]:offsets[h] + G] for h in range(K)], axis=2)
-  lse = lse.reshape(k_splits, B, N)                                   # [S, B, N]
-  top = jnp.max(lse, axis=0)
-  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-  total = jnp.sum(w, axis=0)
-  out = jnp.einsum("sbn,sbnd->bnd", w, o.astype(jnp.float32))
-  return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+    out = o[0]                                                       # [B, N, D]
+  else:
+    # each head's G rows sit at its window offset in the block's log-sum-exp row
+    lse = jnp.stack([lse[0][:, :, h, offsets[h]:offsets[h] + G] for h in range(K)], axis=2)
+    lse = lse.reshape(k_splits, B, N)                                   # [S, B, N]
+    top = jnp.max(lse, axis=0)
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(w, axis=0)
+    out = jnp.einsum("sbn,sbnd->bnd", w, o.astype(jnp.float32))
+    out = (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+  if fused:
+    return out, k_pool[...], v_pool[...]
+  return out

@@ -27,6 +27,7 @@
 #   bash scripts/gpu_bench.sh draw               # the sampling draw alone: inverse CDF vs Gumbel (#15)
 #   bash scripts/gpu_bench.sh decode_pdl         # batch-64 decode, Mosaic kernel without / with PDL (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
+#   bash scripts/gpu_bench.sh decode_fused       # the fused Mosaic step against the unfused one (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
@@ -256,6 +257,20 @@ for s in "$@"; do
           python3 benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 --batch 64 \
           --prompt-len 512 --new-tokens 1024 --decode-attention "$DECODE" --workload fixed \
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
+      done ;;
+    decode_fused)  # issue 15: the fixed workload with the fused Mosaic step (the q / k norms,
+                   # RoPE and page writes inside the attention kernel: the product's default since
+                   # 2026-11-27) against the step before it (--unfused-write: XLA's norms, RoPE
+                   # and two scatters a layer, then the attention kernel), one process a run,
+                   # alternating; FUSED_BATCHES (default "64 64 256": ~45 s a run at 64, ~60 at 256).
+      for batch in ${FUSED_BATCHES:-64 64 256}; do
+        for v in fused unfused; do
+          stage "decode_fused_${v}_$batch" 150 python3 benchmarks/decode_throughput.py \
+            --preset qwen3-0.6b --dtype bfloat16 --batch "$batch" --prompt-len 512 \
+            --new-tokens 1024 --decode-attention "$DECODE" --workload fixed --hf never \
+            --repeats 1 $([ "$v" = unfused ] && echo --unfused-write) \
+            --output "$OUT/decode_fused_${v}_$batch$SUFFIX.json"
+        done
       done ;;
     decode_pdl)  # issue 15: the fixed workload at batch 64 with the Mosaic kernel as is and with
                  # programmatic dependent launch (--mosaic-pdl: it starts while the kernel before

@@ -1,5 +1,5 @@
-"""benchmarks/decode_throughput.py: its experiment knobs (--mosaic-kernel, --refill-after) reach
-the kernel and the Sampler, and one whole run at a tiny shape on the CPU (the real shapes run on
+"""benchmarks/decode_throughput.py: its experiment knobs (--mosaic-kernel, --unfused-write,
+--refill-after) reach the kernels and the Sampler, and one whole run at a tiny shape on the CPU (the real shapes run on
 a GPU, scripts/gpu_bench.sh)."""
 import pathlib
 import sys
@@ -18,12 +18,16 @@ def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
     args = bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--page-size", "32",
                              "--mosaic-kernel", "2", "4", "2"])
     original = paged_decode.paged_decode_mosaic
+    fused = paged_decode.paged_write_decode_mosaic
     kwargs = bench.mosaic_kwargs(args)
     assert kwargs == {"k_splits": 2, "pages_per_block": 4, "stages": 2}
     with bench.mosaic_parameters(kwargs):
         patched = paged_decode.paged_decode_mosaic
         assert patched.func is original and patched.keywords == kwargs
+        patched = paged_decode.paged_write_decode_mosaic  # the fused step's kernel too
+        assert patched.func is fused and patched.keywords == kwargs
     assert paged_decode.paged_decode_mosaic is original
+    assert paged_decode.paged_write_decode_mosaic is fused
     with bench.mosaic_parameters(bench.mosaic_kwargs(bench.parse_args(["--preset", "tiny"]))):
         assert paged_decode.paged_decode_mosaic is original
     # --mosaic-pdl adds pdl=True, alone or beside --mosaic-kernel
@@ -32,6 +36,22 @@ def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
     assert bench.mosaic_kwargs(bench.parse_args(
         ["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-kernel", "2", "4", "2",
          "--mosaic-pdl"])) == {**kwargs, "pdl": True}
+
+
+def test_unfused_write_turns_the_fused_step_off_in_the_block_only():
+    """--unfused-write: inside mosaic_parameters attention.fused_write_attend says no for a
+    problem the fused kernel takes (so paged_write_attend runs XLA's norms, RoPE and scatters
+    before the attention kernel); outside it, and without the option, it says yes again."""
+    import jax.numpy as jnp
+    from delta_jax.models import attention
+    problem = ("mosaic", jnp.bfloat16, jnp.bfloat16, 128, 32, 2, True)
+    args = bench.parse_args(["--preset", "tiny", "--unfused-write"])
+    assert args.unfused_write and attention.fused_write_attend(*problem)
+    with bench.mosaic_parameters({}, args.unfused_write):
+        assert not attention.fused_write_attend(*problem)
+    assert attention.fused_write_attend(*problem)
+    with bench.mosaic_parameters({}, bench.parse_args(["--preset", "tiny"]).unfused_write):
+        assert attention.fused_write_attend(*problem)
 
 
 def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time():

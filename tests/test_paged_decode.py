@@ -147,6 +147,146 @@ def test_race_detector_is_live(wait):
   assert mosaic_interpret.races_found() == (not wait)
 
 
+def fused_case(seed, *, B=4, K=2, G=2, page_size=16, pages_per_seq=8, lengths=(0, 1, 37, 128),
+               norms=True, block=4):
+  """paged_write_decode_mosaic's inputs (bf16, D 128) and the unfused step's results: q / k
+  RMSNorm, RoPE, the key and value written by write_pages, then the jnp page reader
+  (attention.paged_write_attend with impl "reference", which the product runs off the GPU).
+  Each row's new token is its last (position lengths - 1, on its own page of the table); the
+  slot it goes to holds stale keys and values of 50 (if the kernel read it as an old token, its
+  score would swamp the row's)."""
+  from delta_jax.models.rope import rope_cos_sin
+  D = 128
+  q, kp, vp, tables, lengths, _, _ = paged_case(
+      seed, B=B, K=K, G=G, D=D, page_size=page_size, pages_per_seq=pages_per_seq,
+      lengths=lengths, dtype=jnp.bfloat16, pages_per_block=block)
+  rng = np.random.RandomState(seed)
+  qkv = jnp.asarray(2 * rng.randn(B, K, G + 2, D), jnp.bfloat16)
+  n = np.asarray(lengths)
+  pos = np.maximum(n - 1, 0)
+  page = np.where(n > 0, np.asarray(tables)[np.arange(B), pos // page_size], -1).astype(np.int32)
+  offset = np.where(n > 0, pos % page_size, 0).astype(np.int32)
+  live = page >= 0
+  kp = kp.at[:, page[live], offset[live]].set(50.0)
+  vp = vp.at[:, page[live], offset[live]].set(50.0)
+  cos, sin = rope_cos_sin(jnp.asarray(pos), D, 1e6)
+  qk_norm = ((jnp.asarray(1 + 0.3 * rng.randn(D), jnp.float32),
+              jnp.asarray(1 + 0.3 * rng.randn(D), jnp.float32)) if norms else None)
+  args = (qkv, kp, vp, tables, lengths, jnp.asarray(page), jnp.asarray(offset))
+  kw = dict(rope=(cos, sin), q_norm=qk_norm and qk_norm[0], k_norm=qk_norm and qk_norm[1])
+  ref = A.paged_write_attend(qkv, kp, vp, jnp.asarray(page), jnp.asarray(offset), tables,
+                             lengths, rope=(cos, sin), qk_norm=qk_norm, impl="reference",
+                             pages_per_block=block)
+  return args, kw, ref
+
+
+def check_fused(got, ref, args):
+  """The fused kernel's (out, k_pages, v_pages) against the unfused step's: the output within
+  bf16 rounding, exactly 0 for rows of length 0, exactly the new value for rows of length 1
+  (the new token alone); the value rows as written, the keys within a bf16 rounding of them,
+  every other entry of the pools (NaN pages included) untouched."""
+  out, k_pages, v_pages = (np.asarray(x, np.float32) for x in got)
+  ref_out, ref_k, ref_v = (np.asarray(x, np.float32) for x in ref)
+  qkv, lengths = np.asarray(args[0], np.float32), np.asarray(args[4])
+  B, K, G2, D = qkv.shape
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, ref_out, atol=1e-2, rtol=1e-2)
+  for b in np.flatnonzero(lengths == 0):
+    assert np.all(out[b] == 0)
+  for b in np.flatnonzero(lengths == 1):
+    np.testing.assert_array_equal(out[b], np.repeat(qkv[b, :, -1], G2 - 2, axis=0))
+  np.testing.assert_array_equal(v_pages, ref_v)
+  np.testing.assert_allclose(k_pages, ref_k, rtol=2 ** -7, atol=0)
+  page, offset = np.asarray(args[5]), np.asarray(args[6])
+  untouched = np.ones(k_pages.shape[1:3], bool)
+  untouched[page[page >= 0], offset[page >= 0]] = False
+  np.testing.assert_array_equal(k_pages[:, untouched], np.asarray(args[1], np.float32)[:, untouched])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("G,K,case,kw", [
+    (2, 2, {}, dict(pages_per_block=4)),                             # 1 / 2 steps, 2 in flight
+    (2, 2, {}, dict(pages_per_block=4, stages=1)),                   # refill after each step
+    (4, 2, dict(lengths=(64, 0, 100, 17), block=8), dict(pages_per_block=4, k_splits=2)),
+    (2, 2, dict(norms=False, lengths=(1, 2, 16, 17)), dict(pages_per_block=4)),  # no q / k norm
+    (5, 8, dict(page_size=32, lengths=(70, 1, 33, 0), block=4),
+     dict(pages_per_block=2, k_splits=2)),                            # 14B's 40 / 8 heads
+])
+def test_interpreted_fused_step_matches_the_unfused_one(G, K, case, kw):
+  """paged_write_decode_mosaic, the kernel's code in Mosaic GPU's interpreter: the unfused
+  step's output and pools (check_fused) for ragged rows (0: nothing written, output 0; 1: the
+  new token alone; mid-page; a page's last slot), one or two splits, with and without q / k
+  norms; no data race (its own page reads and its write of the slot past them)."""
+  args, fkw, ref = fused_case(30 + G, K=K, G=G, **case)
+  with mosaic_interpret.interpreting(detect_races=True):
+    got = PD.paged_write_decode_mosaic(*args, **fkw, **kw)
+  assert not mosaic_interpret.races_found()
+  check_fused(got, ref, args)
+
+
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize("shape,kw", [
+    (dict(G=2), {}),                                          # Qwen3-0.6B / 1.7B: 16 / 8 heads
+    (dict(G=4), dict(k_splits=4, pages_per_block=4)),         # Qwen3-8B: 32 / 8 heads
+    (dict(G=5, pages_per_seq=32), dict(k_splits=2)),          # Qwen3-14B: 40 / 8 heads
+])
+def test_fused_step_lowers_to_mosaic_gpu_at_model_shapes(shape, kw, norms):
+  """The fused kernel exported for CUDA from abstract shapes (batch 64, 32-token pages, D 128
+  bf16; Mosaic GPU's checks of layouts, TMA and WGMMA shapes run): one custom call, whose K
+  and V pools are aliased in and out (written in place; with the pools donated, the exported
+  program's too)."""
+  sd = jax.ShapeDtypeStruct
+  B, K, D, G = 64, 8, 128, shape["G"]
+  pages_per_seq = shape.get("pages_per_seq", 16)
+  pool = sd((K, 256, 32, D), jnp.bfloat16)
+  rows = sd((B,), jnp.int32)
+  weights = (sd((D,), jnp.float32),) * 2 if norms else ()
+
+  def fn(qkv, kp, vp, tables, lengths, page, offset, cos, sin, *w):
+    return PD.paged_write_decode_mosaic(qkv, kp, vp, tables, lengths, page, offset,
+                                        rope=(cos, sin), q_norm=w[0] if w else None,
+                                        k_norm=w[1] if w else None, **kw)
+  text = export.export(jax.jit(fn, donate_argnums=(1, 2)), platforms=["cuda"])(
+      sd((B, K, G + 2, D), jnp.bfloat16), pool, pool, sd((B, pages_per_seq), jnp.int32), rows,
+      rows, rows, sd((B, D), jnp.float32), sd((B, D), jnp.float32), *weights).mlir_module()
+  assert text.count("custom_call @mosaic_gpu") == 1
+  assert text.count("output_operand_alias<") == 2
+  assert text.count("tf.aliasing_output") == 2
+
+
+def test_fused_step_bad_inputs_name_the_tensor_or_knob():
+  args, kw, _ = fused_case(2, lengths=(0, 1, 5, 9), pages_per_seq=2, page_size=32)
+  qkv, kp, vp, tables, lengths, page, offset = args
+  with pytest.raises(ValueError, match=r"qkv \(4, 1, 4, 128\) must be \[B, K=2, G \+ 2, D\]"):
+    PD.paged_write_decode_mosaic(qkv[:, 1:], *args[1:], **kw)
+  with pytest.raises(ValueError, match="head_dim 64 in bfloat16"):
+    PD.paged_write_decode_mosaic(qkv[..., :64], kp[..., :64], vp[..., :64], *args[3:],
+                                 **dict(kw, rope=tuple(x[:, :64] for x in kw["rope"]),
+                                        q_norm=kw["q_norm"][:64], k_norm=kw["k_norm"][:64]))
+  with pytest.raises(ValueError, match="pools .float32 / float32. must be in q's dtype"):
+    PD.paged_write_decode_mosaic(qkv, kp.astype(jnp.float32), vp.astype(jnp.float32),
+                                 *args[3:], **kw)
+  with pytest.raises(ValueError, match="q_norm and k_norm go together"):
+    PD.paged_write_decode_mosaic(*args, **dict(kw, k_norm=None))
+  with pytest.raises(ValueError, match="rope .cos, sin. is required"):
+    PD.paged_write_decode_mosaic(*args, **dict(kw, rope=None))
+  with pytest.raises(ValueError, match="write_page .3,. and write_offset"):
+    PD.paged_write_decode_mosaic(*args[:5], page[:3], offset, **kw)
+
+
+def test_write_attend_fuses_where_the_fused_kernel_runs():
+  """attention.fused_write_attend: one kernel for "mosaic" with RoPE, a pool in q's dtype and
+  head_dim 128 in bf16; the unfused step (XLA's norms, RoPE and scatters) otherwise."""
+  bf16 = jnp.bfloat16
+  assert A.fused_write_attend("mosaic", bf16, bf16, 128, 32, 2, True)
+  assert not A.fused_write_attend("mosaic", bf16, bf16, 64, 32, 2, True)   # half a swizzle atom
+  assert not A.fused_write_attend("mosaic", bf16, jnp.float32, 128, 32, 2, True)
+  assert not A.fused_write_attend("mosaic", bf16, bf16, 128, 32, 2, False)  # no RoPE
+  assert not A.fused_write_attend("reference", bf16, bf16, 128, 32, 2, True)
+  assert not A.fused_write_attend("mosaic", bf16, bf16, 128, 16, 2, True)   # 16 x 2 keys a step
+  assert PD.smem_bytes(128, 32, PD.PAGES_PER_BLOCK, PD.STAGES, fused=True) <= PD.SMEM_LIMIT_BYTES
+
+
 def test_q_windows_start_on_tiles_and_cover_each_heads_rows():
   """Each KV head's window of q rows starts on an 8-row tile (a tiled TMA copy from any other row
   reads the wrong rows on a GPU; only jax 0.11's lowering refuses it), lies inside q (padded only
@@ -208,7 +348,7 @@ def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch):
   allow_mosaic_here(monkeypatch)
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
   args = abstract_write_attend_args(mesh)
-  B, D = args[0].shape[0], args[0].shape[2]
+  B, D = args[0].shape[0], args[0].shape[3]
   cs = jax.ShapeDtypeStruct((B, D), jnp.float32,
                             sharding=NamedSharding(mesh, PartitionSpec("data")))
   fn = jax.jit(lambda *a: A.paged_write_attend(*a[:-2], rope=a[-2:], impl="mosaic", mesh=mesh,
@@ -326,6 +466,25 @@ def test_compiled_matches_reference(G, D, page_size, kw):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("G,K,case,kw", [
+    (2, 8, dict(page_size=32, pages_per_seq=16, lengths=(0, 1, 37, 200, 512, 160), B=6), {}),
+    (4, 8, dict(page_size=32, pages_per_seq=16, lengths=(0, 1, 37, 200, 512, 160), B=6,
+                block=16), dict(k_splits=4, pages_per_block=4)),
+    (5, 8, dict(page_size=32, pages_per_seq=16, lengths=(33, 0, 1, 64), norms=False, block=4),
+     dict(k_splits=2, stages=2)),
+])
+def test_compiled_fused_step_matches_the_unfused_one(G, K, case, kw):
+  """The compiled fused kernel (paged_write_decode_mosaic, jitted with its pools donated, as the
+  decode loop carries them) against the unfused step: check_fused's output and pools."""
+  args, fkw, ref = fused_case(50 + G, K=K, G=G, **case)
+  assert A.resolve_decode_impl("mosaic") == "mosaic"
+  fn = jax.jit(lambda *a: PD.paged_write_decode_mosaic(*a, **fkw, **kw), donate_argnums=(1, 2))
+  got = fn(args[0], jnp.copy(args[1]), jnp.copy(args[2]), *args[3:])
+  check_fused(got, ref, args)
+
+
+@pytest.mark.gpu
+@hopper
 def test_selected_through_paged_decode_attention():
   """rollout.decode_attention="mosaic" reaches the kernel (same result as calling it)."""
   q, kp, vp, tables, lengths, _, _ = paged_case(3, B=4, K=2, G=2, D=128, page_size=32,
@@ -339,9 +498,11 @@ def test_selected_through_paged_decode_attention():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
   """rollout.decode_attention="mosaic" in the sampler's whole decode program (tiny model in
-  bf16, 32-token pages; with 128-wide heads q's RoPE is in the kernel, with 64-wide ones XLA's):
-  the program, kernel included, lowers for CUDA, with the Mosaic GPU kernel called once per
-  layer in the step loop."""
+  bf16, 32-token pages): the program, kernel included, lowers for CUDA, with the Mosaic GPU
+  kernel called once per layer in the step loop. With 128-wide heads it is the fused kernel
+  (paged_write_decode_mosaic: q / k norms, RoPE and the page writes in it, so the program has
+  no scatter and its pools are aliased in and out of each call); with 64-wide ones the
+  attention kernel alone, after XLA's norms, RoPE and two scatters a layer."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import programs
@@ -357,7 +518,15 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
       use_top_p=False, greedy=False, attention_impl="mosaic", pages_per_block=2, batch_spec=None)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @mosaic_gpu" in text                  # the kernel, lowered once
-  assert len(re.findall(r"call @paged_decode_mosaic\b", text)) == cfg.num_layers  # called per layer
+  fused = head_dim == 128
+  name = "paged_write_decode_mosaic" if fused else "paged_decode_mosaic"
+  assert len(re.findall(rf"call @{name}\b", text)) == cfg.num_layers  # called per layer
+  # the page writes' scatters (a [K, D] window a row; the step's token buffers' are [S] columns)
+  page_writes = re.findall(r'"stablehlo.scatter".*update_window_dims = \[0, 2\]', text)
+  assert len(page_writes) == (0 if fused else 2 * cfg.num_layers)
+  assert text.count("output_operand_alias<") == (2 if fused else 0)  # K and V pools, in place
+  # one GEMM a layer for q, k and v (decode_layers' qkv_proj), then o, gate, up, down; the LM head
+  assert text.count("stablehlo.dot_general") == 5 * cfg.num_layers + 1
 
 
 @needs_interpreter
@@ -365,9 +534,10 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
 def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, head_dim):
   """The rollout engine with rollout.decode_attention="mosaic" (the kernel interpreted, in every
   layer of every decode step; tiny bf16 model, 32-token pages, two samples of three prompts in
-  four slots, so slots refill; with 128-wide heads the kernel rotates q itself, with 64-wide
-  ones XLA does): the same greedy tokens and log-probs (within bf16 rounding) as with the jnp
-  page reader. Both on the CPU (on_cpu), so the tokens compare exactly on a GPU machine too."""
+  four slots, so slots refill; with 128-wide heads the fused kernel normalises and rotates q and
+  k and writes the pages itself, with 64-wide ones XLA does and the attention kernel runs
+  alone): the same greedy tokens and log-probs (within bf16 rounding) as with the jnp page
+  reader. Both on the CPU (on_cpu), so the tokens compare exactly on a GPU machine too."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import Sampler
@@ -380,12 +550,17 @@ def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, 
   common = dict(max_batch_size=4, page_size=32, decode_steps_per_call=4)
   ref = Sampler(model, decode_attention="reference", **common).generate(prompts, **kwargs)
   traced = []
-  kernel = PD.paged_decode_mosaic
-  monkeypatch.setattr(PD, "paged_decode_mosaic",
-                      lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+  for name in ("paged_decode_mosaic", "paged_write_decode_mosaic"):
+    def recorded(*a, name=name, kernel=getattr(PD, name), **k):
+      traced.append((name, a[0].shape[1:]))
+      return kernel(*a, **k)
+    monkeypatch.setattr(PD, name, recorded)
   with mosaic_interpret.interpreting():
     got = Sampler(model, decode_attention="mosaic", **common).generate(prompts, **kwargs)
-  assert traced and all(shape[1:] == (cfg.num_heads, head_dim) for shape in traced)  # it ran
+  N, K = cfg.num_heads, cfg.num_kv_heads
+  want = (("paged_write_decode_mosaic", (K, N // K + 2, head_dim)) if head_dim == 128
+          else ("paged_decode_mosaic", (N, head_dim)))
+  assert traced and set(traced) == {want}  # it ran, in every layer
   assert got.response_ids == ref.response_ids
   assert sum(map(len, sum(got.response_ids, []))) == 6 * 12
   for a, b in zip(sum(got.logprobs, []), sum(ref.logprobs, [])):

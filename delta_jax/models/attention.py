@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.models.norm import rms_norm
 from delta_jax.models.rope import apply_rope
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
@@ -574,13 +575,15 @@ def shard_pages(fn, mesh, batch_axes, num_kv_heads: int, in_kinds, out_kinds):
   leaves its device. Kinds name each argument / result's layout: "pool" [K, P, ps, D] (pages
   over the batch axes, heads over "tensor" where it divides them), "rows" (dim 0 over the batch
   axes), "heads" ([B, heads, D]: rows over the batch axes, heads like the pool's),
-  "stack" ([L, B, T, K, D]: rows over the batch axes, K like the pool's); a tuple of kinds
-  for a tuple argument."""
+  "stack" ([L, B, T, K, D]: rows over the batch axes, K like the pool's), "qkv"
+  ([B, K, G + 2, D]: rows over the batch axes, K like the pool's), "all" (replicated); a tuple
+  of kinds for a tuple argument."""
   from jax.sharding import PartitionSpec as P
   pool, head = pool_specs(mesh, batch_axes, num_kv_heads)
   rows = tuple(batch_axes)
   specs = {"pool": pool, "rows": P(rows), "heads": P(rows, head, None),
-           "stack": P(None, rows, None, head, None)}
+           "stack": P(None, rows, None, head, None), "qkv": P(rows, head, None, None),
+           "all": P()}
 
   def spec(kind):
     if isinstance(kind, (tuple, list)):
@@ -593,34 +596,74 @@ def shard_pages(fn, mesh, batch_axes, num_kv_heads: int, in_kinds, out_kinds):
                        out_specs=spec(out_kinds), check_vma=False)
 
 
-def paged_write_attend(q, k_new, v_new, k_pages, v_pages, write_page, write_offset,
-                       block_tables, lengths, *, rope=None, impl: str = "auto",
-                       pages_per_block: int = DECODE_PAGES_PER_BLOCK, mesh=None,
-                       batch_axes=()):
-  """One decode step of one layer: write each row's new key/value (k_new, v_new [B, K, D]) at
-  (write_page[b], write_offset[b]) of the layer's pools, then paged_decode_attention of q
-  [B, N, D] (rotated first by rope=(cos, sin) [B, D] each, when given) over block_tables /
-  lengths. Returns (out [B, N, D], k_pages, v_pages).
+def fused_write_attend(impl: str, q_dtype, pool_dtype, head_dim: int, page_size: int,
+                       group: int, rope: bool) -> bool:
+  """Whether paged_write_attend runs as one kernel (kernels.paged_decode.paged_write_decode_mosaic)
+  for decode attention `impl` as resolved (resolve_decode_impl): the Mosaic GPU kernel, with
+  rope, a pool in q's dtype and a head the fused kernel takes (config_problem(fused=True): head_dim
+  128 in bf16)."""
+  if impl != "mosaic" or not rope or jnp.dtype(q_dtype) != jnp.dtype(pool_dtype):
+    return False
+  from delta_jax.kernels import paged_decode
+  return paged_decode.config_problem(q_dtype, head_dim, page_size, group, fused=True) is None
+
+
+def paged_write_attend(qkv, k_pages, v_pages, write_page, write_offset, block_tables, lengths,
+                       *, rope=None, qk_norm=None, eps: float = 1e-6, impl: str = "auto",
+                       pages_per_block: int = DECODE_PAGES_PER_BLOCK, mesh=None, batch_axes=()):
+  """One decode step of one layer, from its projections of each row's new token, qkv
+  [B, K, G + 2, D] (KV head h's G queries, query head h G + g at qkv[:, h, g], then its new key
+  qkv[:, h, G] and value qkv[:, h, G + 1]: models.Transformer.decode_layers' qkv_proj). q and
+  k are first normalised (qk_norm = (q_norm, k_norm), [D] weights each: norm.rms_norm over each
+  head with eps, when given) and rotated by rope = (cos, sin) [B, D] each (when given); the key
+  and value are written at (write_page[b], write_offset[b]) of the layer's pools (page -1: not
+  written), then paged_decode_attention of q over block_tables / lengths (lengths[b] counts the
+  new token). Returns (out [B, N, D], k_pages, v_pages).
+
+  With the Mosaic GPU kernel (impl resolving to "mosaic", where fused_write_attend holds) all of
+  it is one kernel, paged_write_decode_mosaic, which writes the pools in place; otherwise XLA
+  normalises, rotates k and writes (write_pages), and the attention rotates q.
 
   With a mesh and batch_axes, the pools' page axis is split over the batch axes (shard j owns
   pages [j * P / S, (j + 1) * P / S)), the rows are split the same way, and write_page /
   block_tables hold LOCAL page ids: the write and the attention run per shard (shard_map), so
   no pool page is gathered or moved across devices."""
-  def local(q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths,
-            rope):
+  if qkv.ndim != 4 or qkv.shape[2] < 3 or qkv.shape[1] != k_pages.shape[0]:
+    raise ValueError(f"paged_write_attend: qkv {qkv.shape} must be [B, K, G + 2, D] with the "
+                     f"pools' K = {k_pages.shape[0]} KV heads")
+  G, D = qkv.shape[2] - 2, qkv.shape[3]
+  chosen = resolve_decode_impl(impl, dtype=qkv.dtype, head_dim=D, page_size=k_pages.shape[2],
+                               group=G)
+  fused = fused_write_attend(chosen, qkv.dtype, k_pages.dtype, D, k_pages.shape[2], G,
+                             rope is not None)
+
+  def local(qkv, k_pages, v_pages, write_page, write_offset, block_tables, lengths, rope,
+            qk_norm):
+    if fused:
+      from delta_jax.kernels.paged_decode import paged_write_decode_mosaic
+      return paged_write_decode_mosaic(
+          qkv, k_pages, v_pages, block_tables, lengths, write_page, write_offset, rope=rope,
+          q_norm=None if qk_norm is None else qk_norm[0],
+          k_norm=None if qk_norm is None else qk_norm[1], eps=eps)
+    q = qkv[:, :, :G].reshape(qkv.shape[0], -1, D)
+    k_new, v_new = qkv[:, :, G], qkv[:, :, G + 1]
+    if qk_norm is not None:
+      q, k_new = rms_norm(q, qk_norm[0], eps), rms_norm(k_new, qk_norm[1], eps)
+    if rope is not None:
+      k_new = apply_rope(k_new, *rope)
     k_pages = write_pages(k_pages, write_page, write_offset, k_new)
     v_pages = write_pages(v_pages, write_page, write_offset, v_new)
     out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, rope=rope,
                                  impl=impl, pages_per_block=pages_per_block)
     return out, k_pages, v_pages
 
-  args = (q, k_new, v_new, k_pages, v_pages, write_page, write_offset, block_tables, lengths,
-          rope)
+  args = (qkv, k_pages, v_pages, write_page, write_offset, block_tables, lengths, rope, qk_norm)
   if mesh is None or not batch_axes:
     return local(*args)
   return shard_pages(local, mesh, batch_axes, k_pages.shape[0],
-                     ("heads", "heads", "heads", "pool", "pool", "rows", "rows", "rows", "rows",
-                      None if rope is None else ("rows", "rows")),
+                     ("qkv", "pool", "pool", "rows", "rows", "rows", "rows",
+                      None if rope is None else ("rows", "rows"),
+                      None if qk_norm is None else ("all", "all")),
                      ("heads", "pool", "pool"))(*args)
 
 

@@ -53,6 +53,7 @@ from flax import nnx
 from delta_jax.models import attention
 from delta_jax.models.cache import KVCache, PagedKVCache
 from delta_jax.models.config import LORA_TARGETS, ModelConfig
+from delta_jax.models.norm import rms_norm
 from delta_jax.models.rope import apply_rope, rope_cos_sin
 
 LAYER_AXES = {
@@ -160,13 +161,6 @@ class ModelOutput:
 def _param(value, axes):
   # eager_sharding=False: names are only metadata here; placement is the sharding module's job.
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm over the last axis, computed in float32, returned in x.dtype."""
-  xf = x.astype(jnp.float32)
-  normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def _attend(cfg: ModelConfig, q, k, v, kv_valid) -> jax.Array:
@@ -318,9 +312,23 @@ class Transformer(nnx.Module):
 
   def decode_layers(self) -> tuple[dict[str, jax.Array], ...]:
     """Each layer's weights as decode_paged takes them: their own arrays (DecoderLayers.unstacked,
-    LoRA merged), matmul weights in the compute dtype. A copy of the layer weights: the rollout
-    engine makes it once per generate() (sampling.programs.decode_layers), not per decode call."""
-    return tuple(_cast_layer(self.cfg, p) for p in self.layers.unstacked())
+    LoRA merged), matmul weights in the compute dtype, and q_proj, k_proj, v_proj as one
+    qkv_proj [H, K, G + 2, D]: KV head h's G query projections, then its key's, then its
+    value's (one GEMM a layer and step makes the rows attention.paged_write_attend takes; the
+    KV-head axis stays the one tensor parallelism splits). A copy of the layer weights: the
+    rollout engine makes it once per generate() (sampling.programs.decode_layers), not per
+    decode call."""
+    cfg = self.cfg
+    K, D = cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // K
+    layers = []
+    for p in self.layers.unstacked():
+      p = _cast_layer(cfg, p)
+      H = p["q_proj"].shape[0]
+      qkv = jnp.concatenate([p.pop("q_proj").reshape(H, K, G, D), p.pop("k_proj")[:, :, None],
+                             p.pop("v_proj")[:, :, None]], axis=2)
+      layers.append(dict(p, qkv_proj=qkv))
+    return tuple(layers)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, H] -> float32 logits [B, T, V]."""
@@ -373,11 +381,12 @@ class Transformer(nnx.Module):
     """One decode step of B sequences against a paged cache.
 
     tokens, positions: int32 [B], each sequence's input token and its position (RoPE).
-    Every layer first writes the token's key/value at page write_page[b], offset
-    write_offset[b] of its pool, then sequence b attends its tokens [0, lengths[b]) through
-    block_tables [B, pages_per_seq] (so lengths[b] counts the token just written; padding rows
-    have write_page -1, so they write nothing, and length 0). attention_impl: see
-    attention.paged_decode_attention.
+    Every layer writes the token's key/value at page write_page[b], offset write_offset[b] of
+    its pool, and sequence b attends its tokens [0, lengths[b]) through block_tables
+    [B, pages_per_seq] (so lengths[b] counts the token being written; padding rows have
+    write_page -1, so they write nothing, and length 0): attention.paged_write_attend, which
+    also applies the q / k norms and RoPE (in one kernel with the Mosaic GPU attention).
+    attention_impl: see attention.paged_decode_attention.
     mesh / batch_axes: a pool whose page axis is split over these mesh axes (write_page and
     block_tables then hold each row's shard-LOCAL page ids; attention.paged_write_attend).
     layers: self.decode_layers(), taken by a caller that loops over decode steps before its loop
@@ -396,14 +405,18 @@ class Transformer(nnx.Module):
     new_k, new_v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers):
       p = _cast_layer(cfg, layers[i])  # a no-op on decode_layers()
-      q, k, v = _project_qkv(cfg, p, x)                    # [B, 1, N, D], [B, 1, K, D]
-      # k rotated, written at (page, offset) of each row (a scatter into the layer's pool), then
-      # attention over the pool, read in place, of q, which the attention rotates (the Mosaic
-      # kernel in its own prologue: no kernel of its own for q's RoPE).
+      # q, k, v of each KV head in one GEMM ([B, K, G + 2, D]), before the q / k norms and RoPE:
+      # paged_write_attend applies them, then writes k and v at (page, offset) of each row and
+      # attends over the pool, read in place (with the Mosaic GPU kernel all of it is one
+      # kernel: no norm, RoPE or scatter kernel of their own).
+      h = rms_norm(x[:, 0], p["input_norm"], cfg.rms_norm_eps)
+      qkv = jnp.einsum("bh,hkgd->bkgd", h, p["qkv_proj"])
       attn, new_k[i], new_v[i] = attention.paged_write_attend(
-          q[:, 0], apply_rope(k[:, 0], cos, sin), v[:, 0], new_k[i], new_v[i], write_page,
-          write_offset, block_tables, lengths, rope=(cos, sin), impl=attention_impl,
-          pages_per_block=pages_per_block, mesh=mesh, batch_axes=batch_axes)
+          qkv, new_k[i], new_v[i], write_page, write_offset, block_tables, lengths,
+          rope=(cos, sin),
+          qk_norm=(p["q_norm"], p["k_norm"]) if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
+          impl=attention_impl, pages_per_block=pages_per_block, mesh=mesh,
+          batch_axes=batch_axes)
       x = _finish_layer(cfg, p, x, attn[:, None])
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return self.logits(hidden)[:, 0], PagedKVCache(k=tuple(new_k), v=tuple(new_v))
