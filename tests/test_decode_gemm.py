@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import decode_gemm  # noqa: E402
+from tests.fake_trace import fake_traced_kernels  # noqa: E402
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4])
@@ -73,12 +74,8 @@ def test_rates_come_from_the_device_time_where_a_trace_has_one(tmp_path, monkeyp
   """Where the profiler reports device time (a GPU), each call's device time is the traced
   device time over the calls run under the trace, and the rates come from it, not from the wall
   time (dispatch-bound for a few-microsecond matmul)."""
-  runs = []
-
-  def fake_traced(folder, fn):  # what timing.traced_kernels returns on a GPU: 2 ms of device time
-    runs.append(len(fn()))
-    return None, [], 2e-3
-  monkeypatch.setattr(decode_gemm.timing, "traced_kernels", fake_traced)
+  runs = []  # 2 ms of device time a trace, as a GPU's would report it
+  monkeypatch.setattr(decode_gemm.timing, "traced_kernels", fake_traced_kernels(2e-3, runs))
   rows = decode_gemm.main(["--preset", "tiny", "--dtype", "float32", "--batch", "4",
                            "--groups", "down", "--split-k", "2", "--iters", "1", "--warmup", "1",
                            "--calls", "1", "--trace-calls", "8", "--copy-mib", "4",

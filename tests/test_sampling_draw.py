@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import sampling_draw  # noqa: E402
+from tests.fake_trace import fake_traced_kernels  # noqa: E402
 
 
 def test_a_tiny_run_records_both_draws(tmp_path):
@@ -26,12 +27,8 @@ def test_a_tiny_run_records_both_draws(tmp_path):
 
 
 def test_device_time_per_call_where_a_trace_has_one(tmp_path, monkeypatch):
-    runs = []
-
-    def fake_traced(folder, fn):  # what timing.traced_kernels returns on a GPU: 1 ms of device time
-        runs.append(len(fn()))
-        return None, [], 1e-3
-    monkeypatch.setattr(sampling_draw.timing, "traced_kernels", fake_traced)
+    runs = []  # 1 ms of device time a trace, as a GPU's would report it
+    monkeypatch.setattr(sampling_draw.timing, "traced_kernels", fake_traced_kernels(1e-3, runs))
     rows = sampling_draw.main(["--rows", "2", "--vocab", "50", "--draws", "inverse_cdf",
                                "--iters", "1", "--warmup", "1", "--trace-calls", "4",
                                "--out", str(tmp_path / "draw.json")])
