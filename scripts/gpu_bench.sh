@@ -232,13 +232,16 @@ for s in "$@"; do
                    # all_triton (every fusion emitted by Triton), heroless (Triton's heroless
                    # priority fusion), block_level (the block-level fusion rewriter), pdl_off /
                    # pdl_on (programmatic dependent launch), exhaustive_tiling, cublaslt,
-                   # no_command_buffer.
+                   # no_command_buffer, graph_while (command buffers with the decode's while loop
+                   # and conditionals in them as well: one CUDA graph for the loop, if XLA takes
+                   # its data-dependent trip count; the enum names are jaxlib 0.11.2's).
       for variant in ${DECODE_FLAG_VARIANTS:-base no_concurrent no_splitk warp_spec}; do
         case $variant in
           base) flags="" ;;
           exhaustive_tiling) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
           cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
           no_command_buffer) flags="--xla_gpu_enable_command_buffer=" ;;
+          graph_while) flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,DYNAMIC_SLICE_COPY_FUSION,WHILE,CONDITIONAL" ;;
           pdl_off) flags="--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" ;;
           pdl_on) flags="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" ;;
           concurrent_graph) flags="--xla_gpu_graph_enable_concurrent_region=true" ;;
@@ -289,8 +292,14 @@ for s in "$@"; do
                      # fusion the trace names (gemm_fusion_dot_*, loop_*_fusion_*, ...) can be
                      # read op by op off the GPU (benchmarks/hlo_fusions.py joins the two
                      # and prints each timed kernel's ops, bytes and rate). ~1-2 minutes.
+                     # Under a profiler XLA runs command buffers op by op (its log: "Execute
+                     # command buffer thunk as a regular thunk sequence because we detected
+                     # active profiling session"), so the traced step is not quite the timed
+                     # one's; ANATOMY_GRAPHS=1 keeps the CUDA graphs while profiling
+                     # (--xla_enable_command_buffers_during_profiling, experimental in 0.11.2).
       xla_flags=$(echo ${XLA_FLAGS:-} --xla_dump_to="$OUT/hlo" --xla_dump_hlo_as_text \
-        --xla_dump_hlo_module_re=jit_decode)
+        --xla_dump_hlo_module_re=jit_decode \
+        $([ "${ANATOMY_GRAPHS:-0}" = 1 ] && echo --xla_enable_command_buffers_during_profiling=true))
       stage decode_anatomy 240 env XLA_FLAGS="$xla_flags" python3 \
         benchmarks/decode_throughput.py --preset qwen3-0.6b --dtype bfloat16 --batch 64 \
         --prompt-len 512 --new-tokens 256 --decode-attention "$DECODE" --workload fixed \
