@@ -102,7 +102,7 @@ def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
   and the log-sum-exp row of k_splits > 1 (counted always; barriers aside); with `fused`
   (paged_write_decode_mosaic) also the new key / value rows and the float32 cos / sin and norm
   weight rows."""
-  extra = 2 * head_dim * itemsize + 4 * 2 * head_dim * 4 if fused else 0
+  extra = (2 * itemsize + 4 * 4) * head_dim if fused else 0   # 2 rows of q's dtype, 4 of f32
   return (2 * WGMMA_ROWS * head_dim * itemsize
           + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS
           + extra)
