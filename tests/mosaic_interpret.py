@@ -246,8 +246,13 @@ def interpreting(detect_races: bool = False):
   shared memory that starts as NaN, raising on out-of-bounds reads; detect_races: its
   happens-before race detector over the simulated copies and barriers (see races_found)."""
   import jax
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
   _install()
   _, _, _, _, params, _ = _modules()
+  # Fresh interpreter state for each block: after a kernel that raised it must be reset (its
+  # docs), and jax 0.11's keeps it between kernels, set up for the first one's number of devices.
+  # The race detector's findings of the block stay readable after it (races_found).
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
   # A simulation on the host: on a GPU machine (JAX_PLATFORMS=cuda,cpu) it runs on the CPU too.
   options = dict(detect_races=detect_races, out_of_bounds_reads="raise",
                  uninitialized_memory="nan")

@@ -224,55 +224,6 @@ def test_interpreted_fused_step_matches_the_unfused_one(G, K, case, kw):
   check_fused(got, ref, args)
 
 
-@needs_interpreter
-@pytest.mark.devices(2)
-def test_interpreted_fused_step_per_shard_of_a_batch_mesh(monkeypatch):
-  """On a 2-device mesh (the pools' pages and the rows split over "data", shard-local page ids,
-  as a multi-GPU rollout runs the layer), attention.paged_write_attend with the fused kernel,
-  interpreted per shard, gives the jnp path's output and pools on the same mesh (check_fused):
-  each shard writes its own rows' slots into its own pages, and nothing else moves."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-  from delta_jax.models.rope import rope_cos_sin
-  allow_mosaic_here(monkeypatch)
-  rng = np.random.RandomState(8)
-  B, K, G, D, page_size, pages_per_seq = 4, 2, 2, 128, 32, 4
-  per_shard = 1 + 2 * pages_per_seq
-  lengths = np.asarray([0, 70, 1, 128], np.int32)
-  tables = np.zeros((B, pages_per_seq), np.int32)
-  for b in range(B):   # each shard's rows on its own pages, local ids 1.., scrambled
-    pages = 1 + rng.permutation(2 * pages_per_seq)[:pages_per_seq] if b % 2 else \
-        1 + rng.permutation(2 * pages_per_seq)[pages_per_seq:]
-    tables[b] = pages
-  pos = np.maximum(lengths - 1, 0)
-  page = np.where(lengths > 0, tables[np.arange(B), pos // page_size], -1).astype(np.int32)
-  offset = (pos % page_size).astype(np.int32)
-  pool = lambda: jnp.asarray(rng.randn(K, 2 * per_shard, page_size, D), jnp.bfloat16)  # noqa: E731
-  qkv = jnp.asarray(2 * rng.randn(B, K, G + 2, D), jnp.bfloat16)
-  cos, sin = rope_cos_sin(jnp.asarray(pos), D, 1e6)
-  norms = tuple(jnp.asarray(1 + 0.3 * rng.randn(D), jnp.float32) for _ in range(2))
-  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-  rows = NamedSharding(mesh, PartitionSpec("data"))
-  pools = NamedSharding(mesh, A.pool_specs(mesh, ("data",), K)[0])
-  args = (jax.device_put(qkv, rows), jax.device_put(pool(), pools),
-          jax.device_put(pool(), pools), *(jax.device_put(jnp.asarray(x), rows)
-                                           for x in (page, offset, tables, lengths)))
-
-  def run(impl):
-    return jax.jit(lambda *a: A.paged_write_attend(
-        *a, rope=(jax.device_put(cos, rows), jax.device_put(sin, rows)), qk_norm=norms,
-        impl=impl, mesh=mesh, batch_axes=("data",)))(*args)
-  ref = run("reference")
-  traced = []
-  kernel = PD.paged_write_decode_mosaic
-  monkeypatch.setattr(PD, "paged_write_decode_mosaic",
-                      lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
-  with mosaic_interpret.interpreting():
-    got = run("mosaic")
-  assert traced == [(B // 2, K, G + 2, D)]   # the fused kernel, on each shard's rows
-  global_page = np.where(page >= 0, page + np.arange(B) // (B // 2) * per_shard, -1)
-  check_fused(got, ref, (qkv, args[1], args[2], tables, lengths, global_page, offset))
-
-
 @pytest.mark.parametrize("norms", [True, False])
 @pytest.mark.parametrize("shape,kw", [
     (dict(G=2), {}),                                          # Qwen3-0.6B / 1.7B: 16 / 8 heads
