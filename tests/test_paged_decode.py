@@ -180,9 +180,9 @@ def fused_case(seed, *, B=4, K=2, G=2, page_size=16, pages_per_seq=8, lengths=(0
   return args, kw, ref
 
 
-def check_fused(got, ref, args):
+def check_fused(got, ref, args, tol=1e-2):
   """The fused kernel's (out, k_pages, v_pages) against the unfused step's: the output within
-  bf16 rounding, exactly 0 for rows of length 0, exactly the new value for rows of length 1
+  bf16 rounding (tol; 2e-2 compiled, as test_compiled_matches_reference: approximate exp2), exactly 0 for rows of length 0, exactly the new value for rows of length 1
   (the new token alone); the value rows as written, the keys within a bf16 rounding of them,
   every other entry of the pools (NaN pages included) untouched."""
   out, k_pages, v_pages = (np.asarray(x, np.float32) for x in got)
@@ -190,7 +190,7 @@ def check_fused(got, ref, args):
   qkv, lengths = np.asarray(args[0], np.float32), np.asarray(args[4])
   B, K, G2, D = qkv.shape
   assert np.isfinite(out).all()
-  np.testing.assert_allclose(out, ref_out, atol=1e-2, rtol=1e-2)
+  np.testing.assert_allclose(out, ref_out, atol=tol, rtol=tol)
   for b in np.flatnonzero(lengths == 0):
     assert np.all(out[b] == 0)
   for b in np.flatnonzero(lengths == 1):
@@ -480,7 +480,7 @@ def test_compiled_fused_step_matches_the_unfused_one(G, K, case, kw):
   assert A.resolve_decode_impl("mosaic") == "mosaic"
   fn = jax.jit(lambda *a: PD.paged_write_decode_mosaic(*a, **fkw, **kw), donate_argnums=(1, 2))
   got = fn(args[0], jnp.copy(args[1]), jnp.copy(args[2]), *args[3:])
-  check_fused(got, ref, args)
+  check_fused(got, ref, args, tol=2e-2)
 
 
 @pytest.mark.gpu
