@@ -430,8 +430,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       k1, k2 = rotate(k1, k2)
       s_new = ((q1 * k1).sum(axis=1) + (q2 * k2).sum(axis=1)) * scale
       o_smem[:, pl.ds(0, D2)] = k1.astype(dtype)
-      o_smem[:, pl.ds(D2, D2)] = k2.astype(dtype)
-      plgpu.commit_smem()
+      o_smem[:, pl.ds(D2, D2)] = k2.astype(dtype)   # committed by the fence before its store
       # One block of a (row, KV head) writes its key and value: the split whose pages hold the
       # new token's slot (its page is the row's last: a split whose block reads it is this one,
       # which writes after its reads). The softmax of that split starts from the new token
@@ -491,9 +490,9 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       # The new key and value to the pools (page -1: a row not to write), now that every page
       # this block reads has arrived: the slot is on a page it may have read (masked).
       wpage = page_ref[b]
-      # a proxy fence: the page reads this thread waited for come before the TMA's stores (the
-      # Mosaic GPU interpreter of jax 0.11 orders them by it; without it, it reports the slot's
-      # store racing with its page's read)
+      # a proxy fence: the key row written to o_smem, and the page reads this thread waited
+      # for, come before the TMA's stores (the Mosaic GPU interpreter of jax 0.11 orders the
+      # reads by it; without it, it reports the slot's store racing with its page's read)
       plgpu.commit_smem()
 
       @pl.when((wpage >= 0) & mine)
