@@ -266,13 +266,15 @@ for s in "$@"; do
                    # 2026-11-27) against the step before it (--unfused-write: XLA's norms, RoPE
                    # and two scatters a layer, then the attention kernel), one process a run,
                    # alternating; FUSED_BATCHES (default "64 64 256": ~45 s a run at 64, ~60 at 256).
+      n=0   # the run's number in the names: a batch given twice keeps both runs' files
       for batch in ${FUSED_BATCHES:-64 64 256}; do
+        n=$((n + 1))
         for v in fused unfused; do
-          stage "decode_fused_${v}_$batch" 150 python3 benchmarks/decode_throughput.py \
+          stage "decode_fused_${v}_${batch}_$n" 150 python3 benchmarks/decode_throughput.py \
             --preset qwen3-0.6b --dtype bfloat16 --batch "$batch" --prompt-len 512 \
             --new-tokens 1024 --decode-attention "$DECODE" --workload fixed --hf never \
             --repeats 1 $([ "$v" = unfused ] && echo --unfused-write) \
-            --output "$OUT/decode_fused_${v}_$batch$SUFFIX.json"
+            --output "$OUT/decode_fused_${v}_${batch}_$n$SUFFIX.json"
         done
       done ;;
     decode_pdl)  # issue 15: the fixed workload at batch 64 with the Mosaic kernel as is and with
