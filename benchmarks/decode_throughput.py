@@ -50,7 +50,10 @@ PAGES_PER_BLOCK STAGES runs the Mosaic GPU decode kernel (delta_jax.kernels.page
 --decode-attention mosaic, and auto on Hopper, run) with these instead of its defaults, so its
 parameters can be compared in the whole decode (on an H200 the long-tailed workload's attention
 read K/V at ~2.2 TB/s where every-row-live decode read ~3.35: k_splits > 1 may balance the
-ragged rows better). --mosaic-pdl runs it with programmatic dependent launch (paged_decode_mosaic's
+ragged rows better). --mosaic-rows R runs it with R rows a block (paged_decode_mosaic's
+rows_per_block: a block attends R sequences in turn, its page copies one stream across them, so
+the next row's first pages arrive while a row finishes, and batch 64 is 256 blocks, not 512).
+--mosaic-pdl runs it with programmatic dependent launch (paged_decode_mosaic's
 pdl: its blocks start while the kernel before it drains; marked for the launch by jax >= 0.11).
 Each row records them (mosaic_kernel); they apply to the fused kernel (paged_write_decode_mosaic:
 the q / k norms, RoPE and page writes in the attention kernel, what "mosaic" runs where
@@ -142,6 +145,8 @@ def parse_args(argv=None):
     p.add_argument("--mosaic-kernel", type=int, nargs=3, default=None,
                    metavar=("K_SPLITS", "PAGES_PER_BLOCK", "STAGES"),
                    help="the Mosaic GPU decode kernel's parameters (default: its own)")
+    p.add_argument("--mosaic-rows", type=int, default=None, metavar="ROWS_PER_BLOCK",
+                   help="rows a block of the Mosaic GPU decode kernel attends (default: its own)")
     p.add_argument("--mosaic-pdl", action="store_true",
                    help="the Mosaic GPU decode kernel with programmatic dependent launch")
     p.add_argument("--unfused-write", action="store_true",
@@ -156,21 +161,23 @@ def parse_args(argv=None):
         p.error("--refill-after must be >= 0 (0: the Sampler's default)")
     if args.refill_queue < -1:
         p.error("--refill-queue must be >= -1 (-1: the Sampler's default)")
-    if args.mosaic_kernel is not None:
+    if args.mosaic_kernel is not None or args.mosaic_rows is not None:
         cfg = model_config(args)
         problem = paged_decode.config_problem(
             cfg.dtype, cfg.head_dim, args.page_size, cfg.num_heads // cfg.num_kv_heads,
-            **dict(zip(MOSAIC_KERNEL_PARAMS, args.mosaic_kernel)))
+            **{k: v for k, v in mosaic_kwargs(args).items() if k != "pdl"})
         if problem:
-            p.error(f"--mosaic-kernel: {problem}")
+            p.error(f"--mosaic-kernel / --mosaic-rows: {problem}")
     return args
 
 
 def mosaic_kwargs(args) -> dict:
-    """paged_decode_mosaic's keyword arguments from --mosaic-kernel and --mosaic-pdl ({} without
-    either)."""
+    """paged_decode_mosaic's keyword arguments from --mosaic-kernel, --mosaic-rows and
+    --mosaic-pdl ({} without any)."""
     kwargs = {} if args.mosaic_kernel is None else dict(
         zip(MOSAIC_KERNEL_PARAMS, args.mosaic_kernel))
+    if args.mosaic_rows is not None:
+        kwargs["rows_per_block"] = args.mosaic_rows
     return {**kwargs, "pdl": True} if args.mosaic_pdl else kwargs
 
 

@@ -1,7 +1,8 @@
 """Paged decode attention alone (delta_jax.models.attention.paged_decode_attention, the rollout
 decode's attention) at the decode shapes, against the memory-bandwidth limit: a sweep of the
 Mosaic GPU kernel's parameters (delta_jax.kernels.paged_decode: k_splits x pages_per_block x
-stages, the --num-stages values; configurations over its shared memory are skipped), of the TPU
+stages x rows_per_block, the --num-stages and --rows-per-block values; configurations over its
+shared memory are skipped), of the TPU
 kernel's compute block (attention.paged_decode_tpu, pallas.ops' Mosaic TPU paged attention: the
 --pages-per-block values; `--impls tpu reference` on a TPU) and of the jnp page reader's block
 size, so that the sampler's defaults can be chosen from measurements.
@@ -74,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--k-splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--pages-per-block", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--num-stages", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--rows-per-block", type=int, nargs="+", default=[1],
+                   help="rows (sequences) a block of the Mosaic kernel attends in turn")
     p.add_argument("--reference-ppb", type=int, nargs="+", default=[4, 8, 16, 32],
                    help="pages per block of the jnp page reader")
     p.add_argument("--warmup", type=int, default=2)
@@ -134,15 +137,16 @@ def configurations(args):
                     yield f"tpu ppb={ppb}", impl, {"pages_per_block": ppb}
             continue
         itemsize = jnp.dtype(args.dtype).itemsize
-        for ks, ppb, stages in itertools.product(args.k_splits, args.pages_per_block,
-                                                 args.num_stages):
+        for ks, ppb, stages, rows in itertools.product(args.k_splits, args.pages_per_block,
+                                                       args.num_stages, args.rows_per_block):
             if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks \
                     or (ppb * args.page_size) % 64 or paged_decode.smem_bytes(
                         args.head_dim, args.page_size, ppb, stages, itemsize) \
-                    > paged_decode.SMEM_LIMIT_BYTES:
+                    > paged_decode.SMEM_LIMIT_BYTES or rows < 1:
                 continue  # more pages than a split holds, or a shape the kernel refuses
-            yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages}", impl,
-                   {"k_splits": ks, "pages_per_block": ppb, "stages": stages})
+            yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages} rows={rows}", impl,
+                   {"k_splits": ks, "pages_per_block": ppb, "stages": stages,
+                    "rows_per_block": rows})
 
 
 def build(impl: str, kwargs: dict):
@@ -219,9 +223,10 @@ def print_best(rows):
                 current = [r for r in ok
                            if r["pages_per_block"] == attention.DECODE_PAGES_PER_BLOCK]
             else:
-                current = [r for r in ok if (r["k_splits"], r["pages_per_block"], r["stages"])
+                current = [r for r in ok if (r["k_splits"], r["pages_per_block"], r["stages"],
+                                             r["rows_per_block"])
                            == (paged_decode.K_SPLITS, paged_decode.PAGES_PER_BLOCK,
-                               paged_decode.STAGES)]
+                               paged_decode.STAGES, paged_decode.ROWS_PER_BLOCK)]
             cur = f"{current[0]['us']:.1f}" if current else "-"
             print(f"{batch:5d} | {impl:9s} | {best['config']:55s} | {best['us']:7.1f} | "
                   f"{100 * best['fraction_of_copy']:8.1f}% | {cur}")

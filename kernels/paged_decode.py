@@ -30,7 +30,8 @@ which jax 0.11 deprecates (issue #16), and no maintained Mosaic GPU paged decode
 pallas.ops.gpu has none (its ragged and decode attention are Triton too), and tokamax 0.0.12's
 Mosaic GPU attention refuses paging ("Paged attention not supported"; only its XLA path pages).
 
-How it works. One CUDA block (one warpgroup) per (sequence, KV head, split of the pages). The G
+How it works. One CUDA block (one warpgroup) per (sequence, KV head, split of the pages), or
+with rows_per_block R per R consecutive sequences, attended in turn (below). The G
 query heads of the KV head sit in a 64-row WGMMA tile: one TMA copy brings a window of q's rows
 read in place from [B, N, D], whole 8-row tiles from the tile holding the head's first row
 (q_windows: 8 rows at Qwen3-0.6B / 8B, 16 at 14B's 5 heads a KV head), holding its G rows
@@ -48,7 +49,16 @@ shared-memory buffer, from which one TMA copy stores its G real rows straight in
 that slice was a kernel of its own a layer, ~1.8 us at batch 64 on an H200, and so was q's RoPE
 with the padding of q to 8 rows a KV head, ~2.1 us). With k_splits > 1
 each split writes its normalised partial output and log-sum-exp and the splits are merged in
-jnp.
+jnp. With rows_per_block R > 1 a block's page copies are one stream over its R rows (row r's
+steps follow row r - 1's in the stages' buffers), and a row's q window (with `write`, its key /
+value rows, in one of two buffers by the row's parity) is copied in as soon as the previous
+row's last step is done, so a row's first pages and its prologue's inputs are in flight while the
+previous row's output is normalised and stored. Why: at batch 64 one row a block is 512 blocks
+of ~40 us each, two waves over an H200's 264 block slots (two a 132 SMs), each block's start
+(its first copies' latency, q's prologue) and end (its output's store) spent with little in
+flight; the kernel took 81.4 us a call at 1,024 live tokens, 79% of copy, against 93.5% at
+batch 256 (fifth run). Two rows a block make 256 blocks, one wave. Whether that is faster is not
+measured yet (`gpu_bench.sh paged_rows decode_rows`); the default stays 1.
 
 It runs on NVIDIA Hopper GPUs. Without one it is checked two ways (tests/test_paged_decode.py):
 its lowering to the Mosaic GPU dialect (jax.export for "cuda": register layouts, WGMMA and TMA
@@ -91,18 +101,24 @@ WGMMA_ROWS = 64
 PAGES_PER_BLOCK = 2
 STAGES = 2
 K_SPLITS = 1
+# Rows (sequences) a block attends one after another, its page copies one stream across them
+# (rows_per_block): 1 until measured otherwise on a GPU (an experiment: benchmarks/
+# paged_attention.py --rows-per-block, decode_throughput.py --mosaic-rows).
+ROWS_PER_BLOCK = 1
 _LOG2E = math.log2(math.e)
 # Shared memory a block may use on Hopper (H100 / H200: 227 KiB opt-in).
 SMEM_LIMIT_BYTES = 227 * 1024
 
 
 def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
-               itemsize: int = 2, fused: bool = False) -> int:
+               itemsize: int = 2, fused: bool = False, rows_per_block: int = 1) -> int:
   """Shared memory of one block: the q tile, the output tile, `stages` steps of K and V pages
   and the log-sum-exp row of k_splits > 1 (counted always; barriers aside); with `fused`
-  (paged_write_decode_mosaic) also the new key / value rows and the float32 cos / sin and norm
-  weight rows."""
-  extra = (2 * itemsize + 4 * 4) * head_dim if fused else 0   # 2 rows of q's dtype, 4 of f32
+  (paged_write_decode_mosaic) also the new key / value rows (two rows' worth with
+  rows_per_block > 1: the next row's arrive while this row's are stored) and the float32
+  cos / sin and norm weight rows."""
+  kv_rows = 2 * min(rows_per_block, 2)
+  extra = (kv_rows * itemsize + 4 * 4) * head_dim if fused else 0   # k / v rows, 4 f32 rows
   return (2 * WGMMA_ROWS * head_dim * itemsize
           + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS
           + extra)
@@ -134,7 +150,8 @@ def window_start(h, stride: int, rows: int, q_rows: int, minimum=min):
 
 def config_problem(dtype, head_dim: int, page_size: int, group: int,
                    pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
-                   stages: int = STAGES, fused: bool = False) -> str | None:
+                   stages: int = STAGES, fused: bool = False,
+                   rows_per_block: int = ROWS_PER_BLOCK) -> str | None:
   """Why the kernel cannot run this configuration (q dtype, head_dim, page_size, query heads per
   KV head, and its own parameters), or None: checked by the kernel and, at start-up, by the
   Sampler for rollout.decode_attention="mosaic". fused: for paged_write_decode_mosaic, which
@@ -158,10 +175,11 @@ def config_problem(dtype, head_dim: int, page_size: int, group: int,
   if pages_per_block < 1 or block_kv % 64:
     return (f"pages_per_block {pages_per_block} x page_size {page_size} = {block_kv} keys a step "
             "must be a positive multiple of 64")
-  if k_splits < 1 or stages < 1:
-    return f"k_splits {k_splits} and stages {stages} must be >= 1"
+  if k_splits < 1 or stages < 1 or rows_per_block < 1:
+    return (f"k_splits {k_splits}, stages {stages} and rows_per_block {rows_per_block} must "
+            "be >= 1")
   need = smem_bytes(head_dim, page_size, pages_per_block, stages, jnp.dtype(dtype).itemsize,
-                    fused)
+                    fused, rows_per_block)
   if need > SMEM_LIMIT_BYTES:
     return (f"stages {stages} x pages_per_block {pages_per_block} need {need} B of shared "
             f"memory a block, over {SMEM_LIMIT_BYTES}: lower one")
@@ -169,12 +187,12 @@ def config_problem(dtype, head_dim: int, page_size: int, group: int,
 
 
 def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages,
-           fused=False):
+           rows_per_block, fused=False):
   from delta_jax.models.attention import check_paged_decode_inputs
   who = "paged_write_decode_mosaic" if fused else "paged_decode_mosaic"
   check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, who)
   problem = config_problem(q.dtype, q.shape[-1], k_pages.shape[2], q.shape[1] // k_pages.shape[0],
-                           pages_per_block, k_splits, stages, fused)
+                           pages_per_block, k_splits, stages, fused, rows_per_block)
   if fused and not problem and (k_pages.dtype != q.dtype or v_pages.dtype != q.dtype):
     problem = (f"the pools ({k_pages.dtype} / {v_pages.dtype}) must be in q's dtype {q.dtype} "
                "(they are written in place)")
@@ -182,34 +200,42 @@ def _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits
     raise ValueError(f"{who}: {problem}")
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages", "pdl"))
+@functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "stages",
+                                             "rows_per_block", "pdl"))
 def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         block_tables: jax.Array, lengths: jax.Array, *, rope=None,
                         pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
-                        stages: int = STAGES, pdl: bool = False) -> jax.Array:
+                        stages: int = STAGES, rows_per_block: int = ROWS_PER_BLOCK,
+                        pdl: bool = False) -> jax.Array:
   """Decode attention over a page pool (the contract in the module docstring), on Mosaic GPU.
   rope: None, or (cos, sin) float32 [B, D] each: q is rotated by them in the kernel's prologue
   (rope.apply_rope's rotation). pages_per_block pages make one step (pages_per_block * page_size
   must be a multiple of 64), `stages` steps are copied ahead, k_splits blocks share a sequence's
-  pages. pdl (an experiment, off by default): the kernel takes part in CUDA's programmatic
+  pages, and a block attends rows_per_block rows (sequences) one after another, with one stream
+  of page copies across them: the next row's first pages and its q arrive while this row
+  finishes (fewer blocks: at batch 64 with 2 rows a block, 256 blocks of (row pair, KV head),
+  one wave of two blocks an SM on an H200's 132 SMs, where one row a block makes 512). pdl (an experiment, off by default): the kernel takes part in CUDA's programmatic
   dependent launch; its blocks can start while the kernel before it drains, each waits for that
   kernel's results (griddepcontrol.wait) before it reads any input, and lets the kernel after it
   launch once its pages are read (griddepcontrol.launch_dependents). jax 0.11's Pallas marks
   such a kernel for a PDL launch; jax 0.10 lowers the two instructions without the mark, where
   they wait for nothing."""
-  _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages)
+  _check(q, k_pages, v_pages, block_tables, lengths, pages_per_block, k_splits, stages,
+         rows_per_block)
   return _run(q, k_pages, v_pages, block_tables, lengths, num_heads=q.shape[1], rope=rope,
-              pages_per_block=pages_per_block, k_splits=k_splits, stages=stages, pdl=pdl)
+              pages_per_block=pages_per_block, k_splits=k_splits, stages=stages,
+              rows_per_block=rows_per_block, pdl=pdl)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "pages_per_block", "k_splits", "stages",
-                                             "pdl"))
+                                             "rows_per_block", "pdl"))
 def paged_write_decode_mosaic(qkv: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               block_tables: jax.Array, lengths: jax.Array,
                               write_page: jax.Array, write_offset: jax.Array, *, rope,
                               q_norm=None, k_norm=None, eps: float = 1e-6,
                               pages_per_block: int = PAGES_PER_BLOCK, k_splits: int = K_SPLITS,
-                              stages: int = STAGES, pdl: bool = False):
+                              stages: int = STAGES, rows_per_block: int = ROWS_PER_BLOCK,
+                              pdl: bool = False):
   """One layer's decode step of attention in one kernel: the new token's q / k RMSNorm and RoPE,
   its key and value written into the pools, and the attention (models.attention.paged_write_attend's
   contract, which runs it).
@@ -242,7 +268,7 @@ def paged_write_decode_mosaic(qkv: jax.Array, k_pages: jax.Array, v_pages: jax.A
   B, _, G2, D = qkv.shape
   G = G2 - 2
   _check(jax.ShapeDtypeStruct((B, K * G, D), qkv.dtype), k_pages, v_pages, block_tables,
-         lengths, pages_per_block, k_splits, stages, fused=True)
+         lengths, pages_per_block, k_splits, stages, rows_per_block, fused=True)
   if rope is None:
     raise ValueError("paged_write_decode_mosaic: rope (cos, sin) is required")
   if write_page.shape != (B,) or write_offset.shape != (B,):
@@ -260,13 +286,13 @@ def paged_write_decode_mosaic(qkv: jax.Array, k_pages: jax.Array, v_pages: jax.A
                        f"{k_norm.shape} must be [head_dim={D}]")
   return _run(qkv.reshape(B, K * G2, D), k_pages, v_pages, block_tables, lengths,
               num_heads=K * G, rope=rope, pages_per_block=pages_per_block, k_splits=k_splits,
-              stages=stages, pdl=pdl,
+              stages=stages, rows_per_block=rows_per_block, pdl=pdl,
               write=(write_page.astype(jnp.int32), write_offset.astype(jnp.int32)), norms=norms,
               eps=eps)
 
 
 def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_per_block,
-         k_splits, stages, pdl, write=None, norms=None, eps=1e-6):
+         k_splits, stages, pdl, rows_per_block=1, write=None, norms=None, eps=1e-6):
   """The kernel of paged_decode_mosaic (write None: q [B, N, D]) and of
   paged_write_decode_mosaic (write = (write_page, write_offset): q is its qkv as
   [B, K (G + 2), D], norms its (q_norm, k_norm) weights [D] or None)."""
@@ -309,10 +335,11 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
     from delta_jax.models.rope import apply_rope
     q, rope = apply_rope(q, *rope), None
   # the prologue's TMA copies, one barrier each: q's window, cos, sin, the new key row, its value
-  # row, the norm weights
-  copies = ["q"] + ["cos", "sin"] * (rope is not None) + ["k", "v"] * fused \
-      + ["q_norm", "k_norm"] * (norms is not None)
+  # row (each row's), the norm weights (once a block)
+  row_copies = ["q"] + ["cos", "sin"] * (rope is not None) + ["k", "v"] * fused
+  copies = row_copies + ["q_norm", "k_norm"] * (norms is not None)
   bar_of = {name: i for i, name in enumerate(copies)}
+  R = rows_per_block
 
   def kernel(lengths_ref, tables_ref, q_ref, *refs):
     # the rest of the inputs, the outputs and the scratch buffers, in the order declared below
@@ -329,28 +356,39 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
     if pdl:
       plgpu.griddepcontrol_wait()   # the inputs (q, this step's K / V writes) are the last
                                     # kernels' outputs
-    b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     split = lax.axis_index("split")
     # the block's window of q rows: q_windows' start, in a form whose multiple of the tile's 8
     # rows the TMA lowering can see (a tiled copy must start on a tile)
     start = pl.multiple_of(window_start(h, stride, rows, q_rows, jnp.minimum), 8)
     off = h * stride - start                     # its own G rows within the window
-    length = lengths_ref[b]
-    # tokens read from the pages: all of them, or with `write` all but the new one
-    paged = jnp.maximum(length - 1, 0) if fused else length
     first = split * share
-    # live pages of this split: [first, first + live)
-    live = jnp.clip((paged + page_size - 1) // page_size - first, 0, share)
-    live = jnp.minimum(live, pages_per_seq - first)
-    steps = (live + pages_per_block - 1) // pages_per_block
-    # keys this block may attend: the row's, within its split (a step can reach past the split's
-    # last page, or past the table, whose column is clipped: those keys are masked)
-    limit = jnp.minimum(paged, jnp.minimum(first + share, pages_per_seq) * page_size)
+    # The block's rows: R consecutive rows from row_0; a row past B (the last block of a batch
+    # R does not divide) has length 0 and is neither read nor stored.
+    row_0 = lax.axis_index("batch") * R
+    bs = [jnp.minimum(row_0 + r, B - 1) if R > 1 else row_0 for r in range(R)]
+    valid = [row_0 + r < B for r in range(R)]
+    lengths_r = [jnp.where(valid[r], lengths_ref[bs[r]], 0) if R > 1 else lengths_ref[bs[r]]
+                 for r in range(R)]
+    # tokens read from the pages: all of them, or with `write` all but the new one
+    paged = [jnp.maximum(n - 1, 0) if fused else n for n in lengths_r]
+    steps, bases = [], [0]
+    for n in paged:
+      # live pages of this split: [first, first + live)
+      live = jnp.clip((n + page_size - 1) // page_size - first, 0, share)
+      live = jnp.minimum(live, pages_per_seq - first)
+      steps.append((live + pages_per_block - 1) // pages_per_block)
+      bases.append(bases[-1] + steps[-1])        # the row's first step in the block's stream
+    total = bases[-1]
 
-    def page_ids(step):
-      # the pool pages of a step (block-table reads; clipped so a step past the end reads in range)
-      cols = [jnp.minimum(first + step * pages_per_block + p, pages_per_seq - 1)
+    def page_ids(g):
+      # the pool pages of step g of the block's stream (row r's steps are [bases[r],
+      # bases[r + 1])): block-table reads, clipped so a step past the end reads in range
+      b, local = bs[0], g
+      for r in range(1, R):
+        later = g >= bases[r]
+        b, local = jnp.where(later, bs[r], b), jnp.where(later, g - bases[r], local)
+      cols = [jnp.minimum(first + local * pages_per_block + p, pages_per_seq - 1)
               for p in range(pages_per_block)]
       return [jnp.clip(tables_ref[b, col], 0, P - 1) for col in cols]
 
@@ -362,28 +400,32 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
         plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, dst],
                                 v_bar.at[slot * pages_per_block + p])
 
+    def load_row(r):
+      # row r's q window, cos / sin rows and new key / value rows (into its parity's buffer)
+      b = bs[r]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(start, rows)], q_smem.at[pl.ds(0, rows)],
+                              q_bar.at[bar_of["q"]])
+      if rope is not None:
+        plgpu.copy_gmem_to_smem(cos_ref.at[b], cs_smem.at[0], q_bar.at[bar_of["cos"]])
+        plgpu.copy_gmem_to_smem(sin_ref.at[b], cs_smem.at[1], q_bar.at[bar_of["sin"]])
+      if fused:
+        kv = kv_smem.at[r % 2]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(h * stride + G, 1)], kv.at[pl.ds(0, 1)],
+                                q_bar.at[bar_of["k"]])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(h * stride + G + 1, 1)], kv.at[pl.ds(1, 1)],
+                                q_bar.at[bar_of["v"]])
+
     for i in range(stages):
-      @pl.when(i < steps)
+      @pl.when(i < total)
       def _():
         issue(page_ids(i), i)
 
     q_smem[...] = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(start, rows)], q_smem.at[pl.ds(0, rows)],
-                            q_bar.at[bar_of["q"]])
-    if rope is not None:
-      plgpu.copy_gmem_to_smem(cos_ref.at[b], cs_smem.at[0], q_bar.at[bar_of["cos"]])
-      plgpu.copy_gmem_to_smem(sin_ref.at[b], cs_smem.at[1], q_bar.at[bar_of["sin"]])
-    if fused:
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(h * stride + G, 1)], kv_smem.at[pl.ds(0, 1)],
-                              q_bar.at[bar_of["k"]])
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(h * stride + G + 1, 1)],
-                              kv_smem.at[pl.ds(1, 1)], q_bar.at[bar_of["v"]])
+    load_row(0)
     if norms is not None:
       plgpu.copy_gmem_to_smem(q_norm_ref, norms_smem.at[0], q_bar.at[bar_of["q_norm"]])
       plgpu.copy_gmem_to_smem(k_norm_ref, norms_smem.at[1], q_bar.at[bar_of["k_norm"]])
-    for i in range(len(copies)):
-      plgpu.barrier_wait(q_bar.at[i])
 
     def rounded(x):  # as XLA rounds each step's result to the model's dtype
       return x.astype(dtype).astype(jnp.float32)
@@ -405,118 +447,142 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       return (rounded(x1 * row_vector(cs_smem.at[0], 0) - x2 * row_vector(cs_smem.at[1], 0)),
               rounded(x2 * row_vector(cs_smem.at[0], 1) + x1 * row_vector(cs_smem.at[1], 1)))
 
-    if rope is not None:
-      # q normalised (with `norms`) and rotated in float32 by halves of the tile; cos and sin are
-      # the row's, the same for every row of the tile.
-      q1, q2 = half(q_smem, 0, plgpu.Layout.WGMMA), half(q_smem, 1, plgpu.Layout.WGMMA)
-      if norms is not None:
-        q1, q2 = rms_norm(q1, q2, norms_smem.at[0])
-      q1, q2 = rotate(q1, q2)
-      q_smem[:, pl.ds(0, D2)] = q1.astype(dtype)
-      q_smem[:, pl.ds(D2, D2)] = q2.astype(dtype)
+    for r in range(R):
+      b, length, limit_n = bs[r], lengths_r[r], paged[r]
+      # keys this block may attend: the row's, within its split (a step can reach past the
+      # split's last page, or past the table, whose column is clipped: those keys are masked)
+      limit = jnp.minimum(limit_n, jnp.minimum(first + share, pages_per_seq) * page_size)
+      for name in (copies if r == 0 else row_copies):
+        plgpu.barrier_wait(q_bar.at[bar_of[name]])
+      if r > 0:
+        # the previous row's stores have read o_smem (and its parity's key / value rows)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      if rope is not None:
+        # q normalised (with `norms`) and rotated in float32 by halves of the tile; cos and sin
+        # are the row's, the same for every row of the tile.
+        q1, q2 = half(q_smem, 0, plgpu.Layout.WGMMA), half(q_smem, 1, plgpu.Layout.WGMMA)
+        if norms is not None:
+          q1, q2 = rms_norm(q1, q2, norms_smem.at[0])
+        q1, q2 = rotate(q1, q2)
+        q_smem[:, pl.ds(0, D2)] = q1.astype(dtype)
+        q_smem[:, pl.ds(D2, D2)] = q2.astype(dtype)
+        plgpu.commit_smem()
+
+      m_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
+      if fused:
+        kv = kv_smem.at[r % 2]
+        # The new key: normalised and rotated as q, its score an fp32 dot with the rounded q; it
+        # waits in the output buffer (free until the end) for its write to the pool.
+        k1, k2 = row_vector(kv.at[0], 0), row_vector(kv.at[0], 1)
+        if norms is not None:
+          k1, k2 = rms_norm(k1, k2, norms_smem.at[1])
+        k1, k2 = rotate(k1, k2)
+        s_new = ((q1 * k1).sum(axis=1) + (q2 * k2).sum(axis=1)) * scale
+        o_smem[:, pl.ds(0, D2)] = k1.astype(dtype)
+        o_smem[:, pl.ds(D2, D2)] = k2.astype(dtype)   # committed by the fence before its store
+        # One block of a (row, KV head) writes its key and value: the split whose pages hold
+        # the new token's slot (its page is the row's last: a split whose block reads it is this
+        # one, which writes after its reads). The softmax of that split starts from the new
+        # token (weight 1, its value); the other splits and rows of length 0 start empty, from
+        # the same reference maximum, which only rescales.
+        owner = jnp.minimum(limit_n // page_size // share, k_splits - 1)
+        mine = split == owner
+        counts = (mine & (length > 0)).astype(jnp.float32)
+        v_row = plgpu.layout_cast(kv.at[1][...], plgpu.Layout.WGMMA.reduce(0))
+        acc = lax.broadcast_in_dim(v_row.astype(jnp.float32), (WGMMA_ROWS, D), [1]) * counts
+        m_i = s_new
+        l_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 1.0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1)) * counts
+
+      def body(step, carry, base=bases[r], limit=limit):
+        acc, m_i, l_i = carry
+        g = base + step                  # the step's place in the block's stream of copies
+        slot = lax.rem(g, jnp.asarray(stages, g.dtype))
+        ahead = page_ids(g + stages)     # read now: the table's latency hides under this step
+        for p in range(pages_per_block):
+          plgpu.barrier_wait(k_bar.at[slot * pages_per_block + p])
+
+        def qk_fn(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk_fn, plgpu.ACC((WGMMA_ROWS, block_kv), jnp.float32))
+        token = plgpu.broadcasted_iota(jnp.int32, (WGMMA_ROWS, block_kv), 1,
+                                       layout=plgpu.Layout.WGMMA)
+        token = token + (first + step * pages_per_block) * page_size
+        s = jnp.where(token < limit, s * scale, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        for pg in range(pages_per_block):
+          plgpu.barrier_wait(v_bar.at[slot * pages_per_block + pg])
+
+        def pv_fn(acc_ref):
+          plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+          return acc_ref[...]
+        acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((WGMMA_ROWS, D), jnp.float32))
+
+        # The step's K/V buffers are free again: copy the step `stages` ahead into them (the
+        # next row's first steps, after this row's last).
+        @pl.when(g + stages < total)
+        def _():
+          issue(ahead, slot)
+        return acc, m_new, l_i
+
+      acc, m_i, l_i = lax.fori_loop(0, steps[r], body, (acc, m_i, l_i))
+      if r + 1 < R:
+        # The next row's q and rows come in while this one finishes: its q tile's last reader,
+        # the WGMMA above, is done, and a proxy fence orders this row's reads of q, cos / sin
+        # (the new key's RoPE) before the copies' writes (jax 0.11's interpreter reports them
+        # racing without it); its key / value rows go to the other parity's buffer.
+        plgpu.commit_smem()
+        load_row(r + 1)
+      elif pdl:
+        plgpu.griddepcontrol_launch_dependents()   # every page read: the next kernel may start
+
+      has = l_i > 0.0
+      inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      if fused:
+        # The new key and value to the pools (page -1: a row not to write), now that every page
+        # this block reads has arrived: the slot is on a page it may have read (masked).
+        wpage = page_ref[b]
+        # a proxy fence: the key row written to o_smem, and the page reads this thread waited
+        # for, come before the TMA's stores (the Mosaic GPU interpreter of jax 0.11 orders the
+        # reads by it; without it, it reports the slot's store racing with its page's read)
+        plgpu.commit_smem()
+
+        @pl.when((wpage >= 0) & mine & valid[r])
+        def _():
+          at = (h, jnp.clip(wpage, 0, P - 1), pl.ds(offset_ref[b], 1))
+          plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, 1)], k_ref.at[at])
+          plgpu.copy_smem_to_gmem(kv.at[pl.ds(1, 1)], v_ref.at[at])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the key's row has left o_smem
+      # The output goes through an untiled buffer, so its G real rows are one TMA store straight
+      # into the [B, N, D] layout the caller reads (no padded rows to slice off afterwards).
+      o_smem[...] = out.astype(dtype)
+      if k_splits > 1:
+        lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)),
+                                  -jnp.inf)
       plgpu.commit_smem()
-
-    m_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
-    if fused:
-      # The new key: normalised and rotated as q, its score an fp32 dot with the rounded q; it
-      # waits in the output buffer (free until the end) for its write to the pool.
-      k1, k2 = row_vector(kv_smem.at[0], 0), row_vector(kv_smem.at[0], 1)
-      if norms is not None:
-        k1, k2 = rms_norm(k1, k2, norms_smem.at[1])
-      k1, k2 = rotate(k1, k2)
-      s_new = ((q1 * k1).sum(axis=1) + (q2 * k2).sum(axis=1)) * scale
-      o_smem[:, pl.ds(0, D2)] = k1.astype(dtype)
-      o_smem[:, pl.ds(D2, D2)] = k2.astype(dtype)   # committed by the fence before its store
-      # One block of a (row, KV head) writes its key and value: the split whose pages hold the
-      # new token's slot (its page is the row's last: a split whose block reads it is this one,
-      # which writes after its reads). The softmax of that split starts from the new token
-      # (weight 1, its value); the other splits and rows of length 0 start empty, from the same
-      # reference maximum, which only rescales.
-      owner = jnp.minimum(paged // page_size // share, k_splits - 1)
-      mine = split == owner
-      counts = (mine & (length > 0)).astype(jnp.float32)
-      v_row = plgpu.layout_cast(kv_smem.at[1][...], plgpu.Layout.WGMMA.reduce(0))
-      acc = lax.broadcast_in_dim(v_row.astype(jnp.float32), (WGMMA_ROWS, D), [1]) * counts
-      m_i = s_new
-      l_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 1.0, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1)) * counts
-
-    def body(step, carry):
-      acc, m_i, l_i = carry
-      slot = lax.rem(step, jnp.asarray(stages, step.dtype))
-      ahead = page_ids(step + stages)    # read now: the table's latency hides under this step
-      for p in range(pages_per_block):
-        plgpu.barrier_wait(k_bar.at[slot * pages_per_block + p])
-
-      def qk_fn(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        return acc_ref[...]
-      s = pl.run_scoped(qk_fn, plgpu.ACC((WGMMA_ROWS, block_kv), jnp.float32))
-      token = plgpu.broadcasted_iota(jnp.int32, (WGMMA_ROWS, block_kv), 1,
-                                     layout=plgpu.Layout.WGMMA)
-      token = token + (first + step * pages_per_block) * page_size
-      s = jnp.where(token < limit, s * scale, -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      for pg in range(pages_per_block):
-        plgpu.barrier_wait(v_bar.at[slot * pages_per_block + pg])
-
-      def pv_fn(acc_ref):
-        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
-        return acc_ref[...]
-      acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((WGMMA_ROWS, D), jnp.float32))
-
-      # The step's K/V buffers are free again: copy the step `stages` ahead into them.
-      @pl.when(step + stages < steps)
-      def _():
-        issue(ahead, slot)
-      return acc, m_new, l_i
-
-    acc, m_i, l_i = lax.fori_loop(0, steps, body, (acc, m_i, l_i))
-    if pdl:
-      plgpu.griddepcontrol_launch_dependents()   # every page read: the next kernel may start
-
-    has = l_i > 0.0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    if fused:
-      # The new key and value to the pools (page -1: a row not to write), now that every page
-      # this block reads has arrived: the slot is on a page it may have read (masked).
-      wpage = page_ref[b]
-      # a proxy fence: the key row written to o_smem, and the page reads this thread waited
-      # for, come before the TMA's stores (the Mosaic GPU interpreter of jax 0.11 orders the
-      # reads by it; without it, it reports the slot's store racing with its page's read)
-      plgpu.commit_smem()
-
-      @pl.when((wpage >= 0) & mine)
-      def _():
-        at = (h, jnp.clip(wpage, 0, P - 1), pl.ds(offset_ref[b], 1))
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, 1)], k_ref.at[at])
-        plgpu.copy_smem_to_gmem(kv_smem.at[pl.ds(1, 1)], v_ref.at[at])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the key's row has left o_smem
-    # The output goes through an untiled buffer, so its G real rows are one TMA store straight
-    # into the [B, N, D] layout the caller reads (no padded rows to slice off afterwards).
-    o_smem[...] = out.astype(dtype)
-    if k_splits > 1:
-      lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
-    plgpu.commit_smem()
-    # The rows' offset in the tile is one of the few values of `offsets`: a branch per value
-    # keeps the shared-memory slice static (jax 0.11's Mosaic GPU layout inference refuses a
-    # dynamic row offset into it; 0.10 accepted one).
-    for value in sorted(set(offsets)):
-      @pl.when(off == value)
-      def _():
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(value, G)],
-                                o_ref.at[split, b, pl.ds(h * G, G)])
-    if k_splits > 1:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
+      # The rows' offset in the tile is one of the few values of `offsets`: a branch per value
+      # keeps the shared-memory slice static (jax 0.11's Mosaic GPU layout inference refuses a
+      # dynamic row offset into it; 0.10 accepted one).
+      for value in sorted(set(offsets)):
+        @pl.when((off == value) & valid[r])
+        def _():
+          plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(value, G)],
+                                  o_ref.at[split, b, pl.ds(h * G, G)])
+      if k_splits > 1:
+        @pl.when(valid[r])
+        def _():
+          plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
     plgpu.wait_smem_to_gmem(0)
 
   scratch = [
@@ -526,7 +592,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       *([plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] if k_splits > 1 else []),
       *([plgpu.SMEM((2, D), jnp.float32)] if rope is not None else []),   # cos, sin
-      *([plgpu.SMEM((2, D), dtype)] if fused else []),                    # the new k, v rows
+      *([plgpu.SMEM((min(R, 2), 2, D), dtype)] if fused else []),   # new k, v rows (by parity)
       *([plgpu.SMEM((2, D), norms[0].dtype)] if norms is not None else []),  # q, k norms
       plgpu.Barrier(num_barriers=len(copies)),   # the prologue's copies
       plgpu.Barrier(num_barriers=stages * pages_per_block),
@@ -536,7 +602,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
   if k_splits > 1:  # each split's log-sum-exp, to merge the splits' outputs
     out_type.append(jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
   params = plgpu.CompilerParams(approx_math=True)
-  grid = dict(grid=(B, K, k_splits), grid_names=("batch", "heads", "split"))
+  grid = dict(grid=(-(-B // R), K, k_splits), grid_names=("batch", "heads", "split"))
   inputs = (lengths, tables, q, *(rope or ()), *(norms or ()), *(write or ()))
   if fused:
     # The pools as jax Refs in global memory: the kernel writes them in place, and Pallas aliases

@@ -28,6 +28,8 @@
 #   bash scripts/gpu_bench.sh decode_pdl         # batch-64 decode, Mosaic kernel without / with PDL (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
 #   bash scripts/gpu_bench.sh decode_fused       # the fused Mosaic step against the unfused one (#15)
+#   bash scripts/gpu_bench.sh paged_rows decode_rows  # the Mosaic kernel with 1 / 2 / 4 rows a block:
+#                                                # alone, then the whole decode (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
@@ -275,6 +277,30 @@ for s in "$@"; do
             --new-tokens 1024 --decode-attention "$DECODE" --workload fixed --hf never \
             --repeats 1 $([ "$v" = unfused ] && echo --unfused-write) \
             --output "$OUT/decode_fused_${v}_${batch}_$n$SUFFIX.json"
+        done
+      done ;;
+    paged_rows)  # issue 15: the Mosaic kernel alone at its defaults with 1, 2 and 4 rows a block
+                 # (rows_per_block: a block attends its rows in turn, its page copies one stream
+                 # across them; batch 64 = 512 blocks at 1 row, 256 at 2), every row live, then
+                 # batch 64 ragged with half the rows free (the long tail's). ~1-2 minutes.
+      stage paged_rows 150 python3 benchmarks/paged_attention.py --batch 64 256 --impls mosaic \
+        --k-splits 1 --pages-per-block 2 --num-stages 2 --rows-per-block 1 2 4 \
+        --out "$OUT/paged_attention_rows.json"
+      stage paged_rows_ragged 120 python3 benchmarks/paged_attention.py --batch 64 --ragged \
+        --live-fraction 0.5 --impls mosaic --k-splits 1 2 --pages-per-block 2 --num-stages 2 \
+        --rows-per-block 1 2 --out "$OUT/paged_attention_rows_ragged.json" ;;
+    decode_rows)  # issue 15: the fixed workload with the Mosaic kernels at 1 and 2 rows a block
+                  # (--mosaic-rows), one process a run, alternating; ROWS_BATCHES (default
+                  # "64 64 256"), MOSAIC_ROWS (default "1 2").
+      n=0
+      for batch in ${ROWS_BATCHES:-64 64 256}; do
+        n=$((n + 1))
+        for rows in ${MOSAIC_ROWS:-1 2}; do
+          stage "decode_rows_${rows}_${batch}_$n" 150 python3 benchmarks/decode_throughput.py \
+            --preset qwen3-0.6b --dtype bfloat16 --batch "$batch" --prompt-len 512 \
+            --new-tokens 1024 --decode-attention "$DECODE" --workload fixed --hf never \
+            --repeats 1 --mosaic-rows "$rows" \
+            --output "$OUT/decode_rows_${rows}_${batch}_$n$SUFFIX.json"
         done
       done ;;
     decode_pdl)  # issue 15: the fixed workload at batch 64 with the Mosaic kernel as is and with

@@ -36,6 +36,15 @@ def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
     assert bench.mosaic_kwargs(bench.parse_args(
         ["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-kernel", "2", "4", "2",
          "--mosaic-pdl"])) == {**kwargs, "pdl": True}
+    # --mosaic-rows adds rows_per_block, alone or beside --mosaic-kernel; 0 is refused up front
+    assert bench.mosaic_kwargs(bench.parse_args(
+        ["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-rows", "2"])) == {
+        "rows_per_block": 2}
+    assert bench.mosaic_kwargs(bench.parse_args(
+        ["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-kernel", "2", "4", "2",
+         "--mosaic-rows", "3"])) == {**kwargs, "rows_per_block": 3}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-rows", "0"])
 
 
 def test_unfused_write_turns_the_fused_step_off_in_the_block_only():

@@ -24,11 +24,17 @@ def test_mosaic_configurations_respect_the_kernel_limits():
                              "--pages-per-block", "1", "2", "4", "8", "--num-stages", "2", "4",
                              "--impls", "mosaic"])
     got = [kw for _, impl, kw in bench.configurations(args)]
-    assert got == [{"k_splits": 1, "pages_per_block": 2, "stages": 2},
-                   {"k_splits": 1, "pages_per_block": 2, "stages": 4},
-                   {"k_splits": 1, "pages_per_block": 4, "stages": 2},
-                   {"k_splits": 32, "pages_per_block": 2, "stages": 2},
-                   {"k_splits": 32, "pages_per_block": 2, "stages": 4}]
+    assert got == [{"k_splits": 1, "pages_per_block": 2, "stages": 2, "rows_per_block": 1},
+                   {"k_splits": 1, "pages_per_block": 2, "stages": 4, "rows_per_block": 1},
+                   {"k_splits": 1, "pages_per_block": 4, "stages": 2, "rows_per_block": 1},
+                   {"k_splits": 32, "pages_per_block": 2, "stages": 2, "rows_per_block": 1},
+                   {"k_splits": 32, "pages_per_block": 2, "stages": 4, "rows_per_block": 1}]
+    # --rows-per-block: each point once per value (1 a block by default)
+    args = bench.parse_args(["--pages-per-seq", "64", "--k-splits", "1", "--pages-per-block",
+                             "2", "--num-stages", "2", "--rows-per-block", "1", "2",
+                             "--impls", "mosaic"])
+    assert [label for label, _, _ in bench.configurations(args)] == [
+        "mosaic k_splits=1 ppb=2 stages=2 rows=1", "mosaic k_splits=1 ppb=2 stages=2 rows=2"]
 
 
 def test_tpu_configurations_divide_the_table():
@@ -63,18 +69,19 @@ def test_bad_shapes_are_refused():
 @needs_interpreter
 def test_sweep_runs_and_records(tmp_path, capsys):
     """A small sweep of the jnp reader and the Mosaic kernel (run by Mosaic GPU's interpreter
-    here: the benchmark's own code path, not the kernel's speed) against the reference."""
+    here: the benchmark's own code path, not the kernel's speed; both rows in one block) against
+    the reference."""
     out = tmp_path / "pa.json"
     with mosaic_interpret.interpreting():
         bench.main(["--batch", "2", "--length", "40", "--ragged", "--pages-per-seq", "4",
                     "--page-size", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
                     "--dtype", "bfloat16", "--impls", "reference", "mosaic",
                     "--reference-ppb", "1", "3", "--k-splits", "2", "--pages-per-block", "2",
-                    "--num-stages", "2", "--iters", "1", "--warmup", "0", "--copy-mib", "1",
+                    "--num-stages", "2", "--rows-per-block", "2", "--iters", "1", "--warmup", "0", "--copy-mib", "1",
                     "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["config"] for r in rows] == [
-        "reference ppb=1", "reference ppb=3", "mosaic k_splits=2 ppb=2 stages=2"]
+        "reference ppb=1", "reference ppb=3", "mosaic k_splits=2 ppb=2 stages=2 rows=2"]
     for r in rows:
         assert r["ok"] and r["max_abs_error"] < 2e-2 and r["us"] > 0
         assert r["calls_per_sample"] >= 1   # --calls 0: picked per configuration

@@ -43,12 +43,18 @@ def allow_mosaic_here(monkeypatch):
     (5, (128, 3, 65, 0), dict(pages_per_block=4, k_splits=4, stages=2)),  # steps over splits
     (1, (33, 128, 1, 96), dict(pages_per_block=8, stages=1)),         # a whole table a step
     (2, (0, 32, 5, 17), dict(pages_per_block=4, pages_per_seq=2)),    # a step wider than the table
+    (2, (37, 0, 128, 1), dict(pages_per_block=4, rows_per_block=2)),  # 2 rows a block, one stream
+    (2, (100, 17, 1, 64), dict(pages_per_block=4, stages=1, rows_per_block=4)),  # all in 1 block
+    (4, (64, 0, 100, 17), dict(pages_per_block=4, k_splits=2, rows_per_block=3)),  # rows past B
 ])
 def test_interpreted_matches_reference(G, lengths, kw):
   """The kernel's own code in Mosaic GPU's interpreter, bf16 (D 64, 16-token pages, tables of
   8 pages unless given): within bf16 rounding of the jnp reference; a row of length 0 gives
   exactly 0; no data race found; pages past each row's last step are NaN pages (paged_case) that
-  must not be read."""
+  must not be read. With rows_per_block R a block attends R rows in turn, its page copies one
+  stream over them (a row's pages, q or output mistaken for another's, a copy refilled into a
+  buffer still read, or a row past B (3 a block: rows 4 and 5 of the second) storing its zeros
+  over row 3, would show)."""
   kw = dict(kw)
   pages_per_seq = kw.pop("pages_per_seq", 8)
   ppb = kw["pages_per_block"]
@@ -211,12 +217,16 @@ def check_fused(got, ref, args, tol=1e-2):
     (2, 2, dict(norms=False, lengths=(1, 2, 16, 17)), dict(pages_per_block=4)),  # no q / k norm
     (5, 8, dict(page_size=32, lengths=(70, 1, 33, 0), block=4),
      dict(pages_per_block=2, k_splits=2)),                            # 14B's 40 / 8 heads
+    (2, 2, {}, dict(pages_per_block=4, rows_per_block=2)),           # 2 rows a block
+    (4, 2, dict(lengths=(64, 0, 100, 17), block=8),
+     dict(pages_per_block=4, k_splits=2, rows_per_block=3)),         # rows past B, 3 rows a block
 ])
 def test_interpreted_fused_step_matches_the_unfused_one(G, K, case, kw):
   """paged_write_decode_mosaic, the kernel's code in Mosaic GPU's interpreter: the unfused
   step's output and pools (check_fused) for ragged rows (0: nothing written, output 0; 1: the
   new token alone; mid-page; a page's last slot), one or two splits, with and without q / k
-  norms; no data race (its own page reads and its write of the slot past them)."""
+  norms, one to three rows a block (the second row's key / value rows in the other buffer);
+  no data race (its own page reads and its write of the slot past them)."""
   args, fkw, ref = fused_case(30 + G, K=K, G=G, **case)
   with mosaic_interpret.interpreting(detect_races=True):
     got = PD.paged_write_decode_mosaic(*args, **fkw, **kw)
@@ -229,6 +239,7 @@ def test_interpreted_fused_step_matches_the_unfused_one(G, K, case, kw):
     (dict(G=2), {}),                                          # Qwen3-0.6B / 1.7B: 16 / 8 heads
     (dict(G=4), dict(k_splits=4, pages_per_block=4)),         # Qwen3-8B: 32 / 8 heads
     (dict(G=5, pages_per_seq=32), dict(k_splits=2)),          # Qwen3-14B: 40 / 8 heads
+    (dict(G=2), dict(rows_per_block=2)),                      # 0.6B, 2 rows a block
 ])
 def test_fused_step_lowers_to_mosaic_gpu_at_model_shapes(shape, kw, norms):
   """The fused kernel exported for CUDA from abstract shapes (batch 64, 32-token pages, D 128
@@ -329,6 +340,7 @@ def lower_for_cuda(B=4, K=8, G=2, D=128, page_size=32, pages=64, pages_per_seq=1
     (dict(G=4), dict(k_splits=4, pages_per_block=4)),         # Qwen3-8B: 32 / 8 heads
     (dict(G=5, pages_per_seq=32), dict(k_splits=2, stages=2)),  # Qwen3-14B: 40 / 8 heads
     (dict(G=2, D=64, page_size=16, dtype=jnp.float16), dict(pages_per_block=4)),
+    (dict(G=2, B=6), dict(rows_per_block=4, k_splits=2)),     # 2 blocks of rows, one part-full
 ])
 def test_lowers_to_mosaic_gpu_at_model_shapes(shape, kw, rope):
   """With rope the prologue's half-tile loads and stores lower too (at D 64 the rotation is
@@ -445,9 +457,10 @@ def test_mosaic_is_refused_without_a_hopper_gpu():
     (2, 128, 32, dict(k_splits=2, stages=2)),
     (4, 64, 16, dict(k_splits=4, pages_per_block=4)),
     (5, 128, 32, dict(pages_per_block=4, stages=2)),
+    (2, 128, 32, dict(rows_per_block=4)),          # 2 blocks of rows, the second half full
 ])
 def test_compiled_matches_reference(G, D, page_size, kw):
-  """GQA groups 2 / 4 / 5, one to four splits, ragged lengths with a row of length 0 (exactly 0
+  """GQA groups 2 / 4 / 5, one to four splits, one or four rows a block, ragged lengths with a row of length 0 (exactly 0
   out) and a row that ends inside a page, on scrambled pages, bf16: within bf16 rounding of the
   jnp reference. Entries past each row's last block point at a NaN page (paged_case): a read
   of one would poison the row."""
@@ -472,6 +485,8 @@ def test_compiled_matches_reference(G, D, page_size, kw):
                 block=16), dict(k_splits=4, pages_per_block=4)),
     (5, 8, dict(page_size=32, pages_per_seq=16, lengths=(33, 0, 1, 64), norms=False, block=4),
      dict(k_splits=2, stages=2)),
+    (2, 8, dict(page_size=32, pages_per_seq=16, lengths=(0, 1, 37, 200, 512, 160), B=6),
+     dict(rows_per_block=4)),                      # 2 blocks of rows, the second half full
 ])
 def test_compiled_fused_step_matches_the_unfused_one(G, K, case, kw):
   """The compiled fused kernel (paged_write_decode_mosaic, jitted with its pools donated, as the
