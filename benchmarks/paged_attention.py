@@ -12,6 +12,9 @@ decisions".)
     # GPU, Hopper (issue #15; the H200 sweep of 2026-11-26 chose paged_decode's defaults: one
     # split, 2 pages a step, 2 stages; BENCHMARKS.md "Fifth GPU run"):
     python benchmarks/paged_attention.py --batch 64 256
+    # the fused decode step alone, 1 / 2 / 4 rows a block (scripts/gpu_bench.sh paged_rows):
+    python benchmarks/paged_attention.py --batch 64 256 --fused --impls mosaic --k-splits 1 \
+        --pages-per-block 2 --num-stages 2 3 --rows-per-block 1 2 4
     # CPU smoke run (the interpreted kernel is slow: one small point):
     python benchmarks/paged_attention.py --batch 2 --length 64 --pages-per-seq 4 --page-size 16 \
         --impls reference --reference-ppb 1 2 --iters 2 --copy-mib 16
@@ -36,6 +39,15 @@ also times ~50-150 us of GPU dispatch + sync latency (an ~80 us call read 186 us
 records them (calls_per_sample).
 Memory: each configuration's compiled program's XLA memory analysis on the backend it runs on
 (its temporaries printed, the whole analysis in the JSON records).
+--fused times the decode step the product runs at head_dim 128 in bf16 instead of the attention
+alone: kernels.paged_decode.paged_write_decode_mosaic (the new token's q / k RMSNorm and RoPE, its
+key and value written into the pools in place, attention over the pages), and with "reference"
+attention.paged_write_attend's XLA path (norms, RoPE, two scatters, the jnp page reader). Each
+row's new token is its last live one (lengths count it; its page slot is overwritten), so the
+bytes are the K / V of every live token but the new ones. Its pools are written by every call,
+so a call is timed inside one program: --fused-calls N calls in a loop that carries the pools
+(in place, as the decode loop carries them), against 2N calls; the time a call is the
+difference over N, which leaves out the program's dispatch and its one copy of the pools in.
 Correctness: each configuration's output is compared with the jnp reference on the same inputs
 (max abs error, printed; a configuration over --tolerance is flagged and not ranked). A
 configuration that fails to compile or run is recorded with its error and the sweep goes on.
@@ -86,8 +98,23 @@ def parse_args(argv=None):
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--tolerance", type=float, default=2e-2, help="max abs error vs the reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fused", action="store_true",
+                   help="time the fused decode step (paged_write_decode_mosaic; head_dim 128, "
+                        "bf16) and XLA's unfused step instead of the attention alone")
+    p.add_argument("--fused-calls", type=int, default=20,
+                   help="with --fused: calls in the shorter timed program (the other has twice)")
     p.add_argument("--out", default="benchmarks/results/paged_attention.json")
     args = p.parse_args(argv)
+    if args.fused:
+        problem = paged_decode.config_problem(jnp.dtype(args.dtype), args.head_dim,
+                                              args.page_size, args.q_heads // args.kv_heads,
+                                              fused=True)
+        if problem:
+            p.error(f"--fused: {problem}")
+        if "tpu" in args.impls:
+            p.error("--fused: the TPU kernel has no fused step (--impls mosaic reference)")
+        if args.fused_calls < 1:
+            p.error("--fused-calls must be >= 1")
     if args.pages_per_seq & (args.pages_per_seq - 1):
         p.error("--pages-per-seq must be a power of two (the sampler's block-table bucket)")
     hi = (3 * args.length) // 2 if args.ragged else args.length
@@ -124,6 +151,66 @@ def make_case(args, batch: int):
     return q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)
 
 
+def make_fused_case(args, case):
+    """The fused step's arguments from make_case's: (qkv [B, K, G + 2, D], k_pages, v_pages,
+    write_page, write_offset, block_tables, lengths, cos, sin, q_norm, k_norm), each row's new
+    token at its last live position (page -1 for a free row)."""
+    from delta_jax.models.rope import rope_cos_sin
+    _, k_pages, v_pages, tables, lengths = case
+    B, K, D = lengths.shape[0], args.kv_heads, args.head_dim
+    G = args.q_heads // K
+    rng = np.random.default_rng(args.seed + 7)
+    n = np.asarray(lengths)
+    pos = np.maximum(n - 1, 0)
+    page = np.where(n > 0, np.asarray(tables)[np.arange(B), pos // args.page_size], -1)
+    offset = np.where(n > 0, pos % args.page_size, 0)
+    qkv = jnp.asarray(rng.standard_normal((B, K, G + 2, D)), jnp.dtype(args.dtype))
+    cos, sin = rope_cos_sin(jnp.asarray(pos, jnp.int32), D, 1e6)
+    q_norm, k_norm = (jnp.asarray(1 + 0.1 * rng.standard_normal(D), jnp.float32)
+                      for _ in range(2))
+    return (qkv, k_pages, v_pages, jnp.asarray(page, jnp.int32), jnp.asarray(offset, jnp.int32),
+            tables, lengths, cos, sin, q_norm, k_norm)
+
+
+def fused_step(impl: str, kwargs: dict):
+    """One layer's decode step as the product runs it for `impl`: (out, k_pages, v_pages)."""
+    def step(qkv, kp, vp, page, offset, tables, lengths, cos, sin, q_norm, k_norm):
+        if impl == "reference":
+            return attention.paged_write_attend(qkv, kp, vp, page, offset, tables, lengths,
+                                                rope=(cos, sin), qk_norm=(q_norm, k_norm),
+                                                impl="reference", **kwargs)
+        return paged_decode.paged_write_decode_mosaic(qkv, kp, vp, tables, lengths, page, offset,
+                                                      rope=(cos, sin), q_norm=q_norm,
+                                                      k_norm=k_norm, **kwargs)
+    return step
+
+
+def chained(step, calls: int):
+    """A jitted program running `calls` steps in a loop that carries the pools (written in place
+    by each) and the last output (so no step's attention is dead code); returns that output."""
+    def run(qkv, kp, vp, *rest):
+        def body(_, carry):
+            out, kp, vp = step(qkv, carry[1], carry[2], *rest)
+            return out, kp, vp
+        out0 = jnp.zeros((qkv.shape[0], qkv.shape[1] * (qkv.shape[2] - 2), qkv.shape[3]),
+                         qkv.dtype)
+        return jax.lax.fori_loop(0, calls, body, (out0, kp, vp))[0]
+    return jax.jit(run)
+
+
+def fused_seconds(step, operands, args) -> float:
+    """The time of one step: programs of N and 2N chained steps (N = --fused-calls), the median
+    of --iters each, the difference over N."""
+    n = args.fused_calls
+    times = []
+    for calls in (n, 2 * n):
+        program = chained(step, calls)
+        seconds, _ = timing.median_seconds(program, *operands, warmup=args.warmup,
+                                           iters=args.iters, calls=1)
+        times.append(seconds)
+    return (times[1] - times[0]) / n
+
+
 def configurations(args):
     """(label, impl, kwargs) of every point of the sweep."""
     for impl in args.impls:
@@ -136,13 +223,12 @@ def configurations(args):
                 if args.pages_per_seq % ppb == 0:  # the kernel's block must divide the table
                     yield f"tpu ppb={ppb}", impl, {"pages_per_block": ppb}
             continue
-        itemsize = jnp.dtype(args.dtype).itemsize
         for ks, ppb, stages, rows in itertools.product(args.k_splits, args.pages_per_block,
                                                        args.num_stages, args.rows_per_block):
             if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks \
-                    or (ppb * args.page_size) % 64 or paged_decode.smem_bytes(
-                        args.head_dim, args.page_size, ppb, stages, itemsize) \
-                    > paged_decode.SMEM_LIMIT_BYTES or rows < 1:
+                    or paged_decode.config_problem(
+                        jnp.dtype(args.dtype), args.head_dim, args.page_size,
+                        args.q_heads // args.kv_heads, ppb, ks, stages, args.fused, rows):
                 continue  # more pages than a split holds, or a shape the kernel refuses
             yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages} rows={rows}", impl,
                    {"k_splits": ks, "pages_per_block": ppb, "stages": stages,
@@ -171,22 +257,36 @@ def main(argv=None):
     for batch in args.batch:
         case = make_case(args, batch)
         lengths = np.asarray(case[4])
-        kv_bytes = int(lengths.sum()) * 2 * args.kv_heads * args.head_dim * itemsize
-        want = np.asarray(jax.jit(attention.paged_decode_reference)(*case), np.float32)
+        read = np.maximum(lengths - 1, 0) if args.fused else lengths   # the new token: in qkv
+        kv_bytes = int(read.sum()) * 2 * args.kv_heads * args.head_dim * itemsize
+        if args.fused:
+            case = make_fused_case(args, case)
+            want = np.asarray(jax.jit(fused_step("reference", {}))(*case)[0], np.float32)
+        else:
+            want = np.asarray(jax.jit(attention.paged_decode_reference)(*case), np.float32)
         print(f"batch {batch}: {kv_bytes / 1e9:.3f} GB of live K/V per call, limit "
               f"{kv_bytes / bandwidth * 1e6:.1f} us", flush=True)
         for label, impl, kwargs in configurations(args):
+            if args.fused:
+                label = "fused " + label
             row = {"batch": batch, "config": label, "impl": impl, **kwargs,
-                   "kv_bytes": kv_bytes, "limit_us": kv_bytes / bandwidth * 1e6}
+                   "fused": args.fused, "kv_bytes": kv_bytes,
+                   "limit_us": kv_bytes / bandwidth * 1e6}
             try:
-                fn = build(impl, kwargs).lower(*case).compile()
+                one = jax.jit(fused_step(impl, kwargs)) if args.fused else build(impl, kwargs)
+                fn = one.lower(*case).compile()
                 row["compiled_memory"] = timing.compiled_memory_bytes(fn)
-                got = np.asarray(fn(*case), np.float32)
+                got = fn(*case)
+                got = np.asarray(got[0] if args.fused else got, np.float32)
                 row["max_abs_error"] = float(np.max(np.abs(got - want)))
                 row["ok"] = bool(np.isfinite(got).all() and row["max_abs_error"] <= args.tolerance)
-                calls = args.calls or timing.calls_per_sample(fn, *case)
-                seconds, _ = timing.median_seconds(fn, *case, warmup=args.warmup,
-                                                   iters=args.iters, calls=calls)
+                if args.fused:
+                    calls = args.fused_calls
+                    seconds = fused_seconds(fused_step(impl, kwargs), case, args)
+                else:
+                    calls = args.calls or timing.calls_per_sample(fn, *case)
+                    seconds, _ = timing.median_seconds(fn, *case, warmup=args.warmup,
+                                                       iters=args.iters, calls=calls)
                 row["calls_per_sample"] = calls
                 row["us"] = seconds * 1e6
                 row["gb_s"] = kv_bytes / seconds / 1e9

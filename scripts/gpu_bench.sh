@@ -28,7 +28,7 @@
 #   bash scripts/gpu_bench.sh decode_pdl         # batch-64 decode, Mosaic kernel without / with PDL (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
 #   bash scripts/gpu_bench.sh decode_fused       # the fused Mosaic step against the unfused one (#15)
-#   bash scripts/gpu_bench.sh paged_rows decode_rows  # the Mosaic kernel with 1 / 2 / 4 rows a block:
+#   bash scripts/gpu_bench.sh paged_rows decode_rows  # the Mosaic kernel with 1 / 2 / 4 / 8 rows a block:
 #                                                # alone, then the whole decode (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
@@ -279,16 +279,22 @@ for s in "$@"; do
             --output "$OUT/decode_fused_${v}_${batch}_$n$SUFFIX.json"
         done
       done ;;
-    paged_rows)  # issue 15: the Mosaic kernel alone at its defaults with 1, 2 and 4 rows a block
+    paged_rows)  # issue 15: the Mosaic kernel alone at its defaults with 1, 2, 4 and 8 rows a block
                  # (rows_per_block: a block attends its rows in turn, its page copies one stream
                  # across them; batch 64 = 512 blocks at 1 row, 256 at 2), every row live, then
-                 # batch 64 ragged with half the rows free (the long tail's). ~1-2 minutes.
+                 # batch 64 ragged with half the rows free (the long tail's), then the fused
+                 # step alone (--fused) at 1 / 2 / 4 rows. ~2-4 minutes.
       stage paged_rows 150 python3 benchmarks/paged_attention.py --batch 64 256 --impls mosaic \
-        --k-splits 1 --pages-per-block 2 --num-stages 2 --rows-per-block 1 2 4 \
+        --k-splits 1 --pages-per-block 2 --num-stages 2 --rows-per-block 1 2 4 8 \
         --out "$OUT/paged_attention_rows.json"
       stage paged_rows_ragged 120 python3 benchmarks/paged_attention.py --batch 64 --ragged \
         --live-fraction 0.5 --impls mosaic --k-splits 1 2 --pages-per-block 2 --num-stages 2 \
-        --rows-per-block 1 2 --out "$OUT/paged_attention_rows_ragged.json" ;;
+        --rows-per-block 1 2 --out "$OUT/paged_attention_rows_ragged.json"
+      # the fused step alone (paged_write_decode_mosaic, what the decode runs at head_dim 128):
+      # chains of calls carrying the pools, 2 and 3 stages
+      stage paged_rows_fused 180 python3 benchmarks/paged_attention.py --batch 64 256 --fused \
+        --impls mosaic --k-splits 1 --pages-per-block 2 --num-stages 2 3 --rows-per-block 1 2 4 \
+        --out "$OUT/paged_attention_rows_fused.json" ;;
     decode_rows)  # issue 15: the fixed workload with the Mosaic kernels at 1 and 2 rows a block
                   # (--mosaic-rows), one process a run, alternating; ROWS_BATCHES (default
                   # "64 64 256"), MOSAIC_ROWS (default "1 2").

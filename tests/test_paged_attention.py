@@ -103,3 +103,29 @@ def test_live_fraction_leaves_free_rows_empty():
     with pytest.raises(SystemExit):
         bench.parse_args(["--live-fraction", "0"])
 
+
+
+@needs_interpreter
+def test_fused_sweep_runs_and_records(tmp_path):
+    """--fused: the fused decode step (paged_write_decode_mosaic in Mosaic GPU's interpreter, two
+    rows a block) and XLA's unfused step, timed as chains of calls carrying the pools: each
+    row's output matches the reference step's, and the bytes leave out the new tokens (read from
+    qkv, not the pages)."""
+    out = tmp_path / "pa.json"
+    common = ["--batch", "2", "--length", "40", "--pages-per-seq", "4", "--page-size", "32",
+              "--q-heads", "4", "--kv-heads", "2", "--head-dim", "128", "--dtype", "bfloat16",
+              "--iters", "1", "--warmup", "0", "--copy-mib", "1"]
+    with mosaic_interpret.interpreting():
+        bench.main(common + ["--fused", "--fused-calls", "1", "--impls", "reference", "mosaic",
+                             "--reference-ppb", "2", "--k-splits", "1", "--pages-per-block", "2",
+                             "--num-stages", "2", "--rows-per-block", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["config"] for r in rows] == [
+        "fused reference ppb=2", "fused mosaic k_splits=1 ppb=2 stages=2 rows=2"]
+    for r in rows:
+        assert r["fused"] and r["ok"] and r["max_abs_error"] < 2e-2, r
+        assert r["calls_per_sample"] == 1
+        assert r["kv_bytes"] == 2 * 39 * 2 * 2 * 128 * 2   # rows x old tokens x K/V x heads x D x 2 B
+    assert bench.parse_args(common + ["--head-dim", "64"]).head_dim == 64
+    with pytest.raises(SystemExit):   # the fused kernel needs head_dim 128 in bf16
+        bench.parse_args(common + ["--head-dim", "64", "--fused"])
