@@ -55,11 +55,11 @@ rows_per_block: a block attends R sequences in turn, its page copies one stream 
 the next row's first pages arrive while a row finishes, and batch 64 is 256 blocks, not 512).
 --mosaic-pdl runs it with programmatic dependent launch (paged_decode_mosaic's
 pdl: its blocks start while the kernel before it drains; marked for the launch by jax >= 0.11).
-Each row records them (mosaic_kernel); they apply to the fused kernel (paged_write_decode_mosaic:
-the q / k norms, RoPE and page writes in the attention kernel, what "mosaic" runs where
-attention.fused_write_attend holds) and to the attention kernel alone. --unfused-write (an A/B,
-not a product setting) runs the Mosaic path as it was before the fused kernel: XLA's norms, RoPE
-and two scatters a layer, then the attention kernel (the row's "fused_write" says which ran).
+Each row records them (mosaic_kernel); they apply to the attention kernel alone and to the fused
+step (paged_write_decode_mosaic: the q / k norms, RoPE and page writes in the attention kernel,
+what --decode-attention mosaic_fused runs where attention.fused_write_attend holds; "mosaic"
+runs XLA's norms, RoPE and two scatters a layer, then the attention kernel: the A/B of the two
+is `--decode-attention mosaic mosaic_fused`, and each row's "fused_write" says which ran).
 Memory: for every engine configuration, XLA's memory analysis of the sampler's jitted programs
 (prefill, decode, page copy; each compiled again from its first call's shapes) on the backend
 that runs them is printed and stored with the results (compiled_memory).
@@ -112,8 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--decode-attention", nargs="+", default=["auto"],
                    choices=attention.DECODE_IMPLS,
-                   help="paged decode attention: mosaic (Hopper GPU kernel), reference (jnp), "
-                        "auto")
+                   help="paged decode attention: mosaic (Hopper GPU kernel), mosaic_fused (with "
+                        "the q / k norms, RoPE and page writes inside it), reference (jnp), auto")
     p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=["fixed", "longtail"])
     p.add_argument("--tail-samples", type=int, default=0, help="longtail prompts (0 = 4 x B)")
     p.add_argument("--tail-mean-div", type=float, default=8.0,
@@ -149,9 +149,6 @@ def parse_args(argv=None):
                    help="rows a block of the Mosaic GPU decode kernel attends (default: its own)")
     p.add_argument("--mosaic-pdl", action="store_true",
                    help="the Mosaic GPU decode kernel with programmatic dependent launch")
-    p.add_argument("--unfused-write", action="store_true",
-                   help="the Mosaic path without the fused kernel: XLA's q / k norms, RoPE and "
-                        "page scatters before the attention kernel (an A/B)")
     p.add_argument("--output", default="decode_throughput.json")
     p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -182,25 +179,20 @@ def mosaic_kwargs(args) -> dict:
 
 
 @contextlib.contextmanager
-def mosaic_parameters(kwargs: dict, unfused_write: bool = False):
+def mosaic_parameters(kwargs: dict):
     """Within the block the Mosaic GPU decode kernels (the attention alone and the fused step)
-    run with `kwargs`, and with unfused_write the fused step does not run
-    (attention.paged_write_attend looks them and attention.fused_write_attend up at each trace);
-    nothing changes for {} and False."""
+    run with `kwargs` (attention.paged_decode_attention and paged_write_attend look them up at
+    each trace); nothing changes for {}."""
     names = ("paged_decode_mosaic", "paged_write_decode_mosaic")
     originals = [getattr(paged_decode, name) for name in names]
-    fused = attention.fused_write_attend
     if kwargs:
         for name, original in zip(names, originals):
             setattr(paged_decode, name, functools.partial(original, **kwargs))
-    if unfused_write:
-        attention.fused_write_attend = lambda *a, **k: False
     try:
         yield
     finally:
         for name, original in zip(names, originals):
             setattr(paged_decode, name, original)
-        attention.fused_write_attend = fused
 
 
 def param_bytes(cfg: models.ModelConfig) -> int:
@@ -485,12 +477,12 @@ def main(argv=None):
                    "device": f"{device.platform}:{device.device_kind}",
                    "copy_bandwidth_gb_s": bandwidth / 1e9, "param_gb": param_bytes(cfg) / 1e9,
                    "mosaic_kernel": mosaic_kwargs(args) or "defaults"}
-            row["fused_write"] = (not args.unfused_write) and attention.fused_write_attend(
+            row["fused_write"] = attention.fused_write_attend(
                 row["resolved_attention"], cfg.dtype, cfg.dtype, cfg.head_dim, args.page_size,
                 cfg.num_heads // cfg.num_kv_heads, True)
             if "fixed" in args.workload:
                 print(f"fixed: batch {batch}, {impl}", flush=True)
-                with mosaic_parameters(mosaic_kwargs(args), args.unfused_write):
+                with mosaic_parameters(mosaic_kwargs(args)):
                     row["fixed"] = attempt(fixed_workload, model, batch, impl, args, bandwidth)
                 row.update(hf_results.get(batch, {}))
                 if "hf_decode_tokens_per_s" in row and "error" not in row["fixed"]:
@@ -498,7 +490,7 @@ def main(argv=None):
                                                      / row["hf_decode_tokens_per_s"])
             if "longtail" in args.workload:
                 print(f"longtail: batch {batch}, {impl}", flush=True)
-                with mosaic_parameters(mosaic_kwargs(args), args.unfused_write):
+                with mosaic_parameters(mosaic_kwargs(args)):
                     row["longtail"] = attempt(longtail_workload, model, batch, impl, args)
             results.append(row)
             write_results(args, results)  # after every configuration

@@ -18,7 +18,8 @@ models.rope.apply_rope does (the decode step passes q unrotated, so its RoPE cos
 its own).
 
 paged_write_decode_mosaic is the same kernel with the rest of a layer's attention step in it
-(models.attention.paged_write_attend runs it where it can): it reads each KV head's rows of the
+(models.attention.paged_write_attend runs it for rollout.decode_attention "mosaic_fused", an
+opt-in until measured on a GPU, where it takes the problem): it reads each KV head's rows of the
 new token from the step's one q / k / v GEMM output, normalises and rotates q and k, scores the
 new token from registers, attends the older tokens from the pages and writes the new key and
 value into the pools, which it takes as jax Refs (aliased in and out of the call: no copy).

@@ -27,7 +27,7 @@
 #   bash scripts/gpu_bench.sh draw               # the sampling draw alone: inverse CDF vs Gumbel (#15)
 #   bash scripts/gpu_bench.sh decode_pdl         # batch-64 decode, Mosaic kernel without / with PDL (#15)
 #   bash scripts/gpu_bench.sh decode_anatomy     # batch-64 decode: kernel times + optimized HLO (#15)
-#   bash scripts/gpu_bench.sh decode_fused       # the fused Mosaic step against the unfused one (#15)
+#   bash scripts/gpu_bench.sh decode_fused       # decode attention mosaic_fused against mosaic (#15)
 #   bash scripts/gpu_bench.sh paged_rows decode_rows  # the Mosaic kernel with 1 / 2 / 4 / 8 rows a block:
 #                                                # alone, then the whole decode (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
@@ -264,18 +264,19 @@ for s in "$@"; do
           --hf never --repeats 1 --output "$OUT/decode_flags_$variant$SUFFIX.json"
       done ;;
     decode_fused)  # issue 15: the fixed workload with the fused Mosaic step (the q / k norms,
-                   # RoPE and page writes inside the attention kernel: the product's default since
-                   # 2026-11-27) against the step before it (--unfused-write: XLA's norms, RoPE
-                   # and two scatters a layer, then the attention kernel), one process a run,
-                   # alternating; FUSED_BATCHES (default "64 64 256": ~45 s a run at 64, ~60 at 256).
+                   # RoPE and page writes inside the attention kernel: rollout.decode_attention
+                   # mosaic_fused, by name until measured) against the Mosaic step the default
+                   # runs (mosaic: XLA's norms, RoPE and two scatters a layer, then the attention
+                   # kernel), one process a run, alternating; FUSED_BATCHES (default "64 64 256":
+                   # ~45 s a run at 64, ~60 at 256).
       n=0   # the run's number in the names: a batch given twice keeps both runs' files
       for batch in ${FUSED_BATCHES:-64 64 256}; do
         n=$((n + 1))
         for v in fused unfused; do
           stage "decode_fused_${v}_${batch}_$n" 150 python3 benchmarks/decode_throughput.py \
             --preset qwen3-0.6b --dtype bfloat16 --batch "$batch" --prompt-len 512 \
-            --new-tokens 1024 --decode-attention "$DECODE" --workload fixed --hf never \
-            --repeats 1 $([ "$v" = unfused ] && echo --unfused-write) \
+            --new-tokens 1024 --decode-attention "$([ "$v" = fused ] && echo mosaic_fused || echo mosaic)" \
+            --workload fixed --hf never --repeats 1 \
             --output "$OUT/decode_fused_${v}_${batch}_$n$SUFFIX.json"
         done
       done ;;

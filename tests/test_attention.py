@@ -440,8 +440,9 @@ def test_auto_decode_attention_is_the_reader_without_a_hopper_gpu(monkeypatch):
   for problem in ({}, bf16):
     with pytest.warns(RuntimeWarning, match="jnp page reader.*Hopper GPU"):
       assert A.resolve_decode_impl("auto", **problem) == "reference"
-  with pytest.raises(ValueError, match="'mosaic' .*Hopper GPUs"):
-    A.resolve_decode_impl("mosaic", **bf16)
+  for name in ("mosaic", "mosaic_fused"):
+    with pytest.raises(ValueError, match=f"'{name}' .*Hopper GPUs"):
+      A.resolve_decode_impl(name, **bf16)
   with pytest.raises(ValueError, match="'tpu' .*Mosaic TPU kernel"):
     A.resolve_decode_impl("tpu", **bf16)
 
@@ -477,6 +478,7 @@ def test_auto_decode_attention_on_hopper_is_the_mosaic_kernel_where_it_runs(monk
       assert A.resolve_decode_impl("auto", **{**bf16, **other}) == "reference", other
   assert A.resolve_decode_impl("reference", **bf16) == "reference"  # a name is kept
   assert A.resolve_decode_impl("mosaic", **bf16) == "mosaic"
+  assert A.resolve_decode_impl("mosaic_fused", **bf16) == "mosaic_fused"   # by name only
 
 
 @pytest.mark.gpu

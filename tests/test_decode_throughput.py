@@ -1,4 +1,4 @@
-"""benchmarks/decode_throughput.py: its experiment knobs (--mosaic-kernel, --unfused-write,
+"""benchmarks/decode_throughput.py: its experiment knobs (--mosaic-kernel, --mosaic-rows,
 --refill-after) reach the kernels and the Sampler, and one whole run at a tiny shape on the CPU (the real shapes run on
 a GPU, scripts/gpu_bench.sh)."""
 import pathlib
@@ -47,20 +47,13 @@ def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
         bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--mosaic-rows", "0"])
 
 
-def test_unfused_write_turns_the_fused_step_off_in_the_block_only():
-    """--unfused-write: inside mosaic_parameters attention.fused_write_attend says no for a
-    problem the fused kernel takes (so paged_write_attend runs XLA's norms, RoPE and scatters
-    before the attention kernel); outside it, and without the option, it says yes again."""
-    import jax.numpy as jnp
-    from delta_jax.models import attention
-    problem = ("mosaic", jnp.bfloat16, jnp.bfloat16, 128, 32, 2, True)
-    args = bench.parse_args(["--preset", "tiny", "--unfused-write"])
-    assert args.unfused_write and attention.fused_write_attend(*problem)
-    with bench.mosaic_parameters({}, args.unfused_write):
-        assert not attention.fused_write_attend(*problem)
-    assert attention.fused_write_attend(*problem)
-    with bench.mosaic_parameters({}, bench.parse_args(["--preset", "tiny"]).unfused_write):
-        assert attention.fused_write_attend(*problem)
+def test_the_fused_step_is_an_arm_of_decode_attention():
+    """The fused step's A/B is --decode-attention mosaic mosaic_fused (both parsed, in that
+    order); a name attention does not know is refused."""
+    args = bench.parse_args(["--preset", "tiny", "--decode-attention", "mosaic", "mosaic_fused"])
+    assert args.decode_attention == ["mosaic", "mosaic_fused"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "tiny", "--decode-attention", "fused"])
 
 
 def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time():

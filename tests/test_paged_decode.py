@@ -27,11 +27,11 @@ needs_interpreter = pytest.mark.skipif(mosaic_interpret.available() is not None,
 
 
 def allow_mosaic_here(monkeypatch):
-  """Lift resolve_decode_impl's refusal of "mosaic" without a Hopper GPU (the kernel is only
-  lowered for CUDA or interpreted here); everything else resolves as before."""
+  """Lift resolve_decode_impl's refusal of "mosaic" and "mosaic_fused" without a Hopper GPU (the
+  kernels are only lowered for CUDA or interpreted here); everything else resolves as before."""
   resolve = A.resolve_decode_impl
   monkeypatch.setattr(A, "resolve_decode_impl",
-                      lambda impl, **problem: "mosaic" if impl == "mosaic"
+                      lambda impl, **problem: impl if impl in A.MOSAIC_DECODE_IMPLS
                       else resolve(impl, **problem))
 
 
@@ -286,15 +286,18 @@ def test_fused_step_bad_inputs_name_the_tensor_or_knob():
 
 
 def test_write_attend_fuses_where_the_fused_kernel_runs():
-  """attention.fused_write_attend: one kernel for "mosaic" with RoPE, a pool in q's dtype and
-  head_dim 128 in bf16; the unfused step (XLA's norms, RoPE and scatters) otherwise."""
+  """attention.fused_write_attend: one kernel for "mosaic_fused" with RoPE, a pool in q's dtype
+  and head_dim 128 in bf16; the unfused step (XLA's norms, RoPE and scatters) otherwise, and
+  always for "mosaic" (what "auto" picks on Hopper: the fused step is not measured yet)."""
   bf16 = jnp.bfloat16
-  assert A.fused_write_attend("mosaic", bf16, bf16, 128, 32, 2, True)
-  assert not A.fused_write_attend("mosaic", bf16, bf16, 64, 32, 2, True)   # half a swizzle atom
-  assert not A.fused_write_attend("mosaic", bf16, jnp.float32, 128, 32, 2, True)
-  assert not A.fused_write_attend("mosaic", bf16, bf16, 128, 32, 2, False)  # no RoPE
+  fused = "mosaic_fused"
+  assert A.fused_write_attend(fused, bf16, bf16, 128, 32, 2, True)
+  assert not A.fused_write_attend("mosaic", bf16, bf16, 128, 32, 2, True)   # by name only
+  assert not A.fused_write_attend(fused, bf16, bf16, 64, 32, 2, True)   # half a swizzle atom
+  assert not A.fused_write_attend(fused, bf16, jnp.float32, 128, 32, 2, True)
+  assert not A.fused_write_attend(fused, bf16, bf16, 128, 32, 2, False)  # no RoPE
   assert not A.fused_write_attend("reference", bf16, bf16, 128, 32, 2, True)
-  assert not A.fused_write_attend("mosaic", bf16, bf16, 128, 16, 2, True)   # 16 x 2 keys a step
+  assert not A.fused_write_attend(fused, bf16, bf16, 128, 16, 2, True)   # 16 x 2 keys a step
   assert PD.smem_bytes(128, 32, PD.PAGES_PER_BLOCK, PD.STAGES, fused=True) <= PD.SMEM_LIMIT_BYTES
 
 
@@ -350,7 +353,8 @@ def test_lowers_to_mosaic_gpu_at_model_shapes(shape, kw, rope):
 
 
 @pytest.mark.devices(2)
-def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch):
+@pytest.mark.parametrize("impl", ["mosaic", "mosaic_fused"])
+def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch, impl):
   """On a mesh (the sampler's pool split over "data": attention.paged_write_attend under
   shard_map, as a multi-GPU rollout runs it, with the rows' RoPE cos / sin split like the rows),
   the layer's write + Mosaic GPU attention exports for CUDA over two devices, with the kernel
@@ -363,7 +367,7 @@ def test_lowers_for_cuda_per_shard_of_a_batch_mesh(monkeypatch):
   B, D = args[0].shape[0], args[0].shape[3]
   cs = jax.ShapeDtypeStruct((B, D), jnp.float32,
                             sharding=NamedSharding(mesh, PartitionSpec("data")))
-  fn = jax.jit(lambda *a: A.paged_write_attend(*a[:-2], rope=a[-2:], impl="mosaic", mesh=mesh,
+  fn = jax.jit(lambda *a: A.paged_write_attend(*a[:-2], rope=a[-2:], impl=impl, mesh=mesh,
                                                batch_axes=("data",)))
   exported = export.export(fn, platforms=["cuda"])(*args, cs, cs)
   assert exported.nr_devices == 2
@@ -414,8 +418,9 @@ def test_sampler_refuses_a_model_the_kernel_cannot_run(monkeypatch):
 
   allow_mosaic_here(monkeypatch)
   fp32 = models.Transformer(models.get_preset("tiny", head_dim=64), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="rollout.decode_attention.*q dtype float32"):
-    Sampler(fp32, decode_attention="mosaic")
+  for name in ("mosaic", "mosaic_fused"):
+    with pytest.raises(ValueError, match=f"'{name}'.*rollout.decode_attention.*q dtype float32"):
+      Sampler(fp32, decode_attention=name)
   bf16 = models.Transformer(models.get_preset("tiny", head_dim=64, dtype=jnp.bfloat16),
                             rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rollout.page_size.*page_size 16 = 32 keys"):
@@ -510,14 +515,16 @@ def test_selected_through_paged_decode_attention():
   np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(direct, np.float32))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
-  """rollout.decode_attention="mosaic" in the sampler's whole decode program (tiny model in
-  bf16, 32-token pages): the program, kernel included, lowers for CUDA, with the Mosaic GPU
-  kernel called once per layer in the step loop. With 128-wide heads it is the fused kernel
-  (paged_write_decode_mosaic: q / k norms, RoPE and the page writes in it, so the program has
-  no scatter and its pools are aliased in and out of each call); with 64-wide ones the
-  attention kernel alone, after XLA's norms, RoPE and two scatters a layer."""
+@pytest.mark.parametrize("impl,head_dim", [("mosaic", 128), ("mosaic_fused", 128),
+                                           ("mosaic_fused", 64)])
+def test_decode_program_lowers_for_cuda_with_it(monkeypatch, impl, head_dim):
+  """rollout.decode_attention="mosaic" / "mosaic_fused" in the sampler's whole decode program
+  (tiny model in bf16, 32-token pages): the program, kernel included, lowers for CUDA, with the
+  Mosaic GPU kernel called once per layer in the step loop. "mosaic_fused" with 128-wide heads
+  runs the fused kernel (paged_write_decode_mosaic: q / k norms, RoPE and the page writes in it,
+  so the program has no scatter and its pools are aliased in and out of each call); "mosaic",
+  and "mosaic_fused" with 64-wide heads, the attention kernel alone, after XLA's norms, RoPE
+  and two scatters a layer."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import programs
@@ -530,10 +537,10 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
   cache = jax.eval_shape(lambda: models.init_paged_cache(cfg, 1 + S * pages_per_seq, page_size))
   traced = programs.decode.trace(
       *abstract_decode_args(graphdef, state, cache, S, pages_per_seq), num_steps=8, top_k=-1,
-      use_top_p=False, greedy=False, attention_impl="mosaic", pages_per_block=2, batch_spec=None)
+      use_top_p=False, greedy=False, attention_impl=impl, pages_per_block=2, batch_spec=None)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @mosaic_gpu" in text                  # the kernel, lowered once
-  fused = head_dim == 128
+  fused = impl == "mosaic_fused" and head_dim == 128
   name = "paged_write_decode_mosaic" if fused else "paged_decode_mosaic"
   assert len(re.findall(rf"call @{name}\b", text)) == cfg.num_layers  # called per layer
   # the page writes' scatters (a [K, D] window a row; the step's token buffers' are [S] columns)
@@ -545,14 +552,16 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch, head_dim):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, head_dim):
-  """The rollout engine with rollout.decode_attention="mosaic" (the kernel interpreted, in every
-  layer of every decode step; tiny bf16 model, 32-token pages, two samples of three prompts in
-  four slots, so slots refill; with 128-wide heads the fused kernel normalises and rotates q and
-  k and writes the pages itself, with 64-wide ones XLA does and the attention kernel runs
-  alone): the same greedy tokens and log-probs (within bf16 rounding) as with the jnp page
-  reader. Both on the CPU (on_cpu), so the tokens compare exactly on a GPU machine too."""
+@pytest.mark.parametrize("impl,head_dim", [("mosaic", 64), ("mosaic", 128),
+                                           ("mosaic_fused", 128)])
+def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, impl, head_dim):
+  """The rollout engine with rollout.decode_attention="mosaic" / "mosaic_fused" (the kernel
+  interpreted, in every layer of every decode step; tiny bf16 model, 32-token pages, two samples
+  of three prompts in four slots, so slots refill; "mosaic_fused" with 128-wide heads: the fused
+  kernel normalises and rotates q and k and writes the pages itself; "mosaic": XLA does and the
+  attention kernel, rotating q, runs alone): the same greedy tokens and log-probs (within bf16
+  rounding) as with the jnp page reader. Both on the CPU (on_cpu), so the tokens compare exactly
+  on a GPU machine too."""
   from flax import nnx
   from delta_jax import models
   from delta_jax.sampling import Sampler
@@ -571,9 +580,10 @@ def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, 
       return kernel(*a, **k)
     monkeypatch.setattr(PD, name, recorded)
   with mosaic_interpret.interpreting():
-    got = Sampler(model, decode_attention="mosaic", **common).generate(prompts, **kwargs)
+    got = Sampler(model, decode_attention=impl, **common).generate(prompts, **kwargs)
   N, K = cfg.num_heads, cfg.num_kv_heads
-  want = (("paged_write_decode_mosaic", (K, N // K + 2, head_dim)) if head_dim == 128
+  want = (("paged_write_decode_mosaic", (K, N // K + 2, head_dim))
+          if impl == "mosaic_fused" and head_dim == 128
           else ("paged_decode_mosaic", (N, head_dim)))
   assert traced and set(traced) == {want}  # it ran, in every layer
   assert got.response_ids == ref.response_ids

@@ -35,7 +35,11 @@ Decode against a page pool (paged_decode_attention; the rollout engine's decode 
 per sequence, keys/values in one layer's pool [K, P, page_size, D] addressed through a block table
 and attended up to each sequence's length, read in place. "reference" is a jnp loop over blocks of
 pages (CPU, CI, TPU, and GPUs the kernel does not serve); "mosaic" is delta_jax.kernels.paged_decode
-(Pallas Mosaic GPU: TMA page copies and WGMMA, so Hopper GPUs only, bf16/fp16); "tpu" is
+(Pallas Mosaic GPU: TMA page copies and WGMMA, so Hopper GPUs only, bf16/fp16); "mosaic_fused"
+is the same kernel with the rest of the layer's attention step in it where it takes the problem
+(paged_write_attend: the q / k norms, RoPE and the new key / value written in place by
+kernels.paged_decode.paged_write_decode_mosaic, head_dim 128 in bf16), by name only until it is
+measured on a GPU (issue #16: a kernel is a default only where measured faster); "tpu" is
 jax.experimental.pallas.ops.tpu's paged attention (Mosaic TPU, bf16; by name only: never run on
 a TPU here, so not measured against the reader); "auto" picks "mosaic" on a Hopper GPU for the
 problems it takes, else "reference". Forward only. (pallas.ops' Triton paged attention was retired
@@ -60,7 +64,9 @@ from delta_jax.models.rope import apply_rope
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 # Paged decode attention (the rollout engine's decode): implementations and block sizes.
-DECODE_IMPLS = ("auto", "reference", "mosaic", "tpu")
+DECODE_IMPLS = ("auto", "reference", "mosaic", "mosaic_fused", "tpu")
+# The Mosaic GPU kernels' names (Hopper only).
+MOSAIC_DECODE_IMPLS = ("mosaic", "mosaic_fused")
 # Pages gathered per step of the reference loop (x page_size keys).
 DECODE_PAGES_PER_BLOCK = 8
 # "auto" switches from the materialised scores to blockwise above this many scores per (row, head):
@@ -445,8 +451,10 @@ def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None
   Measured on one H200 (2026-11-26, Qwen3-0.6B shape, bf16, batch 64 / 256, prompt 512 + 1,024
   tokens): the Mosaic kernel 80 / 302 us a layer call against 126 / 440 us for pallas.ops'
   (Triton) kernel, itself 2.0-2.3x the reader's speed on an H100 (BENCHMARKS.md "Kernel
-  decisions"). "mosaic" by name only on a Hopper GPU (refused here, at start-up, rather than in
-  the compiler); whether it takes the problem is the caller's check (the Sampler's, at start-up).
+  decisions"). "mosaic" and "mosaic_fused" by name only on a Hopper GPU (refused here, at
+  start-up, rather than in the compiler); whether the kernel takes the problem is the caller's
+  check (the Sampler's, at start-up). "mosaic_fused" resolves to itself: paged_write_attend runs
+  the fused step where fused_write_attend holds, the attention reads as "mosaic" elsewhere.
   "tpu" (paged_decode_tpu) by name only on a TPU and for a bfloat16 model: "auto" does not pick
   it there, as it has not been measured against the reader.
   """
@@ -466,10 +474,10 @@ def resolve_decode_impl(impl: str, *, dtype=None, head_dim: Optional[int] = None
                   "on an H100)",
                   RuntimeWarning, stacklevel=2)
     return "reference"
-  if impl == "mosaic" and not _hopper():
-    raise ValueError(f"paged decode attention 'mosaic' (rollout.decode_attention) is a Mosaic GPU "
-                     f"kernel for NVIDIA Hopper GPUs (compute capability 9.x: it issues WGMMA); "
-                     f"here the device is {_device_name()}: use 'auto' or 'reference'")
+  if impl in MOSAIC_DECODE_IMPLS and not _hopper():
+    raise ValueError(f"paged decode attention {impl!r} (rollout.decode_attention) is a Mosaic "
+                     f"GPU kernel for NVIDIA Hopper GPUs (compute capability 9.x: it issues "
+                     f"WGMMA); here the device is {_device_name()}: use 'auto' or 'reference'")
   if impl == "tpu" and not _tpu_backend():
     raise ValueError(f"paged decode attention 'tpu' (rollout.decode_attention) is "
                      f"jax.experimental.pallas.ops.tpu's Mosaic TPU kernel; here the device is "
@@ -522,12 +530,13 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, rope=N
                            pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
   """Decode attention over a page pool (see paged_decode_reference for the contract).
   rope: None, or (cos, sin) [B, D] each: q is rotated by them first (rope.apply_rope; the Mosaic
-  kernel does it in its prologue). impl: "auto" | "reference" | "mosaic" | "tpu"
-  (resolve_decode_impl); pages_per_block: the reader's block of pages, and the TPU kernel's
+  kernel does it in its prologue). impl: "auto" | "reference" | "mosaic" | "mosaic_fused" |
+  "tpu" (resolve_decode_impl; "mosaic_fused" reads as "mosaic" here: the fusion is
+  paged_write_attend's); pages_per_block: the reader's block of pages, and the TPU kernel's
   compute block."""
   chosen = resolve_decode_impl(impl, dtype=q.dtype, head_dim=q.shape[-1],
                                page_size=k_pages.shape[2], group=q.shape[1] // k_pages.shape[0])
-  if chosen == "mosaic":
+  if chosen in MOSAIC_DECODE_IMPLS:
     from delta_jax.kernels.paged_decode import paged_decode_mosaic
     return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths, rope=rope)
   if rope is not None:
@@ -599,10 +608,11 @@ def shard_pages(fn, mesh, batch_axes, num_kv_heads: int, in_kinds, out_kinds):
 def fused_write_attend(impl: str, q_dtype, pool_dtype, head_dim: int, page_size: int,
                        group: int, rope: bool) -> bool:
   """Whether paged_write_attend runs as one kernel (kernels.paged_decode.paged_write_decode_mosaic)
-  for decode attention `impl` as resolved (resolve_decode_impl): the Mosaic GPU kernel, with
-  rope, a pool in q's dtype and a head the fused kernel takes (config_problem(fused=True): head_dim
-  128 in bf16)."""
-  if impl != "mosaic" or not rope or jnp.dtype(q_dtype) != jnp.dtype(pool_dtype):
+  for decode attention `impl` as resolved (resolve_decode_impl): "mosaic_fused" (asked for by
+  name: not measured on a GPU yet, so "auto" and "mosaic" keep the unfused step), with rope, a
+  pool in q's dtype and a head the fused kernel takes (config_problem(fused=True): head_dim 128
+  in bf16)."""
+  if impl != "mosaic_fused" or not rope or jnp.dtype(q_dtype) != jnp.dtype(pool_dtype):
     return False
   from delta_jax.kernels import paged_decode
   return paged_decode.config_problem(q_dtype, head_dim, page_size, group, fused=True) is None
@@ -620,9 +630,9 @@ def paged_write_attend(qkv, k_pages, v_pages, write_page, write_offset, block_ta
   written), then paged_decode_attention of q over block_tables / lengths (lengths[b] counts the
   new token). Returns (out [B, N, D], k_pages, v_pages).
 
-  With the Mosaic GPU kernel (impl resolving to "mosaic", where fused_write_attend holds) all of
-  it is one kernel, paged_write_decode_mosaic, which writes the pools in place; otherwise XLA
-  normalises, rotates k and writes (write_pages), and the attention rotates q.
+  With impl "mosaic_fused" (where fused_write_attend holds) all of it is one Mosaic GPU kernel,
+  paged_write_decode_mosaic, which writes the pools in place; otherwise XLA normalises, rotates
+  k and writes (write_pages), and the attention (for "mosaic", the Mosaic GPU kernel) rotates q.
 
   With a mesh and batch_axes, the pools' page axis is split over the batch axes (shard j owns
   pages [j * P / S, (j + 1) * P / S)), the rows are split the same way, and write_page /

@@ -385,7 +385,7 @@ class Transformer(nnx.Module):
     its pool, and sequence b attends its tokens [0, lengths[b]) through block_tables
     [B, pages_per_seq] (so lengths[b] counts the token being written; padding rows have
     write_page -1, so they write nothing, and length 0): attention.paged_write_attend, which
-    also applies the q / k norms and RoPE (in one kernel with the Mosaic GPU attention).
+    also applies the q / k norms and RoPE (in one kernel with attention_impl "mosaic_fused").
     attention_impl: see attention.paged_decode_attention.
     mesh / batch_axes: a pool whose page axis is split over these mesh axes (write_page and
     block_tables then hold each row's shard-LOCAL page ids; attention.paged_write_attend).
@@ -407,7 +407,7 @@ class Transformer(nnx.Module):
       p = _cast_layer(cfg, layers[i])  # a no-op on decode_layers()
       # q, k, v of each KV head in one GEMM ([B, K, G + 2, D]), before the q / k norms and RoPE:
       # paged_write_attend applies them, then writes k and v at (page, offset) of each row and
-      # attends over the pool, read in place (with the Mosaic GPU kernel all of it is one
+      # attends over the pool, read in place (with "mosaic_fused" all of it is one Mosaic GPU
       # kernel: no norm, RoPE or scatter kernel of their own).
       h = rms_norm(x[:, 0], p["input_norm"], cfg.rms_norm_eps)
       qkv = jnp.einsum("bh,hkgd->bkgd", h, p["qkv_proj"])

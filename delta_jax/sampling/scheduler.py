@@ -113,7 +113,8 @@ class Sampler:
     decode_steps_per_call: most decode steps per decode program call (pages are handed out that
       far ahead). decode_attention: attention.DECODE_IMPLS ("auto": the Mosaic GPU kernel
       delta_jax.kernels.paged_decode on Hopper GPUs where it takes the model and page_size, the
-      jnp page reader elsewhere; "tpu": pallas.ops' TPU paged attention, by name; see
+      jnp page reader elsewhere; "mosaic_fused": that kernel with the q / k norms, RoPE and the
+      K / V page writes inside it, by name; "tpu": pallas.ops' TPU paged attention, by name; see
       attention.resolve_decode_impl). decode_impl: the one that runs.
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
       batches (new samples only once every slot is free: the baseline that benchmarks compare
@@ -167,12 +168,12 @@ class Sampler:
                        group=cfg.num_heads // cfg.num_kv_heads)
         # Validates the name; "auto" picks the Mosaic GPU kernel only where it takes the problem.
         resolved = attention.resolve_decode_impl(decode_attention, **problem)
-        if resolved == "mosaic":
+        if resolved in attention.MOSAIC_DECODE_IMPLS:
             from delta_jax.kernels import paged_decode
             reason = paged_decode.config_problem(**problem)
             if reason:
-                raise ValueError(f"decode_attention 'mosaic' (rollout.decode_attention) cannot run "
-                                 f"this model / rollout.page_size: {reason}")
+                raise ValueError(f"decode_attention {resolved!r} (rollout.decode_attention) "
+                                 f"cannot run this model / rollout.page_size: {reason}")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer

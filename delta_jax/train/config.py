@@ -59,7 +59,7 @@ CHOICES = {
     "data.overlong_prompts": ("drop", "error", "truncate"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
     # models.attention.DECODE_IMPLS
-    "rollout.decode_attention": ("auto", "reference", "mosaic", "tpu"),
+    "rollout.decode_attention": ("auto", "reference", "mosaic", "mosaic_fused", "tpu"),
 }
 
 # Placeholders: None means "the method decides" (see METHOD_DEFAULTS).
@@ -150,7 +150,8 @@ def default_config() -> config_dict.ConfigDict:
     # in GiB (0 = the worst case of max_batch_size slots at full length, so nothing ever waits;
     # a smaller budget preempts and later restarts the newest samples, same tokens); decode
     # steps per jitted call; decode attention (auto = the project's Mosaic GPU kernel on Hopper
-    # GPUs, the jnp page reader elsewhere; models.attention.resolve_decode_impl).
+    # GPUs, the jnp page reader elsewhere; mosaic_fused = that kernel with the layer's q / k
+    # norms, RoPE and K / V writes inside, not yet measured; models.attention.resolve_decode_impl).
     c.rollout.page_size = 32
     c.rollout.kv_budget_gb = 0.0
     c.rollout.decode_steps_per_call = 32
