@@ -54,12 +54,13 @@ jnp. With rows_per_block R > 1 a block's page copies are one stream over its R r
 steps follow row r - 1's in the stages' buffers), and a row's q window (with `write`, its key /
 value rows, in one of two buffers by the row's parity) is copied in as soon as the previous
 row's last step is done, so a row's first pages and its prologue's inputs are in flight while the
-previous row's output is normalised and stored. Why: at batch 64 one row a block is 512 blocks
-of ~40 us each, two waves over an H200's 264 block slots (two a 132 SMs), each block's start
-(its first copies' latency, q's prologue) and end (its output's store) spent with little in
-flight; the kernel took 81.4 us a call at 1,024 live tokens, 79% of copy, against 93.5% at
-batch 256 (fifth run). Two rows a block make 256 blocks, one wave. Whether that is faster is not
-measured yet (`gpu_bench.sh paged_rows decode_rows`); the default stays 1.
+previous row's output is normalised and stored. The reason to try it: the kernel took 81.4 us
+a call at batch 64 and 1,024 live tokens, 79% of copy, against 93.5% at batch 256 (fifth run).
+At batch 64 one row a block is 512 blocks, about two waves over an H200's 264 block slots (two
+on each of 132 SMs), so each block's start (its first copies' latency, q's prologue) and end
+(its output's store), with little in flight, weigh more than over 256's eight waves; two rows a
+block make 256 blocks, one wave. Whether that is faster is not measured yet (`gpu_bench.sh
+paged_rows decode_rows`); the default stays 1.
 
 It runs on NVIDIA Hopper GPUs. Without one it is checked two ways (tests/test_paged_decode.py):
 its lowering to the Mosaic GPU dialect (jax.export for "cuda": register layouts, WGMMA and TMA
@@ -215,7 +216,8 @@ def paged_decode_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   pages, and a block attends rows_per_block rows (sequences) one after another, with one stream
   of page copies across them: the next row's first pages and its q arrive while this row
   finishes (fewer blocks: at batch 64 with 2 rows a block, 256 blocks of (row pair, KV head),
-  one wave of two blocks an SM on an H200's 132 SMs, where one row a block makes 512). pdl (an experiment, off by default): the kernel takes part in CUDA's programmatic
+  one wave of two blocks an SM on an H200's 132 SMs, where one row a block makes 512).
+  pdl (an experiment, off by default): the kernel takes part in CUDA's programmatic
   dependent launch; its blocks can start while the kernel before it drains, each waits for that
   kernel's results (griddepcontrol.wait) before it reads any input, and lets the kernel after it
   launch once its pages are read (griddepcontrol.launch_dependents). jax 0.11's Pallas marks
@@ -449,10 +451,10 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
               rounded(x2 * row_vector(cs_smem.at[0], 1) + x1 * row_vector(cs_smem.at[1], 1)))
 
     for r in range(R):
-      b, length, limit_n = bs[r], lengths_r[r], paged[r]
+      b, length, old = bs[r], lengths_r[r], paged[r]
       # keys this block may attend: the row's, within its split (a step can reach past the
       # split's last page, or past the table, whose column is clipped: those keys are masked)
-      limit = jnp.minimum(limit_n, jnp.minimum(first + share, pages_per_seq) * page_size)
+      limit = jnp.minimum(old, jnp.minimum(first + share, pages_per_seq) * page_size)
       for name in (copies if r == 0 else row_copies):
         plgpu.barrier_wait(q_bar.at[bar_of[name]])
       if r > 0:
@@ -491,7 +493,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
         # one, which writes after its reads). The softmax of that split starts from the new
         # token (weight 1, its value); the other splits and rows of length 0 start empty, from
         # the same reference maximum, which only rescales.
-        owner = jnp.minimum(limit_n // page_size // share, k_splits - 1)
+        owner = jnp.minimum(old // page_size // share, k_splits - 1)
         mine = split == owner
         counts = (mine & (length > 0)).astype(jnp.float32)
         v_row = plgpu.layout_cast(kv.at[1][...], plgpu.Layout.WGMMA.reduce(0))

@@ -262,3 +262,19 @@ def test_impossible_delta_ablations_name_the_field(overrides, field):
                                 "--config.delta.normalize=False", "--config.delta.fixed_gamma=0.5",
                                 "--config.delta.random_lambda=True"]))
     assert ok.delta.assignment == "hard" and ok.delta.random_lambda
+
+
+def test_attention_choices_are_the_models_names():
+    """The config's choices for model.attention and rollout.decode_attention are the attention
+    module's own names (kept as literals so the config module needs no JAX): a name added on one
+    side only, e.g. "mosaic_fused", would be refused at validation or reach the model unknown."""
+    from delta_jax.models import attention
+    from delta_jax.train.config import CHOICES
+    assert CHOICES["model.attention"] == attention.IMPLS
+    assert CHOICES["rollout.decode_attention"] == attention.DECODE_IMPLS
+    cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}",
+                 "--config.rollout.decode_attention=mosaic_fused"])
+    assert validate_config(cfg).rollout.decode_attention == "mosaic_fused"
+    cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", "--config.rollout.decode_attention=fused"])
+    with pytest.raises(ConfigError, match="rollout.decode_attention"):
+        validate_config(cfg)
