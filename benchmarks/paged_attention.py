@@ -12,7 +12,8 @@ decisions".)
     # GPU, Hopper (issue #15; the H200 sweep of 2026-11-26 chose paged_decode's defaults: one
     # split, 2 pages a step, 2 stages; BENCHMARKS.md "Fifth GPU run"):
     python benchmarks/paged_attention.py --batch 64 256
-    # the fused decode step alone, 1 / 2 / 4 rows a block (scripts/gpu_bench.sh paged_rows):
+    # a layer's whole decode step: the fused kernel at 1 / 2 / 4 rows a block, the unfused Mosaic
+    # step (scripts/gpu_bench.sh paged_rows):
     python benchmarks/paged_attention.py --batch 64 256 --fused --impls mosaic --k-splits 1 \
         --pages-per-block 2 --num-stages 2 3 --rows-per-block 1 2 4
     # CPU smoke run (the interpreted kernel is slow: one small point):
@@ -39,10 +40,13 @@ also times ~50-150 us of GPU dispatch + sync latency (an ~80 us call read 186 us
 records them (calls_per_sample).
 Memory: each configuration's compiled program's XLA memory analysis on the backend it runs on
 (its temporaries printed, the whole analysis in the JSON records).
---fused times the decode step the product runs at head_dim 128 in bf16 instead of the attention
-alone: kernels.paged_decode.paged_write_decode_mosaic (the new token's q / k RMSNorm and RoPE, its
-key and value written into the pools in place, attention over the pages), and with "reference"
-attention.paged_write_attend's XLA path (norms, RoPE, two scatters, the jnp page reader). Each
+--fused times a layer's whole decode step (models.attention.paged_write_attend) instead of the
+attention alone, as each rollout.decode_attention runs it at head_dim 128 in bf16: "mosaic_fused"
+(the --impls mosaic sweep) is kernels.paged_decode.paged_write_decode_mosaic, the new token's
+q / k RMSNorm and RoPE, its key and value written into the pools in place and the attention in
+one kernel; "mosaic" (once, at the kernel's defaults, with --impls mosaic) is XLA's norms, RoPE
+and two scatters, then the attention kernel; "reference" is XLA's step with the jnp page
+reader. Each
 row's new token is its last live one (lengths count it; its page slot is overwritten), so the
 bytes are the K / V of every live token but the new ones. Its pools are written by every call,
 so a call is timed inside one program: --fused-calls N calls in a loop that carries the pools
@@ -99,8 +103,9 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=2e-2, help="max abs error vs the reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fused", action="store_true",
-                   help="time the fused decode step (paged_write_decode_mosaic; head_dim 128, "
-                        "bf16) and XLA's unfused step instead of the attention alone")
+                   help="time a layer's whole decode step (norms, RoPE, K / V writes and the "
+                        "attention): the fused kernel (mosaic_fused; head_dim 128, bf16), the "
+                        "unfused Mosaic step and XLA's, instead of the attention alone")
     p.add_argument("--fused-calls", type=int, default=20,
                    help="with --fused: calls in the shorter timed program (the other has twice)")
     p.add_argument("--out", default="benchmarks/results/paged_attention.json")
@@ -173,15 +178,17 @@ def make_fused_case(args, case):
 
 
 def fused_step(impl: str, kwargs: dict):
-    """One layer's decode step as the product runs it for `impl`: (out, k_pages, v_pages)."""
+    """One layer's decode step as the product runs it for rollout.decode_attention `impl`:
+    (out, k_pages, v_pages). "mosaic_fused" calls the fused kernel itself, so that `kwargs` (its
+    parameters) reach it; "reference" takes the reader's pages_per_block; "mosaic" none."""
     def step(qkv, kp, vp, page, offset, tables, lengths, cos, sin, q_norm, k_norm):
-        if impl == "reference":
-            return attention.paged_write_attend(qkv, kp, vp, page, offset, tables, lengths,
-                                                rope=(cos, sin), qk_norm=(q_norm, k_norm),
-                                                impl="reference", **kwargs)
-        return paged_decode.paged_write_decode_mosaic(qkv, kp, vp, tables, lengths, page, offset,
-                                                      rope=(cos, sin), q_norm=q_norm,
-                                                      k_norm=k_norm, **kwargs)
+        if impl == "mosaic_fused":
+            return paged_decode.paged_write_decode_mosaic(
+                qkv, kp, vp, tables, lengths, page, offset, rope=(cos, sin), q_norm=q_norm,
+                k_norm=k_norm, **kwargs)
+        return attention.paged_write_attend(qkv, kp, vp, page, offset, tables, lengths,
+                                            rope=(cos, sin), qk_norm=(q_norm, k_norm),
+                                            impl=impl, **kwargs)
     return step
 
 
@@ -223,6 +230,9 @@ def configurations(args):
                 if args.pages_per_seq % ppb == 0:  # the kernel's block must divide the table
                     yield f"tpu ppb={ppb}", impl, {"pages_per_block": ppb}
             continue
+        if args.fused:   # the unfused Mosaic step once, at the kernel's defaults, to compare with
+            yield "mosaic (unfused step, kernel defaults)", "mosaic", {}
+            impl = "mosaic_fused"
         for ks, ppb, stages, rows in itertools.product(args.k_splits, args.pages_per_block,
                                                        args.num_stages, args.rows_per_block):
             if ks > args.pages_per_seq or ppb > args.pages_per_seq // ks \
@@ -230,7 +240,7 @@ def configurations(args):
                         jnp.dtype(args.dtype), args.head_dim, args.page_size,
                         args.q_heads // args.kv_heads, ppb, ks, stages, args.fused, rows):
                 continue  # more pages than a split holds, or a shape the kernel refuses
-            yield (f"mosaic k_splits={ks} ppb={ppb} stages={stages} rows={rows}", impl,
+            yield (f"{impl} k_splits={ks} ppb={ppb} stages={stages} rows={rows}", impl,
                    {"k_splits": ks, "pages_per_block": ppb, "stages": stages,
                     "rows_per_block": rows})
 
@@ -267,8 +277,6 @@ def main(argv=None):
         print(f"batch {batch}: {kv_bytes / 1e9:.3f} GB of live K/V per call, limit "
               f"{kv_bytes / bandwidth * 1e6:.1f} us", flush=True)
         for label, impl, kwargs in configurations(args):
-            if args.fused:
-                label = "fused " + label
             row = {"batch": batch, "config": label, "impl": impl, **kwargs,
                    "fused": args.fused, "kv_bytes": kv_bytes,
                    "limit_us": kv_bytes / bandwidth * 1e6}
@@ -322,11 +330,12 @@ def print_best(rows):
             if impl in ("reference", "tpu"):
                 current = [r for r in ok
                            if r["pages_per_block"] == attention.DECODE_PAGES_PER_BLOCK]
-            else:
-                current = [r for r in ok if (r["k_splits"], r["pages_per_block"], r["stages"],
-                                             r["rows_per_block"])
-                           == (paged_decode.K_SPLITS, paged_decode.PAGES_PER_BLOCK,
-                               paged_decode.STAGES, paged_decode.ROWS_PER_BLOCK)]
+            else:   # the Mosaic kernels' rows (the unfused step's one row has no parameters)
+                current = [r for r in ok if (r.get("k_splits"), r.get("pages_per_block"),
+                                             r.get("stages"), r.get("rows_per_block"))
+                           in ((paged_decode.K_SPLITS, paged_decode.PAGES_PER_BLOCK,
+                                paged_decode.STAGES, paged_decode.ROWS_PER_BLOCK),
+                               (None,) * 4)]
             cur = f"{current[0]['us']:.1f}" if current else "-"
             print(f"{batch:5d} | {impl:9s} | {best['config']:55s} | {best['us']:7.1f} | "
                   f"{100 * best['fraction_of_copy']:8.1f}% | {cur}")

@@ -283,16 +283,17 @@ for s in "$@"; do
     paged_rows)  # issue 15: the Mosaic kernel alone at its defaults with 1, 2, 4 and 8 rows a block
                  # (rows_per_block: a block attends its rows in turn, its page copies one stream
                  # across them; batch 64 = 512 blocks at 1 row, 256 at 2), every row live, then
-                 # batch 64 ragged with half the rows free (the long tail's), then the fused
-                 # step alone (--fused) at 1 / 2 / 4 rows. ~2-4 minutes.
+                 # batch 64 ragged with half the rows free (the long tail's), then a layer's
+                 # whole step (--fused): the fused kernel at 1 / 2 / 4 rows a block against the
+                 # unfused Mosaic step (XLA's norms and scatters + the kernel). ~2-4 minutes.
       stage paged_rows 150 python3 benchmarks/paged_attention.py --batch 64 256 --impls mosaic \
         --k-splits 1 --pages-per-block 2 --num-stages 2 --rows-per-block 1 2 4 8 \
         --out "$OUT/paged_attention_rows.json"
       stage paged_rows_ragged 120 python3 benchmarks/paged_attention.py --batch 64 --ragged \
         --live-fraction 0.5 --impls mosaic --k-splits 1 2 --pages-per-block 2 --num-stages 2 \
         --rows-per-block 1 2 --out "$OUT/paged_attention_rows_ragged.json"
-      # the fused step alone (paged_write_decode_mosaic, what the decode runs at head_dim 128):
-      # chains of calls carrying the pools, 2 and 3 stages
+      # a layer's step: mosaic_fused (paged_write_decode_mosaic) at 2 and 3 stages against
+      # mosaic (unfused), as chains of calls carrying the pools
       stage paged_rows_fused 180 python3 benchmarks/paged_attention.py --batch 64 256 --fused \
         --impls mosaic --k-splits 1 --pages-per-block 2 --num-stages 2 3 --rows-per-block 1 2 4 \
         --out "$OUT/paged_attention_rows_fused.json" ;;

@@ -106,11 +106,14 @@ def test_live_fraction_leaves_free_rows_empty():
 
 
 @needs_interpreter
-def test_fused_sweep_runs_and_records(tmp_path):
-    """--fused: the fused decode step (paged_write_decode_mosaic in Mosaic GPU's interpreter, two
-    rows a block) and XLA's unfused step, timed as chains of calls carrying the pools: each
-    row's output matches the reference step's, and the bytes leave out the new tokens (read from
-    qkv, not the pages)."""
+def test_fused_sweep_runs_and_records(tmp_path, monkeypatch):
+    """--fused: a layer's whole decode step as each decode attention runs it (the Mosaic GPU
+    kernels in their interpreter: the fused kernel at two rows a block, and XLA's norms, RoPE and
+    scatters before the attention kernel; XLA's step with the jnp reader), timed as chains of
+    calls carrying the pools: each row's output matches the reference step's, and the bytes
+    leave out the new tokens (read from qkv, not the pages)."""
+    from tests.test_paged_decode import allow_mosaic_here
+    allow_mosaic_here(monkeypatch)
     out = tmp_path / "pa.json"
     common = ["--batch", "2", "--length", "40", "--pages-per-seq", "4", "--page-size", "32",
               "--q-heads", "4", "--kv-heads", "2", "--head-dim", "128", "--dtype", "bfloat16",
@@ -120,8 +123,9 @@ def test_fused_sweep_runs_and_records(tmp_path):
                              "--reference-ppb", "2", "--k-splits", "1", "--pages-per-block", "2",
                              "--num-stages", "2", "--rows-per-block", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert [r["config"] for r in rows] == [
-        "fused reference ppb=2", "fused mosaic k_splits=1 ppb=2 stages=2 rows=2"]
+    assert [(r["config"], r["impl"]) for r in rows] == [
+        ("reference ppb=2", "reference"), ("mosaic (unfused step, kernel defaults)", "mosaic"),
+        ("mosaic_fused k_splits=1 ppb=2 stages=2 rows=2", "mosaic_fused")]
     for r in rows:
         assert r["fused"] and r["ok"] and r["max_abs_error"] < 2e-2, r
         assert r["calls_per_sample"] == 1
