@@ -299,7 +299,8 @@ for s in "$@"; do
         --out "$OUT/paged_attention_rows_fused.json" ;;
     decode_rows)  # issue 15: the fixed workload with the Mosaic kernels at 1 and 2 rows a block
                   # (--mosaic-rows), one process a run, alternating; ROWS_BATCHES (default
-                  # "64 64 256"), MOSAIC_ROWS (default "1 2").
+                  # "64 64 256"), MOSAIC_ROWS (default "1 2"); DECODE_ATTENTION=mosaic_fused
+                  # runs them on the fused step.
       n=0
       for batch in ${ROWS_BATCHES:-64 64 256}; do
         n=$((n + 1))
