@@ -121,8 +121,9 @@ def test_pdl_lowers_to_the_grid_dependency_instructions():
   module carries the mark."""
   from jax._src.pallas.mosaic_gpu import core as gpu_core
   plain, pdl = lower_for_cuda(), lower_for_cuda(pdl=True)
+  rows = lower_for_cuda(pdl=True, rows_per_block=2)   # launched after the last row's pages
   for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
-    assert op in pdl and op not in plain
+    assert op in pdl and op in rows and op not in plain
   marks = hasattr(gpu_core, "PdlEffect")
   assert ("mosaic_gpu.uses_pdl" in pdl) == marks and "mosaic_gpu.uses_pdl" not in plain
 
