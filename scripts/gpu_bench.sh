@@ -273,10 +273,10 @@ for s in "$@"; do
       for batch in ${FUSED_BATCHES:-64 64 256}; do
         n=$((n + 1))
         for v in fused unfused; do
+          impl=$([ "$v" = fused ] && echo mosaic_fused || echo mosaic)
           stage "decode_fused_${v}_${batch}_$n" 150 python3 benchmarks/decode_throughput.py \
             --preset qwen3-0.6b --dtype bfloat16 --batch "$batch" --prompt-len 512 \
-            --new-tokens 1024 --decode-attention "$([ "$v" = fused ] && echo mosaic_fused || echo mosaic)" \
-            --workload fixed --hf never --repeats 1 \
+            --new-tokens 1024 --decode-attention "$impl" --workload fixed --hf never --repeats 1 \
             --output "$OUT/decode_fused_${v}_${batch}_$n$SUFFIX.json"
         done
       done ;;

@@ -77,8 +77,8 @@ def test_sweep_runs_and_records(tmp_path, capsys):
                     "--page-size", "32", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
                     "--dtype", "bfloat16", "--impls", "reference", "mosaic",
                     "--reference-ppb", "1", "3", "--k-splits", "2", "--pages-per-block", "2",
-                    "--num-stages", "2", "--rows-per-block", "2", "--iters", "1", "--warmup", "0", "--copy-mib", "1",
-                    "--out", str(out)])
+                    "--num-stages", "2", "--rows-per-block", "2", "--iters", "1", "--warmup", "0",
+                    "--copy-mib", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["config"] for r in rows] == [
         "reference ppb=1", "reference ppb=3", "mosaic k_splits=2 ppb=2 stages=2 rows=2"]
