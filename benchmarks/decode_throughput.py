@@ -31,8 +31,11 @@ Workloads (--workload):
   (per-prompt max_new_tokens; no stop token): geometric lengths of mean --new-tokens /
   --tail-mean-div, clipped to [1, --new-tokens], so a few samples run --new-tokens long and most
   stop early, as RL responses do. Run in B slots with continuous batching and with static
-  batching (Sampler(continuous=False): a batch decodes until its longest sample stops; the same
-  programs otherwise). Continuous batching prefills ahead (a refill's prefill call also takes the
+  batching (Sampler(continuous=False, shrink_batch=False): a batch decodes until its longest
+  sample stops, every step over all B slots; the same programs otherwise); --tail-modes adds
+  continuous batching without shrink_batch (every call over all B slots, as before 2026-11-27)
+  and static batching with it (a draining batch runs only the rows its live samples need).
+  Continuous batching prefills ahead (a refill's prefill call also takes the
   next waiting prompts) unless --no-prefill-ahead, stages --refill-queue waiting samples on the
   device with each decode call, started mid-call as slots free (default: the Sampler's, slots //
   4; recorded as longtail.refill_queue), and once none is staged a decode call returns to refill
@@ -93,6 +96,10 @@ from delta_jax.sampling import Sampler
 from delta_jax.sampling import programs as sampling_programs
 
 WORKLOADS = ("fixed", "longtail")
+# The long tail's runs: name -> (Sampler continuous, shrink_batch). "static" is issue #15's
+# baseline: a batch decodes until its longest sample stops, every step over every slot.
+TAIL_MODES = {"continuous": (True, True), "static": (False, False),
+              "continuous_unshrunk": (True, False), "static_shrunk": (False, True)}
 
 
 # --mosaic-kernel's three values, in order: paged_decode_mosaic's (and config_problem's) names
@@ -129,6 +136,13 @@ def parse_args(argv=None):
                    help="Sampler(refill_queue=): waiting samples staged on the device with each "
                         "continuous-batching decode call, started as slots free (-1: the "
                         "Sampler's default, slots // 4; 0: none)")
+    p.add_argument("--tail-modes", nargs="+", choices=list(TAIL_MODES),
+                   default=["continuous", "static"],
+                   help="longtail runs: continuous (the Sampler's defaults), static (Sampler("
+                        "continuous=False, shrink_batch=False): every step runs every slot, the "
+                        "baseline), continuous_unshrunk / static_shrunk (the same with "
+                        "shrink_batch flipped: what running only the rows a draining batch needs "
+                        "is worth); x static is each against static")
     p.add_argument("--no-prefill-ahead", action="store_true",
                    help="continuous batching prefills only the prompts it admits (one prefill "
                         "call per refill; Sampler(prefill_ahead=False))")
@@ -158,6 +172,9 @@ def parse_args(argv=None):
         p.error("--refill-after must be >= 0 (0: the Sampler's default)")
     if args.refill_queue < -1:
         p.error("--refill-queue must be >= -1 (-1: the Sampler's default)")
+    if not {"continuous", "static"} <= set(args.tail_modes):
+        p.error("--tail-modes must include continuous and static (the comparison)")
+    args.tail_modes = list(dict.fromkeys(args.tail_modes))
     if args.mosaic_kernel is not None or args.mosaic_rows is not None:
         cfg = model_config(args)
         problem = paged_decode.config_problem(
@@ -290,11 +307,12 @@ def model_config(args) -> models.ModelConfig:
                                                    args.prompt_len + args.new_tokens))
 
 
-def make_sampler(model, batch: int, impl: str, args, continuous: bool = True) -> Sampler:
+def make_sampler(model, batch: int, impl: str, args, continuous: bool = True,
+                 shrink: bool = True) -> Sampler:
     budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb > 0 else None
     return Sampler(model, max_batch_size=batch, page_size=args.page_size,
                    decode_steps_per_call=args.steps_per_call, decode_attention=impl,
-                   kv_budget_bytes=budget, continuous=continuous,
+                   kv_budget_bytes=budget, continuous=continuous, shrink_batch=shrink,
                    prefill_ahead=not args.no_prefill_ahead,
                    refill_after=args.refill_after or None,
                    refill_queue=None if args.refill_queue < 0 else args.refill_queue)
@@ -413,13 +431,15 @@ def longtail_workload(model, batch: int, impl: str, args) -> dict:
     lengths = longtail_lengths(args, count)
     out = {"samples": count, "mean_length": float(np.mean(lengths)),
            "max_length": int(max(lengths))}
-    for mode, continuous in (("continuous", True), ("static", False)):
-        sampler = make_sampler(model, batch, impl, args, continuous)
+    for mode in args.tail_modes:
+        continuous, shrink = TAIL_MODES[mode]
+        sampler = make_sampler(model, batch, impl, args, continuous, shrink)
         stats = timed_generate(sampler, prompts, lengths, args)
         if stats["generated_tokens"] != sum(lengths):
             raise RuntimeError(f"{mode}: generated {stats['generated_tokens']} tokens, "
                                f"expected {sum(lengths)}")
         out[mode] = {"useful_tokens_per_s": stats["generated_tokens"] / stats["seconds"],
+                     "continuous": sampler.continuous, "shrink_batch": sampler.shrink_batch,
                      "stats": stats}
         if continuous:
             out["refill_after"] = sampler.refill_after
@@ -427,8 +447,10 @@ def longtail_workload(model, batch: int, impl: str, args) -> dict:
         if args.profile:  # where the continuous run's time goes beside the static one's
             out[mode]["profile"] = profile_generate(sampler, prompts, args,
                                                     f"longtail_b{batch}_{impl}_{mode}", lengths)
-    out["speedup_vs_static"] = (out["continuous"]["useful_tokens_per_s"]
-                                / out["static"]["useful_tokens_per_s"])
+    for mode in args.tail_modes:
+        if mode != "static":
+            out["speedup_vs_static" if mode == "continuous" else f"{mode}_vs_static"] = (
+                out[mode]["useful_tokens_per_s"] / out["static"]["useful_tokens_per_s"])
     return out
 
 
@@ -525,6 +547,11 @@ def print_table(results):
         else:
             cells += ["error" if t else "-"] + ["-"] * 4
         print(" | ".join(f"{c:>15}" for c in cells))
+        for mode in [m for m in t if m in TAIL_MODES and m not in ("continuous", "static")]:
+            if "error" not in t:
+                print(f"    tail {mode}: {t[mode]['useful_tokens_per_s']:.1f} tok/s, x static "
+                      f"{t[mode]['useful_tokens_per_s'] / t['static']['useful_tokens_per_s']:.2f}"
+                      f", {t[mode]['stats']['decode_rows']:.1f} rows a step")
     print("decode tok/s = generated / time in decode calls (fixed lengths, no stop); limit = B x "
           "copy bandwidth / (params + K/V at the live length); tail = long-tailed length "
           "schedule, useful tok/s = generated / generate() wall time, continuous vs static "

@@ -9,7 +9,8 @@ changed).
 Variants: continuous batching with each --refill-queue value (Sampler(refill_queue=); -1 = the
 Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
 (Sampler(decode_steps_per_call=), default 32), and static batching with --static
-(Sampler(continuous=False)). Workload: --samples prompts (default 4 x --batch) of --prompt-len
+(Sampler(continuous=False, shrink_batch=False), decode_throughput's baseline), and with
+--unshrunk continuous batching without shrink_batch (every decode call over all slots). Workload: --samples prompts (default 4 x --batch) of --prompt-len
 random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
 generate() per variant first (compiles; the compiled memory analysis of the programs it runs
@@ -55,6 +56,9 @@ def parse_args(argv=None):
                    help="Sampler(decode_steps_per_call=) of the continuous variants (each with "
                         "each --refill-queue); static batching takes the first")
     p.add_argument("--static", action="store_true", help="add static batching as a variant")
+    p.add_argument("--unshrunk", action="store_true",
+                   help="add continuous batching (refill_queue default, the first "
+                        "--steps-per-call) without shrink_batch: every decode call over all slots")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="sampler_ab.json")
     args = p.parse_args(argv)
@@ -87,8 +91,11 @@ def main(argv=None):
                 name += f", {steps} steps a call"
             variants[name] = Sampler(model, refill_queue=None if q < 0 else q,
                                      decode_steps_per_call=steps, **common)
+    if args.unshrunk:
+        variants["continuous, refill_queue default, shrink_batch off"] = Sampler(
+            model, shrink_batch=False, decode_steps_per_call=args.steps_per_call[0], **common)
     if args.static:
-        variants["static"] = Sampler(model, continuous=False,
+        variants["static"] = Sampler(model, continuous=False, shrink_batch=False,
                                      decode_steps_per_call=args.steps_per_call[0], **common)
     runs = {name: [] for name in variants}
     reference, memory, differing = None, {}, {}
@@ -117,6 +124,8 @@ def main(argv=None):
         tokens = stats[0]["generated_tokens"]
         rows.append({"variant": name, "refill_queue": variants[name].refill_queue,
                      "steps_per_call": variants[name].decode_steps_per_call,
+                     "shrink_batch": variants[name].shrink_batch,
+                     "decode_rows": stats[0]["decode_rows"],
                      "decode_calls": stats[0]["decode_calls"],
                      "decode_steps": stats[0]["decode_steps"],
                      "queue_refills": stats[0]["queue_refills"], "generated_tokens": tokens,
@@ -130,7 +139,8 @@ def main(argv=None):
         f"Long-tailed workload, {count} samples in {args.batch} slots, {args.preset} "
         f"{args.dtype}, interleaved x {args.repeats}, on {timing.device_description()}",
         [("variant", "variant", "50s"), ("calls", "decode_calls", "6d"),
-         ("steps", "decode_steps", "6d"), ("queued", "queue_refills", "7d"),
+         ("steps", "decode_steps", "6d"), ("rows", "decode_rows", "6.1f"),
+         ("queued", "queue_refills", "7d"),
          ("tok/s best", "tokens_per_s_best", "11.0f"),
          ("tok/s median", "tokens_per_s_median", "13.0f"),
          ("outside s", "outside_calls_s_median", "10.3f"),

@@ -18,6 +18,8 @@
 #   bash scripts/gpu_bench.sh paged decode_ref   # decode attention kernel sweep, jnp path (#15, #16)
 #   bash scripts/gpu_bench.sh profile            # decode device time by kernel (#15)
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
+#   bash scripts/gpu_bench.sh longtail_shrink    # long tail: continuous with / without shrink_batch,
+#                                                # static (TAIL_MODES, SHRINK_BATCHES) (#15)
 #   bash scripts/gpu_bench.sh profile_longtail   # long tail at batch 64, device time by kernel (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
@@ -35,6 +37,7 @@
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
 #   bash scripts/gpu_bench.sh longtail_ab        # batch 64: staging / none / static interleaved (#15)
+#   bash scripts/gpu_bench.sh shrink_ab          # batch 256, 64: shrink_batch / not / static interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
 #   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
 #                                                # page reader (the default "auto" is Mosaic on Hopper)
@@ -116,6 +119,14 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
         --output "$OUT/decode_throughput_longtail$SUFFIX.json" ;;
+    longtail_shrink)  # issue 15: the long-tailed workload, continuous batching with and without
+                      # shrink_batch (a draining batch runs only the rows it needs) against the
+                      # static baseline; TAIL_MODES adds static_shrunk
+      stage longtail_shrink 360 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch ${SHRINK_BATCHES:-64 256} --prompt-len 512 --new-tokens 1024 \
+        --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
+        --tail-modes ${TAIL_MODES:-continuous static continuous_unshrunk} \
+        --output "$OUT/decode_throughput_shrink$SUFFIX.json" ;;
     profile_longtail)  # issue 15: the long-tailed workload at batch 64, continuous and static,
                        # each traced once more: device time by kernel and kernel time vs wall
                        # (where continuous batching's extra time goes: calls, copies, prefill)
@@ -194,6 +205,14 @@ for s in "$@"; do
           --dtype bfloat16 --batch 64 --samples "$n" --prompt-len 512 --new-tokens 1024 \
           --decode-attention "$DECODE" --refill-queue -1 0 --static --repeats 2 \
           --out "$OUT/sampler_ab_$n$SUFFIX.json"
+      done ;;
+    shrink_ab)  # issue 15: the long tail (4 x B samples) with shrink_batch (the default), without,
+                # and static batching, interleaved in one process (benchmarks/sampler_ab.py)
+      for b in ${SHRINK_BATCHES:-256 64}; do
+        stage "shrink_ab_$b" 300 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-queue -1 --unshrunk --static --repeats 2 \
+          --out "$OUT/sampler_ab_shrink_$b$SUFFIX.json"
       done ;;
     longtail_steps)  # issue 15: the batch-64 long tail (256 and 768 samples) with samples staged
                      # at 32 (the default) and 64 decode steps a call, 16 (the default, slots //

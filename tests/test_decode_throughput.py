@@ -91,13 +91,14 @@ def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
     runs, every sample generated to its scheduled length, each with a --profile trace read."""
     import json
     out = tmp_path / "dt.json"
-    bench.main(["--preset", "tiny", "--batch", "4", "--prompt-len", "16", "--new-tokens", "16",
+    bench.main(["--preset", "tiny", "--batch", "16", "--prompt-len", "16", "--new-tokens", "16",
                 "--workload", "fixed", "longtail", "--hf", "never", "--repeats", "1",
+                "--tail-modes", "continuous", "static", "static_shrunk", "--steps-per-call", "4",
                 "--copy-mib", "8", "--profile", str(tmp_path / "profile"), "--output", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row["fixed"]["decode_tokens_per_s"] > 0
     assert row["fused_write"] is False  # tiny's 32-wide heads: no Mosaic kernel on any device
-    assert row["fixed"]["stats"]["generated_tokens"] == 4 * 16
+    assert row["fixed"]["stats"]["generated_tokens"] == 16 * 16
     tail = row["longtail"]
     for mode in ("continuous", "static"):
         stats = tail[mode]["stats"]
@@ -105,3 +106,14 @@ def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
         assert tail[mode]["profile"]["kernels"] and tail[mode]["profile"]["decode_steps"] >= 16
     assert tail["continuous"]["stats"]["decode_steps"] < tail["static"]["stats"]["decode_steps"]
     assert tail["speedup_vs_static"] > 0 and row["fixed"]["profile"]["kernels"]
+    # The baseline runs every step over every slot; static_shrunk is it with shrink_batch (the
+    # Sampler's default): its draining batches run 8 of the 16 slots, in as many steps.
+    modes = {m: (tail[m]["continuous"], tail[m]["shrink_batch"]) for m in bench.TAIL_MODES
+             if m in tail}
+    assert modes == {"continuous": (True, True), "static": (False, False),
+                     "static_shrunk": (False, True)}
+    assert tail["static"]["stats"]["decode_rows"] == 16 and "static_shrunk_vs_static" in tail
+    assert tail["static_shrunk"]["stats"]["decode_rows"] < 16
+    assert tail["static_shrunk"]["stats"]["decode_steps"] == tail["static"]["stats"]["decode_steps"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tail-modes", "continuous"])  # no baseline

@@ -13,10 +13,14 @@ def test_variants_interleave_and_agree(tmp_path):
     out = tmp_path / "ab.json"
     rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "32",
                        "--refill-queue", "0", "-1", "--steps-per-call", "32", "8", "--static",
-                       "--repeats", "2", "--out", str(out)])
-    unstaged, staged, unstaged_8, staged_8, static = rows
-    assert [r["refill_queue"] for r in rows] == [0, 2, 0, 2, 0]
-    assert [r["steps_per_call"] for r in rows] == [32, 32, 8, 8, 32]
+                       "--unshrunk", "--repeats", "2", "--out", str(out)])
+    unstaged, staged, unstaged_8, staged_8, unshrunk, static = rows
+    assert [r["refill_queue"] for r in rows] == [0, 2, 0, 2, 2, 0]
+    assert [r["steps_per_call"] for r in rows] == [32, 32, 8, 8, 32, 32]
+    assert [r["shrink_batch"] for r in rows] == [True] * 4 + [False] * 2
+    # 8 slots: no smaller row bucket (SHRINK_MIN_ROWS), so every call runs all of them
+    assert [r["decode_rows"] for r in rows] == [8] * 6
+    assert unshrunk["decode_steps"] == staged["decode_steps"]
     assert unstaged["queue_refills"] == 0 < staged["queue_refills"]
     assert staged["decode_calls"] < unstaged["decode_calls"]
     assert staged["decode_steps"] <= unstaged["decode_steps"] < static["decode_steps"]
@@ -25,7 +29,7 @@ def test_variants_interleave_and_agree(tmp_path):
         assert short["decode_calls"] >= short["decode_steps"] / 8
         assert short["decode_calls"] > long["decode_calls"]
     assert len({r["generated_tokens"] for r in rows}) == 1
-    assert [r["samples_differing"] for r in rows] == [0] * 5  # the CPU: scheduling changes nothing
+    assert [r["samples_differing"] for r in rows] == [0] * 6  # the CPU: scheduling changes nothing
     assert all(len(r["seconds"]) == 2 and r["tokens_per_s_best"] > 0 for r in rows)
     assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0 for r in rows)
-    assert len(json.loads(out.read_text())["results"]) == 5
+    assert len(json.loads(out.read_text())["results"]) == 6

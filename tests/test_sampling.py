@@ -233,6 +233,68 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
         stats["prefill_calls"], one_by_one.stats["prefill_calls"])
 
 
+def test_shrink_buckets():
+    """The rows per batch shard a shrunk decode call may run: the shard's slots, halved (rounded
+    up) while all shards together keep >= SHRINK_MIN_ROWS (8) rows."""
+    from delta_jax.sampling.scheduler import SHRINK_MIN_ROWS, shrink_buckets
+    assert SHRINK_MIN_ROWS == 8
+    assert shrink_buckets(128) == (8, 16, 32, 64, 128)
+    assert shrink_buckets(16) == (8, 16)
+    assert shrink_buckets(100) == (13, 25, 50, 100)
+    assert shrink_buckets(8) == (8,) and shrink_buckets(12) == (12,)  # 6 rows: under 8
+    assert shrink_buckets(7) == (7,)
+    assert shrink_buckets(12, 8) == (1, 2, 3, 6, 12)  # 8 shards: >= 1 row each
+    assert shrink_buckets(2, 8) == (1, 2) and shrink_buckets(2, 4) == (2,)
+    assert Sampler.__init__.__kwdefaults__["shrink_batch"] is True
+
+
+def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
+    """shrink_batch (the default): once no sample waits, each decode call runs the smallest
+    bucket of rows (16 or 8 of 16 slots) that holds the live samples, live slots first; the
+    long-tailed case gives the same tokens, log-probs and decode steps as every call over all
+    16 slots, continuous and static."""
+    from delta_jax.sampling import scheduler
+    calls = []
+    decode = scheduler.programs.decode
+
+    def recorded(graphdef, state, layers, cache, slots, queue, *args, **kwargs):
+        active = np.asarray(slots.active)
+        calls.append((len(active), int(active.sum()), bool(np.asarray(queue.active).any()),
+                      active.tolist()))
+        return decode(graphdef, state, layers, cache, slots, queue, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler.programs, "decode", recorded)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(24)]
+    kwargs = dict(n=4, temperature=1.0, max_new_tokens=64, stop_token_ids=tuple(range(1, 21)),
+                  seed=3)
+    runs = {}
+    for continuous in (True, False):
+        for shrink in (True, False):
+            calls.clear()
+            out = Sampler(tiny_model, max_batch_size=16, continuous=continuous,
+                          shrink_batch=shrink).generate(prompts, **kwargs)
+            runs[continuous, shrink] = out, list(calls)
+    for continuous in (True, False):
+        (out, calls_shrunk), (full, calls_full) = runs[continuous, True], runs[continuous, False]
+        assert out.response_ids == full.response_ids and out.truncated == full.truncated
+        np.testing.assert_allclose(np.concatenate(sum(out.logprobs, [])),
+                                   np.concatenate(sum(full.logprobs, [])), atol=1e-5)
+        assert out.stats["decode_steps"] == full.stats["decode_steps"]
+        assert all(rows == 16 for rows, *_ in calls_full) and full.stats["shrunk_calls"] == 0
+        assert full.stats["decode_rows"] == 16
+        shrunk = [c for c in calls_shrunk if c[0] < 16]
+        assert len(shrunk) == out.stats["shrunk_calls"] > 0, out.stats
+        for rows, live, queued, active in shrunk:
+            assert rows == 8 and live <= 8 and not queued
+            assert active == sorted(active, reverse=True)  # live rows first
+        # A call over all 16 slots while at most 8 samples live had samples waiting (or staged)
+        # to take the free slots, which only happens with continuous batching.
+        assert all(live > 8 or continuous for rows, live, _, _ in calls_shrunk if rows == 16)
+        assert out.stats["decode_rows"] < 16
+    assert runs[True, True][0].response_ids == runs[False, True][0].response_ids
+
+
 def test_kv_budget_is_checked_before_generating(tiny_model):
     cfg = tiny_model.cfg
     plan = plan_kv(cfg, slots=4, prompt_len=30, max_new_tokens=40, page_size=8)
@@ -393,6 +455,18 @@ def test_sharded_batch_matches_single_device(tiny_model, sampler):
     assert staged.stats["queue_refills"] > 0 and staged.response_ids == ref.response_ids
     np.testing.assert_allclose(np.concatenate(sum(staged.logprobs, [])),
                                np.concatenate(sum(ref.logprobs, [])), atol=1e-5)
+    # Four slots per shard, a prompt's 3 samples on one shard, 2 steps a call, ragged lengths
+    # (stop ids 1..59): once two or fewer live on every shard, calls run 2 rows (or 1) per
+    # shard, each shard's own (the pages they read are the shard's): the same tokens.
+    ragged = dict(kwargs, max_new_tokens=16, stop_token_ids=tuple(range(1, 60)))
+    ragged_ref = sampler.generate(PROMPTS, **ragged)
+    shrunk = Sampler(tiny_model, max_batch_size=32, mesh=mesh,
+                     decode_steps_per_call=2).generate(PROMPTS, **ragged)
+    assert shrunk.stats["shrunk_calls"] > 0 and shrunk.stats["decode_rows"] < 32, shrunk.stats
+    assert len(set(map(len, sum(shrunk.response_ids, [])))) > 3  # ragged
+    assert shrunk.response_ids == ragged_ref.response_ids
+    np.testing.assert_allclose(np.concatenate(sum(shrunk.logprobs, [])),
+                               np.concatenate(sum(ragged_ref.logprobs, [])), atol=1e-5)
     # One slot per shard (a prompt's samples on several shards: prefilled on each), 4-token
     # pages, 2 steps per call and 6 pages per shard (samples preempted and restarted), KV heads
     # over tensor=2: the same tokens.

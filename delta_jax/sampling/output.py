@@ -47,9 +47,11 @@ class GenerationOutput:
       old-policy pass recomputes). Equal to logprobs when nothing is filtered.
     response_lengths[i][j]: int. truncated[i][j]: True when max_new_tokens was reached without a
       stop token. texts[i][j]: decoded responses (stop token dropped) when a tokenizer was given.
-    stats: counters of the run: decode_steps (decode steps run, each for all slots at once),
-      generated_tokens, slot_utilization (mean fraction of slots holding a live sample per
-      decode step = generated_tokens / (decode_steps * slots)), slots, decode_calls,
+    stats: counters of the run: decode_steps (decode steps run, each for all slots at once, or
+      for the rows a shrunk call runs), generated_tokens, slot_utilization (mean fraction of
+      slots holding a live sample per decode step = generated_tokens / (decode_steps * slots)),
+      slots, decode_rows (mean rows a decode step ran: slots unless calls were shrunk),
+      shrunk_calls (decode calls that ran fewer rows than slots: Sampler shrink_batch), decode_calls,
       prefill_calls, prefilled_prompts, preemptions, kv_pages / kv_page_size / kv_bytes (the page
       pool), prefill_seconds / decode_seconds (wall time in those programs, synchronised; a
       refill's page copies run unsynchronised before the next decode call and count in its

@@ -21,7 +21,10 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   tokens split by the per-step owner record), frees the finished samples' pages, admits and
   stages waiting samples, and gives live samples the pages the next call may write (no host sync
   per token). Every decode call takes the same copy of the layer weights, made once per
-  generate() (programs.decode_layers).
+  generate() (programs.decode_layers). Once no sample can take a slot during a call (none
+  staged or waiting, or a static batch), the call runs only the live slots' rows, padded to the
+  smallest row bucket that holds them (shrink_batch): the tail of a run does not pay for empty
+  slots.
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted and restarted later.
@@ -67,6 +70,20 @@ log = logging.getLogger("delta_jax.sampling")
 DEFAULT_BATCH_AXES = tuple(sharding_lib.DEFAULT_RULES["batch"])  # ("data", "fsdp")
 # Tokens (rows x bucketed length) per prefill call, at most (one prompt at least).
 MAX_PREFILL_TOKENS = 32768
+# The fewest rows (over all batch shards) a shrunk decode call runs (Sampler shrink_batch): below
+# this a step's cost hardly falls with its rows, and each row count is one more compile.
+SHRINK_MIN_ROWS = 8
+
+
+def shrink_buckets(per_shard: int, shards: int = 1) -> tuple:
+    """The rows per batch shard a decode call may run (Sampler shrink_batch), ascending:
+    per_shard, then halved (rounded up) while the shards' rows together stay >= SHRINK_MIN_ROWS
+    (per_shard itself always)."""
+    smallest = max(1, -(-SHRINK_MIN_ROWS // shards))
+    sizes = [per_shard]
+    while sizes[-1] > 1 and -(-sizes[-1] // 2) >= smallest:
+        sizes.append(-(-sizes[-1] // 2))
+    return tuple(sorted(sizes))
 
 
 @dataclasses.dataclass
@@ -133,6 +150,14 @@ class Sampler:
       Default max(1, slots // 16): each call costs the device about a decode step of idle time
       (the host's work between calls), each slot left free until then a share of a step. Never
       changes the tokens.
+    shrink_batch: once no sample can take a slot during a decode call (none staged and none
+      waiting, or a static batch draining), the call runs only the rows it needs: each batch
+      shard's live samples in the smallest of its slots, slots / 2, slots / 4, ... (at least
+      SHRINK_MIN_ROWS rows in all) that holds them, each row count a program of its own. So the
+      tail of a generate(), where the last long samples run alone, does not pay for empty slots:
+      their rows still go through every matmul, norm and sampling draw of a step. Default True;
+      False runs every call on all slots (the static baseline of the benchmarks). Never changes
+      the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -143,7 +168,7 @@ class Sampler:
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
                  decode_attention: str = "auto", continuous: bool = True,
                  prefill_ahead: bool = True, refill_after: Optional[int] = None,
-                 refill_queue: Optional[int] = None):
+                 refill_queue: Optional[int] = None, shrink_batch: bool = True):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -213,6 +238,9 @@ class Sampler:
         queued = max(1, self.num_slots // 4) if refill_queue is None else refill_queue
         self.refill_queue = queued if self.continuous else 0
         self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
+        self.shrink_batch = bool(shrink_batch)
+        self.row_buckets = shrink_buckets(self.num_slots // self._batch_shards,
+                                          self._batch_shards) if self.shrink_batch else ()
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -364,7 +392,9 @@ class Sampler:
             texts=texts,
             stats={"decode_steps": run.decode_steps, "generated_tokens": generated,
                    "slot_utilization": generated / max(1, run.decode_steps * self.num_slots),
-                   "slots": self.num_slots, "decode_calls": run.decode_calls,
+                   "slots": self.num_slots,
+                   "decode_rows": run.row_steps / max(1, run.decode_steps),
+                   "shrunk_calls": run.shrunk_calls, "decode_calls": run.decode_calls,
                    "prefill_calls": run.prefill_calls, "prefilled_prompts": run.prefilled,
                    "preemptions": run.preemptions, "queue_refills": run.queue_refills,
                    "kv_pages": plan.num_pages,
@@ -387,6 +417,13 @@ class Sampler:
         # Fixed small length (padded with -1, which no token equals) so the set is not a shape.
         width = bucket_size(len(ids), 4)
         return np.asarray(ids + [-1] * (width - len(ids)), np.int32)
+
+
+def _spread(rows: np.ndarray, slots: np.ndarray, num_slots: int, fill) -> np.ndarray:
+    """[num_slots, ...]: rows[i] at slots[i], `fill` elsewhere (a shrunk call's outputs)."""
+    out = np.full((num_slots,) + rows.shape[1:], fill, rows.dtype)
+    out[slots] = rows
+    return out
 
 
 class _Run:
@@ -419,6 +456,7 @@ class _Run:
         self.admissions = 0
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = self.queue_refills = 0
+        self.row_steps = self.shrunk_calls = 0  # decode steps x the rows each ran; calls shrunk
         self.prefill_seconds = self.decode_seconds = 0.0
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
         # pages, advanced and removed (not rebuilt from the samples every call); a free slot's
@@ -770,6 +808,24 @@ class _Run:
         return programs.Rows(tables, token, length, generated, active, prompt_index,
                              sample_index, limit), queued
 
+    def _rows_to_run(self) -> Optional[np.ndarray]:
+        """The slots the next decode call runs, in the order of its rows, or None for all of them
+        (Sampler shrink_batch). Fewer only when no sample can take a slot during the call (none
+        staged; none waiting, or a static batch): then each batch shard's live slots (in slot
+        order) and after them its first free ones, as many rows per shard as the smallest of
+        Sampler.row_buckets that holds every shard's live samples. A shard's rows stay its own
+        (shard b's rows are the call's b-th block), and so do the pages they read."""
+        s = self.s
+        if not s.row_buckets or any(self.staged) or (self.waiting and s.continuous):
+            return None
+        active = self.active.reshape(self.num_shards, self.per_shard)
+        need = int(active.sum(axis=1).max())
+        rows = next(b for b in s.row_buckets if b >= need)
+        if rows >= self.per_shard:
+            return None
+        order = np.argsort(~active, axis=1, kind="stable")[:, :rows]  # live first
+        return (order + np.arange(self.num_shards)[:, None] * self.per_shard).reshape(-1)
+
     def decode(self):
         s = self.s
         if not self.active.any():
@@ -778,6 +834,9 @@ class _Run:
         exit_after = min(s.refill_after, len(self.waiting)) if refill else len(self.slots) + 1
         slot_rows = programs.Rows(self.tables, self.token, self.length, self.generated,
                                   self.active, self.prompt_index, self.sample_index, self.limit)
+        run_rows = self._rows_to_run()
+        if run_rows is not None:  # a shrunk call: those slots' rows only
+            slot_rows = programs.Rows(*(a[run_rows] for a in slot_rows))
         queue_rows, queued = self._queue_rows()
         start = time.perf_counter()
         out = programs.decode(
@@ -796,6 +855,12 @@ class _Run:
         steps = int(steps)
         self.decode_steps += steps
         self.decode_calls += 1
+        self.row_steps += steps * len(slot_rows.token)
+        if run_rows is not None:  # back to one row per slot; the others held no sample (-2)
+            self.shrunk_calls += 1
+            toks, logp, tlogp, owner = (_spread(x, run_rows, len(self.slots), fill)
+                                        for x, fill in ((toks, s.pad_id), (logp, 0.0),
+                                                        (tlogp, 0.0), (owner, -2)))
         owner = owner[:, :steps]
         live = np.flatnonzero(self.active)
         refilled = (owner[live] >= 0).any(axis=1)

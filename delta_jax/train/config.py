@@ -156,6 +156,9 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.kv_budget_gb = 0.0
     c.rollout.decode_steps_per_call = 32
     c.rollout.decode_attention = "auto"
+    # Once no sample waits for a slot, decode calls run only the rows the live samples need (the
+    # smallest of slots, slots / 2, ... that holds them; Sampler shrink_batch): same tokens.
+    c.rollout.shrink_batch = True
 
     c.rewards = config_dict.ConfigDict()
     c.rewards.name = "math"
@@ -531,7 +534,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "train.export_final", "train.progress_bar", "train.allow_config_change",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
-                    "rollout.decode_attention")
+                    "rollout.decode_attention", "rollout.shrink_batch")
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 
