@@ -134,8 +134,8 @@ class Sampler:
       K / V page writes inside it, by name; "tpu": pallas.ops' TPU paged attention, by name; see
       attention.resolve_decode_impl). decode_impl: the one that runs.
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
-      batches (new samples only once every slot is free: the baseline that benchmarks compare
-      against).
+      batches (new samples only once every slot is free; with shrink_batch=False, every step
+      over every slot: the baseline that benchmarks compare against).
     prefill_ahead: when a refill prefills prompts anyway, the same call also prefills the next
       waiting prompts up to its row capacity (continuous batching only), while the pool keeps
       room for every live sample's longest continuation plus one more sample: fewer, fuller
