@@ -293,6 +293,15 @@ def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
         assert all(live > 8 or continuous for rows, live, _, _ in calls_shrunk if rows == 16)
         assert out.stats["decode_rows"] < 16
     assert runs[True, True][0].response_ids == runs[False, True][0].response_ids
+    # With a KV budget that preempts samples (they wait again, so calls run every slot until
+    # the pool has room for all that are left), 4-token pages and 3 steps a call: the same.
+    page = models.page_bytes(tiny_model.cfg, 4)
+    tight = Sampler(tiny_model, max_batch_size=16, page_size=4, decode_steps_per_call=3,
+                    kv_budget_bytes=40 * page).generate(prompts[:12], **kwargs)
+    assert tight.stats["preemptions"] > 0 and tight.stats["shrunk_calls"] > 0, tight.stats
+    ref = Sampler(tiny_model, max_batch_size=16, shrink_batch=False).generate(prompts[:12],
+                                                                              **kwargs)
+    assert tight.response_ids == ref.response_ids
 
 
 def test_kv_budget_is_checked_before_generating(tiny_model):
