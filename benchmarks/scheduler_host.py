@@ -23,9 +23,10 @@ reached its limit, and returns when exit_after samples finished with none staged
 none is live, or its num_steps ran out (what programs.decode does on a device); prefill and the
 page copy return the cache as it is, and the pool is one page a layer. Tokens are not
 meaningful.
-Reported per (slots, samples, refill_after, refill_queue): decode calls, decode steps, prefill
-calls, slot utilization, and the host's seconds per generate() (best of --repeats; the
-stand-in decode's own time left out) and per decode call.
+Reported per (slots, samples, refill_after, refill_queue): decode calls, decode steps, the mean
+rows a step ran and the steps run at each row count (Sampler shrink_batch), prefill calls, slot
+utilization, and the host's seconds per generate() (best of --repeats; the stand-in decode's own
+time left out) and per decode call.
 """
 from __future__ import annotations
 
@@ -99,12 +100,13 @@ def stand_in_decode(graphdef, state, layers, cache, slots, queue, seed, stop_ids
 
 
 @contextlib.contextmanager
-def stand_in_programs(decode_seconds: list = None):
+def stand_in_programs(decode_seconds: list = None, call_rows: list = None):
     """Within the block the Sampler's device programs are stand_in_decode and no-op layer
     slicing, prefill and page copy, and each generate()'s page pool is one page a layer (nothing
     reads it; zeroing the real pool is device work on a GPU, a large memset of host memory
     here). decode_seconds: a list the time spent in stand_in_decode (the device's work, not the
-    host's) is appended to."""
+    host's) is appended to; call_rows: a list each decode call's (rows, steps) is appended to
+    (rows: the slots it ran, fewer than all once Sampler shrink_batch shrinks it)."""
     names = ("decode", "decode_layers", "prefill", "copy_pages")
     saved = {name: getattr(sampling_programs, name) for name in names}
     init_cache = models.init_paged_cache
@@ -114,6 +116,8 @@ def stand_in_programs(decode_seconds: list = None):
         out = stand_in_decode(*a, **k)
         if decode_seconds is not None:
             decode_seconds.append(time.perf_counter() - start)
+        if call_rows is not None:
+            call_rows.append((len(out[1]), int(out[-1])))
         return out
     sampling_programs.decode = timed_decode
     sampling_programs.decode_layers = lambda graphdef, state: ()
@@ -143,18 +147,23 @@ def run_point(model, slots: int, samples: int, refill_after: int, refill_queue: 
     kwargs = dict(n=1, temperature=1.0, max_new_tokens=lengths, stop_token_ids=(), seed=0)
     best = None
     for _ in range(max(1, args.repeats) + 1):  # the first builds the pool's zeros
-        stand_in = []
-        with stand_in_programs(stand_in):
+        stand_in, call_rows = [], []
+        with stand_in_programs(stand_in, call_rows):
             stats = sampler.generate(prompts, **kwargs).stats
         stats["seconds"] -= sum(stand_in)  # the host's own time
         if best is None or stats["seconds"] < best["seconds"]:
             best = stats
+    steps_by_rows = {}  # the same every run: the schedule does not depend on timing
+    for rows, steps in call_rows:
+        steps_by_rows[rows] = steps_by_rows.get(rows, 0) + steps
     if best["generated_tokens"] != sum(lengths):
         raise RuntimeError(f"generated {best['generated_tokens']}, expected {sum(lengths)}")
     return {"slots": slots, "samples": samples, "refill_after": sampler.refill_after,
             "refill_queue": sampler.refill_queue, "queue_refills": best["queue_refills"],
             "decode_calls": best["decode_calls"], "decode_steps": best["decode_steps"],
             "prefill_calls": best["prefill_calls"], "slot_utilization": best["slot_utilization"],
+            "decode_rows": best["decode_rows"], "shrunk_calls": best["shrunk_calls"],
+            "steps_by_rows": dict(sorted(steps_by_rows.items(), reverse=True)),
             "host_seconds": best["seconds"],
             "host_ms_per_call": 1e3 * best["seconds"] / max(1, best["decode_calls"])}
 
@@ -177,9 +186,13 @@ def main(argv=None):
         [("slots", "slots", "6d"), ("samples", "samples", "8d"),
          ("refill_after", "refill_after", "13d"), ("queue", "refill_queue", "6d"),
          ("calls", "decode_calls", "6d"),
-         ("steps", "decode_steps", "6d"), ("prefills", "prefill_calls", "9d"),
+         ("steps", "decode_steps", "6d"), ("rows", "decode_rows", "6.1f"),
+         ("prefills", "prefill_calls", "9d"),
          ("util", "slot_utilization", "6.3f"), ("host s", "host_seconds", "7.3f"),
          ("host ms/call", "host_ms_per_call", "13.2f")], rows)
+    for r in rows:
+        print(f"{r['slots']} slots, {r['samples']} samples: decode steps by rows "
+              + ", ".join(f"{rows} rows {steps}" for rows, steps in r["steps_by_rows"].items()))
     return rows
 
 

@@ -31,7 +31,8 @@ def test_stand_ins_reproduce_the_real_call_pattern():
     with bench.stand_in_programs():
         stood_in = sampler.generate(prompts, **kwargs).stats
     keys = ("decode_calls", "decode_steps", "prefill_calls", "prefilled_prompts",
-            "generated_tokens", "slot_utilization", "queue_refills")
+            "generated_tokens", "slot_utilization", "queue_refills", "decode_rows",
+            "shrunk_calls")
     assert {k: stood_in[k] for k in keys} == {k: real[k] for k in keys}
     assert real["decode_calls"] > real["decode_steps"] / 4  # calls ended early for refills
     assert real["queue_refills"] > 0
@@ -49,4 +50,10 @@ def test_sweep_trades_calls_for_steps(tmp_path):
     assert four["decode_steps"] >= one["decode_steps"]
     assert default["refill_after"] == 2
     assert all(r["decode_calls"] > 0 and r["host_seconds"] > 0 for r in rows)
+    # 32 slots: as the batch drains, calls run 16 or 8 rows (Sampler shrink_batch)
+    for r in rows:
+        by_rows = r["steps_by_rows"]
+        assert set(by_rows) <= {32, 16, 8} and min(by_rows) < 32, by_rows
+        assert sum(by_rows.values()) == r["decode_steps"]
+        assert r["decode_rows"] == sum(k * v for k, v in by_rows.items()) / r["decode_steps"]
     assert len(json.loads(out.read_text())["results"]) == 3
