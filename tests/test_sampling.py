@@ -233,27 +233,14 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
         stats["prefill_calls"], one_by_one.stats["prefill_calls"])
 
 
-def test_shrink_buckets():
-    """The rows per batch shard a shrunk decode call may run: the shard's slots, halved (rounded
-    up) while all shards together keep >= SHRINK_MIN_ROWS (8) rows."""
-    from delta_jax.sampling.scheduler import SHRINK_MIN_ROWS, shrink_buckets
-    assert SHRINK_MIN_ROWS == 8
-    assert shrink_buckets(128) == (8, 16, 32, 64, 128)
-    assert shrink_buckets(16) == (8, 16)
-    assert shrink_buckets(100) == (13, 25, 50, 100)
-    assert shrink_buckets(8) == (8,) and shrink_buckets(12) == (12,)  # 6 rows: under 8
-    assert shrink_buckets(7) == (7,)
-    assert shrink_buckets(12, 8) == (1, 2, 3, 6, 12)  # 8 shards: >= 1 row each
-    assert shrink_buckets(2, 8) == (1, 2) and shrink_buckets(2, 4) == (2,)
-    assert Sampler.__init__.__kwdefaults__["shrink_batch"] is True
-
-
 def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
-    """shrink_batch (the default): once no sample waits, each decode call runs the smallest
-    bucket of rows (16 or 8 of 16 slots) that holds the live samples, live slots first; the
-    long-tailed case gives the same tokens, log-probs and decode steps as every call over all
-    16 slots, continuous and static."""
+    """shrink_batch (the default): once no sample waits, each decode call runs the live samples
+    in the smallest power of two of rows, at least 8 (SHRINK_MIN_ROWS), that holds them when
+    that is fewer than the 16 slots, live slots first; the long-tailed case gives the same
+    tokens, log-probs and decode steps as every call over all 16 slots, continuous and static."""
     from delta_jax.sampling import scheduler
+    assert scheduler.SHRINK_MIN_ROWS == 8
+    assert Sampler.__init__.__kwdefaults__["shrink_batch"] is True
     calls = []
     decode = scheduler.programs.decode
 
@@ -293,6 +280,14 @@ def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
         assert all(live > 8 or continuous for rows, live, _, _ in calls_shrunk if rows == 16)
         assert out.stats["decode_rows"] < 16
     assert runs[True, True][0].response_ids == runs[False, True][0].response_ids
+    # 12 slots (not a power of two), 4 steps a call: calls shrink to 8 rows once 8 or fewer
+    # samples live.
+    calls.clear()
+    twelve = Sampler(tiny_model, max_batch_size=12, decode_steps_per_call=4).generate(prompts,
+                                                                                     **kwargs)
+    assert twelve.response_ids == runs[True, True][0].response_ids
+    assert {rows for rows, *_ in calls} == {12, 8} and twelve.stats["shrunk_calls"] > 0
+    assert all(live <= 8 for rows, live, _, _ in calls if rows == 8)
     # With a KV budget that preempts samples (they wait again, so calls run every slot until
     # the pool has room for all that are left), 4-token pages and 3 steps a call: the same.
     page = models.page_bytes(tiny_model.cfg, 4)

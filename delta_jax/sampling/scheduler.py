@@ -23,8 +23,8 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   per token). Every decode call takes the same copy of the layer weights, made once per
   generate() (programs.decode_layers). Once no sample can take a slot during a call (none
   staged or waiting, or a static batch), the call runs only the live slots' rows, padded to the
-  smallest row bucket that holds them (shrink_batch): the tail of a run does not pay for empty
-  slots.
+  smallest power of two that holds them (shrink_batch): the tail of a run does not pay for
+  empty slots.
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted and restarted later.
@@ -73,17 +73,6 @@ MAX_PREFILL_TOKENS = 32768
 # The fewest rows (over all batch shards) a shrunk decode call runs (Sampler shrink_batch): below
 # this a step's cost hardly falls with its rows, and each row count is one more compile.
 SHRINK_MIN_ROWS = 8
-
-
-def shrink_buckets(per_shard: int, shards: int = 1) -> tuple:
-    """The rows per batch shard a decode call may run (Sampler shrink_batch), ascending:
-    per_shard, then halved (rounded up) while the shards' rows together stay >= SHRINK_MIN_ROWS
-    (per_shard itself always)."""
-    smallest = max(1, -(-SHRINK_MIN_ROWS // shards))
-    sizes = [per_shard]
-    while sizes[-1] > 1 and -(-sizes[-1] // 2) >= smallest:
-        sizes.append(-(-sizes[-1] // 2))
-    return tuple(sorted(sizes))
 
 
 @dataclasses.dataclass
@@ -152,8 +141,9 @@ class Sampler:
       changes the tokens.
     shrink_batch: once no sample can take a slot during a decode call (none staged and none
       waiting, or a static batch draining), the call runs only the rows it needs: each batch
-      shard's live samples in the smallest of its slots, slots / 2, slots / 4, ... (at least
-      SHRINK_MIN_ROWS rows in all) that holds them, each row count a program of its own. So the
+      shard's live samples in the smallest power of two of rows that holds them (bucket_size;
+      at least SHRINK_MIN_ROWS rows in all), when that is fewer than the shard's slots, each row
+      count a program of its own. So the
       tail of a generate(), where the last long samples run alone, does not pay for empty slots:
       their rows still go through every matmul, norm and sampling draw of a step. Default True;
       False runs every call on all slots (the static baseline of the benchmarks). Never changes
@@ -239,8 +229,6 @@ class Sampler:
         self.refill_queue = queued if self.continuous else 0
         self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
         self.shrink_batch = bool(shrink_batch)
-        self.row_buckets = shrink_buckets(self.num_slots // self._batch_shards,
-                                          self._batch_shards) if self.shrink_batch else ()
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -812,15 +800,16 @@ class _Run:
         """The slots the next decode call runs, in the order of its rows, or None for all of them
         (Sampler shrink_batch). Fewer only when no sample can take a slot during the call (none
         staged; none waiting, or a static batch): then each batch shard's live slots (in slot
-        order) and after them its first free ones, as many rows per shard as the smallest of
-        Sampler.row_buckets that holds every shard's live samples. A shard's rows stay its own
-        (shard b's rows are the call's b-th block), and so do the pages they read."""
+        order) and after them its first free ones, as many rows per shard as the smallest power
+        of two that holds every shard's live samples (together at least SHRINK_MIN_ROWS), when
+        that is fewer than its slots. A shard's rows stay its own (shard b's rows are the
+        call's b-th block), and so do the pages they read."""
         s = self.s
-        if not s.row_buckets or any(self.staged) or (self.waiting and s.continuous):
+        if not s.shrink_batch or any(self.staged) or (self.waiting and s.continuous):
             return None
         active = self.active.reshape(self.num_shards, self.per_shard)
-        need = int(active.sum(axis=1).max())
-        rows = next(b for b in s.row_buckets if b >= need)
+        rows = bucket_size(int(active.sum(axis=1).max()),
+                           -(-SHRINK_MIN_ROWS // self.num_shards))
         if rows >= self.per_shard:
             return None
         order = np.argsort(~active, axis=1, kind="stable")[:, :rows]  # live first

@@ -157,7 +157,7 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.decode_steps_per_call = 32
     c.rollout.decode_attention = "auto"
     # Once no sample waits for a slot, decode calls run only the rows the live samples need (the
-    # smallest of slots, slots / 2, ... that holds them; Sampler shrink_batch): same tokens.
+    # smallest power of two of rows, >= 8, that holds them; Sampler shrink_batch): same tokens.
     c.rollout.shrink_batch = True
 
     c.rewards = config_dict.ConfigDict()
