@@ -10,8 +10,8 @@ Variants: continuous batching with each --refill-queue value (Sampler(refill_que
 Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
 (Sampler(decode_steps_per_call=), default 32), and static batching with --static
 (Sampler(continuous=False, shrink_batch=False), decode_throughput's baseline), and with
---unshrunk continuous batching without shrink_batch (every decode call over all slots). Workload: --samples prompts (default 4 x --batch) of --prompt-len
-random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
+--unshrunk continuous batching without shrink_batch (every decode call over all slots).
+Workload: --samples prompts (default 4 x --batch) of --prompt-len random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
 generate() per variant first (compiles; the compiled memory analysis of the programs it runs
 is printed and stored). Reported per variant: decode calls and steps, samples

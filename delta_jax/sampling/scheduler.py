@@ -143,11 +143,10 @@ class Sampler:
       waiting, or a static batch draining), the call runs only the rows it needs: each batch
       shard's live samples in the smallest power of two of rows that holds them (bucket_size;
       at least SHRINK_MIN_ROWS rows in all), when that is fewer than the shard's slots, each row
-      count a program of its own. So the
-      tail of a generate(), where the last long samples run alone, does not pay for empty slots:
-      their rows still go through every matmul, norm and sampling draw of a step. Default True;
-      False runs every call on all slots (the static baseline of the benchmarks). Never changes
-      the tokens.
+      count a program of its own. So the tail of a generate(), where the last long samples run
+      alone, does not pay for empty slots: their rows still go through every matmul, norm and
+      sampling draw of a step. Default True; False runs every call on all slots (the static
+      baseline of the benchmarks). Never changes the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
