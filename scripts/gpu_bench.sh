@@ -51,8 +51,16 @@
 # since 2026-11-26); their JSON files then end in _mosaic, _reference.
 # Each stage has its own time limit (seconds, STAGE_LIMIT_<stage> overrides) so one slow stage
 # cannot take the others' time; a stage that fails or times out is logged and the next one runs.
+# DRY_RUN=1 prints each stage's command line and runs nothing (no install, no GPU, no $OUT):
+# tests/test_gpu_bench.py parses every stage's command against its script's arguments on the
+# CPU, so a stale flag fails there rather than in a device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${DRY_RUN:-}" ]; then
+  stage() { local name=$1 limit=$2; shift 2; echo "=== stage $name (limit ${limit}s): $(printf '%q ' "$@")"; }
+  OUT=${OUT:-/nonexistent/gpu_out}; LOG=/dev/null; DECODE=${DECODE_ATTENTION:-auto}
+  SUFFIX=$([ "$DECODE" = auto ] || echo "_$DECODE"); TOK=""
+else
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_bench.log"
@@ -93,6 +101,7 @@ stage() {  # [STAGE_SIGNAL=INT] stage NAME DEFAULT_LIMIT CMD...: at the limit CM
   timeout -s "${STAGE_SIGNAL:-TERM}" --kill-after=30 "$limit" "$@" 2>&1 | tee -a "$LOG"
   echo "=== stage $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
 }
+fi
 
 for s in "$@"; do
   case $s in
@@ -455,7 +464,7 @@ for s in "$@"; do
 done
 # A device call returns at most 8 files: BUNDLE=1 packs every result but the log into one
 # (gpu_bench_results.tar.gz; the eighth run's call 1 wrote 15 files and was packed by hand).
-if [ -n "${BUNDLE:-}" ]; then
+if [ -n "${BUNDLE:-}" ] && [ -z "${DRY_RUN:-}" ]; then
   (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name gpu_bench.log \
      ! -name gpu_bench_results.tar.gz -printf '%P\n' | sort > /tmp/gpu_bench_bundle.txt
    [ -s /tmp/gpu_bench_bundle.txt ] && tar czf gpu_bench_results.tar.gz -T /tmp/gpu_bench_bundle.txt \

@@ -1,0 +1,170 @@
+"""scripts/gpu_bench.sh: every stage's command lines, printed by its DRY_RUN mode, name scripts,
+configs and test files that exist and arguments that those scripts' parsers accept, so a flag
+renamed in a benchmark (or a stage's typo) fails here on the CPU instead of in a device call,
+whose time is scarce (the eighth GPU run lost a call to the script itself). The XLA flag names of
+the decode_flags variants are not checked here: XLA aborts on an unknown one, and only the GPU
+image's jaxlib knows them (checked by hand with scripts/gpu_jax_check.sh's venv)."""
+import argparse
+import importlib
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_bench.sh"
+STAGE_LINE = re.compile(r"^=== stage (\S+) \(limit (\d+)s\): (.*)$")
+
+
+def stage_names() -> list:
+    """The stages gpu_bench.sh's case statement takes (each alternative of a pattern)."""
+    names = []
+    for line in SCRIPT.read_text().splitlines():
+        m = re.match(r"^    ([a-z][a-z0-9_|-]*)\)", line)
+        if m:
+            names += m.group(1).split("|")
+    return names
+
+
+def dry_run(stages, **env) -> list:
+    """(stage name, limit, argv) of each command DRY_RUN=1 prints for `stages`."""
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("DECODE_ATTENTION", "BUNDLE", "OUT")}
+    run_env.update(DRY_RUN="1", **env)
+    proc = subprocess.run(["bash", str(SCRIPT), *stages], capture_output=True, text=True,
+                          env=run_env, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown" not in proc.stdout, proc.stdout
+    commands = []
+    for line in proc.stdout.splitlines():
+        m = STAGE_LINE.match(line)
+        assert m, f"not a stage line: {line!r}"
+        commands.append((m.group(1), int(m.group(2)), shlex.split(m.group(3))))
+    return commands
+
+
+class _Parsed(Exception):
+    pass
+
+
+def check_command(argv, monkeypatch):
+    """Check one command line: `env` and VAR=value prefixes dropped; a benchmark script's
+    arguments parsed by its own parser (its module's parse_args where it has one, with the
+    checks that follow parsing, else argparse inside its main); pytest's test paths and
+    delta_jax.main's config file exist. Returns what was checked."""
+    argv = list(argv)
+    if argv and argv[0] == "env":
+        argv.pop(0)
+    while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+        argv.pop(0)
+    assert argv[0] == "python3", argv
+    if argv[1] == "-m" and argv[2] == "pytest":
+        paths = [a for a in argv[3:] if a.startswith("tests")]
+        assert paths, argv
+        for path in paths:
+            assert (ROOT / path.split("::")[0]).exists(), path
+        if "-m" in argv[3:]:
+            marker = argv[3:][argv[3:].index("-m") + 1]
+            assert marker in ("gpu",), f"unregistered marker {marker}"
+        return "pytest"
+    if argv[1] == "-m" and argv[2] == "delta_jax.main":
+        configs = [a.split("=", 1)[1] for a in argv[3:] if a.startswith("--config=")]
+        assert configs and (ROOT / configs[0]).is_file(), argv
+        return "main"
+    script = pathlib.Path(argv[1])
+    if script.parts[0] == ".whl":  # the peer's script from ../shared/bench, not in the repository
+        return "peer"
+    assert script.parts[0] == "benchmarks" and (ROOT / script).is_file(), argv
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    module = importlib.import_module(script.stem)
+    args = argv[2:]
+    try:
+        if hasattr(module, "parse_args"):
+            module.parse_args(args)
+        else:
+            original = argparse.ArgumentParser.parse_args
+
+            def parse_then_stop(self, *a, **k):
+                original(self, *a, **k)
+                raise _Parsed
+
+            with monkeypatch.context() as m:
+                m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+                with pytest.raises(_Parsed):
+                    module.main(args)
+    except SystemExit as e:  # argparse's error exit
+        pytest.fail(f"{' '.join(argv)}: its parser refused the arguments (exit {e.code})")
+    return "benchmark"
+
+
+def test_every_stage_has_commands_that_parse(monkeypatch, capsys):
+    """All stages at once (their default loops and variants): each prints at least one command
+    (decode_anatomy's HLO stage only follows a real run's dump), and each command checks out."""
+    names = stage_names()
+    assert {"decode_fused", "shrink_ab", "suite", "paged_rows", "decode_rows"} <= set(names)
+    commands = dry_run(names)
+    kinds = {}
+    for name, limit, argv in commands:
+        assert limit > 0
+        kinds[name] = check_command(argv, monkeypatch)
+    capsys.readouterr()  # the parsers' help output, if any
+    prefixes = {re.sub(r"(_\d+)+$", "", n) for n in kinds}
+    for stage in names:
+        assert any(p == stage or p.startswith(stage + "_") or stage.startswith(p)
+                   for p in prefixes), f"stage {stage} printed no command"
+    assert set(kinds.values()) == {"benchmark", "pytest", "main", "peer"}
+
+
+def test_stage_variables_change_the_commands(monkeypatch):
+    """The environment knobs the next GPU calls use (DECODE_ATTENTION, FUSED_BATCHES,
+    SHRINK_BATCHES, TAIL_MODES, ROWS_BATCHES, MOSAIC_ROWS, SUITE_TESTS, SUITE_WORKERS) reach the
+    commands, and what they make still parses."""
+    commands = dry_run(["decode_fused", "shrink_ab", "longtail_shrink", "decode_rows", "suite"],
+                       DECODE_ATTENTION="mosaic_fused", FUSED_BATCHES="64 256",
+                       SHRINK_BATCHES="256", TAIL_MODES="continuous static static_shrunk",
+                       ROWS_BATCHES="64", MOSAIC_ROWS="1 4",
+                       SUITE_TESTS="tests/test_paged_decode.py tests/test_sampling.py",
+                       SUITE_WORKERS="4")
+    names = [name for name, _, _ in commands]
+    assert names[:4] == ["decode_fused_fused_64_1", "decode_fused_unfused_64_1",
+                         "decode_fused_fused_256_2", "decode_fused_unfused_256_2"]
+    assert "shrink_ab_256" in names and "shrink_ab_64" not in names
+    assert ["decode_rows_1_64_1", "decode_rows_4_64_1"] == [n for n in names
+                                                            if n.startswith("decode_rows")]
+    by_name = {name: argv for name, _, argv in commands}
+    shrink = by_name["longtail_shrink"]
+    assert shrink[shrink.index("--tail-modes") + 1:][:3] == ["continuous", "static",
+                                                             "static_shrunk"]
+    rows = by_name["decode_rows_4_64_1"]
+    assert rows[rows.index("--decode-attention") + 1] == "mosaic_fused"
+    assert rows[rows.index("--mosaic-rows") + 1] == "4"
+    assert rows[rows.index("--output") + 1].endswith("_mosaic_fused.json")
+    suite = by_name["suite"]
+    # the workers where python3 has pytest-xdist, else one process
+    assert "-n" not in suite or suite[suite.index("-n") + 1] == "4"
+    assert suite[-2:] == ["tests/test_paged_decode.py", "tests/test_sampling.py"]
+    for _, _, argv in commands:
+        check_command(argv, monkeypatch)
+
+
+def test_a_stale_flag_is_caught(monkeypatch):
+    """Positive control: a flag no parser knows, in a script with parse_args and in one that
+    parses inside main, fails the check; so does a missing test file or script."""
+    with pytest.raises(pytest.fail.Exception, match="refused"):
+        check_command(["python3", "benchmarks/sampler_ab.py", "--batch", "64", "--no-such-flag"],
+                      monkeypatch)
+    with pytest.raises(pytest.fail.Exception, match="refused"):
+        check_command(["python3", "benchmarks/lm_head_logprob.py", "--tokens-per-chunk", "8"],
+                      monkeypatch)
+    with pytest.raises(AssertionError):
+        check_command(["env", "JAX_PLATFORMS=cuda,cpu", "python3", "-m", "pytest",
+                       "tests/test_no_such_file.py"], monkeypatch)
+    with pytest.raises(AssertionError):
+        check_command(["python3", "benchmarks/no_such_benchmark.py"], monkeypatch)
+    # and the real arguments pass
+    assert check_command(["python3", "benchmarks/lm_head_logprob.py", "--tokens", "8"],
+                         monkeypatch) == "benchmark"
