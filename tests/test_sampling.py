@@ -234,23 +234,31 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
 
 
 def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
-    """shrink_batch (the default): once no sample waits, each decode call runs the live samples
-    in the smallest power of two of rows, at least 8 (SHRINK_MIN_ROWS), that holds them when
-    that is fewer than the 16 slots, live slots first; the long-tailed case gives the same
-    tokens, log-probs and decode steps as every call over all 16 slots, continuous and static."""
+    """shrink_batch (the default): each decode call runs the live samples in the smallest power
+    of two of rows, at least 8 (SHRINK_MIN_ROWS), that holds them when that is fewer than the 16
+    slots, live slots first (a call with a sample staged has every slot live); the long-tailed
+    case gives the same tokens, log-probs and decode steps as every call over all 16 slots,
+    continuous and static, and so does a KV budget that preempts, whose calls shrink while
+    samples wait for pages."""
     from delta_jax.sampling import scheduler
     assert scheduler.SHRINK_MIN_ROWS == 8
     assert Sampler.__init__.__kwdefaults__["shrink_batch"] is True
     calls = []
-    decode = scheduler.programs.decode
+    decode, run_decode = scheduler.programs.decode, scheduler._Run.decode
+    waiting = [0]  # samples waiting for a slot when the current decode call was made
 
     def recorded(graphdef, state, layers, cache, slots, queue, *args, **kwargs):
         active = np.asarray(slots.active)
         calls.append((len(active), int(active.sum()), bool(np.asarray(queue.active).any()),
-                      active.tolist()))
+                      active.tolist(), waiting[0]))
         return decode(graphdef, state, layers, cache, slots, queue, *args, **kwargs)
 
+    def run_decode_noting_the_queue(run):
+        waiting[0] = len(run.waiting)
+        return run_decode(run)
+
     monkeypatch.setattr(scheduler.programs, "decode", recorded)
+    monkeypatch.setattr(scheduler._Run, "decode", run_decode_noting_the_queue)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(24)]
     kwargs = dict(n=4, temperature=1.0, max_new_tokens=64, stop_token_ids=tuple(range(1, 21)),
@@ -272,12 +280,15 @@ def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
         assert full.stats["decode_rows"] == 16
         shrunk = [c for c in calls_shrunk if c[0] < 16]
         assert len(shrunk) == out.stats["shrunk_calls"] > 0, out.stats
-        for rows, live, queued, active in shrunk:
-            assert rows == 8 and live <= 8 and not queued
+        for rows, live, queued, active, _ in shrunk:
             assert active == sorted(active, reverse=True)  # live rows first
-        # A call over all 16 slots while at most 8 samples live had samples waiting (or staged)
-        # to take the free slots, which only happens with continuous batching.
-        assert all(live > 8 or continuous for rows, live, _, _ in calls_shrunk if rows == 16)
+        # Every call's rows: the smallest power of two >= 8 that holds the live samples; a call
+        # with a sample staged (continuous batching only) has every slot live, so it runs all 16
+        # (a staged sample only takes a slot whose sample finishes in the call).
+        for rows, live, queued, _, _ in calls_shrunk:
+            assert rows == min(16, max(8, 1 << (live - 1).bit_length())), (rows, live)
+            assert live == 16 or not queued, (continuous, live)
+        assert any(queued for _, _, queued, _, _ in calls_shrunk) == continuous
         assert out.stats["decode_rows"] < 16
     assert runs[True, True][0].response_ids == runs[False, True][0].response_ids
     # 12 slots (not a power of two), 4 steps a call: calls shrink to 8 rows once 8 or fewer
@@ -287,13 +298,17 @@ def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
                                                                                      **kwargs)
     assert twelve.response_ids == runs[True, True][0].response_ids
     assert {rows for rows, *_ in calls} == {12, 8} and twelve.stats["shrunk_calls"] > 0
-    assert all(live <= 8 for rows, live, _, _ in calls if rows == 8)
-    # With a KV budget that preempts samples (they wait again, so calls run every slot until
-    # the pool has room for all that are left), 4-token pages and 3 steps a call: the same.
+    assert all(live <= 8 for rows, live, *_ in calls if rows == 8)
+    # With a KV budget that preempts samples, 4-token pages and 3 steps a call: the same tokens.
+    # Slots left free for want of pages, with samples waiting and none staged, shrink too.
     page = models.page_bytes(tiny_model.cfg, 4)
+    calls.clear()
     tight = Sampler(tiny_model, max_batch_size=16, page_size=4, decode_steps_per_call=3,
                     kv_budget_bytes=40 * page).generate(prompts[:12], **kwargs)
     assert tight.stats["preemptions"] > 0 and tight.stats["shrunk_calls"] > 0, tight.stats
+    assert any(rows == 8 and waits > 0 for rows, _, _, _, waits in calls), calls
+    for rows, live, queued, _, _ in calls:
+        assert rows == min(16, max(8, 1 << (live - 1).bit_length())) and (live == 16 or not queued)
     ref = Sampler(tiny_model, max_batch_size=16, shrink_batch=False).generate(prompts[:12],
                                                                               **kwargs)
     assert tight.response_ids == ref.response_ids

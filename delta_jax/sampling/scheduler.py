@@ -21,10 +21,10 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   tokens split by the per-step owner record), frees the finished samples' pages, admits and
   stages waiting samples, and gives live samples the pages the next call may write (no host sync
   per token). Every decode call takes the same copy of the layer weights, made once per
-  generate() (programs.decode_layers). Once no sample can take a slot during a call (none
-  staged or waiting, or a static batch), the call runs only the live slots' rows, padded to the
-  smallest power of two that holds them (shrink_batch): the tail of a run does not pay for
-  empty slots.
+  generate() (programs.decode_layers). When the live samples fit in fewer rows than there are
+  slots, a call runs only the live slots' rows, padded to the smallest power of two that holds
+  them (shrink_batch; a free slot can take no sample during a call): the tail of a run, a
+  static batch draining and slots left free for want of pages do not pay for empty slots.
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted and restarted later.
@@ -139,12 +139,13 @@ class Sampler:
       Default max(1, slots // 16): each call costs the device about a decode step of idle time
       (the host's work between calls), each slot left free until then a share of a step. Never
       changes the tokens.
-    shrink_batch: once no sample can take a slot during a decode call (none staged and none
-      waiting, or a static batch draining), the call runs only the rows it needs: each batch
-      shard's live samples in the smallest power of two of rows that holds them (bucket_size;
-      at least SHRINK_MIN_ROWS rows in all), when that is fewer than the shard's slots, each row
-      count a program of its own. So the tail of a generate(), where the last long samples run
-      alone, does not pay for empty slots: their rows still go through every matmul, norm and
+    shrink_batch: a decode call runs only the rows it needs: each batch shard's live samples in
+      the smallest power of two of rows that holds them (bucket_size; at least SHRINK_MIN_ROWS
+      rows in all), when that is fewer than the shard's slots, each row count a program of its
+      own. (No sample can enter a free slot during a call: staged samples take the slots whose
+      samples finish, and a shard keeps staged samples only while its slots are full.) So the tail of a generate(), where
+      the last long samples run alone, a static batch draining and slots left free for want of
+      pages do not pay for empty slots: their rows would go through every matmul, norm and
       sampling draw of a step. Default True; False runs every call on all slots (the static
       baseline of the benchmarks). Never changes the tokens.
     """
@@ -797,14 +798,16 @@ class _Run:
 
     def _rows_to_run(self) -> Optional[np.ndarray]:
         """The slots the next decode call runs, in the order of its rows, or None for all of them
-        (Sampler shrink_batch). Fewer only when no sample can take a slot during the call (none
-        staged; none waiting, or a static batch): then each batch shard's live slots (in slot
-        order) and after them its first free ones, as many rows per shard as the smallest power
-        of two that holds every shard's live samples (together at least SHRINK_MIN_ROWS), when
-        that is fewer than its slots. A shard's rows stay its own (shard b's rows are the
-        call's b-th block), and so do the pages they read."""
+        (Sampler shrink_batch): each batch shard's live slots (in slot order) and after them its
+        first free ones, as many rows per shard as the smallest power of two that holds every
+        shard's live samples (together at least SHRINK_MIN_ROWS), when that is fewer than its
+        slots. A shard's rows stay its own (shard b's rows are the call's b-th block), and so
+        do the pages they read. The rows left out hold no sample and could take none during the
+        call: staged samples only take slots whose samples finish in it, and after admit() and
+        reserve() a shard with a staged sample has every slot live (admit fills free slots from
+        the staged first; reserve unstages a shard's samples before it preempts a live one)."""
         s = self.s
-        if not s.shrink_batch or any(self.staged) or (self.waiting and s.continuous):
+        if not s.shrink_batch:
             return None
         active = self.active.reshape(self.num_shards, self.per_shard)
         rows = bucket_size(int(active.sum(axis=1).max()),

@@ -156,8 +156,8 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.kv_budget_gb = 0.0
     c.rollout.decode_steps_per_call = 32
     c.rollout.decode_attention = "auto"
-    # Once no sample waits for a slot, decode calls run only the rows the live samples need (the
-    # smallest power of two of rows, >= 8, that holds them; Sampler shrink_batch): same tokens.
+    # Decode calls run only the rows the live samples need (the smallest power of two of rows,
+    # >= 8, that holds them, when fewer than the slots; Sampler shrink_batch): same tokens.
     c.rollout.shrink_batch = True
 
     c.rewards = config_dict.ConfigDict()
