@@ -40,7 +40,9 @@ float32 array, chains of copies waited for once). Timing, two figures:
     matmuls of a few microseconds this is the host's dispatch rate, not the GPU's: on an H200
     (2026-11-26, seventh run) every layer matmul read ~40-70 us a call, where the same GEMM fusions
     inside the decode program took 4-7 us of device time. Hence the device figure.
-Each variant's output is compared with "xla"'s (max abs error; bf16 outputs), and its compiled
+Each variant's output, "xla"'s included, is compared with a float64 NumPy product of the same
+inputs (reference_output; max_abs_error: the largest absolute difference from it, which for bf16
+outputs includes their own rounding, ~2^-9 of each value), and its compiled
 program's XLA memory analysis on the backend it runs on is recorded (temporaries printed: split-K's
 float32 partial sums are s x the output). On a GPU each
 group's compiled "xla" program is searched for the GEMM configurations XLA chose (block sizes,
@@ -55,6 +57,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from delta_jax import models
 from delta_jax.kernels import timing
@@ -136,6 +139,20 @@ def group_fn(group: str, variant: str):
     return fn
 
 
+def reference_output(group: str, x, w: dict) -> np.ndarray:
+    """The group's output (as group_fn computes it) in float64 NumPy from the same x and weights
+    (widened exactly from their dtype): what every variant is checked against."""
+    x = np.asarray(x.astype(jnp.float32), np.float64)
+    w = {name: np.asarray(a.astype(jnp.float32), np.float64) for name, a in w.items()}
+    if group == "qkv":
+        return np.concatenate([x @ w[n] for n in ("q", "k", "v")], axis=1)
+    if group == "gate_up":
+        gate = x @ w["gate"]
+        return gate / (1.0 + np.exp(-gate)) * (x @ w["up"])   # silu(x Wg) * (x Wu)
+    (name,) = w
+    return x @ w[name]
+
+
 CONCAT = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
@@ -199,7 +216,7 @@ def main(argv=None):
         for batch in args.batch:
             x = jax.random.normal(jax.random.fold_in(key, 100 + batch), (batch, contraction),
                                   jnp.float32).astype(dtype)
-            reference = None
+            reference = reference_output(group, x, w)
             for variant in variants:
                 row = {"group": group, "batch": batch, "variant": variant,
                        "contraction": contraction, "weight_bytes": weight_bytes}
@@ -212,12 +229,10 @@ def main(argv=None):
                     program = jax.jit(fn).lower(*operands).compile()
                     row["compiled_memory"] = timing.compiled_memory_bytes(program)
                     out = jax.block_until_ready(program(*operands))
-                    if variant == "xla":
-                        reference = out
-                        if jax.default_backend() == "gpu":
-                            row["gemm_configs"] = gemm_configs(program.as_text())
-                    row["max_abs_error"] = float(jnp.max(jnp.abs(
-                        out.astype(jnp.float32) - reference.astype(jnp.float32))))
+                    if variant == "xla" and jax.default_backend() == "gpu":
+                        row["gemm_configs"] = gemm_configs(program.as_text())
+                    row["max_abs_error"] = float(np.max(np.abs(
+                        np.asarray(out.astype(jnp.float32), np.float64) - reference)))
                     seconds, samples = timing.median_seconds(program, *operands,
                                                              warmup=args.warmup, iters=args.iters,
                                                              calls=calls)

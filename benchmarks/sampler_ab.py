@@ -113,9 +113,11 @@ def main(argv=None):
         if differing[name]:
             print(f"{name}: {differing[name]} of {count} samples' tokens differ from {first}'s",
                   flush=True)
+    order = []  # the timed runs as they ran: each repeat runs every variant once, in turn
     for repeat in range(args.repeats):
         for name, sampler in variants.items():
             runs[name].append(sampler.generate(prompts, **kwargs).stats)
+            order.append(name)
         print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
     rows = []
     for name, stats in runs.items():
@@ -134,7 +136,7 @@ def main(argv=None):
                      "outside_calls_s_median": statistics.median(outside), "seconds": seconds,
                      "samples_differing": differing[name],
                      "compiled_memory": memory[name]})
-    timing.write_json(args.out, {"results": rows}, args=args)
+    timing.write_json(args.out, {"results": rows, "run_order": order}, args=args)
     timing.print_table(
         f"Long-tailed workload, {count} samples in {args.batch} slots, {args.preset} "
         f"{args.dtype}, interleaved x {args.repeats}, on {timing.device_description()}",

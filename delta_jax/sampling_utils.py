@@ -123,21 +123,6 @@ def filtered_candidates(
     return values, ids
 
 
-def filtered_log_probs(logits: jax.Array, temperature, top_p, *, top_k: int,
-                       use_top_p: bool) -> jax.Array:
-    """Full-vocabulary log-probs of the sampling distribution (-inf outside the kept set).
-
-    logits [B, V] -> fp32 [B, V]. For analysis and tests; the sampler never builds this.
-    """
-    values, ids = filtered_candidates(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
-    logp = jax.nn.log_softmax(values, axis=-1)
-    if ids is None:
-        return logp
-    rows = jnp.arange(logits.shape[0])[:, None]
-    full = jnp.full(logits.shape, -jnp.inf, jnp.float32)
-    return full.at[rows, ids].set(logp)
-
-
 # categorical()'s most slabs a row: the largest power of two dividing the row's length, up to
 # this (151,936 Qwen3 tokens: 128 slabs of 1,187).
 _MAX_SLABS = 1024

@@ -1,5 +1,6 @@
 """benchmarks/decode_gemm.py: its split-K form computes the same product as one dot, and a tiny
-run times every group and variant, each checked against the plain dot, and records them."""
+run times every group and variant, each checked against a float64 NumPy product, and records
+them."""
 import json
 import pathlib
 import sys
@@ -50,7 +51,9 @@ def test_a_tiny_run_records_every_group_and_variant(tmp_path):
   seen = {(r["group"], r["variant"]) for r in rows}
   assert seen == {(g, v) for g in decode_gemm.GROUPS for v in ("xla", "splitk2")} | {
       ("qkv", "concat"), ("gate_up", "concat")}
-  assert all(r["ok"] and r["us"] > 0 and r["max_abs_error"] < 1e-4 for r in rows), rows
+  # every variant, "xla" included, against a float64 NumPy product: float32 at the suite's
+  # "highest" matmul precision is ~1e-6 off for these O(1) outputs
+  assert all(r["ok"] and r["us"] > 0 and r["max_abs_error"] < 1e-5 for r in rows), rows
   # XLA:CPU's trace has no device events: the rates come from the wall time; a GPU's has them,
   # and the rates come from the device time
   on_cpu = jax.default_backend() == "cpu"

@@ -305,9 +305,10 @@ def test_old_pass_peak_follows_the_configured_feature_cache():
     # pass's 4 rows x 16 tokens in fp32, scaled to 1 row: 4 H + 3 (N D + 2 K D) + N D + 4 I
     # with N = 4 / 2, K = 2 / 2, I = 80 / 2 per device, D = 8.
     recompute_layer = 4 * 16 * 4 * (4 * 36 + 3 * (2 * 8 + 2 * 1 * 8) + 2 * 8 + 4 * 40) // 4
+    # feat_row = 8 x 36 x 2 = 576 bytes; recompute_layer = 256 x (144 + 96 + 16 + 160) / 4 =
+    # 26624 bytes: device 4 x 576 = 2304, host 576, recompute 576 + 26624 = 27200.
     want = {"device": 4 * feat_row, "host": 1 * feat_row,
             "recompute": 1 * feat_row + recompute_layer}
-    assert want == {"device": 2304, "host": 576, "recompute": 576 + 26624}
 
     def plan_with(mode, memory_gb=1.0):
         return plan.plan_memory(SMALL, mesh_shape=(1, 4, 2), device_memory_gb=memory_gb,

@@ -32,4 +32,7 @@ def test_variants_interleave_and_agree(tmp_path):
     assert [r["samples_differing"] for r in rows] == [0] * 6  # the CPU: scheduling changes nothing
     assert all(len(r["seconds"]) == 2 and r["tokens_per_s_best"] > 0 for r in rows)
     assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0 for r in rows)
-    assert len(json.loads(out.read_text())["results"]) == 6
+    record = json.loads(out.read_text())
+    assert len(record["results"]) == 6
+    # interleaved: each repeat runs every variant once, in turn
+    assert record["run_order"] == [r["variant"] for r in rows] * 2

@@ -29,6 +29,20 @@ def reference_distribution(logits, temperature, top_k, top_p):
     return out
 
 
+def kept_log_probs(logits, temperature, top_p, *, top_k, use_top_p):
+    """Full-vocabulary log-probs [B, V] (-inf outside the kept set) of the candidates the sampler
+    draws from (sampling_utils.filtered_candidates, which sample_tokens runs), for comparing
+    with the reference; the sampler itself never builds this."""
+    values, ids = su.filtered_candidates(jnp.asarray(logits), temperature, top_p, top_k=top_k,
+                                         use_top_p=use_top_p)
+    logp = np.asarray(jax.nn.log_softmax(values, axis=-1))
+    if ids is None:
+        return logp
+    full = np.full(np.shape(logits), -np.inf, np.float32)
+    np.put_along_axis(full, np.asarray(ids), logp, axis=-1)
+    return full
+
+
 def _draw(logits_row, temperature, top_p, top_k, num_draws, seed=0):
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (num_draws, len(logits_row)))
     keys = jax.random.split(jax.random.key(seed), num_draws)
@@ -50,9 +64,8 @@ def test_filtered_log_probs_match_reference(temperature, top_k, top_p):
     logits[2, :] = 0.5  # all tied
     logits[3, [0, 9]] = logits[3, 4]  # ties somewhere in the middle
     params = su.SamplingParams(temperature, top_p, top_k)
-    got = np.exp(np.asarray(su.filtered_log_probs(
-        jnp.asarray(logits), temperature, top_p, top_k=params.effective_top_k(11),
-        use_top_p=params.use_top_p)))
+    got = np.exp(kept_log_probs(logits, temperature, top_p, top_k=params.effective_top_k(11),
+                                use_top_p=params.use_top_p))
     for row in range(4):
         want = reference_distribution(logits[row], temperature, top_k, top_p)
         np.testing.assert_allclose(got[row], want, atol=1e-6)
@@ -61,11 +74,11 @@ def test_filtered_log_probs_match_reference(temperature, top_k, top_p):
 
 def test_ties_are_broken_by_token_id():
     logits = jnp.asarray([[1.0, 3.0, 3.0, 3.0, 0.0]])
-    kept = np.isfinite(np.asarray(su.filtered_log_probs(logits, 1.0, 1.0, top_k=2, use_top_p=False)))
+    kept = np.isfinite(kept_log_probs(logits, 1.0, 1.0, top_k=2, use_top_p=False))
     assert kept.tolist() == [[False, True, True, False, False]]
     # Full-sort path (top-p only): equal probabilities, the lower ids come first.
     flat = jnp.zeros((1, 4))
-    kept = np.isfinite(np.asarray(su.filtered_log_probs(flat, 1.0, 0.5, top_k=-1, use_top_p=True)))
+    kept = np.isfinite(kept_log_probs(flat, 1.0, 0.5, top_k=-1, use_top_p=True))
     assert kept.tolist() == [[True, True, False, False]]
     tokens, _, _ = su.sample_tokens(jax.random.split(jax.random.key(0), 1), logits, 0.0, 1.0,
                                     top_k=-1, use_top_p=False, greedy=True)
@@ -76,8 +89,8 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     logits = jnp.log(jnp.asarray([[0.5, 0.25, 0.125, 0.125]]))
 
     def support(p):
-        logp = su.filtered_log_probs(logits, 1.0, p, top_k=-1, use_top_p=True)
-        return np.nonzero(np.isfinite(np.asarray(logp[0])))[0].tolist()
+        logp = kept_log_probs(logits, 1.0, p, top_k=-1, use_top_p=True)
+        return np.nonzero(np.isfinite(logp[0]))[0].tolist()
 
     assert support(0.3) == [0]
     assert support(0.5) == [0]          # first token alone already has mass 0.5 >= 0.5
@@ -116,7 +129,9 @@ def test_unfiltered_sampling_matches_tempered_softmax():
     counts = np.bincount(tokens, minlength=logits.size)
     chi2 = ((counts - num_draws * want) ** 2 / (num_draws * want)).sum()
     assert chi2 < stats.chi2.ppf(0.999, df=logits.size - 1)
-    np.testing.assert_allclose(logp, tempered_logp, atol=1e-6)
+    # Both returned log-probs are the drawn tokens' under the tempered softmax (nothing filtered).
+    np.testing.assert_allclose(np.exp(logp), want[tokens], rtol=1e-5)
+    np.testing.assert_allclose(np.exp(tempered_logp), want[tokens], rtol=1e-5)
     # At T = 1 the frequencies would be visibly different: the test has power.
     wrong = reference_distribution(logits, 1.0, -1, 1.0)
     assert ((counts - num_draws * wrong) ** 2 / (num_draws * wrong)).sum() > 100

@@ -4,7 +4,6 @@ import gzip
 import json
 import math
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -74,35 +73,54 @@ def test_trace_summary_reads_what_jax_profiler_writes(tmp_path):
         timing.trace_summary(tmp_path / "empty")
 
 
-class CountingFn:
-    """A plain Python fn standing in for a jitted one: counts its calls, sleeps `sleep_s` in
-    each, returns a ready jnp array."""
+class FakeClock:
+    """Stands in for the time module kernels.timing reads perf_counter from: the time moves only
+    when a CountingFn runs, by exactly its dt, whatever the machine's load."""
 
-    def __init__(self, sleep_s: float = 0.0):
-        self.sleep_s, self.calls, self.out = sleep_s, 0, jnp.zeros(())
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+class CountingFn:
+    """A plain Python fn standing in for a jitted one: counts its calls, advances the fake clock
+    by `dt` seconds in each (dt a power of two: the sums and quotients below are exact), returns a
+    ready jnp array."""
+
+    def __init__(self, clock, dt: float = 0.0):
+        self.clock, self.dt, self.calls, self.out = clock, dt, 0, jnp.zeros(())
 
     def __call__(self):
         self.calls += 1
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
+        self.clock.now += self.dt
         return self.out
 
 
-def test_median_seconds_divides_each_sample_by_its_calls():
-    """calls=k: fn runs warmup + iters * k times and each sample is its k calls' time / k. 10
-    calls of a 2 ms sleep take >= 20 ms, so an undivided sample would fail the upper bound."""
-    fn = CountingFn(sleep_s=0.002)
+def test_median_seconds_divides_each_sample_by_its_calls(clock):
+    """calls=k: fn runs warmup + iters * k times and each sample is its k calls' time / k: exactly
+    one call's dt (an undivided sample would read 10 dt; a warm-up call counted, 11 dt)."""
+    dt = 2.0 ** -9
+    fn = CountingFn(clock, dt)
     median, times = timing.median_seconds(fn, warmup=2, iters=3, calls=10)
     assert fn.calls == 2 + 3 * 10
-    assert len(times) == 3 and median == sorted(times)[1]
-    assert all(0.0015 <= t < 0.015 for t in times)
+    assert times == [dt, dt, dt] and median == dt
 
 
-def test_median_seconds_one_call_per_sample_by_default():
+def test_median_seconds_one_call_per_sample_by_default(clock):
     """The default times one call per sample (warmup + iters calls), as before."""
-    fn = CountingFn(sleep_s=0.002)
+    dt = 2.0 ** -9
+    fn = CountingFn(clock, dt)
     _, times = timing.median_seconds(fn, warmup=1, iters=4)
-    assert fn.calls == 1 + 4 and all(t >= 0.0015 for t in times)
+    assert fn.calls == 1 + 4 and times == [dt] * 4
     with pytest.raises(ValueError, match="calls"):
         timing.median_seconds(fn, calls=0)
 
@@ -116,18 +134,38 @@ def test_calls_for_clamps_the_target_over_one_call():
     assert timing.calls_for(0.0, max_calls=7) == 7
 
 
-def test_auto_calls_pick_more_for_a_faster_fn():
-    """calls=None: 2 more calls pick the count (calls_per_sample), then iters samples of it. A
-    10 ms call gets at most 2 calls for a 20 ms sample; a call that returns at once gets the cap,
-    and median_seconds then makes warmup + 2 + iters * cap calls."""
-    slow, fast = CountingFn(sleep_s=0.01), CountingFn()
-    assert timing.calls_per_sample(slow, target_sample_s=0.02) <= 2
-    assert slow.calls == 2
-    assert timing.calls_per_sample(fast, target_sample_s=0.02, max_calls=64) > 2
-    fast.calls = 0
-    _, times = timing.median_seconds(fast, warmup=1, iters=3, calls=None, target_sample_s=1.0,
-                                     max_calls=4)
-    assert fast.calls == 1 + 2 + 3 * 4 and len(times) == 3
+def test_auto_calls_pick_more_for_a_faster_fn(clock):
+    """calls=None: 2 more calls pick the count (calls_per_sample: ceil(target / the second call's
+    time) within [1, max_calls]), then iters samples of it. For a 20 ms target: a 2^-6 s call gets
+    ceil(1.28) = 2, a 2^-10 s call ceil(20.48) = 21 (timing both calls would give 1 and 11), a
+    2^-12 s call the cap of 64 (ceil(81.92) = 82), a call of no time the cap too."""
+    for dt, want in ((2.0 ** -6, 2), (2.0 ** -10, 21), (2.0 ** -12, 64), (0.0, 64)):
+        fn = CountingFn(clock, dt)
+        assert timing.calls_per_sample(fn, target_sample_s=0.02, max_calls=64) == want, dt
+        assert fn.calls == 2
+    dt = 2.0 ** -10
+    for target, max_calls, calls in ((0.02, 64, 21), (1.0, 4, 4)):   # 1 s: 1024 calls, capped
+        fn = CountingFn(clock, dt)
+        _, times = timing.median_seconds(fn, warmup=1, iters=3, calls=None, target_sample_s=target,
+                                         max_calls=max_calls)
+        assert fn.calls == 1 + 2 + 3 * calls and times == [dt] * 3
+
+
+def test_copy_bandwidth_is_the_bytes_of_a_copy_over_the_best_sample(monkeypatch):
+    """Known answer: read + write of num_mib MiB (2 x 2 MiB here) over the best (smallest) of
+    median_seconds' per-call samples, not their median; repeats and calls passed on; the timed fn
+    is a chain of copies (a + 1 of the previous result)."""
+    seen = {}
+
+    def fake_median_seconds(fn, *args, warmup, iters, calls, target_sample_s, max_calls):
+        seen.update(iters=iters, calls=calls, last=[float(fn()[-1]) for _ in range(2)])
+        return 0.003, [0.004, 0.002, 0.003]
+
+    monkeypatch.setattr(timing, "median_seconds", fake_median_seconds)
+    got = timing.copy_bandwidth(2, repeats=3, calls=5)
+    assert got == pytest.approx(2 * 2 * 2**20 / 0.002, rel=1e-12)   # 2.097152e9 bytes/s
+    n = 2 * 2**20 // 4                                                 # float32 elements
+    assert seen == {"iters": 3, "calls": 5, "last": [n - 1 + 1.0, n - 1 + 2.0]}
 
 
 def test_copy_bandwidth_is_a_positive_rate_on_the_cpu():

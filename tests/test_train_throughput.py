@@ -19,6 +19,21 @@ def _load():
     return module
 
 
+def _assert_rates_follow_the_step_time(row, record, tokens):
+    """The module docstring's definitions, from the row's own step time and FLOPs: tokens/s =
+    batch x seq / step; achieved TFLOP/s = model FLOPs per step / step / 1e12; MFU matmul =
+    achieved / the matmul peak the same run measured (record["peak_matmul_tflops"]); the FLOPs
+    the sum of their parts."""
+    step_s, parts = row["step_s"], dict(row["flops_by_part"])
+    total = parts.pop("total")
+    assert total == sum(parts.values()) and set(parts) == {"dense", "lm_head", "attention", "lora"}
+    assert row["tokens_per_s"] == pytest.approx(tokens / step_s, rel=1e-12)
+    assert row["model_tflops_per_step"] == pytest.approx(total / 1e12, rel=1e-12)
+    assert row["achieved_tflops"] == pytest.approx(total / step_s / 1e12, rel=1e-12)
+    assert row["mfu_matmul"] == pytest.approx(
+        row["achieved_tflops"] / record["peak_matmul_tflops"], rel=1e-12)
+
+
 @pytest.mark.cpu   # no data-sheet peak, host-only trace, cuDNN "does not apply on cpu"
 def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
     tt = _load()
@@ -52,6 +67,7 @@ def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
             for row in timed:
                 assert row["mfu_sheet"] is None and row["mfu_matmul"] > 0
                 assert row["tokens_per_s"] > 0 and row["step_s"] > 0
+                _assert_rates_follow_the_step_time(row, record, tokens=2 * 32)
                 assert row["trainable_params"] == row["params"]   # full fine-tuning
                 # --profile: the traced step's events (host ones on a CPU: nothing summed)
                 assert row["profile"]["kernels"] and row["profile"]["device_kernel_s"] is None
@@ -105,7 +121,9 @@ def test_lora_rows_train_the_adapters_and_count_their_flops(tmp_path, capsys):
     assert flops["dense"] == 4 * cfg.num_params(include_embeddings=False) * tokens
     assert flops["lora"] == 6 * cfg.num_lora_params() * tokens
     assert flops["lm_head"] == 4 * cfg.hidden_size * cfg.vocab_size * 2 * 16
+    assert flops["attention"] == 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 32**2 * 2
     assert row["step_s"] > 0 and row["mfu_matmul"] > 0
+    _assert_rates_follow_the_step_time(row, record, tokens=tokens)
     assert cfg.lora_targets == models.LORA_TARGETS and "memory" not in record
     assert row["trainable_params"] == cfg.num_lora_params()   # the adapters alone
     assert "+ LoRA rank 4" in capsys.readouterr().out
