@@ -1,6 +1,7 @@
 """Record readers (field mapping, malformed rows) and the tfds ArrayRecord builder without TF."""
-import importlib.util
 import json
+import os
+import subprocess
 import sys
 
 import pyarrow as pa
@@ -9,6 +10,7 @@ import pytest
 
 from delta_jax.data import builders, records
 from delta_jax.errors import MissingInputError
+from tests.rl_fixtures import python_path
 
 
 def write_jsonl(path, rows):
@@ -154,18 +156,55 @@ def test_malformed_parquet_row_names_row(tmp_path):
 # ------------------------------------------------------------------ tfds builder
 
 
+# Builds and reads back a tfds source in a fresh interpreter where tensorflow cannot be found,
+# whether or not it is installed (every import finder is wrapped to miss it; not
+# sys.modules["tensorflow"] = None, which tfds takes for "TF loaded"); prints what it read.
+NO_TF_BUILD = """
+import json, sys
+
+class HideTensorflow:  # all else delegated: find_spec, find_distributions, invalidate_caches
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+
+sys.meta_path[:] = [HideTensorflow(f) for f in sys.meta_path]
+import importlib.util
+assert importlib.util.find_spec("tensorflow") is None
+from delta_jax.data import builders
+src = builders.build_tfds_source(sys.argv[1], name="a", data_dir=sys.argv[2])
+try:
+    src[len(src)]
+    past_end = "no error"
+except IndexError:
+    past_end = "IndexError"
+assert not [m for m in sys.modules if m == "tensorflow" or m.startswith("tensorflow.")]
+print(json.dumps({"records": [src[i] for i in range(len(src))], "last": src[-1],
+                  "past_end": past_end}))
+"""
+
+
 def test_tfds_builder_works_without_tensorflow(tmp_path):
-    assert importlib.util.find_spec("tensorflow") is None or "tensorflow" not in sys.modules
+    """The ArrayRecord builder and its data source work with tensorflow unimportable (a
+    subprocess blocks the import even where tensorflow is installed): every record, in file
+    order, with its defaults and index; shards written to data_dir."""
     rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(20)]
     jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
-    src = builders.build_tfds_source(jsonl, name="a", data_dir=tmp_path / "tfds")
-    assert "tensorflow" not in sys.modules  # tfds ran in its numpy-only mode
-    assert len(src) == 20
-    assert [src[i]["id"] for i in range(20)] == [f"r{i}" for i in range(20)]  # file order kept
-    assert src[5] == {"id": "r5", "problem": "p5", "answer": "5", "solution": "", "level": -1, "index": 5}
-    assert src[-1]["id"] == "r19"
-    with pytest.raises(IndexError):
-        src[20]
+    proc = subprocess.run([sys.executable, "-c", NO_TF_BUILD, str(jsonl), str(tmp_path / "tfds")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": python_path()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["records"] == [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i),
+                               "solution": "", "level": -1, "index": i}
+                              for i in range(20)]  # all of them, file order kept
+    assert got["last"]["id"] == "r19" and got["past_end"] == "IndexError"
     files = list((tmp_path / "tfds").rglob("*.array_record*"))
     assert files, "expected ArrayRecord shards in data_dir"
 

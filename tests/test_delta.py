@@ -375,9 +375,15 @@ def test_composed_ablations_match_reference(name):
 
 
 def test_default_ablations_are_the_full_method_bit_for_bit():
+    """The default options are the full method: with no ablations given, both pass_impl values
+    match the float64 reference of the full method (weights and diagnostics, the tolerances of
+    test_matches_numpy_reference); passing Ablations() and a key explicitly changes no bit."""
     hidden, prob, adv, mask = make_batch(41)
+    want, info = reference_delta(proxy64(hidden, prob), adv, mask, 1)
     for pass_impl in ("jnp", "kernel"):
         plain = D.delta_coefficients(hidden, prob, adv, mask, pass_impl=pass_impl)
+        _assert_weights(plain[0], want, mask)
+        _assert_diagnostics(plain[1], want, info)
         explicit = D.delta_coefficients(hidden, prob, adv, mask, pass_impl=pass_impl,
                                         ablations=D.Ablations(),
                                         key=jax.random.key(0))
@@ -456,12 +462,20 @@ def test_ablation_edge_cases_stay_finite(name):
     flag (weight="alpha" on an all-Z batch gives weight 0 everywhere: lambda = 0 on Z)."""
     ablations = D.Ablations(**ABLATIONS[name])
     hidden, prob, adv, mask = make_batch(63)
-    for a in (np.zeros_like(adv), np.abs(adv), -np.abs(adv)):
-        w, diag = D.delta_coefficients(hidden, prob, a, mask, ablations=ablations)
+    # Single-token sides (as in test_single_token_side_and_constant_margins): one token each on
+    # P and N, the rest of the batch zero-advantage.
+    one_adv = np.array([1, 0, 0, 0, 0, 0, 0, -1], np.float32)
+    one_mask = mask.copy()
+    one_mask[[0, 7]] = 0
+    one_mask[[0, 7], 0] = 1
+    assert [(one_mask * (one_adv[:, None] * sign > 0)).sum() for sign in (1, -1)] == [1, 1]
+    for a, m in ((np.zeros_like(adv), mask), (np.abs(adv), mask), (-np.abs(adv), mask),
+                 (one_adv, one_mask)):
+        w, diag = D.delta_coefficients(hidden, prob, a, m, ablations=ablations)
         assert np.all(np.isfinite(np.asarray(w)))
         assert all(np.isfinite(float(x)) for x in diag.values())
-        want, _ = reference_delta(proxy64(hidden, prob), a, mask, 1, **ABLATIONS[name])
-        _assert_weights(w, want, mask)
+        want, _ = reference_delta(proxy64(hidden, prob), a, m, 1, **ABLATIONS[name])
+        _assert_weights(w, want, m)
     w, diag = D.delta_coefficients(hidden, prob, adv, np.zeros_like(mask), ablations=ablations)
     assert np.all(np.asarray(w) == 0)
     assert all(np.isfinite(float(x)) for x in diag.values())

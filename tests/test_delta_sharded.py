@@ -137,10 +137,12 @@ def test_kernel_pass_impl_per_shard_mode():
     dict(random_lambda=True),
 ], ids=["fixed_gamma+alpha+no_normalize", "hard", "random_lambda"])
 def test_ablations_on_8_devices(options):
-    """delta.* ablation flags (issue #19) in per_shard mode (jnp, and the kernel where it has the
-    flag) == the float64 reference on each shard alone; in global mode the kernel passes over
-    sharded inputs == the same passes on one device. Random lambda: the same whole-batch draws in every mode
-    (lambda_noise(key, [B, T])), each shard normalised on its own."""
+    """delta.* ablation flags (issue #19) on 8 devices. per_shard mode (jnp, and the kernel where
+    it has the flag): weights == the float64 reference on each shard alone (the flag moves them
+    by > 1e-3), diagnostics finite. Global mode (the kernel only, inputs sharded over 8 devices):
+    weights == the float64 reference on the whole batch (and > 1e-3 from the per-shard ones),
+    diagnostics == the kernel on one device. Random lambda: the same whole-batch draws in every
+    mode (lambda_noise(key, [B, T])), each shard normalised on its own in per_shard mode."""
     hidden, prob, adv, mask = _batch()
     mesh = _mesh((8,), ("data",))
     ablations, key = D.Ablations(**options), jax.random.key(7)

@@ -171,6 +171,76 @@ def test_evaluate_on_shared_benchmarks(shared_dir, scorer):
     assert flat["eval/benchmarks/aime24/num_questions"] == 30.0
 
 
+def test_evaluate_two_local_benchmarks_of_unequal_size_reports_known_numbers(tmp_path, scorer):
+    """Two JSONL benchmarks written here (2 and 3 questions), a fake policy whose correct
+    samples per question are set: per-benchmark avg@4 / pass@k', the question-count-weighted
+    average (not the plain mean of the two rows), the markdown table, every flat metric and the
+    JSON's per-question counts, all against values worked out by hand."""
+    small = [{"id": "s0", "problem": "What is 1 + 1?", "answer": "2"},
+             {"id": "s1", "problem": "What is 2 + 2?", "answer": "4"}]
+    big = [{"id": "b0", "problem": "What is 3 + 3?", "answer": "6"},
+           {"id": "b1", "problem": "What is 4 + 4?", "answer": "8"},
+           {"id": "b2", "problem": "What is 5 + 5?", "answer": "10"}]
+    correct = {"s0": 4, "s1": 0, "b0": 1, "b1": 2, "b2": 0}  # of k = 4 samples each
+    paths = {}
+    for name, rows in (("small", small), ("big", big)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_prompt = {ev.default_format_prompt(r["problem"]): r for r in small + big}
+
+    def generate_fn(prompts, n):
+        out = []
+        for p in prompts:
+            row = by_prompt[p]
+            wrong = ("No idea." if row["id"] == "b2"  # no \boxed{}: counted in num_no_box
+                     else "so the answer is $\\boxed{-987654}$.")
+            out.append([f"so the answer is $\\boxed{{{row['answer']}}}$."
+                        if j < correct[row["id"]] else wrong for j in range(n)])
+        return out
+
+    result = ev.evaluate(generate_fn, {n: str(p) for n, p in paths.items()}, k=4,
+                         pass_ks=(1, 2, 4), scorer=scorer, settings={"temperature": 1.0})
+    # small: counts 4, 0 -> avg@4 = 4/8, pass@k' = (1 + 0) / 2 for every k'. big: counts 1, 2, 0
+    # -> avg@4 = 3/12; pass@2 = (1 - C(3,2)/C(4,2) + 1 - C(2,2)/C(4,2) + 0) / 3 = (1/2 + 5/6) / 3
+    # = 4/9; pass@4 = 2/3. Average, weighted 2 : 3 of 5 questions: avg@4 = (2 * 0.5 + 3 * 0.25)
+    # / 5 = 0.35 (the plain mean would be 0.375), pass@2 = (1 + 3 * 4/9) / 5 = 7/15, pass@4 = 0.6.
+    want = {"small": {"avg@4": 0.5, "pass@1": 0.5, "pass@2": 0.5, "pass@4": 0.5},
+            "big": {"avg@4": 0.25, "pass@1": 0.25, "pass@2": 4 / 9, "pass@4": 2 / 3}}
+    want_avg = {"avg@4": 0.35, "pass@1": 0.35, "pass@2": 7 / 15, "pass@4": 0.6}
+    assert list(result.benchmarks) == ["small", "big"]
+    assert result.average() == pytest.approx(want_avg, abs=1e-12)
+
+    assert result.to_markdown().splitlines() == [
+        "| benchmark | questions | avg@4 | pass@1 | pass@2 | pass@4 |",
+        "|---|---:|---:|---:|---:|---:|",
+        "| small | 2 | 50.0 | 50.0 | 50.0 | 50.0 |",
+        "| big | 3 | 25.0 | 25.0 | 44.4 | 66.7 |",
+        "| average (question-weighted) | 5 | 35.0 | 35.0 | 46.7 | 60.0 |"]
+
+    flat = result.flat_metrics()
+    assert flat.pop("eval/seconds") >= 0.0
+    failures = {"small": 0, "big": 4}  # b2's four samples have no box
+    want_flat = {"eval/k": 4.0, "eval/average/num_questions": 5.0,
+                 **{f"eval/average/{m}": v for m, v in want_avg.items()}}
+    for name, q in (("small", 2), ("big", 3)):
+        want_flat.update({f"eval/benchmarks/{name}/{m}": v for m, v in want[name].items()})
+        want_flat.update({f"eval/benchmarks/{name}/num_questions": float(q),
+                          f"eval/benchmarks/{name}/k": 4.0,
+                          f"eval/benchmarks/{name}/num_no_box": float(failures[name]),
+                          f"eval/benchmarks/{name}/num_timeouts": 0.0,
+                          f"eval/benchmarks/{name}/num_errors": 0.0})
+    assert sorted(flat) == sorted(want_flat)
+    assert flat == pytest.approx(want_flat, abs=1e-12)
+
+    data = json.loads(result.to_json())
+    assert data["settings"] == {"temperature": 1.0} and data["pass_ks"] == [1, 2, 4]
+    for name, rows in (("small", small), ("big", big)):
+        assert data["benchmarks"][name]["per_question"] == [
+            {"id": r["id"], "num_correct": correct[r["id"]]} for r in rows]
+        assert data["benchmarks"][name]["pass@2"] == pytest.approx(want[name]["pass@2"])
+    assert data["average"] == pytest.approx({"num_questions": 5, **want_avg}, abs=1e-12)
+
+
 def test_evaluate_rows_custom_prompt_and_batching(scorer):
     rows = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}
             for i in range(5)]
@@ -243,10 +313,40 @@ def test_evaluate_rejects_bad_generate_output(scorer):
         ev.evaluate(lambda prompts, n: [], {"b": rows}, k=3, pass_ks=(4,), scorer=scorer)
 
 
-def test_evaluate_creates_and_closes_its_own_scorer():
+def test_evaluate_creates_and_closes_its_own_scorer(monkeypatch):
+    """Without a scorer evaluate() makes its own (a math one here) and closes it at the end,
+    also when generation raises (here for the second benchmark, the scorer made for the
+    first)."""
+    from delta_jax.rl import rewards
+
+    made = []
+
+    class Recording(rewards.RewardScorer):  # what evaluate() imports from rl.rewards
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.close_calls = 0
+            made.append(self)
+
+        def close(self):
+            self.close_calls += 1
+            super().close()
+
+    monkeypatch.setattr(rewards, "RewardScorer", Recording)
     rows = [{"problem": "p", "answer": "\\frac{1}{2}"}]
     result = ev.evaluate(lambda prompts, n: [["\\boxed{0.5}", "\\boxed{2}"]], {"b": rows}, k=2)
     assert result.benchmarks["b"].num_correct.tolist() == [1]
+    assert [(s.name, s.close_calls) for s in made] == [("math", 1)]
+
+    def failing_on_the_second(prompts, n):  # the scorer is made for the first benchmark
+        if prompts[0].startswith("q"):
+            raise RuntimeError("generation failed")
+        return [["\\boxed{0.5}"] * n]
+
+    made.clear()
+    with pytest.raises(RuntimeError, match="generation failed"):
+        ev.evaluate(failing_on_the_second, {"b": rows, "c": [{"problem": "q", "answer": "1"}]},
+                    k=2)
+    assert [(s.name, s.close_calls) for s in made] == [("math", 1)]
 
 
 def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):

@@ -184,6 +184,16 @@ def test_a_code_task_trains_and_evaluates_with_unit_test_rewards(tmp_path):
 
     def check_golds(run_, step, out):
         responses, golds = seen[-1]
+        # Response i is sample i % G of prompt i // G (the prompt it was generated from, decoded:
+        # its task text names its record); its gold must be that record's tests.
+        samples, G = out.prepared.rollout.samples, cfg.rollout.group_size
+        assert responses == [text for group in samples.texts for text in group]
+        prompts = [run_.tokenizer.decode(ids) for ids in samples.prompt_ids]
+        sources = [[r for r in rows if r["text"] in prompt] for prompt in prompts]
+        assert all(len(s) == 1 for s in sources), prompts  # each prompt names one record
+        assert len({s[0]["task_id"] for s in sources}) > 1  # a mix-up would show
+        assert [sandbox.parse_spec(g)["tests"] for g in golds] == [
+            sources[i // G][0]["test_list"] for i in range(len(golds))]
         specs = {json.dumps(r["test_list"]): r["code"] for r in rows}
         right, wrong = [], []
         for gold in golds:

@@ -133,10 +133,8 @@ def test_verdicts_cached_timeouts_not(scorer):
     assert info["timed_out"].tolist() == [True, False]
     assert info["cache_hits"] == 1 and info["num_programs_run"] == 1
     # The same hostile program 8 times in a batch runs once.
-    t0 = time.perf_counter()
     _, info = scorer.score([loop] * 8, golds[:1] * 8)
     assert info["num_timeouts"] == 8 and info["num_programs_run"] == 1
-    assert time.perf_counter() - t0 < TIMEOUT_S + 3
 
 
 def test_humaneval_canonical_pass_and_stub_fail(scorer, shared_dir):
@@ -211,20 +209,28 @@ def _score_one(scorer, program, tests=("assert True",)):
 
 
 @needs_isolation
-@pytest.mark.parametrize("name, program", [
-    ("infinite loop", "while True:\n    pass\n"),
-    ("16 GB allocation", "x = bytearray(16 << 30)\nx[::4096] = b'1' * len(x[::4096])\n"),
+@pytest.mark.parametrize("name, program, times_out", [
+    ("infinite loop", "while True:\n    pass\n", True),
+    # RLIMIT_AS: a MemoryError, a failed program (no timeout, no crash, no sandbox error)
+    ("16 GB allocation", "x = bytearray(16 << 30)\nx[::4096] = b'1' * len(x[::4096])\n", False),
     ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n"
-                  "    except OSError:\n        pass\n"),
+                  "    except OSError:\n        pass\n", True),
     ("daemon that escapes its session",
      "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
-     "time.sleep(60)\n"),
+     "time.sleep(60)\n", True),
 ])
-def test_hostile_program_scores_zero_and_leaves_nothing(scorer, name, program):
+def test_hostile_program_scores_zero_and_leaves_nothing(scorer, name, program, times_out):
+    """Each hostile program gets its verdict (a timeout, or a failure of its own for the memory
+    hog) from the sandbox itself: the pool's backstop (timeout_s + 15 s, a worker replaced) is
+    never needed; and no process of it is left on the host."""
     before = _host_processes()
-    reward, info, seconds = _score_one(scorer, program)
+    backstops = scorer.pool.stats["timeouts"]
+    reward, info, _ = _score_one(scorer, program)
     assert reward == 0.0, name
-    assert seconds < TIMEOUT_S + 3, (name, seconds)
+    assert info["num_programs_run"] == 1 and info["tests_passed"].tolist() == [0], (name, info)
+    assert info["timed_out"].tolist() == [times_out], (name, info)
+    assert info["errored"].tolist() == [False] and info["num_crashes"] == 0, (name, info)
+    assert scorer.pool.stats["timeouts"] == backstops, name  # not killed by the backstop
     # The namespace is torn down by the kernel; on a loaded machine that can take a moment. A
     # process that escaped would still be there (a fork bomb or daemon runs on): poll for 5 s.
     give_up = time.monotonic() + 5.0
@@ -331,14 +337,13 @@ def test_opt_out_still_limits_and_cleans_up(monkeypatch):
     try:
         assert tempfile_dir() == private
         before = set(os.listdir(tempfile_dir()))
-        t0 = time.perf_counter()
         rewards, info = s.score([fenced("while True:\n    pass\n"),
                                  fenced("x = bytearray(16 << 30)\n"),
                                  fenced("open('scratch.txt', 'w').write('x')\n")],
                                 [{"tests": ["assert True"]}] * 3)
-        assert time.perf_counter() - t0 < 10
         np.testing.assert_array_equal(rewards, [0, 0, 1])
         assert info["timed_out"].tolist() == [True, False, False]
+        assert s.pool.stats["timeouts"] == 0  # the limits stopped the loop, not the backstop
         assert set(os.listdir(tempfile_dir())) == before  # scratch directories removed
     finally:
         s.close()

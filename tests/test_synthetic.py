@@ -1,6 +1,5 @@
 """The synthetic arithmetic task and the tiny tokenizer built for it."""
 import ast
-import importlib.util
 import json
 import operator
 import os
@@ -151,8 +150,6 @@ def test_tiny_tokenizer_special_tokens(tok):
     assert prompt == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("delta_jax.rl.rewards") is None,
-                    reason="delta_jax/rl/rewards.py not there yet")
 def test_project_reward_accepts_the_solutions(splits):
     from delta_jax.rl.rewards import math_reward
 
