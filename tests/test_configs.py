@@ -123,7 +123,17 @@ def test_bad_overrides_name_the_field():
         validate_config(cfg)
     cfg = validate_config(parse([base, "--config.rl.ratio_level=sequence"]))
     assert cfg.rl.ratio_level == "sequence"
-    for override, field in [("model.lora_rank=-1", "model.lora_rank"),
+    cfg = validate_config(parse([base, "--config.rl.dynamic_sampling_prompts_per_round=32",
+                                 "--config.rl.dynamic_sampling_on_max_rounds=pad"]))
+    assert (cfg.rl.dynamic_sampling_prompts_per_round, cfg.rl.dynamic_sampling_on_max_rounds) == (
+        32, "pad")
+    for override, field in [("rl.dynamic_sampling_prompts_per_round=24",  # tiny: 16 a batch
+                             "rl.dynamic_sampling_prompts_per_round"),
+                            ("rl.dynamic_sampling_prompts_per_round=-16",
+                             "rl.dynamic_sampling_prompts_per_round"),
+                            ("rl.dynamic_sampling_on_max_rounds=warn",
+                             "rl.dynamic_sampling_on_max_rounds"),
+                            ("model.lora_rank=-1", "model.lora_rank"),
                             ("model.lora_alpha=0", "model.lora_alpha"),
                             ("model.lora_targets=q_proj,qkv", "model.lora_targets"),
                             ("model.lora_targets=q_proj,q_proj", "model.lora_targets")]:

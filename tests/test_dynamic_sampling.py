@@ -54,7 +54,7 @@ def test_fill_returns_exactly_the_requested_groups():
     s = out.stats
     assert s["rounds"] == 3 and s["prompts_generated"] == 18
     assert s["groups_kept"] == 5 and s["groups_dropped"] == 12 and s["groups_surplus"] == 1
-    assert s["groups_padded"] == 0 and not s["incomplete"]
+    assert s["groups_padded"] == 0 and not s["prompts_exhausted"]
     assert s["dropped_mean_reward"] == pytest.approx(0.5)  # half all-correct, half all-wrong
     assert s["keep_rate"] == pytest.approx(6 / 18)
 
@@ -67,22 +67,24 @@ def test_no_refill_needed_when_all_groups_have_signal():
     assert out.stats["groups_dropped"] == 0
 
 
-def test_max_rounds_raise_warn_pad():
+def test_max_rounds_raise_or_pad():
     gen = _fake_generate(lambda i: "zero" if i != 3 else "mixed")
     with pytest.raises(RuntimeError, match="max_rounds=2"):
         fill_batch_with_signal(gen, itertools.count(), num_groups=4, prompts_per_round=4,
                                max_rounds=2)
-    with pytest.warns(RuntimeWarning, match="only 1 of 4 groups"):
-        out = fill_batch_with_signal(gen, itertools.count(), num_groups=4, prompts_per_round=4,
-                                     max_rounds=2, on_max_rounds="warn")
-    assert out.prompts == [3] and out.rewards.shape == (1, 4) and out.stats["incomplete"]
-    with pytest.warns(RuntimeWarning, match="Padded with 3"):
+    with pytest.raises(ValueError, match="on_max_rounds"):
+        fill_batch_with_signal(gen, itertools.count(), num_groups=4, on_max_rounds="warn")
+    with pytest.warns(RuntimeWarning, match="only 1 of 4 groups.*Padded with 3"):
         out = fill_batch_with_signal(gen, itertools.count(), num_groups=4, prompts_per_round=4,
                                      max_rounds=2, on_max_rounds="pad")
     # The kept group first, then the latest dropped prompts (5, 6, 7) as zero-signal padding.
     assert out.prompts == [3, 5, 6, 7] and out.rewards.shape == (4, 4)
     assert out.stats["groups_kept"] == 1 and out.stats["groups_padded"] == 3
+    assert out.stats["keep_rate"] == 1 / 8 and out.stats["groups_dropped"] == 7
     np.testing.assert_array_equal(group_has_signal(out.rewards), [True, False, False, False])
+    # Too few dropped groups to pad with (the prompts ran out): an error, never a short batch.
+    with pytest.raises(RuntimeError, match=r"prompt iterator ran out.*Too few groups .*\(3\)"):
+        fill_batch_with_signal(gen, iter(range(3)), num_groups=4, on_max_rounds="pad")
 
 
 def test_prompt_iterator_running_out():

@@ -74,8 +74,30 @@ def test_collect_rollout_dynamic_sampling_refills_with_groups_that_have_signal()
         phases.collect_rollout(fake_generate_and_score(kind), batches(4), num_prompts=4,
                                group_size=G, dynamic_sampling=True, max_rounds=2)
     for field in ("rl.dynamic_sampling_max_rounds=2", "rollout.batch_prompts=4",
+                  "rl.dynamic_sampling_prompts_per_round", "rl.dynamic_sampling_on_max_rounds=pad",
                   "rl.dynamic_sampling=False", "sft.steps"):
         assert field in str(err.value)
+
+
+def test_collect_rollout_rounds_of_two_batches_and_padding():
+    """prompts_per_round 8 (two data batches of 4 a round): the same kept groups in fewer rounds;
+    on_max_rounds "pad" fills what one round leaves short with its latest dropped groups."""
+    kind = lambda i: ("zero", "mixed", "one")[i % 3]  # noqa: E731 -- 1, 4, 7, ... have signal
+    seen = []
+    roll = phases.collect_rollout(fake_generate_and_score(kind, seen), batches(4),
+                                  num_prompts=4, group_size=G, dynamic_sampling=True,
+                                  max_rounds=5, prompts_per_round=8)
+    assert seen == [(0, list(range(8))), (1, list(range(8, 16)))]
+    assert [r["id"] for r in roll.records] == [1, 4, 7, 10]
+    assert roll.stats["rounds"] == 2 and roll.stats["padded_groups"] == 0
+    assert roll.stats["keep_rate"] == 5 / 16  # 1, 4, 7, 10, 13 had signal
+    with pytest.warns(RuntimeWarning, match="only 3 of 4 groups.*Padded with 1"):
+        roll = phases.collect_rollout(fake_generate_and_score(kind), batches(4), num_prompts=4,
+                                      group_size=G, dynamic_sampling=True, max_rounds=1,
+                                      prompts_per_round=8, on_max_rounds="pad")
+    assert [r["id"] for r in roll.records] == [1, 4, 7, 6]  # 6: the latest dropped group
+    assert roll.stats["padded_groups"] == 1 and roll.stats["dropped_groups"] == 5
+    np.testing.assert_array_equal(roll.rewards.reshape(4, G)[3], [0, 0, 0])
 
 
 def fake_pass(params, ids, attn, response_len):
@@ -244,6 +266,9 @@ def test_delta_settings_carry_the_ablation_flags_and_delta_weights_honours_them(
 
 
 def test_update_policy_visits_every_group_once_per_epoch_in_whole_groups():
+    """Each epoch's mini-batches hold whole groups and cover every row once; the epochs visit
+    the groups in orders that differ from each other and from the identity (shuffled per epoch,
+    not once), the same orders again for the same seed."""
     num_prompts, group, mini, epochs = 6, 2, 2, 3
     batch = {"row": jnp.arange(num_prompts * group)}
     seen = []
@@ -264,8 +289,13 @@ def test_update_policy_visits_every_group_once_per_epoch_in_whole_groups():
     for mb in seen:  # whole groups: rows 2i, 2i + 1 together
         assert len(mb) == mini * group
         assert all(mb[k] // group == mb[k + 1] // group for k in range(0, len(mb), group))
-    orders = [tuple(r // group for r in mb[::group]) for mb in seen]
-    assert len(set(orders)) > 1  # shuffled, not the identity order every time
+    # Each epoch's whole group order (its mini-batches in turn): seed 7 gives three distinct
+    # orders, none of them 0, 1, ..., 5 (deterministic: the same seed, the same orders below).
+    orders = [[r // group for mb in seen[e * per_epoch:(e + 1) * per_epoch] for r in mb[::group]]
+              for e in range(epochs)]
+    assert all(sorted(order) == list(range(num_prompts)) for order in orders)
+    assert len({tuple(order) for order in orders}) == epochs, orders  # reshuffled every epoch
+    assert all(order != list(range(num_prompts)) for order in orders), orders  # not the identity
     # Same seed, same order.
     again = []
     phases.update_policy(lambda s, mb: (again.append(np.asarray(mb["row"]).tolist()) or s, {}),

@@ -7,6 +7,7 @@ weights).
 """
 import jax
 import numpy as np
+import pytest
 
 from delta_jax.train import phases
 from delta_jax.train import rl_step as rl_step_lib
@@ -35,3 +36,48 @@ def test_random_lambda_draws_follow_the_step(tmp_path, monkeypatch):
     w = np.asarray(jax.device_get(preps[0].batch["token_weights"]))
     valid = np.asarray(jax.device_get(preps[0].batch["response_mask"])) > 0
     assert np.std(w[valid]) > 0.01  # the draws do weight the tokens
+
+
+class AllCorrect:
+    """A scorer that gives every response reward 1: no group has reward variance."""
+
+    def score(self, texts, golds, response_lengths=None, truncated=None):
+        rewards = np.ones(len(texts), np.float32)
+        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": 0,
+                         "num_errors": 0}
+
+    def close(self):
+        pass
+
+
+def test_dynamic_sampling_settings_reach_the_rollout(tmp_path, monkeypatch):
+    """rl.dynamic_sampling_prompts_per_round = 2 batches: one round generates 8 prompts' groups;
+    with every reward equal no group has signal, and rl.dynamic_sampling_on_max_rounds = "pad"
+    fills the batch of 4 with zero-signal groups after the one round allowed (zero advantages),
+    which the step's metrics report."""
+    rounds = []
+    collect = phases.collect_rollout
+
+    def recording(generate_and_score, record_batches, **kwargs):
+        def counted(records, round_index):
+            rounds.append(len(records))
+            return generate_and_score(records, round_index)
+        return collect(counted, record_batches, **kwargs)
+
+    monkeypatch.setattr(phases, "collect_rollout", recording)
+    cfg = tiny_rl_config("grpo", rl=dict(dynamic_sampling=True, dynamic_sampling_max_rounds=1,
+                                         dynamic_sampling_prompts_per_round=8,
+                                         dynamic_sampling_on_max_rounds="pad"))
+    run = build_scored_run(cfg, tmp_path)
+    run.scorer = AllCorrect()
+    try:
+        with pytest.warns(RuntimeWarning, match="only 0 of 4 groups.*Padded with 4"):
+            prep = rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
+    finally:
+        run.close()
+    assert rounds == [8]
+    m = prep.metrics
+    assert (m["rollout/sampling_rounds"], m["rollout/dropped_groups"]) == (1, 8)
+    assert (m["rollout/padded_groups"], m["rollout/keep_rate"]) == (4, 0.0)
+    assert m["rollout/dropped_mean_reward"] == 1.0
+    assert len(prep.rollout.records) == 4 and not np.any(prep.packed.advantages)

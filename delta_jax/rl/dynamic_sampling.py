@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-ON_MAX_ROUNDS = ("raise", "warn", "pad")
+ON_MAX_ROUNDS = ("raise", "pad")  # config rl.dynamic_sampling_on_max_rounds
 
 
 def group_has_signal(rewards, atol: float = 0.0):
@@ -61,21 +61,22 @@ def fill_batch_with_signal(
       generate_and_score: prompts (list, length P) -> (groups: sequence of length P, one entry per
         prompt, e.g. its G responses; rewards: float [P, G]).
       prompt_iter: iterator of prompts (any objects; e.g. data rows).
-      num_groups: groups wanted in the batch (exactly this many are returned, unless
-        on_max_rounds="warn" and the cap is hit).
+      num_groups: groups wanted in the batch (exactly this many are returned).
       prompts_per_round: prompts drawn per generation round (DAPO's gen batch size);
         default num_groups.
       max_rounds: cap on generation rounds.
       on_max_rounds: what to do when max_rounds rounds (or the prompt iterator) run out first:
-        "raise" a RuntimeError; "warn" and return the groups kept so far (fewer than
-        num_groups); "pad": warn and fill the batch with the latest dropped (zero-signal) groups,
-        which carry zero GRPO advantage, so the batch keeps its fixed shape.
+        "raise" a RuntimeError; "pad": warn and fill the batch with the latest dropped
+        (zero-signal) groups, which carry zero GRPO advantage, so the batch keeps its fixed
+        shape (a RuntimeError still when too few groups were dropped to pad with: the prompt
+        iterator ran out).
       atol: reward spread at or below which a group counts as having no signal.
     Returns:
       FilledBatch. stats: rounds, prompts_generated, groups_kept, groups_dropped (no signal),
       groups_surplus (had signal but the batch was already full), groups_padded,
       dropped_mean_reward (mean reward of dropped groups: for 0/1 rewards, the fraction of them
-      that were all-correct), keep_rate, incomplete, prompts_exhausted.
+      that were all-correct), keep_rate (groups with signal / groups generated),
+      prompts_exhausted.
     """
     if num_groups < 1:
         raise ValueError(f"num_groups must be >= 1, got {num_groups}")
@@ -137,16 +138,16 @@ def fill_batch_with_signal(
                f"rewards (all groups solved or all failed?).")
         if on_max_rounds == "raise":
             raise RuntimeError(msg)
-        if on_max_rounds == "pad" and len(dropped) >= missing:
-            for prompt, group, r in dropped[-missing:]:
-                kept_prompts.append(prompt)
-                kept_groups.append(group)
-                kept_rewards.append(r)
-            n_padded = missing
-            msg += f" Padded with {missing} zero-signal groups."
-        elif on_max_rounds == "pad":
-            msg += f" Too few dropped groups ({len(dropped)}) to pad; returning what there is."
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        if len(dropped) < missing:
+            raise RuntimeError(f"{msg} Too few groups were dropped ({len(dropped)}) to pad the "
+                               f"batch with.")
+        for prompt, group, r in dropped[-missing:]:
+            kept_prompts.append(prompt)
+            kept_groups.append(group)
+            kept_rewards.append(r)
+        n_padded = missing
+        warnings.warn(f"{msg} Padded with {missing} zero-signal groups.", RuntimeWarning,
+                      stacklevel=2)
 
     stats = {
         "rounds": rounds,
@@ -157,9 +158,7 @@ def fill_batch_with_signal(
         "groups_padded": n_padded,
         "dropped_mean_reward": dropped_reward_sum / n_dropped if n_dropped else 0.0,
         "keep_rate": (n_generated - n_dropped) / n_generated if n_generated else 0.0,
-        "incomplete": missing > 0,  # the cap (or the prompts) ran out before the batch filled
         "prompts_exhausted": exhausted,
     }
-    rewards_out = (np.stack(kept_rewards).astype(np.float32) if kept_rewards
-                   else np.zeros((0, group_size or 0), np.float32))
-    return FilledBatch(kept_prompts, kept_groups, rewards_out, stats)
+    return FilledBatch(kept_prompts, kept_groups, np.stack(kept_rewards).astype(np.float32),
+                       stats)

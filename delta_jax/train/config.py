@@ -58,6 +58,7 @@ CHOICES = {
     "data.on_error": ("raise", "skip"),
     "data.overlong_prompts": ("drop", "error", "truncate"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
+    "rl.dynamic_sampling_on_max_rounds": ("raise", "pad"),  # rl.dynamic_sampling.ON_MAX_ROUNDS
     # models.attention.DECODE_IMPLS
     "rollout.decode_attention": ("auto", "reference", "mosaic", "mosaic_fused", "tpu"),
 }
@@ -207,6 +208,12 @@ def default_config() -> config_dict.ConfigDict:
     c.rl.epochs = 1
     c.rl.dynamic_sampling = _P(bool)
     c.rl.dynamic_sampling_max_rounds = 8
+    # Prompts generated per dynamic-sampling round (DAPO's gen batch size): 0 = the batch's own
+    # rollout.batch_prompts, else a multiple of it (each round draws whole data batches).
+    c.rl.dynamic_sampling_prompts_per_round = 0
+    # When the rounds run out before the batch fills: "raise", or "pad" it with zero-signal
+    # groups (zero advantage, no gradient) and warn; rollout/padded_groups counts them.
+    c.rl.dynamic_sampling_on_max_rounds = "raise"
     c.rl.max_nonfinite = 3        # consecutive skipped (non-finite) updates before the run stops
 
     c.delta = config_dict.ConfigDict()
@@ -432,8 +439,14 @@ def _check_combinations(c):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     for name in ("train.steps", "sft.steps", "train.save_every", "train.eval_every",
                  "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",
-                 "delta.num_refine", "eval.limit", "sft.warmup_steps"):
+                 "delta.num_refine", "eval.limit", "sft.warmup_steps",
+                 "rl.dynamic_sampling_prompts_per_round"):
         _require(_get(c, name) >= 0, name, f"must be >= 0, got {_get(c, name)}")
+    _require(c.rl.dynamic_sampling_prompts_per_round % c.rollout.batch_prompts == 0,
+             "rl.dynamic_sampling_prompts_per_round",
+             f"{c.rl.dynamic_sampling_prompts_per_round} is not a multiple of "
+             f"rollout.batch_prompts={c.rollout.batch_prompts} (each round draws whole data "
+             f"batches; 0 = one batch a round)")
     _require(c.rollout.batch_prompts % c.rl.mini_batch_prompts == 0, "rl.mini_batch_prompts",
              f"{c.rl.mini_batch_prompts} does not divide rollout.batch_prompts="
              f"{c.rollout.batch_prompts}")

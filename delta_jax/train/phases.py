@@ -51,7 +51,8 @@ GenerateAndScore = Callable[[list, int], tuple[Any, np.ndarray, dict]]
 
 def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterator[list], *,
                     num_prompts: int, group_size: int, dynamic_sampling: bool = False,
-                    max_rounds: int = 1) -> Rollout:
+                    max_rounds: int = 1, prompts_per_round: int = 0,
+                    on_max_rounds: str = "raise") -> Rollout:
     """Prompts -> samples -> rewards, refilled by DAPO dynamic sampling when it is on.
 
     generate_and_score(records, round) -> (GenerationOutput over the records x group_size,
@@ -59,9 +60,12 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
       counters "num_timeouts", "num_no_box", "time_generate", "time_reward"); `round` counts the
       generation rounds of this step from 0 (each round draws its own seed).
     record_batches: iterator of lists of prompt records (the data pipeline's batches). Without
-      dynamic sampling one batch is drawn and kept whole; with it, rounds of `num_prompts` records
-      are drawn until `num_prompts` groups with reward variance are kept
-      (rl.dynamic_sampling.fill_batch_with_signal), a RuntimeError after `max_rounds` rounds.
+      dynamic sampling one batch is drawn and kept whole; with it, rounds of `prompts_per_round`
+      records (0: num_prompts) are drawn until `num_prompts` groups with reward variance are kept
+      (rl.dynamic_sampling.fill_batch_with_signal); after `max_rounds` rounds a RuntimeError, or
+      with on_max_rounds "pad" the batch filled up with zero-signal groups (and a warning).
+    stats (with dynamic sampling): rounds, dropped_groups, padded_groups, keep_rate (groups with
+      signal / groups generated), dropped_mean_reward.
     """
     G = group_size
     stats = {"num_timeouts": 0.0, "num_no_box": 0.0, "time_generate": 0.0, "time_reward": 0.0}
@@ -89,19 +93,25 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
         try:
             filled = fill_batch_with_signal(
                 split_round, (r for batch in record_batches for r in batch),
-                num_groups=num_prompts, prompts_per_round=num_prompts, max_rounds=max_rounds,
-                on_max_rounds="raise")
+                num_groups=num_prompts, prompts_per_round=prompts_per_round or num_prompts,
+                max_rounds=max_rounds, on_max_rounds=on_max_rounds)
         except RuntimeError as e:  # name the config fields, not the function's arguments
             raise RuntimeError(
                 f"{e} Config: rl.dynamic_sampling_max_rounds={max_rounds} caps the rounds of "
-                f"rollout.batch_prompts={num_prompts} prompts; rl.dynamic_sampling=False trains "
-                "on the groups as drawn. A policy that solves (almost) nothing, e.g. after too "
-                "short an SFT warm start (sft.steps), can never fill the batch.") from e
+                f"{prompts_per_round or num_prompts} prompts "
+                f"(rl.dynamic_sampling_prompts_per_round, 0 = rollout.batch_prompts="
+                f"{num_prompts}); rl.dynamic_sampling_on_max_rounds=pad fills the batch with "
+                "zero-signal groups instead; rl.dynamic_sampling=False trains on the groups as "
+                "drawn. A policy that solves (almost) nothing, e.g. after too short an SFT warm "
+                "start (sft.steps), can never fill the batch.") from e
         records, rewards = filled.prompts, filled.rewards
         samples = rollout_lib.concat_samples([g[0] for g in filled.groups])
         accuracy = np.stack([g[1] for g in filled.groups])
         stats.update(rounds=float(filled.stats["rounds"]),
-                     dropped_groups=float(filled.stats["groups_dropped"]))
+                     dropped_groups=float(filled.stats["groups_dropped"]),
+                     padded_groups=float(filled.stats["groups_padded"]),
+                     keep_rate=float(filled.stats["keep_rate"]),
+                     dropped_mean_reward=float(filled.stats["dropped_mean_reward"]))
     return Rollout(samples=samples, records=list(records),
                    rewards=np.asarray(rewards, np.float32).reshape(-1),
                    accuracy=np.asarray(accuracy, np.float32).reshape(-1), stats=stats)

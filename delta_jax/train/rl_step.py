@@ -132,13 +132,19 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
         generate_and_score_fn(run, params, step), run.data_iter,
         num_prompts=cfg.rollout.batch_prompts, group_size=G,
         dynamic_sampling=cfg.rl.dynamic_sampling,
-        max_rounds=cfg.rl.dynamic_sampling_max_rounds)
+        max_rounds=cfg.rl.dynamic_sampling_max_rounds,
+        prompts_per_round=cfg.rl.dynamic_sampling_prompts_per_round,
+        on_max_rounds=cfg.rl.dynamic_sampling_on_max_rounds)
     metrics = {"time/rollout_s": roll.stats["time_generate"],
                "time/reward_s": roll.stats["time_reward"],
                "rollout/num_timeouts": roll.stats["num_timeouts"],
                "rollout/num_no_box": roll.stats["num_no_box"],
                "rollout/sampling_rounds": roll.stats["rounds"],
                "rollout/dropped_groups": roll.stats["dropped_groups"]}
+    if cfg.rl.dynamic_sampling:
+        metrics.update({"rollout/padded_groups": roll.stats["padded_groups"],
+                        "rollout/keep_rate": roll.stats["keep_rate"],
+                        "rollout/dropped_mean_reward": roll.stats["dropped_mean_reward"]})
 
     adv = np.asarray(compute_advantages(jnp.asarray(roll.rewards), method=settings.advantage,
                                         group_size=G))
