@@ -143,11 +143,11 @@ class Sampler:
       the smallest power of two of rows that holds them (bucket_size; at least SHRINK_MIN_ROWS
       rows in all), when that is fewer than the shard's slots, each row count a program of its
       own. (No sample can enter a free slot during a call: staged samples take the slots whose
-      samples finish, and a shard keeps staged samples only while its slots are full.) So the tail of a generate(), where
-      the last long samples run alone, a static batch draining and slots left free for want of
-      pages do not pay for empty slots: their rows would go through every matmul, norm and
-      sampling draw of a step. Default True; False runs every call on all slots (the static
-      baseline of the benchmarks). Never changes the tokens.
+      samples finish, and a shard keeps staged samples only while its slots are full.) So the
+      tail of a generate(), where the last long samples run alone, a static batch draining and
+      slots left free for want of pages do not pay for empty slots: their rows would go through
+      every matmul, norm and sampling draw of a step. Default True; False runs every call on all
+      slots (the static baseline of the benchmarks). Never changes the tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,

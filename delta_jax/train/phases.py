@@ -100,10 +100,12 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
                 f"{e} Config: rl.dynamic_sampling_max_rounds={max_rounds} caps the rounds of "
                 f"{prompts_per_round or num_prompts} prompts "
                 f"(rl.dynamic_sampling_prompts_per_round, 0 = rollout.batch_prompts="
-                f"{num_prompts}); rl.dynamic_sampling_on_max_rounds=pad fills the batch with "
-                "zero-signal groups instead; rl.dynamic_sampling=False trains on the groups as "
-                "drawn. A policy that solves (almost) nothing, e.g. after too short an SFT warm "
-                "start (sft.steps), can never fill the batch.") from e
+                f"{num_prompts}); "
+                + ("rl.dynamic_sampling_on_max_rounds=pad fills the batch with zero-signal "
+                   "groups instead; " if on_max_rounds == "raise" else "")
+                + "rl.dynamic_sampling=False trains on the groups as drawn. A policy that solves "
+                "(almost) nothing, e.g. after too short an SFT warm start (sft.steps), can never "
+                "fill the batch.") from e
         records, rewards = filled.prompts, filled.rewards
         samples = rollout_lib.concat_samples([g[0] for g in filled.groups])
         accuracy = np.stack([g[1] for g in filled.groups])
