@@ -178,7 +178,7 @@ def parse_args(argv=None):
     if args.mosaic_kernel is not None or args.mosaic_rows is not None:
         cfg = model_config(args)
         problem = paged_decode.config_problem(
-            cfg.dtype, cfg.head_dim, args.page_size, cfg.num_heads // cfg.num_kv_heads,
+            cfg.dtype, cfg.head_dim, args.page_size, cfg.num_groups,
             **{k: v for k, v in mosaic_kwargs(args).items() if k != "pdl"})
         if problem:
             p.error(f"--mosaic-kernel / --mosaic-rows: {problem}")
@@ -493,7 +493,7 @@ def main(argv=None):
                    "decode_attention": impl,
                    "resolved_attention": attention.resolve_decode_impl(
                        impl, dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=args.page_size,
-                       group=cfg.num_heads // cfg.num_kv_heads),
+                       group=cfg.num_groups),
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "page_size": args.page_size, "steps_per_call": args.steps_per_call,
                    "device": f"{device.platform}:{device.device_kind}",
@@ -501,7 +501,7 @@ def main(argv=None):
                    "mosaic_kernel": mosaic_kwargs(args) or "defaults"}
             row["fused_write"] = attention.fused_write_attend(
                 row["resolved_attention"], cfg.dtype, cfg.dtype, cfg.head_dim, args.page_size,
-                cfg.num_heads // cfg.num_kv_heads, True)
+                cfg.num_groups, True)
             if "fixed" in args.workload:
                 print(f"fixed: batch {batch}, {impl}", flush=True)
                 with mosaic_parameters(mosaic_kwargs(args)):

@@ -76,14 +76,6 @@ def pass_at_k(n, c, k: int):
     return out if out.ndim else float(out)
 
 
-def avg_at_k(correct) -> float:
-    """Mean accuracy over all samples: correct is bool/float [Q, k]."""
-    correct = np.asarray(correct, np.float64)
-    if correct.ndim != 2:
-        raise ValueError(f"avg_at_k: correct must be [Q, k], got shape {correct.shape}")
-    return float(correct.mean()) if correct.size else float("nan")
-
-
 # ---------------------------------------------------------------------------------------------
 # Benchmarks
 # ---------------------------------------------------------------------------------------------

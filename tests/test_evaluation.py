@@ -48,12 +48,6 @@ def test_pass_at_k_vectorised_and_large_n():
         ev.pass_at_k(4, 5, 1)
 
 
-def test_avg_at_k():
-    assert ev.avg_at_k([[1, 0, 0, 1], [1, 1, 1, 1]]) == pytest.approx(0.75)
-    with pytest.raises(ValueError, match=r"\[Q, k\]"):
-        ev.avg_at_k([1, 0])
-
-
 # --- loading -------------------------------------------------------------------------------
 
 

@@ -319,8 +319,7 @@ class Transformer(nnx.Module):
     rollout engine makes it once per generate() (sampling.programs.decode_layers), not per
     decode call."""
     cfg = self.cfg
-    K, D = cfg.num_kv_heads, cfg.head_dim
-    G = cfg.num_heads // K
+    K, D, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
     layers = []
     for p in self.layers.unstacked():
       p = _cast_layer(cfg, p)

@@ -9,7 +9,9 @@ centroids are refined K times with those soft assignments, and the lambdas are n
 over the valid tokens. The weights multiply the per-token policy loss (see rl/losses.py).
 
 Layout of this module
-* Proxies: `last_layer_proxy` (paper default, v = (1 - p) h) and `hidden_topk_proxy` /
+* Proxies: the paper's default v = (1 - p) h (spec 2.0, the gradient of log p(y) w.r.t. the
+  sampled token's LM-head row), which `delta_coefficients(hidden, token_prob, ...)` applies on
+  the fly (a FeatureChunk's scale 1 - p) without materialising v, and `hidden_topk_proxy` /
   `hidden_topk_proxy_from_head` (the paper's best ablation, v = W_y - sum_{j in topK} p~_j W_j).
 * Streaming pieces, pure functions on small state pytrees, each one pass over feature chunks:
   `init_pass` / `accumulate_centroids` / `accumulate_margins` / `finalize_pass`, then
@@ -64,17 +66,6 @@ SIDE_NAMES = ("pos", "neg", "zero")
 
 
 # ----------------------------------------------------------------------------- proxies
-
-
-def last_layer_proxy(hidden: Array, token_prob: Array) -> Array:
-    """Spec 2.0: v = (1 - p) * h, the gradient of log p(y) w.r.t. the sampled token's LM-head row.
-
-    hidden [B, T, H] (any float dtype; the final hidden state after the final norm),
-    token_prob [B, T] (probability of the sampled token at the rollout temperature)
-    -> v fp32 [B, T, H].
-    `delta_coefficients(hidden, token_prob, ...)` applies this on the fly without materialising v.
-    """
-    return (1.0 - token_prob.astype(jnp.float32))[..., None] * hidden.astype(jnp.float32)
 
 
 def hidden_topk_proxy(head_rows_y: Array, topk_rows: Array, topk_probs: Array) -> Array:
@@ -381,15 +372,6 @@ def finalize_pass(stats: PassStats) -> Discriminator:
     mu = stats.weighted_sum / jnp.maximum(stats.weight_total, _WEIGHT_FLOOR)[:, None]
     var = stats.margin_m2 / jnp.maximum(stats.margin_count, 1.0)
     return Discriminator(mu, jnp.sqrt(jnp.maximum(var, _VAR_FLOOR)))
-
-
-def token_lambdas(chunk: FeatureChunk, disc: Discriminator, lam_min: float = 0.8,
-                  lam_max: float = 1.2, ablations: Ablations = FULL_METHOD,
-                  noise: Array | None = None) -> Array:
-    """Spec 2.6: lambda [b, t] = lam_min + (lam_max - lam_min) * sigmoid(Delta(mu^K) / gamma^K) on
-    P and N, lam_min on Z, 0 on padding; or the `Ablations` variant (noise: `lambda_noise` draws
-    [b, t], required with random_lambda)."""
-    return _lambdas(_tokens(chunk), disc, lam_min, lam_max, ablations, noise)[0]
 
 
 def _lambda_range(lam_min: float, lam_max: float, ablations: Ablations) -> tuple[float, float]:
@@ -906,6 +888,5 @@ __all__: Sequence[str] = (
     "delta_coefficients", "delta_coefficients_streaming",
     "diagnostics", "finalize_pass", "fit_discriminator", "fit_discriminator_fused",
     "hidden_topk_proxy",
-    "hidden_topk_proxy_from_head", "init_final", "init_pass", "last_layer_proxy", "normaliser",
-    "token_lambdas",
+    "hidden_topk_proxy_from_head", "init_final", "init_pass", "normaliser",
 )

@@ -180,7 +180,7 @@ class Sampler:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
         cfg = model.cfg
         problem = dict(dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=page_size,
-                       group=cfg.num_heads // cfg.num_kv_heads)
+                       group=cfg.num_groups)
         # Validates the name; "auto" picks the Mosaic GPU kernel only where it takes the problem.
         resolved = attention.resolve_decode_impl(decode_attention, **problem)
         if resolved in attention.MOSAIC_DECODE_IMPLS:
