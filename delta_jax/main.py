@@ -49,6 +49,7 @@ def run(cfg, workdir: str):
         result = plan.plan_from_config(cfg, target=cfg.plan.target)
         print(result.to_text())
         return result
+    xla_env.enable_compilation_cache(cfg.train.compilation_cache_dir)
     from delta_jax import sharding
     sharding.initialize_distributed(cfg.distributed.coordinator_address,
                                     cfg.distributed.num_processes, cfg.distributed.process_id,

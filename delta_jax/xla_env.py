@@ -1,9 +1,12 @@
-"""The XLA flags delta_jax runs with unless the user's XLA_FLAGS names them.
+"""Process-wide XLA / JAX settings made before anything compiles: the XLA flags delta_jax runs
+with unless the user's XLA_FLAGS names them, and JAX's persistent compilation cache.
 
 XLA reads XLA_FLAGS once, when the first backend starts, so `apply_default_flags` has to run
 before anything touches a device: `delta_jax.main.run` and the benchmarks that measure the
 product call it first. A flag the user sets in XLA_FLAGS (to any value) wins over the default
 of the same name, so `XLA_FLAGS=--xla_gpu_graph_enable_concurrent_region=false` turns one off.
+`enable_compilation_cache` (delta_jax.main.run, config train.compilation_cache_dir) points JAX's
+persistent cache at a directory unless JAX_COMPILATION_CACHE_DIR says where (or "": off).
 """
 from __future__ import annotations
 
@@ -65,3 +68,24 @@ def apply_default_flags(env: Optional[MutableMapping[str, str]] = None,
     env["XLA_FLAGS"] = merged_flags(current, defaults)
     log.debug("XLA_FLAGS += %s", " ".join(added))
     return tuple(added)
+
+
+def enable_compilation_cache(cache_dir: str,
+                             env: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """Points JAX's persistent compilation cache at `cache_dir` ("~" expanded, created), so that
+    programs compiled once (above JAX's minimum compile time) load from there in later runs of
+    the same shapes, flags and jax version (JAX keys its entries by all of them). The user's
+    JAX_COMPILATION_CACHE_DIR in `env` (default os.environ), when set, wins and is left to JAX
+    ("" there: no cache); so does a `cache_dir` of "". Call before the first compile. Returns
+    the directory in use, or None."""
+    env = os.environ if env is None else env
+    if "JAX_COMPILATION_CACHE_DIR" in env:
+        return env["JAX_COMPILATION_CACHE_DIR"] or None
+    if not cache_dir:
+        return None
+    path = os.path.abspath(os.path.expanduser(cache_dir))
+    os.makedirs(path, exist_ok=True)
+    import jax
+    jax.config.update("jax_compilation_cache_dir", path)
+    log.debug("JAX compilation cache: %s", path)
+    return path

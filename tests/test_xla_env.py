@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from delta_jax import xla_env
 
@@ -77,3 +78,77 @@ def test_main_run_sets_them_before_the_backend_starts_and_xla_takes_them(tmp_pat
     flags = next(l for l in out.stdout.splitlines() if l.startswith("FLAGS ")).split()[1:]
     assert flags == ["--xla_cpu_enable_fast_math=false", *xla_env.DEFAULT_XLA_FLAGS]
     assert "SUM 6.0 cpu" in out.stdout
+
+
+def test_the_users_jax_compilation_cache_dir_wins(tmp_path):
+    """JAX_COMPILATION_CACHE_DIR, where set, is left to JAX (its value in use, "" = no cache);
+    so is a train.compilation_cache_dir of "": then nothing is configured or created."""
+    before = jax.config.jax_compilation_cache_dir
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c"),
+                                            env={"JAX_COMPILATION_CACHE_DIR": "/u"}) == "/u"
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c"),
+                                            env={"JAX_COMPILATION_CACHE_DIR": ""}) is None
+    assert xla_env.enable_compilation_cache("", env={}) is None
+    assert not (tmp_path / "c").exists() and jax.config.jax_compilation_cache_dir == before
+
+
+CACHED_RUN = (
+    "import logging, sys\n"
+    "logging.basicConfig(level=logging.DEBUG)\n"
+    "from delta_jax import xla_env\n"
+    "print('DIR', xla_env.enable_compilation_cache(sys.argv[1]))\n"
+    "import jax, jax.numpy as jnp\n"
+    "print('SUM', float(jax.jit(lambda x: jnp.sin(x).sum())(jnp.arange(8.0))))\n")
+
+
+def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+    """Fresh processes without JAX_COMPILATION_CACHE_DIR: the first compiles a program into the
+    configured directory ("~" expanded against HOME), the second loads it from there (JAX's log
+    says "cache hit") and computes the same."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_ENABLE_COMPILATION_CACHE"))}
+    env.update(HOME=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # cache even a tiny program
+    cache = tmp_path / ".cache" / "delta_jax" / "jax"
+    runs = [subprocess.run([sys.executable, "-c", CACHED_RUN, "~/.cache/delta_jax/jax"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"DIR {cache}" in out.stdout and "SUM " in out.stdout
+    assert [l for l in runs[0].stdout.splitlines() if l.startswith("SUM")] == [
+        l for l in runs[1].stdout.splitlines() if l.startswith("SUM")]
+    assert any(cache.iterdir())
+    assert "cache hit" not in runs[0].stderr.lower()
+    assert "cache hit" in runs[1].stderr.lower(), runs[1].stderr[-3000:]
+
+
+def test_main_run_configures_the_cache_before_it_builds_anything(tmp_path, monkeypatch):
+    """delta_jax.main.run hands train.compilation_cache_dir to enable_compilation_cache before the
+    run is built (here the training loop is stopped at its start); plan mode compiles nothing and
+    configures nothing."""
+    import importlib.util
+    from delta_jax import main
+    from delta_jax.train import loop
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def stopped(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(xla_env, "enable_compilation_cache", lambda d: calls.append(d))
+    monkeypatch.setattr(loop, "train", stopped)
+    spec = importlib.util.spec_from_file_location("tiny", REPO / "experiments" / "tiny.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    cfg = tiny.get_config()
+    cfg.train.compilation_cache_dir = str(tmp_path / "cache")
+    with pytest.raises(Stop):
+        main.run(cfg, str(tmp_path / "run"))
+    assert calls == [str(tmp_path / "cache")]
+    cfg.mode = "plan"
+    main.run(cfg, "")
+    assert calls == [str(tmp_path / "cache")]

@@ -256,6 +256,10 @@ def default_config() -> config_dict.ConfigDict:
     c.train.eval_after = True
     c.train.export_final = True   # write the final policy as a HF directory in workdir/final
     c.train.progress_bar = True
+    # JAX's persistent compilation cache: a rerun of the same shapes (a sweep, a resume) loads
+    # its compiled programs instead of compiling them again. "" = off; JAX_COMPILATION_CACHE_DIR,
+    # where set, wins.
+    c.train.compilation_cache_dir = "~/.cache/delta_jax/jax"
     # Resuming a run whose results-changing fields differ from its config.json is refused
     # (the differences are listed) unless this is True.
     c.train.allow_config_change = False
@@ -545,6 +549,7 @@ def _check_combinations(c):
 RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every", "train.keep",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.allow_config_change",
+                    "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
                     "rollout.decode_attention", "rollout.shrink_batch")
