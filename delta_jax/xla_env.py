@@ -70,17 +70,15 @@ def apply_default_flags(env: Optional[MutableMapping[str, str]] = None,
     return tuple(added)
 
 
-def enable_compilation_cache(cache_dir: str,
-                             env: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+def enable_compilation_cache(cache_dir: str) -> Optional[str]:
     """Points JAX's persistent compilation cache at `cache_dir` ("~" expanded, created), so that
     programs compiled once (above JAX's minimum compile time) load from there in later runs of
     the same shapes, flags and jax version (JAX keys its entries by all of them). The user's
-    JAX_COMPILATION_CACHE_DIR in `env` (default os.environ), when set, wins and is left to JAX
-    ("" there: no cache); so does a `cache_dir` of "". Call before the first compile. Returns
-    the directory in use, or None."""
-    env = os.environ if env is None else env
-    if "JAX_COMPILATION_CACHE_DIR" in env:
-        return env["JAX_COMPILATION_CACHE_DIR"] or None
+    JAX_COMPILATION_CACHE_DIR environment variable, when set, wins and is left to JAX ("" there:
+    no cache); so does a `cache_dir` of "". Call before the first compile. Returns the directory
+    in use, or None."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return os.environ["JAX_COMPILATION_CACHE_DIR"] or None
     if not cache_dir:
         return None
     path = os.path.abspath(os.path.expanduser(cache_dir))

@@ -80,15 +80,16 @@ def test_main_run_sets_them_before_the_backend_starts_and_xla_takes_them(tmp_pat
     assert "SUM 6.0 cpu" in out.stdout
 
 
-def test_the_users_jax_compilation_cache_dir_wins(tmp_path):
+def test_the_users_jax_compilation_cache_dir_wins(tmp_path, monkeypatch):
     """JAX_COMPILATION_CACHE_DIR, where set, is left to JAX (its value in use, "" = no cache);
     so is a train.compilation_cache_dir of "": then nothing is configured or created."""
     before = jax.config.jax_compilation_cache_dir
-    assert xla_env.enable_compilation_cache(str(tmp_path / "c"),
-                                            env={"JAX_COMPILATION_CACHE_DIR": "/u"}) == "/u"
-    assert xla_env.enable_compilation_cache(str(tmp_path / "c"),
-                                            env={"JAX_COMPILATION_CACHE_DIR": ""}) is None
-    assert xla_env.enable_compilation_cache("", env={}) is None
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/u")
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c")) == "/u"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c")) is None
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert xla_env.enable_compilation_cache("") is None
     assert not (tmp_path / "c").exists() and jax.config.jax_compilation_cache_dir == before
 
 
