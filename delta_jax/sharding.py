@@ -375,4 +375,19 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(local_device_ids=local_device_ids,
                                    heartbeat_timeout_seconds=int(heartbeat_timeout_s), **settings)
+        index, count = jax.process_index(), jax.process_count()  # creates the backend
+        if count > 1:
+            _backends_up_barrier()
+        return index, count
     return jax.process_index(), jax.process_count()
+
+
+def _backends_up_barrier(timeout_s: int = 300) -> None:
+    """Waits until every process has created its backend. Creating it takes more than one
+    exchange with the coordination service (process 0's), so without this a process that fails
+    at once after its own (its workdir held by another run, a bad file) can take the service
+    down while another is still mid-way, which then dies of a gRPC error in start-up ("Socket
+    closed") instead of being stopped by the distributed runtime as a partner's failure."""
+    from jax._src import distributed as _dist
+    _dist.global_state.client.wait_at_barrier("delta_jax_backends_up",
+                                              timeout_in_ms=timeout_s * 1000)
