@@ -193,6 +193,24 @@ def test_the_prompt_asks_for_what_the_reward_reads():
                                f"--config.data.template={template}"]))
 
 
+@pytest.mark.parametrize("override,field", [
+    ("--config.data.system_prompt=Be brief.", "data.system_prompt"),
+    ("--config.data.enable_thinking=False", "data.enable_thinking"),
+    ("--config.rewards.one_box_bonus=0.1", "rewards.one_box_bonus"),
+    ("--config.rewards.no_box_penalty=0.5", "rewards.no_box_penalty"),
+])
+def test_options_of_one_template_or_reward_are_refused_elsewhere(override, field):
+    """The chat template's system turn and thinking switch under another template, and
+    math_format's shaping under another reward, would change nothing: refused, naming the
+    field; accepted with the template or reward they belong to."""
+    tiny = f"--config={EXPERIMENTS / 'tiny.py'}"
+    with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.") + ": .* leave"):
+        validate_config(parse([tiny, override]))
+    owner = ("--config.data.template=chat" if field.startswith("data.")
+             else "--config.rewards.name=math_format")
+    validate_config(parse([tiny, override, owner]))
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo"])
 def test_one_response_per_prompt_is_refused_for_every_advantage(advantage):
     """Group-relative advantages are all 0 with one response per prompt (RLOO has no

@@ -1,8 +1,11 @@
 """delta_jax.train.run: what build_run wires from a config."""
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from delta_jax.data import tiny_tokenizer
 from delta_jax.train import run as run_lib
 from tests.rl_fixtures import build_scored_run, tiny_rl_config
 
@@ -153,6 +156,63 @@ def test_a_neutral_template_asks_for_the_rewards_answer(tmp_path):
             assert run.template("Add 2.") == f"Add 2.\n{instruction}"
         finally:
             run.close()
+
+
+# The tiny tokenizer's chat template plus Qwen3's handling of enable_thinking (an empty think
+# block opens the answer when it is false): a stand-in that runs without ../shared.
+THINKING_TEMPLATE = (tiny_tokenizer.CHAT_TEMPLATE + "{%- if add_generation_prompt and "
+                     "enable_thinking is defined and enable_thinking is false %}"
+                     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("tokenizer", ["tiny_thinking", "qwen3"])
+def test_chat_template_options_reach_the_prompt(tmp_path, request, tokenizer):
+    """data.system_prompt and data.enable_thinking reach the run's prompt through the
+    tokenizer's chat template (Qwen3's own where ../shared has it): a system turn first, and
+    with thinking off the empty think block that opens Qwen3's non-thinking answers; the
+    reward's instruction stays in the user turn."""
+    import json
+
+    from delta_jax.data import templates
+    from tests.rl_fixtures import single_device_mesh
+
+    if tokenizer == "qwen3":
+        tok_dir = str(request.getfixturevalue("qwen3_tokenizer_dir"))
+    else:
+        tok_dir = tiny_tokenizer.build_tiny_tokenizer(str(tmp_path / "tok"))
+        config_file = os.path.join(tok_dir, "tokenizer_config.json")
+        with open(config_file) as f:
+            tok_config = json.load(f)
+        tok_config["chat_template"] = THINKING_TEMPLATE
+        with open(config_file, "w") as f:
+            json.dump(tok_config, f)
+    problem = "Add 2 and 3."
+    user = f"<|im_start|>user\n{problem}\n{templates.BOXED_INSTRUCTION}<|im_end|>\n"
+    for options, want in (
+            (dict(), user + "<|im_start|>assistant\n"),
+            (dict(system_prompt="Be brief.", enable_thinking=False),
+             "<|im_start|>system\nBe brief.<|im_end|>\n" + user
+             + "<|im_start|>assistant\n<think>\n\n</think>\n\n")):
+        cfg = tiny_rl_config("grpo", data=dict(template="chat", **options),
+                             tokenizer=dict(path=tok_dir))
+        run = run_lib.build_run(cfg, str(tmp_path / f"run{len(options)}"), need_data=False,
+                                need_scorer=False, mesh=single_device_mesh())
+        try:
+            assert run.template(problem) == want
+        finally:
+            run.close()
+
+
+def test_math_format_shaping_reaches_the_scorer():
+    """rewards.one_box_bonus / no_box_penalty shape the training reward of rewards.name =
+    math_format: correct with one box, wrong with one box, no box."""
+    cfg = tiny_rl_config("grpo", rewards=dict(name="math_format", one_box_bonus=0.25,
+                                                no_box_penalty=0.5))
+    responses = ["so \\boxed{5}", "so \\boxed{6}", "so 5"]
+    with run_lib.make_scorer(cfg, shaped=True) as scorer:
+        rewards, info = scorer.score(responses, ["5"] * 3)
+    assert rewards.tolist() == [1.25, 0.25, -0.5]
+    assert info["accuracy"].tolist() == [1.0, 0.0, 0.0]
 
 
 def test_long_eval_prompts_are_reported_at_start_up(tmp_path, caplog):

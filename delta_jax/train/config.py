@@ -123,6 +123,11 @@ def default_config() -> config_dict.ConfigDict:
     c.data.train = ""            # JSONL/parquet path(s), comma separated, or "synthetic"
     c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
     c.data.template = "qwen_math"   # delta_jax.data.templates.KINDS
+    # data.template = "chat" only (the tokenizer's own chat template): a system turn before the
+    # user's ("" = none), and Qwen3's thinking switch (False opens the answer with an empty
+    # <think></think> block: non-thinking mode; templates without the variable ignore it).
+    c.data.system_prompt = ""
+    c.data.enable_thinking = True
     c.data.max_prompt_len = 2048
     # Training records whose prompt is longer: "drop" (left out, counted in a warning), "error"
     # (refused at start-up) or "truncate" (their last max_prompt_len tokens are kept).
@@ -168,6 +173,10 @@ def default_config() -> config_dict.ConfigDict:
     c.rewards.overlong = _P(bool)
     c.rewards.overlong_buffer = 4096
     c.rewards.overlong_factor = 1.0
+    # rewards.name = "math_format" only: + one_box_bonus for exactly one \\boxed{} answer,
+    # - no_box_penalty for none (defaults: 1 correct, 0 wrong, -1 no boxed answer).
+    c.rewards.one_box_bonus = 0.0
+    c.rewards.no_box_penalty = 1.0
     # rewards.name = "code" (rl/rewards.py, rl/sandbox.py): where model-written programs run
     # ("local": a namespace sandbox per program; "sandbox_fusion": an HTTP SandboxFusion service
     # at code_sandbox_url), whether the local sandbox must isolate (False runs programs without
@@ -486,6 +495,15 @@ def _check_combinations(c):
     _require(c.data.template != "qwen_math" or c.rewards.name != "code", "data.template",
              "'qwen_math' asks for a \\boxed{} answer, which rewards.name='code' does not read: "
              "set data.template=code (or base, chat, plain: they ask for a program then)")
+    for name, value in (("data.system_prompt", c.data.system_prompt != ""),
+                        ("data.enable_thinking", not c.data.enable_thinking)):
+        _require(not value or c.data.template == "chat", name,
+                 f"applies to data.template='chat' (the tokenizer's chat template), not "
+                 f"{c.data.template!r}: set data.template=chat or leave {name} at its default")
+    for name, default in (("rewards.one_box_bonus", 0.0), ("rewards.no_box_penalty", 1.0)):
+        _require(_get(c, name) == default or c.rewards.name == "math_format", name,
+                 f"shapes rewards.name='math_format' only, not {c.rewards.name!r}: set "
+                 f"rewards.name=math_format or leave {name} at {default}")
     _require(c.rewards.num_workers >= 1, "rewards.num_workers",
              f"must be >= 1, got {c.rewards.num_workers}")
     _require(c.rewards.timeout_s > 0, "rewards.timeout_s",

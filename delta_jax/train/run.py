@@ -243,7 +243,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     benchmarks = load_benchmarks(assets["eval"])
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
-    template = templates.for_task(templates.make_template(cfg.data.template, tokenizer=tokenizer),
+    template = templates.for_task(templates.make_template(cfg.data.template, tokenizer=tokenizer,
+                                                          **template_options(cfg)),
                                   reward_task(cfg))
     # The data before the model: a bad data.train stops the run before weights are read.
     data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
@@ -396,6 +397,23 @@ def reward_task(cfg) -> str:
     return "code" if cfg.rewards.name == "code" else "math"
 
 
+def template_options(cfg) -> dict:
+    """PromptTemplate keywords from data.*: the chat template's system turn and template
+    variables (data.template = "chat" only; validate_config refuses them elsewhere)."""
+    if cfg.data.template != "chat":
+        return {}
+    return {"system": cfg.data.system_prompt or None,
+            "chat_template_kwargs": {"enable_thinking": bool(cfg.data.enable_thinking)}}
+
+
+def reward_options(cfg) -> dict:
+    """The reward function's keywords from rewards.* (math_format's shaping)."""
+    if cfg.rewards.name != "math_format":
+        return {}
+    return {"one_box_bonus": float(cfg.rewards.one_box_bonus),
+            "no_box_penalty": float(cfg.rewards.no_box_penalty)}
+
+
 def make_scorer(cfg, *, shaped: bool, task: str | None = None):
     """The run's RewardScorer from rewards.*: shaped=True adds the method's DAPO overlong
     penalty (training rewards); shaped=False grades accuracy only (evaluation). task: "math" or
@@ -412,7 +430,8 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
         overlong_penalty_factor=r.overlong_factor, code_sandbox=r.code_sandbox,
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
-        pass_fraction=r.code_pass_fraction)
+        pass_fraction=r.code_pass_fraction,
+        reward_kwargs=reward_options(cfg) if task in (None, reward_task(cfg)) else None)
 
 
 def eval_prompts(cfg, template, benchmarks: dict) -> dict:
