@@ -71,3 +71,27 @@ def test_qwen3_tokenizer_math_prompt_and_chat_template(qwen3_tokenizer_dir):
   assert tok.eos_token_id in chat_ids
   assert tok.decode(chat_ids) == text
   assert tok.token_to_id("<think>") == 151667
+
+
+def test_loading_without_pytorch_prints_no_advice(tmp_path):
+  """Installed without PyTorch (the main job's install), transformers advises on import that
+  PyTorch was not found; delta_jax needs only its tokenizers, so load_tokenizer imports it
+  without that line (it would open every run's output), and leaves the environment as it was."""
+  import subprocess
+  import sys
+
+  from delta_jax.data import tiny_tokenizer
+  tok_dir = tiny_tokenizer.build_tiny_tokenizer(str(tmp_path / "tok"))
+  code = ("import os, sys\n"
+          "sys.modules['torch'] = None  # as if PyTorch were not installed\n"
+          "from delta_jax import models\n"
+          f"tok = models.load_tokenizer({tok_dir!r})\n"
+          "import transformers.utils.import_utils as iu\n"
+          "assert not iu.is_torch_available()\n"
+          "assert 'TRANSFORMERS_NO_ADVISORY_WARNINGS' not in os.environ\n"
+          "print(tok.decode(tok.encode('1 + 2')))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "1 + 2"
+  assert "PyTorch" not in out.stderr, out.stderr[-2000:]

@@ -5,6 +5,7 @@ Loaded through transformers.AutoTokenizer with trust_remote_code=False, so only 
 """
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Optional, Sequence
 
@@ -76,9 +77,26 @@ class Tokenizer:
     return getattr(self.hf, name)
 
 
+def _auto_tokenizer():
+  """transformers.AutoTokenizer, imported without transformers' advice that PyTorch is missing:
+  delta_jax uses its tokenizers only, which need no PyTorch, and the advice would open the
+  output of every run installed without it (a config error's one-line message included)."""
+  key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+  saved = os.environ.get(key)
+  os.environ[key] = "1"
+  try:
+    from transformers import AutoTokenizer  # heavy import, only when needed
+  finally:
+    if saved is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = saved
+  return AutoTokenizer
+
+
 def load_tokenizer(path) -> Tokenizer:
   """Tokenizer from a local HF directory (or a hub id, resolved by transformers)."""
-  from transformers import AutoTokenizer  # heavy import, only when needed
+  AutoTokenizer = _auto_tokenizer()
 
   local = pathlib.Path(path)
   if local.exists():
