@@ -231,6 +231,52 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
         stats["prefill_calls"], one_by_one.stats["prefill_calls"])
 
 
+def test_a_call_with_nothing_staged_runs_a_decode_program_without_refills(tiny_model,
+                                                                          monkeypatch):
+    """A decode call gets a queue of Q = 0 entries exactly when no sample is staged (the static
+    engine's every call; a continuous run's once nothing is left to stage): that program's step
+    loop traces none of the refill's work (its loop body has fewer operations than the program
+    with a queue), and the tokens are those of the program with a queue and of static batching."""
+    from delta_jax.sampling import scheduler
+    calls = []
+    decode, run_decode = scheduler.programs.decode, scheduler._Run.decode
+    staged = [0]
+
+    def recorded(*args, **kwargs):
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)
+                              if isinstance(a, (jax.Array, np.ndarray)) else a, args)
+        calls.append((len(args[5].active), staged[0], shapes, kwargs))
+        return decode(*args, **kwargs)
+
+    def run_decode_noting_the_staged(run):
+        staged[0] = sum(len(q) for q in run.staged)
+        return run_decode(run)
+
+    monkeypatch.setattr(scheduler.programs, "decode", recorded)
+    monkeypatch.setattr(scheduler._Run, "decode", run_decode_noting_the_staged)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(12)]
+    kwargs = dict(n=4, temperature=1.0, max_new_tokens=48, stop_token_ids=tuple(range(1, 21)),
+                  seed=5)
+    out = Sampler(tiny_model, max_batch_size=8).generate(prompts, **kwargs)
+    continuous, calls[:] = list(calls), []
+    static = Sampler(tiny_model, max_batch_size=8, continuous=False).generate(prompts, **kwargs)
+    assert static.response_ids == out.response_ids
+    for queue_len, staged_count, _, _ in continuous + calls:
+        assert (queue_len == 0) == (staged_count == 0), (queue_len, staged_count)
+    assert {q == 0 for q, *_ in continuous} == {True, False}  # both kinds of call ran
+    assert all(q == 0 for q, *_ in calls)
+
+    def loop_body_size(shapes, kw):
+        jaxpr = decode.trace(*shapes, **kw).jaxpr
+        (loop,) = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+        return len(loop.params["body_jaxpr"].jaxpr.eqns)
+    with_queue = next(c for c in continuous if c[0] > 0)
+    without = next(c for c in continuous if c[0] == 0 and c[2][4].active.shape
+                   == with_queue[2][4].active.shape)
+    assert loop_body_size(*without[2:]) < loop_body_size(*with_queue[2:])
+
+
 def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
     """shrink_batch (the default): each decode call runs the live samples in the smallest power
     of two of rows, at least 8 (SHRINK_MIN_ROWS), that holds them when that is fewer than the 16

@@ -130,7 +130,8 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
     state: the model's nnx state (embedding, final norm, LM head); layers: decode_layers(graphdef,
     state), the layer weights the steps use.
     slots: Rows [S], the slots at entry. queue: Rows [Q], samples staged to start mid-call
-    (admitted, their prompt prefilled, their pages in their rows; generated 0): with a mesh of
+    (admitted, their prompt prefilled, their pages in their rows; generated 0; Q = 0 when none
+    is staged: the program then does no refill work at any step): with a mesh of
     B batch shards, entries [b * Q / B, (b + 1) * Q / B) belong to shard b and go only to its
     slots, and each shard's active entries come first. A slot that finishes at a step takes its
     shard's next entry (slots in index order, entries in queue order) and decodes it from the
@@ -154,10 +155,11 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
     def stream_keys(rows):  # each row's sample stream: fold_in(fold_in(key(seed), i), j), as data
         return jax.random.key_data(jax.vmap(lambda i, j: jax.random.fold_in(
             jax.random.fold_in(base_key, i), j))(rows.prompt_index, rows.sample_index))
-    queue_keys = stream_keys(queue)
     per_slot, per_queue = num_slots // shards, num_queued // shards
-    queue_count = jnp.sum(queue.active.reshape(shards, per_queue), axis=1, dtype=jnp.int32)
-    first_entry = jnp.arange(shards, dtype=jnp.int32)[:, None] * per_queue
+    if num_queued:
+        queue_keys = stream_keys(queue)
+        queue_count = jnp.sum(queue.active.reshape(shards, per_queue), axis=1, dtype=jnp.int32)
+        first_entry = jnp.arange(shards, dtype=jnp.int32)[:, None] * per_queue
 
     def fresh(dtype):
         return sharding_lib.constrain_batch(jnp.zeros((num_slots, num_steps), dtype), mesh,
@@ -170,6 +172,8 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
 
     def refill(rows, keys, owner, taken, done):
         """Slots done at this step take their shard's next queue entries (in slot order)."""
+        if not num_queued:  # nothing staged (Q = 0, a static shape): no refill work is traced
+            return rows, keys, owner, taken, jnp.zeros_like(done)
         rank = jnp.cumsum(done.reshape(shards, per_slot), axis=1, dtype=jnp.int32) - 1
         rank = rank + taken[:, None]
         take = done.reshape(shards, per_slot) & (rank < queue_count[:, None])

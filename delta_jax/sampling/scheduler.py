@@ -778,8 +778,11 @@ class _Run:
 
     def _queue_rows(self) -> tuple[programs.Rows, dict]:
         """The staged samples as the decode program's queue (shard b's in entries
-        [b * Q / B, b * Q / B + len), the rest inactive), and entry -> staged sample."""
-        per = self.queue_width
+        [b * Q / B, b * Q / B + len), the rest inactive), and entry -> staged sample. With no
+        sample staged, Q = 0: a program of its own (compiled once), whose steps do none of the
+        refill's work (the static engine's only program; a continuous call once no sample is
+        left to stage, every shrunk call included)."""
+        per = self.queue_width if any(self.staged) else 0
         Q, P = per * self.num_shards, self.tables.shape[1]
         tables = np.zeros((Q, P), np.int32)
         ints = np.zeros((6, Q), np.int32)  # token, length, generated, prompt, sample, limit
