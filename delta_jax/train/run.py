@@ -422,8 +422,9 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
 
     r = cfg.rewards
     overlong = shaped and r.overlong
+    own_task = task in (None, reward_task(cfg))
     return RewardScorer(
-        name=r.name if task in (None, reward_task(cfg)) else task, num_workers=r.num_workers,
+        name=r.name if own_task else task, num_workers=r.num_workers,
         timeout_s=r.timeout_s,
         max_response_len=cfg.rollout.max_new_tokens if shaped else None,
         overlong_buffer_len=r.overlong_buffer if overlong else 0,
@@ -431,7 +432,7 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction,
-        reward_kwargs=reward_options(cfg) if task in (None, reward_task(cfg)) else None)
+        reward_kwargs=reward_options(cfg) if own_task else None)
 
 
 def eval_prompts(cfg, template, benchmarks: dict) -> dict:
