@@ -231,29 +231,46 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
         stats["prefill_calls"], one_by_one.stats["prefill_calls"])
 
 
+def record_decode_calls(monkeypatch, record):
+    """Patches the scheduler so that every decode call it makes first appends record(run, args,
+    kwargs) to the returned list: run, the sampler's _Run making the call (as it stands before
+    the call); args / kwargs, programs.decode's (args[4] the slots' Rows, args[5] the queue's;
+    the cache, args[3], is donated to the call: read it inside record)."""
+    from delta_jax.sampling import scheduler
+    calls, making = [], []
+    decode, run_decode = scheduler.programs.decode, scheduler._Run.decode
+
+    def recorded(*args, **kwargs):
+        calls.append(record(making[-1], args, kwargs))
+        return decode(*args, **kwargs)
+
+    def run_decode_recorded(run):
+        making.append(run)
+        try:
+            return run_decode(run)
+        finally:
+            making.pop()
+
+    monkeypatch.setattr(scheduler.programs, "decode", recorded)
+    monkeypatch.setattr(scheduler._Run, "decode", run_decode_recorded)
+    return calls
+
+
 def test_a_call_with_nothing_staged_runs_a_decode_program_without_refills(tiny_model,
                                                                           monkeypatch):
     """A decode call gets a queue of Q = 0 entries exactly when no sample is staged (the static
     engine's every call; a continuous run's once nothing is left to stage): that program's step
     loop traces none of the refill's work (its loop body has fewer operations than the program
     with a queue), and the tokens are those of the program with a queue and of static batching."""
-    from delta_jax.sampling import scheduler
-    calls = []
-    decode, run_decode = scheduler.programs.decode, scheduler._Run.decode
-    staged = [0]
+    from delta_jax.sampling import programs
+    jitted = programs.decode  # record_decode_calls patches the module's name
 
-    def recorded(*args, **kwargs):
+    def record(run, args, kwargs):
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)
                               if isinstance(a, (jax.Array, np.ndarray)) else a, args)
-        calls.append((len(args[5].active), staged[0], shapes, kwargs))
-        return decode(*args, **kwargs)
+        return len(args[5].active), sum(len(q) for q in run.staged), shapes, kwargs
 
-    def run_decode_noting_the_staged(run):
-        staged[0] = sum(len(q) for q in run.staged)
-        return run_decode(run)
-
-    monkeypatch.setattr(scheduler.programs, "decode", recorded)
-    monkeypatch.setattr(scheduler._Run, "decode", run_decode_noting_the_staged)
+    calls = record_decode_calls(monkeypatch, record)
     rng = np.random.RandomState(1)
     prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(12)]
     kwargs = dict(n=4, temperature=1.0, max_new_tokens=48, stop_token_ids=tuple(range(1, 21)),
@@ -268,7 +285,7 @@ def test_a_call_with_nothing_staged_runs_a_decode_program_without_refills(tiny_m
     assert all(q == 0 for q, *_ in calls)
 
     def loop_body_size(shapes, kw):
-        jaxpr = decode.trace(*shapes, **kw).jaxpr
+        jaxpr = jitted.trace(*shapes, **kw).jaxpr
         (loop,) = [e for e in jaxpr.eqns if e.primitive.name == "while"]
         return len(loop.params["body_jaxpr"].jaxpr.eqns)
     with_queue = next(c for c in continuous if c[0] > 0)
@@ -287,22 +304,13 @@ def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
     from delta_jax.sampling import scheduler
     assert scheduler.SHRINK_MIN_ROWS == 8
     assert Sampler.__init__.__kwdefaults__["shrink_batch"] is True
-    calls = []
-    decode, run_decode = scheduler.programs.decode, scheduler._Run.decode
-    waiting = [0]  # samples waiting for a slot when the current decode call was made
 
-    def recorded(graphdef, state, layers, cache, slots, queue, *args, **kwargs):
-        active = np.asarray(slots.active)
-        calls.append((len(active), int(active.sum()), bool(np.asarray(queue.active).any()),
-                      active.tolist(), waiting[0]))
-        return decode(graphdef, state, layers, cache, slots, queue, *args, **kwargs)
+    def record(run, args, kwargs):  # rows, live, any sample staged, the rows' live flags, waiting
+        active = np.asarray(args[4].active)
+        return (len(active), int(active.sum()), bool(np.asarray(args[5].active).any()),
+                active.tolist(), len(run.waiting))
 
-    def run_decode_noting_the_queue(run):
-        waiting[0] = len(run.waiting)
-        return run_decode(run)
-
-    monkeypatch.setattr(scheduler.programs, "decode", recorded)
-    monkeypatch.setattr(scheduler._Run, "decode", run_decode_noting_the_queue)
+    calls = record_decode_calls(monkeypatch, record)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(24)]
     kwargs = dict(n=4, temperature=1.0, max_new_tokens=64, stop_token_ids=tuple(range(1, 21)),
