@@ -375,10 +375,8 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(local_device_ids=local_device_ids,
                                    heartbeat_timeout_seconds=int(heartbeat_timeout_s), **settings)
-        index, count = jax.process_index(), jax.process_count()  # creates the backend
-        if count > 1:
+        if jax.process_count() > 1:  # creates the backend
             _backends_up_barrier()
-        return index, count
     return jax.process_index(), jax.process_count()
 
 
