@@ -56,7 +56,7 @@ def padded_valid(B, S, left=(), right=(), empty=()):
   return valid
 
 
-def outputs_and_grads(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+def outputs_and_grads(q, k, v, q_offset, kv_valid, block_q, block_kv):
   """attend() outputs and d/d(q, k, v) of a nonlinear loss, for "xla" and "blockwise", in one
   compiled program (the offset stays a traced scalar, as in the model's cache path)."""
   cot = jnp.asarray(np.random.RandomState(9).randn(*q.shape), q.dtype)
@@ -66,7 +66,7 @@ def outputs_and_grads(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
     results = {}
     for impl in ("xla", "blockwise"):
       def loss(q, k, v):
-        out = A.attend(q, k, v, q_offset=q_offset, kv_valid=kv_valid, causal=causal, impl=impl,
+        out = A.attend(q, k, v, q_offset=q_offset, kv_valid=kv_valid, impl=impl,
                        block_q=block_q, block_kv=block_kv)
         return jnp.sum(jnp.tanh(out) * cot), out
       grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -76,11 +76,11 @@ def outputs_and_grads(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
   return run(q, k, v, jnp.int32(q_offset), jnp.asarray(kv_valid))
 
 
-def assert_blockwise_matches(q, k, v, q_offset, kv_valid, causal=True, block_q=4, block_kv=5):
-  res = outputs_and_grads(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+def assert_blockwise_matches(q, k, v, q_offset, kv_valid, block_q=4, block_kv=5):
+  res = outputs_and_grads(q, k, v, q_offset, kv_valid, block_q, block_kv)
   (out_x, g_x), (out_b, g_b) = res["xla"], res["blockwise"]
   np.testing.assert_allclose(out_b, out_x, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(out_x, numpy_attention(q, k, v, q_offset, kv_valid, causal),
+  np.testing.assert_allclose(out_x, numpy_attention(q, k, v, q_offset, kv_valid),
                              atol=1e-5, rtol=1e-5)
   for name, a, b in zip("qkv", g_x, g_b):
     assert np.isfinite(np.asarray(b)).all(), f"d{name} not finite"
@@ -112,11 +112,12 @@ def test_blockwise_decode_and_chunked_prefill_with_cache_offset():
   assert_blockwise_matches(q, k, v, 10, valid, block_q=3, block_kv=4)
 
 
-def test_blockwise_fully_masked_rows_and_non_causal():
+def test_blockwise_fully_masked_rows_are_zero():
   q, k, v = random_qkv(3, 3, 6, 11, 4, 1, 8)
   valid = padded_valid(3, 11, left=(0, 2), empty=(2,))
-  out = assert_blockwise_matches(q, k, v, 0, valid, causal=False, block_q=4, block_kv=4)
+  out = assert_blockwise_matches(q, k, v, 0, valid, block_q=4, block_kv=4)
   assert np.all(np.asarray(out)[2] == 0)  # a row with no valid key: 0, never NaN
+  assert np.all(np.asarray(out)[1, :2] == 0)  # queries before the row's first valid key: 0
 
 
 def test_blockwise_bfloat16_close_to_float32_reference():

@@ -1,4 +1,4 @@
-"""Grouped-query attention with interchangeable implementations behind one signature.
+"""Causal grouped-query attention with interchangeable implementations behind one signature.
 
     out = attend(q, k, v, q_offset=0, kv_valid=mask, impl="auto")   # [B, T, N, D]
 
@@ -6,7 +6,7 @@ Shapes: q [B, T, N, D]; k, v [B, S, K, D] with N = K * G (grouped-query attentio
 repeated in memory: q is viewed as [B, T, K, G, D]). The mask is described, never passed in:
 
     query t (at cache slot q_offset + t) may attend key s  <=>
-        kv_valid[b, s]  and  (not causal or s <= q_offset + t)
+        kv_valid[b, s]  and  s <= q_offset + t
 
 so the [B, T, S] mask and the [B, N, T, S] scores need not exist. Without a cache q_offset = 0 and
 S = T; with a cache, q_offset is the slot of q[:, 0] (a traced int32 scalar is fine).
@@ -94,14 +94,12 @@ def _check_inputs(q, k, v, kv_valid):
                      f"{kv_valid.shape}")
 
 
-def attention_mask(q_len: int, kv_valid: jax.Array, q_offset=0, causal: bool = True):
+def attention_mask(q_len: int, kv_valid: jax.Array, q_offset=0):
   """bool [B, T, S]: query t may attend key s (see the module docstring)."""
   S = kv_valid.shape[1]
   mask = jnp.broadcast_to(kv_valid.astype(bool)[:, None, :], (kv_valid.shape[0], q_len, S))
-  if causal:
-    q_slot = jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_len, dtype=jnp.int32)
-    mask = mask & (jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None])[None]
-  return mask
+  q_slot = jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_len, dtype=jnp.int32)
+  return mask & (jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None])[None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,13 +152,13 @@ def _pad_axis1(x: jax.Array, to: int, value=0) -> jax.Array:
 class _Blocks:
   """Blocked views of one attend() call's operands (padded to whole blocks)."""
 
-  def __init__(self, q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+  def __init__(self, q, k, v, q_offset, kv_valid, block_q, block_kv):
     B, T, N, D = q.shape
     S, K = k.shape[1], k.shape[2]
     self.shape = (B, T, N, D, S, K, N // K)
     self.bq, self.bkv = min(block_q, T), min(block_kv, S)
     self.nq, self.nk = -(-T // self.bq), -(-S // self.bkv)
-    self.causal, self.q_offset = causal, q_offset
+    self.q_offset = q_offset
     self.scale = D ** -0.5
     qg = _pad_axis1(q, self.nq * self.bq).reshape(B, self.nq * self.bq, K, N // K, D)
     self.q = _to_blocks(qg, self.nq, self.bq)                               # [nq, B, bq, K, G, D]
@@ -189,27 +187,22 @@ class _Blocks:
 
   def needed(self, i, j, valid_j, q_offset):
     """Whether key block j can matter to query block i (else it is skipped; exact)."""
-    any_valid = jnp.any(valid_j)
-    if not self.causal:
-      return any_valid
     last_q_slot = q_offset + (i + 1) * self.bq - 1
-    return any_valid & (j * self.bkv <= last_q_slot)
+    return jnp.any(valid_j) & (j * self.bkv <= last_q_slot)
 
   def scores(self, qi, kj, i, j, valid_j, q_offset):
     """float32 [B, K, G, bq, bkv] scaled scores of blocks (i, j), -inf where not allowed."""
-    allowed = valid_j[:, None, :]
-    if self.causal:
-      q_slot = q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
-      kv_slot = j * self.bkv + jnp.arange(self.bkv, dtype=jnp.int32)
-      allowed = allowed & (kv_slot[None, :] <= q_slot[:, None])[None]
+    q_slot = q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+    kv_slot = j * self.bkv + jnp.arange(self.bkv, dtype=jnp.int32)
+    allowed = valid_j[:, None, :] & (kv_slot[None, :] <= q_slot[:, None])[None]
     s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
     # log(1) = 0, log(0) = -inf: the mask as an additive term, without a broadcast constant.
     return s * self.scale + jnp.log(allowed.astype(jnp.float32))[:, None, None, :, :]
 
 
-def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
+def _blockwise_forward(q, k, v, q_offset, kv_valid, block_q, block_kv):
   """Returns out [B, T, N, D] (q.dtype) and lse [nq, B, K, G, bq] (float32; +inf on empty rows)."""
-  blk = _Blocks(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+  blk = _Blocks(q, k, v, q_offset, kv_valid, block_q, block_kv)
   B, T, N, D, S, K, G = blk.shape
   kv_xs = (blk.k, blk.v, blk.valid, jnp.arange(blk.nk, dtype=jnp.int32))
 
@@ -240,9 +233,9 @@ def _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
   return _from_blocks(out)[:, :T], lse
 
 
-def _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal, block_q, block_kv):
+def _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, block_q, block_kv):
   """Flash-attention backward: recompute block scores, p = exp(s - lse)."""
-  blk = _Blocks(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+  blk = _Blocks(q, k, v, q_offset, kv_valid, block_q, block_kv)
   B, T, N, D, S, K, G = blk.shape
   # delta = rowsum(dout * out): the softmax backward's per-query term.
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
@@ -306,20 +299,20 @@ def _online_softmax_result(l, acc):
   return out, nonempty
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _blockwise(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
-  return _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q, k, v, q_offset, kv_valid, block_q, block_kv):
+  return _blockwise_forward(q, k, v, q_offset, kv_valid, block_q, block_kv)[0]
 
 
-def _blockwise_fwd(q, k, v, q_offset, kv_valid, causal, block_q, block_kv):
-  out, lse = _blockwise_forward(q, k, v, q_offset, kv_valid, causal, block_q, block_kv)
+def _blockwise_fwd(q, k, v, q_offset, kv_valid, block_q, block_kv):
+  out, lse = _blockwise_forward(q, k, v, q_offset, kv_valid, block_q, block_kv)
   return out, (q, k, v, q_offset, kv_valid, out, lse)
 
 
-def _blockwise_bwd(causal, block_q, block_kv, res, dout):
+def _blockwise_bwd(block_q, block_kv, res, dout):
   q, k, v, q_offset, kv_valid, out, lse = res
-  dq, dk, dv = _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, causal,
-                                   block_q, block_kv)
+  dq, dk, dv = _blockwise_backward(q, k, v, q_offset, kv_valid, out, lse, dout, block_q,
+                                   block_kv)
   return dq, dk, dv, None, None  # the offset and the mask have no cotangent
 
 
@@ -327,9 +320,9 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
-                     kv_valid: Optional[jax.Array] = None, causal: bool = True,
-                     block_q: int = 512, block_kv: int = 512) -> jax.Array:
-  """Memory-efficient attention (see the module docstring); differentiable in q, k, v.
+                     kv_valid: Optional[jax.Array] = None, block_q: int = 512,
+                     block_kv: int = 512) -> jax.Array:
+  """Memory-efficient causal attention (see the module docstring); differentiable in q, k, v.
 
   q [B, T, N, D]; k, v [B, S, K, D]; kv_valid bool [B, S] (None = all valid).
   Block sizes are clipped to T / S; T and S need not be multiples of them.
@@ -338,7 +331,7 @@ def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
   if kv_valid is None:
     kv_valid = jnp.ones(k.shape[:2], bool)
   return _blockwise(q, k, v, jnp.asarray(q_offset, jnp.int32), kv_valid.astype(bool),
-                    bool(causal), int(block_q), int(block_kv))
+                    int(block_q), int(block_kv))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,7 +697,7 @@ def _cuda_backend() -> bool:
   return "cuda" in str(getattr(device.client, "platform_version", "")).lower()
 
 
-def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int, causal: bool,
+def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int,
                     cuda: Optional[bool] = None) -> bool:
   """Whether the "cudnn" path can express this call exactly on the current backend (`cuda`:
   whether that is a CUDA GPU; None = look, plan mode passes its target's answer)."""
@@ -712,7 +705,7 @@ def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int, causal: bool,
   static_zero_offset = isinstance(q_offset, (int, np.integer)) and int(q_offset) == 0
   cuda = _cuda_backend() if cuda is None else cuda
   return (cuda and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
-          and causal and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
+          and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
 
 
 def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
@@ -744,13 +737,13 @@ def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax
 
 
 def resolve_impl(impl: str, q_shape, dtype, *, kv_len: int, q_offset=0,
-                 causal: bool = True, cuda: Optional[bool] = None) -> str:
+                 cuda: Optional[bool] = None) -> str:
   """The implementation attend() will run: "xla", "blockwise" or "cudnn" (`cuda`: as
   cudnn_supported; None = this backend)."""
   if impl not in IMPLS:
     raise ValueError(f"attend: impl must be one of {IMPLS}, got {impl!r}")
   if impl in ("auto", "cudnn") and cudnn_supported(q_shape, dtype, q_offset=q_offset,
-                                                    kv_len=kv_len, causal=causal, cuda=cuda):
+                                                    kv_len=kv_len, cuda=cuda):
     return "cudnn"
   if impl == "auto":
     return "blockwise" if q_shape[1] * kv_len > AUTO_BLOCKWISE_MIN_SCORES else "xla"
@@ -760,21 +753,22 @@ def resolve_impl(impl: str, q_shape, dtype, *, kv_len: int, q_offset=0,
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
-           kv_valid: Optional[jax.Array] = None, causal: bool = True, impl: str = "auto",
-           block_q: int = 512, block_kv: int = 512) -> jax.Array:
-  """Grouped-query attention; see the module docstring for the mask and the implementations.
+           kv_valid: Optional[jax.Array] = None, impl: str = "auto", block_q: int = 512,
+           block_kv: int = 512) -> jax.Array:
+  """Causal grouped-query attention; see the module docstring for the mask and the
+  implementations.
 
   q [B, T, N, D]; k, v [B, S, K, D]; q_offset: int or int32 scalar, the slot of q[:, 0];
   kv_valid: bool [B, S] (None = all keys valid); returns [B, T, N, D] in q.dtype.
   """
   _check_inputs(q, k, v, kv_valid)
   B, S = k.shape[:2]
-  chosen = resolve_impl(impl, q.shape, q.dtype, kv_len=S, q_offset=q_offset, causal=causal)
+  chosen = resolve_impl(impl, q.shape, q.dtype, kv_len=S, q_offset=q_offset)
   if chosen == "cudnn":
     valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid
     return attend_packed_causal(q, k, v, valid)
   if chosen == "blockwise":
-    return attend_blockwise(q, k, v, q_offset=q_offset, kv_valid=kv_valid, causal=causal,
-                            block_q=block_q, block_kv=block_kv)
+    return attend_blockwise(q, k, v, q_offset=q_offset, kv_valid=kv_valid, block_q=block_q,
+                            block_kv=block_kv)
   valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid
-  return attend_xla(q, k, v, attention_mask(q.shape[1], valid, q_offset, causal))
+  return attend_xla(q, k, v, attention_mask(q.shape[1], valid, q_offset))

@@ -165,9 +165,8 @@ def _param(value, axes):
 
 def _attend(cfg: ModelConfig, q, k, v, kv_valid) -> jax.Array:
   """Causal grouped-query attention with the configured implementation (models.attention)."""
-  return attention.attend(q, k, v, kv_valid=kv_valid, causal=True,
-                          impl=cfg.attention, block_q=cfg.attention_block_q,
-                          block_kv=cfg.attention_block_kv)
+  return attention.attend(q, k, v, kv_valid=kv_valid, impl=cfg.attention,
+                          block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
 
 
 def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array):
