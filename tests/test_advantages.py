@@ -42,25 +42,16 @@ def _numpy_reference(rewards, ids, method, eps=1e-6):
 
 
 @pytest.mark.parametrize("method", sorted(ADVANTAGE_FNS))
-def test_against_numpy_blocks_and_ids(method):
+def test_against_numpy_reference(method):
     rng = np.random.default_rng(0)
     n, g = 24, 4
     rewards = rng.normal(size=n).astype(np.float32)
     rewards[4:8] = 1.0  # a zero-variance group
     blocks = np.repeat(np.arange(n // g), g)
     want = _numpy_reference(rewards.astype(np.float64), blocks, method)
-    got = compute_advantages(rewards, method=method, group_size=g)
+    got = jax.jit(lambda r: compute_advantages(r, method=method, group_size=g))(rewards)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    # Same groups given by (shuffled, arbitrary) ids, plus singleton groups.
-    perm = rng.permutation(n)
-    ids = (blocks * 7 + 3)[perm]
-    ids[0] = 1000
-    ids[1] = 1001
-    want = _numpy_reference(rewards[perm].astype(np.float64), ids, method)
-    by_ids = jax.jit(lambda r, i: compute_advantages(r, method=method, group_ids=i))
-    got = by_ids(rewards[perm], ids)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert got[0] == 0 and got[1] == 0  # singletons carry no baseline
+    np.testing.assert_array_equal(np.asarray(got)[4:8], 0.0)  # equal rewards: no signal
 
 
 def test_group_stats_singleton_and_bad_input():
@@ -69,11 +60,9 @@ def test_group_stats_singleton_and_bad_input():
     np.testing.assert_array_equal(compute_advantages(jnp.array([1.0, 2.0]), group_size=1), 0.0)
     with pytest.raises(ValueError, match="group_size"):
         compute_advantages(jnp.ones(6), group_size=4)
-    with pytest.raises(ValueError, match="exactly one"):
-        compute_advantages(jnp.ones(4))
     with pytest.raises(ValueError, match="unknown method"):
         compute_advantages(jnp.ones(4), method="ppo", group_size=2)
-    with pytest.raises(ValueError, match="group_ids"):
-        compute_advantages(jnp.ones(4), group_ids=jnp.arange(3))
+    with pytest.raises(ValueError, match="group_size"):
+        compute_advantages(jnp.ones(4), group_size=0)
     with pytest.raises(ValueError, match="1-D"):
         compute_advantages(jnp.ones((2, 2)), group_size=2)

@@ -1,8 +1,8 @@
 """Outcome-reward advantage estimators for group-sampled rollouts (one scalar per sequence).
 
 Every estimator compares a sequence's reward with the other responses to the same prompt (its
-group). Groups are given either as contiguous blocks of `group_size` sequences (the layout the
-sampler produces: prompt i's n samples at rows i*n .. i*n+n-1) or by an integer id per sequence.
+group). Groups are contiguous blocks of `group_size` sequences (the layout the sampler produces:
+prompt i's n samples at rows i*n .. i*n+n-1).
 
 * grpo:   A_i = (R_i - mean_g R) / (std_g R + eps), std with ddof=1.
           GRPO, Shao et al. 2024, "DeepSeekMath", https://arxiv.org/abs/2402.03300.
@@ -35,42 +35,26 @@ class GroupStats(NamedTuple):
     count: Array
 
 
-def group_stats(rewards: Array, *, group_size: int | None = None,
-                group_ids: Array | None = None) -> GroupStats:
+def group_stats(rewards: Array, *, group_size: int) -> GroupStats:
     """Mean, ddof=1 std and size of each sequence's group, broadcast back to the sequences.
 
-    rewards [N]; exactly one of group_size (contiguous blocks; N divisible by it) or group_ids
-    (int [N], any values; O(N^2) pairwise comparison, fine for the few thousand sequences of a
-    rollout batch).
+    rewards [N]; groups are contiguous blocks of group_size (>= 1, dividing N).
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1:
         raise ValueError(f"advantages: rewards must be 1-D [N], got shape {rewards.shape}")
-    if (group_size is None) == (group_ids is None):
-        raise ValueError("advantages: give exactly one of group_size or group_ids")
     n = rewards.shape[0]
-    if group_size is not None:
-        if group_size < 1 or n % group_size:
-            raise ValueError(f"advantages: group_size={group_size} must be >= 1 and divide the "
-                             f"number of rewards {n}")
-        grouped = rewards.reshape(n // group_size, group_size)
-        mean = grouped.mean(axis=1, keepdims=True)
-        sq_dev = jnp.square(grouped - mean).sum(axis=1, keepdims=True)
-        std = jnp.sqrt(sq_dev / max(group_size - 1, 1)) * (group_size > 1)
-        count = jnp.full_like(grouped, float(group_size))
-        shape = (n,)
-        return GroupStats(jnp.broadcast_to(mean, grouped.shape).reshape(shape),
-                          jnp.broadcast_to(std, grouped.shape).reshape(shape), count.reshape(shape))
-    group_ids = jnp.asarray(group_ids)
-    if group_ids.shape != (n,):
-        raise ValueError(f"advantages: group_ids must have shape ({n},), got {group_ids.shape}")
-    same = (group_ids[:, None] == group_ids[None, :]).astype(jnp.float32)  # [N, N]
-    count = same.sum(axis=1)
-    mean = jnp.dot(same, rewards, precision=jax.lax.Precision.HIGHEST) / count
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"advantages: group_size={group_size} must be >= 1 and divide the "
+                         f"number of rewards {n}")
+    grouped = rewards.reshape(n // group_size, group_size)
+    mean = grouped.mean(axis=1, keepdims=True)
     # Two-pass form (deviations from the group mean), no E[R^2] - E[R]^2 cancellation.
-    sq_dev = (same * jnp.square(rewards[None, :] - mean[:, None])).sum(axis=1)
-    std = jnp.where(count > 1, jnp.sqrt(sq_dev / jnp.maximum(count - 1, 1.0)), 0.0)
-    return GroupStats(mean, std, count)
+    sq_dev = jnp.square(grouped - mean).sum(axis=1, keepdims=True)
+    std = jnp.sqrt(sq_dev / max(group_size - 1, 1)) * (group_size > 1)
+    count = jnp.full_like(grouped, float(group_size))
+    return GroupStats(jnp.broadcast_to(mean, grouped.shape).reshape(n),
+                      jnp.broadcast_to(std, grouped.shape).reshape(n), count.reshape(n))
 
 
 def grpo_advantages(rewards: Array, stats: GroupStats, eps: float = 1e-6) -> Array:
@@ -100,15 +84,15 @@ ADVANTAGE_FNS: dict[str, AdvantageFn] = {
 }
 
 
-def compute_advantages(rewards: Array, *, method: str = "grpo", group_size: int | None = None,
-                       group_ids: Array | None = None, eps: float = 1e-6) -> Array:
-    """Per-sequence advantages fp32 [N] from rewards [N] with the estimator `method`
-    (a key of ADVANTAGE_FNS: "grpo", "drgrpo", "rloo").
+def compute_advantages(rewards: Array, *, group_size: int, method: str = "grpo",
+                       eps: float = 1e-6) -> Array:
+    """Per-sequence advantages fp32 [N] from rewards [N] in contiguous groups of group_size
+    with the estimator `method` (a key of ADVANTAGE_FNS: "grpo", "drgrpo", "rloo").
     Broadcast to tokens with adv[:, None] * mask.
     """
     if method not in ADVANTAGE_FNS:
         raise ValueError(f"advantages: unknown method {method!r}; choose one of "
                          f"{sorted(ADVANTAGE_FNS)}")
     rewards = jnp.asarray(rewards, jnp.float32)
-    stats = group_stats(rewards, group_size=group_size, group_ids=group_ids)
+    stats = group_stats(rewards, group_size=group_size)
     return ADVANTAGE_FNS[method](rewards, stats, eps)
