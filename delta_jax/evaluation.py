@@ -351,7 +351,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
              pass_ks: Sequence[int] | None = None,
              format_prompt: Callable[[str], str] | Mapping[str, Callable[[str], str]] =
              default_format_prompt,
-             scorer=None, limit: int | None = None, prompts_per_call: int | None = None,
+             scorer=None, limit: int | None = None,
              settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
              ) -> EvalResult:
     """Samples k responses per question and scores them with the math (or code) reward.
@@ -360,7 +360,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
     each scores a share of them (rl.rewards.score_across_processes); all get the whole result.
 
     Args:
-      generate_fn: prompts (list[str]) , n -> n response texts per prompt.
+      generate_fn: prompts (list[str]) , n -> n response texts per prompt; called once per
+        benchmark with all of its (limit) questions.
       benchmarks: name -> JSONL path or a list of {"id", "problem", "answer"} rows.
       k: samples per question (avg@k is over these).
       pass_ks: k' values for pass@k' (each <= k); default 1, 2, 4, ... up to k, and k.
@@ -372,7 +373,6 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
         2-worker "math" or "code" scorer per kind of benchmark, created here and closed at the
         end.
       limit: first `limit` questions of each benchmark (quick runs).
-      prompts_per_call: prompts per generate_fn call (default: a whole benchmark at once).
       settings: recorded in the result (e.g. temperature, top_p, checkpoint step).
       log: optional callable for progress lines (e.g. logging.info).
     Returns:
@@ -419,10 +419,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             else:
                 fmt = default if format_prompt is default_format_prompt else format_prompt
             prompts = [fmt(r["problem"]) for r in rows]
-            step = prompts_per_call or len(prompts)
-            responses = []
-            for start in range(0, len(prompts), step):
-                responses += _generate_checked(generate_fn, prompts[start:start + step], k, name)
+            responses = _generate_checked(generate_fn, prompts, k, name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
             _, info = score_across_processes(scorer_for(kind).score, flat, golds)

@@ -596,8 +596,7 @@ def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):
         raise ConfigError(f"rollout.kv_budget_gb: {e}") from None
 
 
-def plan_from_config(cfg, num_devices: Optional[int] = None, *,
-                     mesh_shape: Optional[tuple[int, int, int]] = None,
+def plan_from_config(cfg, *, mesh_shape: Optional[tuple[int, int, int]] = None,
                      model_cfg: Optional[models.ModelConfig] = None,
                      target: str = "") -> MemoryPlan:
     """plan_memory for a validated run config: the mesh from config.mesh over
@@ -607,7 +606,7 @@ def plan_from_config(cfg, num_devices: Optional[int] = None, *,
     Without `model_cfg`, model.remat="auto" is resolved by choose_remat against
     plan.device_memory_gb, and the plan's settings record what it tried. `target`: the backend
     planned for (plan_memory; "" = this one: start-up checks; plan mode passes plan.target)."""
-    mesh_shape = _config_mesh_shape(cfg, mesh_shape, num_devices)
+    mesh_shape = _config_mesh_shape(cfg, mesh_shape)
     if model_cfg is None and cfg.model.remat == "auto":
         policy, plans = _remat_plans(cfg, cfg.plan.device_memory_gb * GB, mesh_shape, None,
                                      target)
@@ -620,12 +619,11 @@ def plan_from_config(cfg, num_devices: Optional[int] = None, *,
                              target)
 
 
-def _config_mesh_shape(cfg, mesh_shape=None, num_devices=None) -> tuple[int, int, int]:
-    """`mesh_shape`, or config.mesh over num_devices / config.plan.num_devices / the devices
-    present."""
+def _config_mesh_shape(cfg, mesh_shape=None) -> tuple[int, int, int]:
+    """`mesh_shape`, or config.mesh over config.plan.num_devices (0: the devices present)."""
     if mesh_shape is not None:
         return tuple(mesh_shape)
-    n = num_devices or cfg.plan.num_devices or len(jax.devices())
+    n = cfg.plan.num_devices or len(jax.devices())
     return sharding_lib.resolve_mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
                                            num_devices=n)
 

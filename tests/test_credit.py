@@ -83,16 +83,15 @@ def test_token_classes_with_other_token_boundaries():
         classes("BFA")
     # A token that starts before the error and overlaps it is the first error.
     assert synthetic.token_classes(ref, ["1 + 2 = 4.", " \\boxed{4}"]).tolist() == classes("FA")
-    # Special tokens flagged explicitly (their text is not part of the response).
-    assert synthetic.token_classes(ref, ["<s>", "1 + 2 = 3. \\boxed{3}", "</s>"],
-                                   special=[True, False, True]).tolist() == classes("BSB")
-    assert synthetic.token_classes(ref, ["<s>", "1 + 2 = 7", "</s>"],
-                                   special=[True, False, True]).tolist() == classes("BFA")
+    # Special tokens as the run's labeller decodes them ("", zero width) or as "<|...|>" text:
+    # their text is not part of the response.
+    assert synthetic.token_classes(ref, ["", "1 + 2 = 3. \\boxed{3}", ""]).tolist() == \
+        classes("BSB")
+    assert synthetic.token_classes(ref, ["<|im_start|>", "1 + 2 = 7", EOS]).tolist() == \
+        classes("BFA")
     # An empty response that stops at once: its EOS is the error; no tokens at all is fine.
     assert synthetic.token_classes(ref, [EOS]).tolist() == classes("F")
     assert synthetic.token_classes(ref, []).tolist() == []
-    with pytest.raises(ValueError, match="special"):
-        synthetic.token_classes(ref, ["1"], special=[True, False])
 
 
 def test_first_error_unit_and_decisive_characters():

@@ -235,7 +235,7 @@ def test_evaluate_two_local_benchmarks_of_unequal_size_reports_known_numbers(tmp
     assert data["average"] == pytest.approx({"num_questions": 5, **want_avg}, abs=1e-12)
 
 
-def test_evaluate_rows_custom_prompt_and_batching(scorer):
+def test_evaluate_rows_custom_prompt_and_limit(scorer):
     rows = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}
             for i in range(5)]
     calls = []
@@ -252,8 +252,8 @@ def test_evaluate_rows_custom_prompt_and_batching(scorer):
         return out
 
     result = ev.evaluate(gen, {"toy": rows}, k=2, format_prompt=lambda s: f"Q: {s} A:",
-                         scorer=scorer, prompts_per_call=2, limit=4)
-    assert calls == [2, 2]
+                         scorer=scorer, limit=4)
+    assert calls == [4]  # one call with the benchmark's first `limit` questions
     b = result.benchmarks["toy"]
     assert b.ids == ["q0", "q1", "q2", "q3"] and b.num_correct.tolist() == [2, 0, 2, 0]
     assert result.pass_ks == (1, 2) and b.pass_at == {1: 0.5, 2: 0.5}

@@ -349,7 +349,7 @@ def test_plan_from_config_uses_delta_feature_cache():
     from tests.rl_fixtures import tiny_rl_config
     cfgs = {mode: tiny_rl_config("delta", delta=dict(feature_cache=mode, recompute_chunk=4))
             for mode in ("device", "host")}
-    plans = {mode: plan.plan_from_config(c, num_devices=1) for mode, c in cfgs.items()}
+    plans = {mode: plan.plan_from_config(c, mesh_shape=(1, 1, 1)) for mode, c in cfgs.items()}
     assert {m: p.settings["feature_cache"] for m, p in plans.items()} == {
         "device": "device", "host": "host"}
     peak = {m: p.phases["old-policy pass + DelTA"] for m, p in plans.items()}
@@ -360,8 +360,8 @@ def test_plan_from_config_counts_a_kl_reference():
     """rl.kl_coef > 0 keeps the reference policy resident (tiny model, full fine-tuning: a copy
     of every parameter); the plan's text names it."""
     from tests.rl_fixtures import tiny_rl_config
-    off, on = (plan.plan_from_config(tiny_rl_config("grpo", rl=dict(kl_coef=kl)), num_devices=1)
-               for kl in (0.0, 0.1))
+    off, on = (plan.plan_from_config(tiny_rl_config("grpo", rl=dict(kl_coef=kl)),
+                                     mesh_shape=(1, 1, 1)) for kl in (0.0, 0.1))
     assert off.kl_reference == 0 and on.kl_reference == on.params > 0
     assert on.phases["update"] - off.phases["update"] == on.params
 
@@ -375,11 +375,11 @@ def test_a_kv_budget_that_cannot_hold_one_sample_fails_before_anything_runs(tmp_
 
     cfg = tiny_rl_config("dapo", rollout=dict(kv_budget_gb=1e-6))
     with pytest.raises(ConfigError, match=r"^rollout\.kv_budget_gb: .* needs \d+ "):
-        plan.plan_from_config(cfg, num_devices=1)
+        plan.plan_from_config(cfg, mesh_shape=(1, 1, 1))
     with pytest.raises(ConfigError, match=r"^rollout\.kv_budget_gb"):
         run_lib.build_run(cfg, str(tmp_path), need_scorer=False)
     ok = tiny_rl_config("dapo", rollout=dict(kv_budget_gb=0.01))
-    assert plan.plan_from_config(ok, num_devices=1).kv_cache <= 0.01 * 2**30
+    assert plan.plan_from_config(ok, mesh_shape=(1, 1, 1)).kv_cache <= 0.01 * 2**30
 
 
 def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
@@ -389,7 +389,7 @@ def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
     from delta_jax.train.config import ConfigError
     from tests.rl_fixtures import tiny_rl_config
 
-    memory_plan = plan.plan_from_config(tiny_rl_config("delta"), num_devices=1)
+    memory_plan = plan.plan_from_config(tiny_rl_config("delta"), mesh_shape=(1, 1, 1))
     peaks = memory_plan.phases
     plan.check_fits(memory_plan, max(peaks.values()))  # exactly enough: no error
     for name in peaks:
@@ -405,7 +405,7 @@ def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
         plan.check_fits(memory_plan, below, phases=[n for n in peaks if n not in over])
     # Already remat full (what auto falls back to): not offered again.
     full = plan.plan_from_config(tiny_rl_config("delta", model=dict(remat="full")),
-                                 num_devices=1)
+                                 mesh_shape=(1, 1, 1))
     with pytest.raises(ConfigError, match=r"rl\.micro_batch_size, model\.logprob_chunk_tokens"):
         plan.check_fits(full, 0, phases=["update"])
     # A feature cache too big for the device: the plan's recommendation is named first.
@@ -425,7 +425,7 @@ def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
 
     assert jax.default_backend() != "cpu" or plan.device_memory_bytes() is None
     cfg = tiny_rl_config("dapo")
-    peaks = plan.plan_from_config(cfg, num_devices=1).phases
+    peaks = plan.plan_from_config(cfg, mesh_shape=(1, 1, 1)).phases
     limit = peaks["rollout"] + 1            # the rollout fits, the update does not
     assert peaks["update"] > limit
     monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: limit)
@@ -710,7 +710,7 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
 
 def _update_by_policy(cfg, policies=plan.AUTO_REMAT_ORDER):
     mc = plan.model_config_from_run_config(cfg, remat="full")
-    return {p: plan.plan_from_config(cfg, num_devices=1, model_cfg=mc.replace(remat=p)
+    return {p: plan.plan_from_config(cfg, mesh_shape=(1, 1, 1), model_cfg=mc.replace(remat=p)
                                      ).phases["update"] for p in policies}
 
 
@@ -750,7 +750,8 @@ def test_choose_remat_takes_the_least_recompute_policy_that_fits(monkeypatch):
     assert "remat=auto -> dots_with_no_batch_dims_saveable (planned update" in p.to_text()
     # A configured policy is planned as it is, auto's line absent.
     fixed = plan.plan_from_config(tiny_rl_config("dapo", model=dict(remat="none"),
-                                                 rollout=dict(max_new_tokens=32)), num_devices=1)
+                                                 rollout=dict(max_new_tokens=32)),
+                                  mesh_shape=(1, 1, 1))
     assert fixed.phases["update"] == update["none"] and "remat=auto" not in fixed.to_text()
     # The ModelConfig a run config describes carries what plan mode picks.
     assert plan.model_config_from_run_config(small).remat == "dots_with_no_batch_dims_saveable"
@@ -768,7 +769,7 @@ def test_choose_remat_on_cuda_starts_from_dots_with_no_batch_dims_saveable(monke
     assert plan.auto_remat_order("cpu") == plan.AUTO_REMAT_ORDER
     assert plan.auto_remat_order("cuda") == (dots, "full")
     mc = plan.model_config_from_run_config(cfg, remat="full")
-    want = {p: plan.plan_from_config(cfg, num_devices=1, model_cfg=mc.replace(remat=p),
+    want = {p: plan.plan_from_config(cfg, mesh_shape=(1, 1, 1), model_cfg=mc.replace(remat=p),
                                      target="cuda").phases["update"] for p in (dots, "full")}
     fill = plan.AUTO_REMAT_FILL
     got, tried = plan.choose_remat(cfg, 1e15, mesh_shape=(1, 1, 1), target="cuda")

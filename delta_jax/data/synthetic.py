@@ -357,13 +357,12 @@ def first_error_unit(solution: str, response: str) -> tuple[int, int] | None:
     return d, min(d + 1, len(response))
 
 
-def token_classes(solution: str, pieces: Sequence[str],
-                  special: Sequence[bool] | None = None) -> np.ndarray:
+def token_classes(solution: str, pieces: Sequence[str]) -> np.ndarray:
     """Ground-truth credit classes (rl.credit codes) int8 [len(pieces)] of a sampled response.
 
     solution: the problem's reference worked solution ("a op b = c. ... \\boxed{answer}");
-    pieces: the response's tokens decoded one by one; special: which pieces are special tokens
-    (EOS ...; default: pieces that read like "<|...|>"; a special token may also decode to "").
+    pieces: the response's tokens decoded one by one; special tokens (EOS ...) are pieces that
+    read like "<|...|>" or decode to "" (the run's labeller decodes special ids to "").
 
     Characters first. The response text is the concatenation of the non-special pieces. A
     character of the reference is *decisive* when it is a digit of a step's result c or of the
@@ -395,10 +394,7 @@ def token_classes(solution: str, pieces: Sequence[str],
     second step is boilerplate, the result " 5" of the first step is a step token.
     """
     pieces = [str(p) for p in pieces]
-    if special is None:
-        special = [p[:2] == "<|" and bool(_SPECIAL_PIECE_RE.fullmatch(p)) for p in pieces]
-    elif len(special) != len(pieces):
-        raise ValueError(f"special has {len(special)} entries for {len(pieces)} pieces")
+    special = [p[:2] == "<|" and bool(_SPECIAL_PIECE_RE.fullmatch(p)) for p in pieces]
     response = "".join(p for p, sp in zip(pieces, special) if not sp)
     widths = np.asarray([0 if sp else len(p) for p, sp in zip(pieces, special)],
                         np.int64).reshape(len(pieces))
