@@ -39,6 +39,14 @@ def take(it, n):
     return [next(it) for _ in range(n)]
 
 
+def first_records(it, n):
+    """The first n records the (endless) pipeline yields, batch boundaries ignored."""
+    records = []
+    while len(records) < n:
+        records += next(it)
+    return records[:n]
+
+
 def test_batches_carry_prompt_and_fields(source):
     it = pipeline.make_prompt_pipeline(source, batch_size=4, seed=0, template="qwen_math")
     batch = next(it)
@@ -52,9 +60,8 @@ def test_batches_carry_prompt_and_fields(source):
 
 def test_each_epoch_is_a_permutation_and_epochs_differ(source):
     n = len(source)
-    it = pipeline.make_prompt_pipeline(source, batch_size=5, seed=3, num_epochs=3, drop_remainder=False)
-    records = [r for batch in it for r in batch]
-    assert len(records) == 3 * n
+    it = pipeline.make_prompt_pipeline(source, batch_size=5, seed=3)
+    records = first_records(it, 3 * n)  # batches span epoch boundaries (37 = 7 * 5 + 2)
     epochs = [[r["id"] for r in records[e * n : (e + 1) * n]] for e in range(3)]
     for e, order in enumerate(epochs):
         assert set(order) == ALL_IDS and len(order) == n
@@ -71,13 +78,13 @@ def test_same_seed_same_order_other_seed_other_order(source):
     assert order(7) != order(8)
 
 
-def test_unshuffled_finite_pipeline_keeps_source_order(source):
-    it = pipeline.make_prompt_pipeline(source, batch_size=8, seed=0, shuffle=False, num_epochs=1)
-    batches = list(it)
-    assert [len(b) for b in batches] == [8, 8, 8, 8, 5]
-    assert ids(batches) == [source[i]["id"] for i in range(len(source))]
-    dropped = list(pipeline.make_prompt_pipeline(source, 8, 0, shuffle=False, num_epochs=1, drop_remainder=True))
-    assert [len(b) for b in dropped] == [8, 8, 8, 8]
+def test_unshuffled_pipeline_keeps_source_order_every_epoch(source):
+    n = len(source)
+    batches = take(pipeline.make_prompt_pipeline(source, batch_size=8, seed=0, shuffle=False), 10)
+    assert [len(b) for b in batches] == [8] * 10  # full batches across the epoch boundary
+    in_order = [source[i]["id"] for i in range(n)]
+    assert ids(batches) == (in_order * 3)[:80]
+    assert [r["epoch"] for b in batches for r in b] == [i // n for i in range(80)]
 
 
 @pytest.mark.parametrize("consumed", [3, 9])  # mid-epoch, and in the second epoch
@@ -112,9 +119,11 @@ def test_shards_partition_the_data(source, shard_count):
     shards = []
     for k in range(shard_count):
         it = pipeline.make_prompt_pipeline(
-            source, batch_size=3, seed=5, num_epochs=1, shard_index=k, shard_count=shard_count
+            source, batch_size=3, seed=5, shard_index=k, shard_count=shard_count
         )
-        shards.append(ids(list(it)))
+        records = first_records(it, it.num_records)  # one epoch of this shard
+        assert {r["epoch"] for r in records} == {0}
+        shards.append([r["id"] for r in records])
     counts = collections.Counter(i for shard in shards for i in shard)
     assert set(counts) == ALL_IDS and set(counts.values()) == {1}
     assert all(abs(len(a) - len(b)) <= 1 for a in shards for b in shards)
@@ -153,10 +162,9 @@ def test_prompts_over_the_limit_are_left_out_refused_or_kept(source):
     short = {k for k, n in lengths.items() if n <= limit}
     assert 0 < len(short) < len(lengths)
 
-    it = pipeline.make_prompt_pipeline(source, batch_size=3, seed=1, num_epochs=2,
-                                       template="plain", encode_fn=encode,
-                                       max_prompt_tokens=limit)
-    records = [r for batch in it for r in batch]
+    it = pipeline.make_prompt_pipeline(source, batch_size=3, seed=1, template="plain",
+                                       encode_fn=encode, max_prompt_tokens=limit)
+    records = first_records(it, 2 * len(short))  # two epochs
     assert [r["id"] for r in records].count(next(iter(short))) == 2  # each kept one, each epoch
     assert {r["id"] for r in records} == short and len(records) == 2 * len(short)
     assert all(len(r["prompt_ids"]) <= limit for r in records)
@@ -169,10 +177,10 @@ def test_prompts_over_the_limit_are_left_out_refused_or_kept(source):
     with pytest.raises(ValueError, match=r"data.max_prompt_len=.*data.overlong_prompts"):
         pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,
                                       max_prompt_tokens=limit, overlong_prompts="error")
-    it = pipeline.make_prompt_pipeline(source, 3, 1, num_epochs=1, template="plain",
-                                       encode_fn=encode, max_prompt_tokens=limit,
-                                       overlong_prompts="truncate")
-    assert {r["id"] for batch in it for r in batch} == set(lengths) and it.num_overlong == 0
+    it = pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,
+                                       max_prompt_tokens=limit, overlong_prompts="truncate")
+    assert {r["id"] for r in first_records(it, len(lengths))} == set(lengths)
+    assert it.num_overlong == 0
     with pytest.raises(ValueError, match="none is left; raise data.max_prompt_len"):
         pipeline.make_prompt_pipeline(source, 3, 1, template="plain", encode_fn=encode,
                                       max_prompt_tokens=min(lengths.values()) - 1)

@@ -213,6 +213,8 @@ def test_score_with_overlong_penalty_and_info(scorer):
         scorer_ol.score(responses, golds)
     with pytest.raises(ValueError, match="golds"):
         scorer.score(responses, golds[:2])
+    with pytest.raises(ValueError, match="sandbox"):  # a code scorer cannot share a math pool
+        R.RewardScorer("code", pool=scorer.pool)
     scorer_ol.close()  # does not own the shared pool
     assert scorer.score([r"\boxed{1}"], ["1.0"])[0].tolist() == [1.0]
 

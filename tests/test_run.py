@@ -47,7 +47,7 @@ def test_build_run_resolves_remat_auto_against_the_device(tmp_path, monkeypatch)
 
     cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
     mc = plan.model_config_from_run_config(cfg, remat="full")
-    update = {p: plan.plan_from_config(cfg, num_devices=1, model_cfg=mc.replace(remat=p)
+    update = {p: plan.plan_from_config(cfg, mesh_shape=(1, 1, 1), model_cfg=mc.replace(remat=p)
                                        ).phases["update"] for p in plan.AUTO_REMAT_ORDER}
     mesh = single_device_mesh()
 
@@ -119,6 +119,31 @@ def test_training_prompts_over_data_max_prompt_len_are_left_out_with_a_warning(t
     with pytest.raises(ValueError, match=f"{over} of {len(lengths)} records of data.train"):
         run_lib.build_run(cfg, str(tmp_path), need_scorer=False, mesh=single_device_mesh())
     assert os.path.isdir(tmp_path / "synthetic")
+
+
+def test_data_shuffle_false_trains_on_the_records_in_file_order(tmp_path):
+    """data.shuffle=False: the training batches follow data.train's record order (a curriculum);
+    the default draws a shuffled order."""
+    import json
+
+    from tests.rl_fixtures import single_device_mesh
+
+    def first_problems(shuffle):
+        cfg = tiny_rl_config("grpo", data=dict(shuffle=shuffle, max_prompt_len=256))
+        run = run_lib.build_run(cfg, str(tmp_path / f"shuffle{shuffle}"), need_scorer=False,
+                                mesh=single_device_mesh())
+        try:
+            with open(run.assets["train"]) as f:
+                in_file = [json.loads(line)["problem"] for line in f]
+            drawn = [r["problem"] for _ in range(3) for r in next(run.data_iter)]
+        finally:
+            run.close()
+        return drawn, in_file[:len(drawn)]
+
+    drawn, in_file = first_problems(False)
+    assert drawn == in_file and len(drawn) == 3 * tiny_rl_config("grpo").rollout.batch_prompts
+    drawn, in_file = first_problems(True)
+    assert drawn != in_file and len(set(drawn)) == len(drawn)
 
 
 def test_the_reward_must_fit_the_training_answers():
@@ -213,6 +238,34 @@ def test_math_format_shaping_reaches_the_scorer():
         rewards, info = scorer.score(responses, ["5"] * 3)
     assert rewards.tolist() == [1.25, 0.25, -0.5]
     assert info["accuracy"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_math_eval_scorer_grades_in_the_training_scorers_pool(tmp_path):
+    """A train run's math accuracy scorer shares the training scorer's verification pool (one
+    set of rewards.num_workers workers) and grades there, and the run's close closes the pool
+    once; a code benchmark's scorer has its own runner."""
+    import json
+
+    from tests.rl_fixtures import single_device_mesh
+
+    spec = json.dumps({"tests": ["assert f(1) == 2"]})
+    (tmp_path / "m.jsonl").write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"problem": "f(x) = x + 1", "answer": spec})
+                                      + "\n")
+    cfg = tiny_rl_config("grpo", data=dict(eval=f"{tmp_path}/m.jsonl,{tmp_path}/c.jsonl"),
+                         rewards=dict(name="math_format", one_box_bonus=0.25, num_workers=1))
+    run = run_lib.build_run(cfg, str(tmp_path / "w"), need_data=False, mesh=single_device_mesh())
+    try:
+        math_eval, code_eval = run.eval_scorers["math"], run.eval_scorers["code"]
+        assert math_eval.pool is run.scorer.pool
+        assert code_eval.pool is not run.scorer.pool
+        responses, golds = ["so \\boxed{2}", "so \\boxed{3}"], ["2", "2"]
+        assert run.scorer.score(responses, golds)[0].tolist() == [1.25, 0.25]  # shaped
+        # Evaluation reads the accuracy (the reward has the run's math_format shaping).
+        assert math_eval.score(responses, golds)[1]["accuracy"].tolist() == [1.0, 0.0]
+    finally:
+        run.close()
+    assert run.scorer.closed and math_eval.closed and code_eval.closed
 
 
 def test_long_eval_prompts_are_reported_at_start_up(tmp_path, caplog):

@@ -3,7 +3,7 @@
     source (random access: RecordSource from builders.py, or any list of record dicts)
       -> records whose prompt is over max_prompt_tokens left out (counted) or refused
       -> this host's shard: records shard_index, shard_index + shard_count, ...
-      -> shuffle with seed + epoch (grain's per-epoch index shuffle), repeat num_epochs
+      -> shuffle with seed + epoch (grain's per-epoch index shuffle), repeated without end
       -> add "prompt" = template(problem), "epoch" (and "prompt_ids" when an encode_fn is given)
       -> batches: lists of record dicts (they may span an epoch boundary)
 
@@ -132,11 +132,9 @@ def make_prompt_pipeline(
     batch_size: int,
     seed: int,
     shuffle: bool = True,
-    num_epochs: int | None = None,
     template: str | templates_lib.PromptTemplate | Callable[[str], str] | None = "qwen_math",
     shard_index: int = 0,
     shard_count: int = 1,
-    drop_remainder: bool = False,
     encode_fn: Callable[[str], Sequence[int]] | None = None,
     num_threads: int = 1,
     prefetch_buffer_size: int | None = None,
@@ -144,19 +142,18 @@ def make_prompt_pipeline(
     overlong_prompts: str = "drop",
     encode_batch_fn: Callable[[list[str]], Sequence[Sequence[int]]] | None = None,
 ) -> PromptIterator:
-    """Batches of {id, problem, answer, solution, level, index?, epoch, prompt[, prompt_ids]}.
+    """Batches of {id, problem, answer, solution, level, index?, epoch, prompt[, prompt_ids]},
+    epoch after epoch without end (the trainer stops after train.steps).
 
     Args:
       source: random-access records (len() and [i]); e.g. builders.build_tfds_source(...).
       batch_size: prompts per batch (per host).
       seed: shuffle seed; epoch e uses seed + e, so every epoch has its own order.
-      shuffle: False keeps the source order (evaluation).
-      num_epochs: None repeats forever; else stop after that many passes.
+      shuffle: False keeps the source order in every epoch (data.shuffle).
       template: a templates.KINDS name, a PromptTemplate or any str -> str callable (None: the
         problem as is).
       shard_index, shard_count: this host takes records shard_index::shard_count (disjoint shards
         that cover the data), e.g. jax.process_index(), jax.process_count().
-      drop_remainder: drop a last incomplete batch (only matters when num_epochs is finite).
       encode_fn: optional str -> token ids (e.g. lambda s: tok.encode(s)); adds "prompt_ids".
       num_threads, prefetch_buffer_size: grain read threads and read-ahead (elements).
       max_prompt_tokens, overlong_prompts: with an encode_fn, the records whose prompt has more
@@ -169,8 +166,6 @@ def make_prompt_pipeline(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}")
-    if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"num_epochs must be None or >= 1, got {num_epochs}")
     template_fn = templates_lib.make_template(template)
     num_overlong, longest = 0, None
     if max_prompt_tokens is not None:
@@ -189,7 +184,7 @@ def make_prompt_pipeline(
         )
     if shuffle:
         ds = ds.shuffle(seed=seed)  # indices past one epoch reshuffle with seed + epoch
-    ds = ds.repeat(num_epochs)
+    ds = ds.repeat()
 
     def add_prompt(index: int, record: dict) -> dict:
         out = dict(record)
@@ -203,13 +198,12 @@ def make_prompt_pipeline(
     read_options = grain.ReadOptions(
         num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size or 2 * batch_size
     )
-    iter_ds = ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+    iter_ds = ds.to_iter_dataset(read_options).batch(batch_size, batch_fn=list)
     settings = {
         "num_records": num_records,
         "batch_size": batch_size,
         "seed": seed,
         "shuffle": shuffle,
-        "num_epochs": num_epochs,
         "shard_index": shard_index,
         "shard_count": shard_count,
     }

@@ -283,8 +283,9 @@ class RewardScorer:
       reward_kwargs: extra keyword arguments for the reward function.
       cache_size: LRU cache of (gold, answer) -> verdict, shared across calls. It holds real
         verdicts only: timeouts and crashes are scored 0, counted, and checked again next batch.
-      pool: an existing VerifyPool running grade_in_worker to share (not closed by this scorer);
-        by default the scorer starts and owns its own.
+      pool: an existing VerifyPool running grade_in_worker to share (not closed by this scorer;
+        math rewards only), e.g. another scorer's .pool; by default the scorer starts and owns
+        its own.
       max_answer_chars: longer boxed answers score 0 unverified (no gold answer is that long,
         and sympy on a huge string can eat memory before any timeout).
 
@@ -317,6 +318,9 @@ class RewardScorer:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         if name == "code":
+            if pool is not None:
+                raise ValueError("RewardScorer(name='code') runs programs in its own sandbox "
+                                 "runner; pool= shares a math grading pool only")
             self._owns_pool = True
             self._code = CodeRunner(code_sandbox, num_workers=num_workers, timeout_s=timeout_s,
                                     url=code_sandbox_url, isolate=code_isolation,

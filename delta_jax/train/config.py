@@ -129,6 +129,9 @@ def default_config() -> config_dict.ConfigDict:
     c.data.system_prompt = ""
     c.data.enable_thinking = True
     c.data.max_prompt_len = 2048
+    # False: the training records in file order, every epoch (e.g. a curriculum sorted by
+    # difficulty); True: a new order each epoch (seed + epoch).
+    c.data.shuffle = True
     # Training records whose prompt is longer: "drop" (left out, counted in a warning), "error"
     # (refused at start-up) or "truncate" (their last max_prompt_len tokens are kept).
     c.data.overlong_prompts = "drop"

@@ -28,7 +28,7 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
 
     # Each benchmark is graded by its own kind's reward (accuracy only) and asked for that kind's
     # answer form (run.eval_prompts): a math run's HumanEval runs unit tests on a ```python block.
-    add_eval_scorers(cfg, run.eval_prompts, run.eval_scorers)
+    add_eval_scorers(cfg, run.eval_prompts, run.eval_scorers, run.scorer)
     run.sampler.update_params(run.model(params))
     generate_fn = evaluation.sampler_generate_fn(
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,

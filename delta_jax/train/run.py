@@ -316,21 +316,22 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     if need_scorer and cfg.mode == "train":
         run.scorer = make_scorer(cfg, shaped=True)
     if need_scorer:  # made now: a scorer that cannot start (code isolation) stops the run here
-        add_eval_scorers(cfg, prompts, run.eval_scorers)
+        add_eval_scorers(cfg, prompts, run.eval_scorers, run.scorer)
     return run
 
 
 def make_data_iter(cfg, train_files, workdir: str, tokenizer, template):
-    """The training prompts (data.train, prepared once into workdir/tfds) as a resumable,
-    shuffled pipeline of rollout.batch_prompts records; prompts over data.max_prompt_len are
-    handled as data.overlong_prompts says (a warning counts those left out)."""
+    """The training prompts (data.train, prepared once into workdir/tfds) as a resumable
+    pipeline of rollout.batch_prompts records (a new order each epoch; the file's order with
+    data.shuffle=False); prompts over data.max_prompt_len are handled as data.overlong_prompts
+    says (a warning counts those left out)."""
     from delta_jax.data import builders, pipeline
     with naming("data.train"):
         source = builders.build_tfds_source(train_files, data_dir=os.path.join(workdir, "tfds"),
                                             fields=cfg.data.fields, on_error=cfg.data.on_error)
     check_reward_fits_data(source, cfg.rewards.name)
     data_iter = pipeline.make_prompt_pipeline(
-        source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=True,
+        source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle,
         template=template, encode_fn=tokenizer.encode, encode_batch_fn=tokenizer.encode_batch,
         max_prompt_tokens=cfg.data.max_prompt_len, overlong_prompts=cfg.data.overlong_prompts)
     if data_iter.num_overlong:
@@ -414,10 +415,11 @@ def reward_options(cfg) -> dict:
             "no_box_penalty": float(cfg.rewards.no_box_penalty)}
 
 
-def make_scorer(cfg, *, shaped: bool, task: str | None = None):
+def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
     """The run's RewardScorer from rewards.*: shaped=True adds the method's DAPO overlong
     penalty (training rewards); shaped=False grades accuracy only (evaluation). task: "math" or
-    "code" for a benchmark of the other task than the run's (rewards.name is the run's own)."""
+    "code" for a benchmark of the other task than the run's (rewards.name is the run's own).
+    pool: a math scorer's verification pool to grade in (shared_pool), instead of its own."""
     from delta_jax.rl.rewards import RewardScorer
 
     r = cfg.rewards
@@ -432,7 +434,18 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction,
-        reward_kwargs=reward_options(cfg) if own_task else None)
+        reward_kwargs=reward_options(cfg) if own_task else None, pool=pool)
+
+
+def shared_pool(scorer, kind: str):
+    """The verification pool an accuracy scorer of benchmark `kind` can share with the run's
+    training `scorer`: a RewardScorer's math pool (the same grading function, workers and
+    timeout) for a math benchmark; None otherwise (no RewardScorer, or a code one, whose sandbox
+    runner is its own)."""
+    from delta_jax.rl.rewards import RewardScorer
+    if kind != "math" or not isinstance(scorer, RewardScorer) or scorer.name == "code":
+        return None
+    return scorer.pool
 
 
 def eval_prompts(cfg, template, benchmarks: dict) -> dict:
@@ -463,13 +476,16 @@ def warn_long_eval_prompts(cfg, benchmarks: dict, prompts: dict, tokenizer) -> N
                         over, len(lengths), limit, max(lengths), limit)
 
 
-def add_eval_scorers(cfg, kinds, scorers: dict) -> dict:
+def add_eval_scorers(cfg, kinds, scorers: dict, train_scorer=None) -> dict:
     """Adds to `scorers` ({kind: scorer}) an accuracy scorer for each of the benchmark `kinds`
     ("math", "code") it lacks: the run's reward for the run's own task, the other task's plain
-    reward for the other (a math run's HumanEval runs unit tests)."""
+    reward for the other (a math run's HumanEval runs unit tests). A math scorer grades in the
+    run's `train_scorer`'s worker pool where there is one (shared_pool): one set of
+    rewards.num_workers processes, not two."""
     for kind in sorted(kinds):
         if kind not in scorers:
-            scorers[kind] = make_scorer(cfg, shaped=False, task=kind)
+            scorers[kind] = make_scorer(cfg, shaped=False, task=kind,
+                                        pool=shared_pool(train_scorer, kind))
     return scorers
 
 
