@@ -123,6 +123,18 @@ def test_bad_overrides_name_the_field():
         validate_config(cfg)
     cfg = validate_config(parse([base, "--config.rl.ratio_level=sequence"]))
     assert cfg.rl.ratio_level == "sequence"
+    cfg = validate_config(parse([base, "--config.rl.surrogate=sapo",
+                                 "--config.rl.sapo_tau_neg=2.0"]))
+    assert (cfg.rl.surrogate, cfg.rl.sapo_tau_pos, cfg.rl.sapo_tau_neg) == ("sapo", 1.0, 2.0)
+    assert validate_config(cfg).rl.surrogate == "sapo"  # a saved (resolved) config, validated again
+    for overrides, field in [(["rl.surrogate=sapo", "rl.eps_high=0.3"], "rl.eps_high"),
+                             (["rl.surrogate=sapo", "rl.dual_clip=3.0"], "rl.dual_clip"),
+                             (["rl.surrogate=sapo", "rl.sapo_tau_pos=0.0"], "rl.sapo_tau_pos"),
+                             (["rl.sapo_tau_pos=2.0"], "rl.sapo_tau_pos"),
+                             (["rl.surrogate=soft"], "rl.surrogate")]:
+        cfg = parse([base, *(f"--config.{o}" for o in overrides)])
+        with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.")):
+            validate_config(cfg)
     cfg = validate_config(parse([base, "--config.rl.dynamic_sampling_prompts_per_round=32",
                                  "--config.rl.dynamic_sampling_on_max_rounds=pad"]))
     assert (cfg.rl.dynamic_sampling_prompts_per_round, cfg.rl.dynamic_sampling_on_max_rounds) == (

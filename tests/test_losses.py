@@ -1,5 +1,6 @@
 """Policy loss: hand-computed DAPO example, finite-difference gradients, exact accumulation,
-GSPO's sequence-level ratio against its paper's sequence objective."""
+GSPO's sequence-level ratio against its paper's sequence objective, SAPO's soft gate against its
+formula and gradient."""
 import dataclasses
 
 import numpy as np
@@ -8,8 +9,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from delta_jax.rl.losses import (AGG_MODES, RATIO_LEVELS, PolicyLossConfig, aggregate,
-                                 finalize_metrics, kl_penalty, policy_loss)
+from delta_jax.rl.losses import (AGG_MODES, RATIO_LEVELS, SURROGATES, PolicyLossConfig,
+                                 aggregate, finalize_metrics, kl_penalty, policy_loss)
 
 
 def _dapo_example():
@@ -120,9 +121,10 @@ def test_gradient_matches_finite_differences(agg):
         assert np.abs(g_lp).max() > 1e-3
 
 
+@pytest.mark.parametrize("surrogate", SURROGATES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("agg", AGG_MODES)
-def test_micro_batch_accumulation_is_exact(agg, ratio_level):
+def test_micro_batch_accumulation_is_exact(agg, ratio_level, surrogate):
     rng = np.random.default_rng(3)
     B, T = 6, 7
     old = rng.normal(size=(B, T)) - 2
@@ -134,7 +136,7 @@ def test_micro_batch_accumulation_is_exact(agg, ratio_level):
     ent = rng.uniform(0, 2, size=(B, T))
     ref = old + rng.normal(scale=0.2, size=(B, T))
     cfg = PolicyLossConfig(agg=agg, drgrpo_norm=16.0, kl_type="k2", kl_coef=0.05,
-                           entropy_coef=0.01, ratio_level=ratio_level)
+                           entropy_coef=0.01, ratio_level=ratio_level, surrogate=surrogate)
     as_j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
 
     def run(rows, t_max=T):
@@ -155,6 +157,73 @@ def test_micro_batch_accumulation_is_exact(agg, ratio_level):
                                    err_msg=key)
     expected_den = {"token-mean": mask.sum()}.get(agg, 5.0)  # 5 non-empty sequences
     assert float(full_den) == expected_den
+
+
+def _sapo_numpy(ratio, adv, tau_pos, tau_neg):
+    """SAPO's per-token loss and gradient gate, written out from its paper's definitions:
+    f(r) = (4 / tau) sigmoid(tau (r - 1)), objective f(r) A (maximised), df/dr = 4 s (1 - s)."""
+    tau = np.where(adv > 0, tau_pos, tau_neg)
+    s = 1.0 / (1.0 + np.exp(-tau * (ratio - 1.0)))
+    return -(4.0 / tau) * s * adv, 4.0 * s * (1.0 - s)
+
+
+def test_sapo_soft_gate_value_gradient_and_metrics():
+    """surrogate="sapo": the loss is SAPO's objective (token-mean), its gradient with respect to
+    log pi is -w * gate * r * A / #tokens, nothing is clipped, and the logged gate is the mean of
+    4 s (1 - s); per-token weights multiply it."""
+    rng = np.random.default_rng(5)
+    B, T = 4, 6
+    old = rng.normal(size=(B, T)) - 2
+    logp = old + rng.normal(scale=0.6, size=(B, T))
+    adv = np.array([[1.5], [-0.7], [0.0], [-2.0]]) * np.ones((1, T))
+    adv[0, 2] = -0.3  # per-token advantages of both signs in one row
+    mask = (np.arange(T)[None] < np.array([6, 4, 5, 3])[:, None]).astype(np.float64)
+    w = rng.uniform(0.5, 1.5, size=(B, T))
+    cfg = PolicyLossConfig(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    ratio = np.exp(logp - old)
+    per_token, gate = _sapo_numpy(ratio, adv, 1.0, 1.05)
+    valid = mask > 0
+    n = mask.sum()
+    f64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
+    with jax.enable_x64(True):
+        def loss(lp):
+            s, d, _ = policy_loss(lp, f64(old), f64(adv), f64(mask), token_weights=f64(w),
+                                  cfg=cfg)
+            return s / d
+        value, grad = jax.value_and_grad(loss)(f64(logp))
+        fm = finalize_metrics(policy_loss(f64(logp), f64(old), f64(adv), f64(mask), cfg=cfg)[2])
+        clipped = finalize_metrics(policy_loss(f64(logp), f64(old), f64(adv), f64(mask))[2])
+    np.testing.assert_allclose(value, (w * per_token)[valid].sum() / n, rtol=1e-10)
+    want_grad = np.where(valid, -w * gate * ratio * adv / n, 0.0)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(fm["sapo_gate"], gate[valid].mean(), rtol=1e-10)
+    assert fm["clip_frac_low"] == fm["clip_frac_high"] == fm["clip_frac_dual"] == 0
+    assert 0 < fm["sapo_gate"] < 1 and "sapo_gate" not in clipped
+    assert clipped["clip_frac_low"] + clipped["clip_frac_high"] > 0  # the same ratios clip
+
+
+def test_sapo_on_policy_gradient_is_the_policy_gradient():
+    """At r = 1 (the first update of a rollout) the gate is 1: SAPO's gradient equals the clipped
+    surrogate's, -A / #tokens per token, for either sign of A and any temperatures; off policy
+    a token far from r = 1 keeps less of it (a larger tau fades it faster)."""
+    logp = jnp.array([[-1.0, -2.0, -0.5], [-0.3, -1.2, -4.0]])
+    adv = jnp.array([0.8, -1.3])
+    mask = jnp.ones((2, 3))
+
+    def grad(cfg, lp, old):
+        return jax.grad(lambda x: policy_loss(x, old, adv, mask, cfg=cfg)[0])(lp)
+
+    clip_grad = grad(PolicyLossConfig(), logp, logp)
+    np.testing.assert_allclose(clip_grad, -np.asarray(adv)[:, None] * np.ones((2, 3)),
+                               rtol=1e-6)
+    for taus in ((1.0, 1.05), (0.3, 4.0)):
+        cfg = PolicyLossConfig(surrogate="sapo", sapo_tau_pos=taus[0], sapo_tau_neg=taus[1])
+        np.testing.assert_allclose(grad(cfg, logp, logp), clip_grad, rtol=1e-6)
+    off = logp - jnp.log(2.0)  # r = 2 everywhere
+    kept = [np.abs(np.asarray(grad(PolicyLossConfig(surrogate="sapo", sapo_tau_pos=t,
+                                                    sapo_tau_neg=t), logp, off))).sum()
+            for t in (0.5, 1.0, 4.0)]
+    assert kept[0] > kept[1] > kept[2]
 
 
 def test_kl_estimators():
@@ -185,6 +254,10 @@ def test_aggregate_and_config_errors():
         PolicyLossConfig(kl_type="k4")
     with pytest.raises(ValueError, match="ratio_level"):
         PolicyLossConfig(ratio_level="group")
+    with pytest.raises(ValueError, match="surrogate"):
+        PolicyLossConfig(surrogate="soft")
+    with pytest.raises(ValueError, match="sapo_tau"):
+        PolicyLossConfig(surrogate="sapo", sapo_tau_neg=0.0)
     logp, old, adv, mask = _dapo_example()
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(kl_type="k3", kl_coef=0.1))

@@ -205,6 +205,43 @@ def test_sequence_ratio_step_follows_gspo(setup):
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
 
 
+def test_sapo_step_follows_the_soft_gate(setup):
+    """rl.surrogate=sapo through the run's loss (run.make_loss_fn of a validated config) and the
+    train step, in two micro-batches: SGD(lr=1) moves the parameters by minus the gradient of
+    SAPO's token-mean objective written out from full logits, with ratios off 1 both ways."""
+    from delta_jax.train import run as run_lib
+    from tests.rl_fixtures import tiny_rl_config
+
+    graphdef, params, rest, batch = setup
+    cfg = tiny_rl_config("dapo", rl=dict(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=3.0))
+    mask = batch["response_mask"]
+    shift = 0.3 * np.where(np.arange(R) % 3, 1.0, -1.0)[None] * np.asarray(mask)
+    old = reference_logp(graphdef, params, rest, batch) + jnp.asarray(shift, jnp.float32)
+    batch = dict(batch, old_logp=old, token_weights=mask)
+
+    def ref_loss(p):
+        ratio = jnp.exp(reference_logp(graphdef, p, rest, batch) - old)
+        adv = jnp.broadcast_to(batch["advantages"][:, None], ratio.shape)
+        tau = jnp.where(adv > 0, 1.0, 3.0)
+        per_token = -(4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0)) * adv
+        return jnp.sum(jnp.where(mask > 0, per_token, 0.0)) / jnp.sum(mask)
+
+    ref_grads = jax.jit(jax.grad(ref_loss))(params)
+    opt = optax.sgd(1.0)
+    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
+                           chunk_size=4, micro_batch_size=2)
+    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
+    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
+                       jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
+                                   rtol=1e-3)
+    # Metric sums over the micro-batches: the gate's mean is under 1 (off policy), no clipping.
+    assert 0 < float(metrics["sapo_gate"]) / float(metrics["tokens"]) < 1
+    assert float(metrics["clip_frac_high"]) == float(metrics["clip_frac_low"]) == 0
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
+
+
 def test_lora_step_trains_the_adapters_only(setup):
     """With LoRA adapters, in two micro-batches: the base weights come back bit for bit, the
     optimizer state mirrors the adapters alone, and SGD(lr=1) moves each factor by minus the

@@ -12,9 +12,15 @@ Optimization Algorithms", https://arxiv.org/abs/1707.06347) with
   form log s_{i,t} = sg(log s_i) + log pi(y_t) - sg(log pi(y_t)); with per-sequence advantages
   its value and gradient are GSPO's sequence objective (seq-mean-token-mean aggregation),
   and per-token advantages or weights act per token as in GSPO-token,
+* or, in place of the clipped surrogate, SAPO's soft gate (Gao et al. 2025, "Soft Adaptive Policy
+  Optimization", https://arxiv.org/abs/2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A with
+  tau = tau_pos for A > 0 and tau_neg otherwise; its gradient is 4 s (1 - s) r A grad log pi
+  (s the sigmoid), A grad log pi on policy (r = 1), fading smoothly as r leaves 1 instead of
+  stopping at a clip boundary (surrogate="sapo"),
 * optional per-token weights (e.g. DelTA coefficients, rl/delta.py) multiplying the per-token
   surrogate loss before aggregation; for positive weights this equals replacing A by A * w (spec
-  2.8), because every branch of the clipped surrogate is linear in A,
+  2.8), because every branch of the clipped surrogate is linear in A (SAPO's too, for a given
+  sign of A),
 * optional KL penalty to a reference policy (k1 / k2 / k3 estimators, Schulman 2020, "Approximating
   KL Divergence", http://joschu.net/blog/kl-approx.html; GRPO, https://arxiv.org/abs/2402.03300,
   uses k3) and an entropy bonus.
@@ -48,6 +54,7 @@ Array = jax.Array
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = (None, "k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
+SURROGATES = ("clip", "sapo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,10 @@ class PolicyLossConfig:
     entropy_coef: weight of the entropy bonus (subtracted from the loss; needs entropy).
     ratio_level: "token" (PPO's per-token ratio) or "sequence" (GSPO's length-normalised
       sequence ratio, see the module doc; its paper clips it at eps 3e-4 / 4e-4).
+    surrogate: "clip" (the clipped surrogate: eps_low, eps_high, dual_clip) or "sapo" (SAPO's
+      soft gate, which has no clip: sapo_tau_pos / sapo_tau_neg, its paper's 1.0 / 1.05, are the
+      gate's temperatures for positive / other advantages; a larger tau fades off-policy tokens
+      faster).
     """
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -73,6 +84,9 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     ratio_level: str = "token"
+    surrogate: str = "clip"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def __post_init__(self):
         if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
@@ -96,6 +110,12 @@ class PolicyLossConfig:
         if self.ratio_level not in RATIO_LEVELS:
             raise ValueError(f"PolicyLossConfig: ratio_level must be one of {RATIO_LEVELS}, "
                              f"got {self.ratio_level!r}")
+        if self.surrogate not in SURROGATES:
+            raise ValueError(f"PolicyLossConfig: surrogate must be one of {SURROGATES}, "
+                             f"got {self.surrogate!r}")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(f"PolicyLossConfig: sapo_tau_pos and sapo_tau_neg must be > 0, got "
+                             f"{self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("PolicyLossConfig: kl_coef and entropy_coef must be >= 0")
 
@@ -125,6 +145,20 @@ def clipped_surrogate(log_ratio: Array, advantages: Array, eps_low: float, eps_h
     else:
         flags["dual"] = jnp.zeros_like(clip_active)
     return loss, {k: v.astype(loss.dtype) for k, v in flags.items()}
+
+
+def soft_gate_surrogate(log_ratio: Array, advantages: Array, tau_pos: float, tau_neg: float
+                        ) -> tuple[Array, Array]:
+    """Per-token SAPO loss (to minimise) and gradient gate, both [B, T].
+
+    l = -(4 / tau) sigmoid(tau (r - 1)) A with r = exp(log_ratio), tau = tau_pos where A > 0,
+    tau_neg elsewhere. gate = 4 s (1 - s), s = sigmoid(tau (r - 1)): what the token's policy
+    gradient keeps (dl/dlog pi = -gate r A; gate = 1 at r = 1, falling towards 0 off policy).
+    """
+    ratio = jnp.exp(log_ratio)
+    tau = jnp.where(advantages > 0, tau_pos, tau_neg).astype(ratio.dtype)
+    s = jax.nn.sigmoid(tau * (ratio - 1.0))
+    return -(4.0 / tau) * s * advantages, jax.lax.stop_gradient(4.0 * s * (1.0 - s))
 
 
 def sequence_log_ratio(token_log_ratio: Array, logp: Array, valid: Array) -> Array:
@@ -201,7 +235,7 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                 token_weights: Array | None = None, cfg: PolicyLossConfig = PolicyLossConfig(),
                 ref_logp: Array | None = None, entropy: Array | None = None
                 ) -> tuple[Array, Array, dict[str, Array]]:
-    """Clipped policy-gradient loss of one micro-batch as (loss_sum, denominator, metric sums).
+    """Policy-gradient loss of one micro-batch as (loss_sum, denominator, metric sums).
 
     Args:
       logp: [B, T] log pi(y_t) under the current policy (differentiated).
@@ -210,7 +244,7 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
       mask: [B, T], 1 for valid response tokens.
       token_weights: optional [B, T] non-negative weights (e.g. DelTA), multiply the surrogate's
         per-token loss (not the KL or entropy terms); treated as constants.
-      cfg: PolicyLossConfig.
+      cfg: PolicyLossConfig (the clipped surrogate or SAPO's soft gate: cfg.surrogate).
       ref_logp: [B, T] reference-policy log-probs, required when cfg.kl_type is set.
       entropy: [B, T] per-token policy entropy, required when cfg.entropy_coef > 0 (differentiated),
         reported in the metrics when given.
@@ -249,7 +283,13 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
         token_log_ratio = jnp.clip(token_log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     log_ratio = (token_log_ratio if cfg.ratio_level == "token"
                  else sequence_log_ratio(token_log_ratio, logp, valid))
-    surrogate, flags = clipped_surrogate(log_ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    if cfg.surrogate == "sapo":
+        surrogate, gate = soft_gate_surrogate(log_ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        no_clip = jnp.zeros_like(surrogate)  # nothing is clipped
+        flags = {"low": no_clip, "high": no_clip, "dual": no_clip}
+    else:
+        surrogate, flags = clipped_surrogate(log_ratio, adv, cfg.eps_low, cfg.eps_high,
+                                             cfg.dual_clip)
     pg = surrogate if token_weights is None else surrogate * sg(_upcast(token_weights))
     pg = jnp.where(valid, pg, 0.0)
     per_token = pg
@@ -275,6 +315,8 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
         "approx_kl_k1": token_sum(neg_log_ratio),
         "approx_kl": token_sum(jnp.exp(-neg_log_ratio) - 1.0 + neg_log_ratio),
     }
+    if cfg.surrogate == "sapo":  # the mean share of the policy gradient the gate keeps
+        metrics["sapo_gate"] = token_sum(gate)
     if cfg.kl_type is not None:
         kl = kl_penalty(logp, sg(_upcast(ref_logp)), cfg.kl_type, cfg.log_ratio_clamp)
         kl = jnp.where(valid, kl, 0.0)
@@ -300,6 +342,7 @@ METRIC_DENOMINATORS = {
     "approx_kl": "tokens",
     "kl": "tokens",
     "entropy": "tokens",
+    "sapo_gate": "tokens",
 }
 
 

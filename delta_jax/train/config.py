@@ -50,6 +50,7 @@ CHOICES = {
     "rl.kl_type": ("k1", "k2", "k3"),
     "rl.rollout_is": ("none", "tis", "mis"),  # rl.rollout_correction.MODES
     "rl.ratio_level": ("token", "sequence"),  # rl.losses.RATIO_LEVELS
+    "rl.surrogate": ("clip", "sapo"),  # rl.losses.SURROGATES
     "delta.proxy": ("last_layer", "hidden_topk"),
     "delta.stats_mode": ("global", "per_shard"),
     "delta.assignment": ("soft", "hard"),
@@ -204,6 +205,13 @@ def default_config() -> config_dict.ConfigDict:
     # all its tokens; its paper clips at rl.eps_low=3e-4, rl.eps_high=4e-4, rl.agg=
     # seq-mean-token-mean). DelTA's token weights and rl.rollout_is still act per token.
     c.rl.ratio_level = "token"
+    # The per-token objective: "clip" (the PPO / DAPO clipped surrogate: rl.eps_low, rl.eps_high,
+    # rl.dual_clip) or "sapo" (SAPO, arXiv 2511.20347, the DelTA paper's strongest 8B baseline:
+    # a soft sigmoid gate, no clip; rl.eps_* and rl.dual_clip are then refused). Its gate
+    # temperatures for positive / other advantages (the SAPO paper's 1.0 / 1.05).
+    c.rl.surrogate = "clip"
+    c.rl.sapo_tau_pos = 1.0
+    c.rl.sapo_tau_neg = 1.05
     c.rl.entropy_coef = 0.0
     # KL penalty to a frozen reference policy (the initial policy, after any SFT warm start).
     # 0 = off (the paper's setting). When on, the run keeps a second copy of the parameters and
@@ -429,6 +437,23 @@ def _require(ok, name, message):
         raise ConfigError(f"{name}: {message}")
 
 
+def _check_surrogate_fields(c):
+    """rl.surrogate=sapo has no clip range: rl.eps_low / eps_high / dual_clip other than the
+    method's (which it ignores) are refused; the gate's temperatures belong to sapo alone."""
+    if c.rl.surrogate == "sapo":
+        for name in ("rl.eps_low", "rl.eps_high", "rl.dual_clip"):
+            _require(_get(c, name) == METHOD_DEFAULTS[c.method][name], name,
+                     "belongs to the clipped surrogate; rl.surrogate='sapo' has no clip (its "
+                     "soft gate: rl.sapo_tau_pos / rl.sapo_tau_neg): leave it unset")
+    else:
+        for name, default in (("rl.sapo_tau_pos", 1.0), ("rl.sapo_tau_neg", 1.05)):
+            _require(_get(c, name) == default, name,
+                     f"the soft gate of rl.surrogate='sapo', not {c.rl.surrogate!r}: set "
+                     f"rl.surrogate=sapo or leave {name} at {default}")
+    for name in ("rl.sapo_tau_pos", "rl.sapo_tau_neg"):
+        _require(_get(c, name) > 0, name, f"must be > 0, got {_get(c, name)}")
+
+
 def _check_combinations(c):
     if c.mode == "plan":  # shapes only: config.json, or a preset's; no weights, no tokenizer
         _require(c.model.path or c.model.preset, "model.path",
@@ -473,6 +498,7 @@ def _check_combinations(c):
     _require(c.rollout.group_size >= 2, "rollout.group_size",
              f"rl.advantage={c.rl.advantage} compares the responses of a prompt with each other: "
              "with 1 response per prompt every advantage is 0 and nothing is trained; use >= 2")
+    _check_surrogate_fields(c)
     _require(c.rl.eps_low >= 0 and c.rl.eps_high >= 0, "rl.eps_low", "clip ranges must be >= 0")
     _require(c.rl.dual_clip == 0 or c.rl.dual_clip > 1 + c.rl.eps_high, "rl.dual_clip",
              f"must be 0 (off) or > 1 + rl.eps_high, got {c.rl.dual_clip}")

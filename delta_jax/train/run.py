@@ -155,6 +155,8 @@ def make_loss_fn(cfg) -> Callable:
         drgrpo_norm=(float(cfg.rollout.max_new_tokens)
                      if cfg.rl.agg == "seq-mean-token-sum-norm" else None),
         entropy_coef=cfg.rl.entropy_coef, ratio_level=cfg.rl.ratio_level,
+        surrogate=cfg.rl.surrogate, sapo_tau_pos=cfg.rl.sapo_tau_pos,
+        sapo_tau_neg=cfg.rl.sapo_tau_neg,
         kl_type=cfg.rl.kl_type if cfg.rl.kl_coef > 0 else None, kl_coef=cfg.rl.kl_coef)
 
     def loss_fn(logp, old_logp, advantages, mask, token_weights, entropy, ref_logp=None):
