@@ -127,11 +127,21 @@ def test_bad_overrides_name_the_field():
                                  "--config.rl.sapo_tau_neg=2.0"]))
     assert (cfg.rl.surrogate, cfg.rl.sapo_tau_pos, cfg.rl.sapo_tau_neg) == ("sapo", 1.0, 2.0)
     assert validate_config(cfg).rl.surrogate == "sapo"  # a saved (resolved) config, validated again
+    cfg = validate_config(parse([base, "--config.rl.fipo=True", "--config.rl.epochs=2",
+                                 "--config.rl.fipo_safety_threshold=0.0"]))
+    assert cfg.rl.fipo and cfg.rl.fipo_safety_threshold == 0.0
     for overrides, field in [(["rl.surrogate=sapo", "rl.eps_high=0.3"], "rl.eps_high"),
                              (["rl.surrogate=sapo", "rl.dual_clip=3.0"], "rl.dual_clip"),
                              (["rl.surrogate=sapo", "rl.sapo_tau_pos=0.0"], "rl.sapo_tau_pos"),
                              (["rl.sapo_tau_pos=2.0"], "rl.sapo_tau_pos"),
-                             (["rl.surrogate=soft"], "rl.surrogate")]:
+                             (["rl.surrogate=soft"], "rl.surrogate"),
+                             (["rl.fipo_clip=0.3"], "rl.fipo_clip"),
+                             (["rl.fipo=True", "rl.mini_batch_prompts=16"], "rl.fipo"),
+                             (["rl.fipo=True", "rl.epochs=2", "rl.surrogate=sapo"], "rl.fipo"),
+                             (["rl.fipo=True", "rl.epochs=2", "rl.fipo_decay_rate=0.0"],
+                              "rl.fipo_decay_rate"),
+                             (["rl.fipo=True", "rl.epochs=2", "rl.fipo_safety_threshold=-1.0"],
+                              "rl.fipo_safety_threshold")]:
         cfg = parse([base, *(f"--config.{o}" for o in overrides)])
         with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.")):
             validate_config(cfg)

@@ -1,6 +1,6 @@
 """Policy loss: hand-computed DAPO example, finite-difference gradients, exact accumulation,
 GSPO's sequence-level ratio against its paper's sequence objective, SAPO's soft gate against its
-formula and gradient."""
+formula and gradient, FIPO's future-KL weights against a loop over the later tokens."""
 import dataclasses
 
 import numpy as np
@@ -9,8 +9,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from delta_jax.rl.losses import (AGG_MODES, RATIO_LEVELS, SURROGATES, PolicyLossConfig,
-                                 aggregate, finalize_metrics, kl_penalty, policy_loss)
+from delta_jax.rl.losses import (AGG_MODES, RATIO_LEVELS, PolicyLossConfig, aggregate,
+                                 finalize_metrics, fipo_weights, future_sums, kl_penalty,
+                                 policy_loss)
 
 
 def _dapo_example():
@@ -121,10 +122,10 @@ def test_gradient_matches_finite_differences(agg):
         assert np.abs(g_lp).max() > 1e-3
 
 
-@pytest.mark.parametrize("surrogate", SURROGATES)
+@pytest.mark.parametrize("objective", [dict(), dict(surrogate="sapo"), dict(fipo=True)])
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("agg", AGG_MODES)
-def test_micro_batch_accumulation_is_exact(agg, ratio_level, surrogate):
+def test_micro_batch_accumulation_is_exact(agg, ratio_level, objective):
     rng = np.random.default_rng(3)
     B, T = 6, 7
     old = rng.normal(size=(B, T)) - 2
@@ -136,7 +137,7 @@ def test_micro_batch_accumulation_is_exact(agg, ratio_level, surrogate):
     ent = rng.uniform(0, 2, size=(B, T))
     ref = old + rng.normal(scale=0.2, size=(B, T))
     cfg = PolicyLossConfig(agg=agg, drgrpo_norm=16.0, kl_type="k2", kl_coef=0.05,
-                           entropy_coef=0.01, ratio_level=ratio_level, surrogate=surrogate)
+                           entropy_coef=0.01, ratio_level=ratio_level, **objective)
     as_j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
 
     def run(rows, t_max=T):
@@ -226,6 +227,96 @@ def test_sapo_on_policy_gradient_is_the_policy_gradient():
     assert kept[0] > kept[1] > kept[2]
 
 
+def _future_kl_numpy(log_ratio, mask, gamma, skip_over=None):
+    """FutureKL_t = sum_{k >= t, k valid} gamma^(k - t) d_k by a loop over the later tokens
+    (d = 0 where the ratio is over skip_over), 0 on padding."""
+    B, T = log_ratio.shape
+    out = np.zeros((B, T))
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            for k in range(t, T):
+                keep = mask[b, k] and (skip_over is None or np.exp(log_ratio[b, k]) <= skip_over)
+                out[b, t] += gamma ** (k - t) * log_ratio[b, k] * keep
+    return out
+
+
+def test_future_sums_match_a_loop_and_stay_finite_on_long_responses():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, 37))
+    want = _future_kl_numpy(x, np.ones_like(x, bool), 0.9)
+    with jax.enable_x64(True):
+        np.testing.assert_allclose(future_sums(jnp.asarray(x), 0.9), want, rtol=1e-12)
+    # 20,480 tokens at decay 32 (gamma^T ~ 1e-193 would underflow float32 in a closed form).
+    long = np.full((1, 20480), 0.01, np.float32)
+    got = np.asarray(future_sums(jnp.asarray(long), 2.0 ** (-1 / 32)))
+    gamma = 2.0 ** (-1 / 32)
+    tail = 0.01 * (1 - gamma ** np.arange(20480, 0, -1)) / (1 - gamma)  # geometric sums
+    np.testing.assert_allclose(got[0], tail, rtol=1e-4)
+
+
+def test_fipo_weights_value_clip_filter_and_safety():
+    """FIPO's weights against the loop reference: clipped to [1, 1 + c] (or [1 - c, 1 + c]),
+    tokens over the dual-clip ratio left out of the sums, negative-advantage tokens over the
+    safety ratio never amplified, 0 on padding; the loss is the clipped surrogate times them,
+    and they carry no gradient."""
+    rng = np.random.default_rng(11)
+    B, T = 4, 9
+    old = rng.normal(size=(B, T)) - 2
+    d = rng.normal(scale=0.15, size=(B, T))
+    d[0, 3] = np.log(12.0)  # over dual_clip = 10: out of the sums (its own weight still set)
+    d[1, 6] = np.log(5.0)   # over the safety ratio 4, in a negative-advantage row
+    logp = old + d
+    adv = np.array([0.9, -1.1, 0.4, -0.2])
+    mask = (np.arange(T)[None] < np.array([9, 8, 5, 2])[:, None])
+    gamma = 2.0 ** (-1 / 4.0)
+    future_kl = _future_kl_numpy(d, mask, gamma, skip_over=10.0)
+    for high_only in (True, False):
+        cfg = PolicyLossConfig(fipo=True, fipo_decay_rate=4.0, fipo_clip=0.2,
+                               fipo_clip_high_only=high_only, fipo_safety_threshold=4.0)
+        want = np.clip(np.exp(future_kl), 1.0 if high_only else 0.8, 1.2)
+        want[1, 6] = min(want[1, 6], 1.0)
+        want = np.where(mask, want, 0.0)
+        got_w, got_kl = fipo_weights(jnp.asarray(d), jnp.asarray(adv)[:, None] * jnp.ones((B, T)),
+                                     jnp.asarray(mask), cfg)
+        np.testing.assert_allclose(got_kl, future_kl, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_w, want, rtol=1e-6)
+        assert np.any((want > 1.0) & (want < 1.2)) and np.any(want == 1.2)  # every branch
+        assert high_only or np.any((want < 1.0) & mask)
+        as_j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+        def loss(lp, cfg=cfg):
+            s, n, _ = policy_loss(lp, as_j(old), as_j(adv), as_j(mask), cfg=cfg)
+            return s / n
+
+        plain = dataclasses.replace(cfg, fipo=False)
+        # The same per-token surrogate, scaled by the weights (constants of the gradient).
+        per_token = jax.grad(lambda lp: policy_loss(lp, as_j(old), as_j(adv), as_j(mask),
+                                                    cfg=plain)[0])(as_j(logp))
+        np.testing.assert_allclose(jax.grad(loss)(as_j(logp)) * mask.sum(), per_token * want,
+                                   rtol=1e-5, atol=1e-7)
+    sums = policy_loss(as_j(logp), as_j(old), as_j(adv), as_j(mask), cfg=cfg)[2]
+    fm = finalize_metrics(sums)
+    np.testing.assert_allclose(fm["fipo_weight"], want[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(fm["fipo_future_kl"], future_kl[mask].mean(), rtol=1e-4)
+
+
+def test_fipo_on_policy_is_the_clipped_surrogate():
+    """At the first update of a rollout (pi = pi_old) every weight is 1: FIPO's loss and gradient
+    are DAPO's."""
+    logp = jnp.array([[-1.0, -2.0, -0.5, -0.1], [-0.3, -1.2, -4.0, -0.7]])
+    adv, mask = jnp.array([0.8, -1.3]), jnp.array([[1, 1, 1, 1], [1, 1, 0, 0]], jnp.float32)
+
+    def value_and_grad(cfg):
+        return jax.value_and_grad(lambda lp: policy_loss(lp, logp, adv, mask, cfg=cfg)[0])(logp)
+
+    (v_f, g_f), (v_d, g_d) = value_and_grad(PolicyLossConfig(fipo=True)), value_and_grad(
+        PolicyLossConfig())
+    np.testing.assert_allclose(v_f, v_d, rtol=1e-7)
+    np.testing.assert_allclose(g_f, g_d, rtol=1e-7)
+
+
 def test_kl_estimators():
     lp = jnp.array([-1.0, -2.0, -0.3])
     ref = jnp.array([-1.5, -1.0, -0.3])
@@ -258,6 +349,10 @@ def test_aggregate_and_config_errors():
         PolicyLossConfig(surrogate="soft")
     with pytest.raises(ValueError, match="sapo_tau"):
         PolicyLossConfig(surrogate="sapo", sapo_tau_neg=0.0)
+    with pytest.raises(ValueError, match="fipo weights the clipped surrogate"):
+        PolicyLossConfig(fipo=True, surrogate="sapo")
+    with pytest.raises(ValueError, match="fipo_decay_rate"):
+        PolicyLossConfig(fipo=True, fipo_decay_rate=0.0)
     logp, old, adv, mask = _dapo_example()
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, old, adv, mask, cfg=PolicyLossConfig(kl_type="k3", kl_coef=0.1))

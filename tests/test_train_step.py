@@ -242,6 +242,50 @@ def test_sapo_step_follows_the_soft_gate(setup):
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
 
 
+def test_fipo_step_follows_the_future_kl_weights(setup):
+    """rl.fipo through the run's loss (run.make_loss_fn of a validated config) and the train
+    step, in two micro-batches: SGD(lr=1) moves the parameters by minus the gradient of DAPO's
+    clipped surrogate with each token's loss times clip(exp(sum_{k >= t} gamma^(k - t) d_k),
+    1, 1.2), written out from full logits with a [R, R] matrix of discounts (the weights held
+    constant), the policy moved away from the rollout's by +-0.3 a token."""
+    from delta_jax.train import run as run_lib
+    from tests.rl_fixtures import tiny_rl_config
+
+    graphdef, params, rest, batch = setup
+    cfg = tiny_rl_config("dapo", rl=dict(fipo=True, fipo_decay_rate=2.0, mini_batch_prompts=2))
+    mask = batch["response_mask"]
+    shift = 0.3 * np.where(np.arange(R) % 3, 1.0, -1.0)[None] * np.asarray(mask)
+    old = reference_logp(graphdef, params, rest, batch) - jnp.asarray(shift, jnp.float32)
+    batch = dict(batch, old_logp=old, token_weights=mask)
+    distance = np.arange(R)[None, :] - np.arange(R)[:, None]  # [t, k]: k - t
+    discounts = jnp.asarray(np.where(distance >= 0, 0.5 ** (distance / 2.0), 0.0), jnp.float32)
+
+    def ref_loss(p):
+        logp = reference_logp(graphdef, p, rest, batch)
+        d = jnp.where(mask > 0, logp - old, 0.0)
+        weight = jax.lax.stop_gradient(jnp.clip(jnp.exp(d @ discounts.T), 1.0, 1.2))
+        ratio = jnp.exp(logp - old)
+        adv = batch["advantages"][:, None]
+        per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 0.8, 1.28))
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * 10.0), per_token)
+        return jnp.sum(jnp.where(mask > 0, per_token * weight, 0.0)) / jnp.sum(mask)
+
+    ref_grads = jax.jit(jax.grad(ref_loss))(params)
+    opt = optax.sgd(1.0)
+    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
+                           chunk_size=4, micro_batch_size=2)
+    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
+    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
+                       jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
+                                   rtol=1e-3)
+    # Metric sums over the micro-batches: some tokens amplified, none above 1.2.
+    mean_weight = float(metrics["fipo_weight"]) / float(metrics["tokens"])
+    assert 1.0 < mean_weight < 1.2
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
+
+
 def test_lora_step_trains_the_adapters_only(setup):
     """With LoRA adapters, in two micro-batches: the base weights come back bit for bit, the
     optimizer state mirrors the adapters alone, and SGD(lr=1) moves each factor by minus the

@@ -17,6 +17,14 @@ Optimization Algorithms", https://arxiv.org/abs/1707.06347) with
   tau = tau_pos for A > 0 and tau_neg otherwise; its gradient is 4 s (1 - s) r A grad log pi
   (s the sigmoid), A grad log pi on policy (r = 1), fading smoothly as r leaves 1 instead of
   stopping at a clip boundary (surrogate="sapo"),
+* optionally FIPO's future-KL influence weights on the clipped surrogate (Ma et al. 2026, "FIPO:
+  Eliciting Deep Reasoning with Future-KL Influenced Policy Optimization",
+  https://arxiv.org/abs/2603.19835; the DelTA paper's strongest 14B baseline): token t's loss
+  is multiplied by f_t = clip(exp(FutureKL_t), 1 (or 1 - c), 1 + c), FutureKL_t =
+  sum_{k >= t} gamma^(k - t) log(pi / pi_old)(y_k) over the response's tokens (gamma =
+  2^(-1 / decay_rate); tokens past the dual-clip ratio left out of the sum), a constant of the
+  gradient; a token of negative advantage whose ratio is over the safety threshold is never
+  amplified (f_t <= 1). It acts from the second update of a rollout on (pi = pi_old before),
 * optional per-token weights (e.g. DelTA coefficients, rl/delta.py) multiplying the per-token
   surrogate loss before aggregation; for positive weights this equals replacing A by A * w (spec
   2.8), because every branch of the clipped surrogate is linear in A (SAPO's too, for a given
@@ -73,6 +81,12 @@ class PolicyLossConfig:
       soft gate, which has no clip: sapo_tau_pos / sapo_tau_neg, its paper's 1.0 / 1.05, are the
       gate's temperatures for positive / other advantages; a larger tau fades off-policy tokens
       faster).
+    fipo: multiply the clipped surrogate by FIPO's future-KL influence weights (module doc):
+      fipo_decay_rate (gamma = 2^(-1 / decay_rate): the number of tokens over which a later
+      token's log-ratio counts half), fipo_clip (c > 0) with fipo_clip_high_only (weights in
+      [1, 1 + c], else [1 - c, 1 + c]), fipo_safety_threshold (a ratio above which a
+      negative-advantage token's weight is capped at 1; None or 0: off). Tokens whose ratio is
+      over dual_clip are left out of the future sums.
     """
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -87,6 +101,11 @@ class PolicyLossConfig:
     surrogate: str = "clip"
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    fipo: bool = False
+    fipo_decay_rate: float = 32.0
+    fipo_clip: float = 0.2
+    fipo_clip_high_only: bool = True
+    fipo_safety_threshold: float | None = 4.0
 
     def __post_init__(self):
         if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
@@ -116,6 +135,14 @@ class PolicyLossConfig:
         if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
             raise ValueError(f"PolicyLossConfig: sapo_tau_pos and sapo_tau_neg must be > 0, got "
                              f"{self.sapo_tau_pos}, {self.sapo_tau_neg}")
+        if self.fipo and self.surrogate != "clip":
+            raise ValueError("PolicyLossConfig: fipo weights the clipped surrogate; got "
+                             f"surrogate={self.surrogate!r}")
+        if not (self.fipo_decay_rate > 0 and self.fipo_clip > 0
+                and (self.fipo_safety_threshold or 0) >= 0):
+            raise ValueError(f"PolicyLossConfig: need fipo_decay_rate > 0, fipo_clip > 0 and "
+                             f"fipo_safety_threshold >= 0 (or None), got {self.fipo_decay_rate}, "
+                             f"{self.fipo_clip}, {self.fipo_safety_threshold}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("PolicyLossConfig: kl_coef and entropy_coef must be >= 0")
 
@@ -159,6 +186,39 @@ def soft_gate_surrogate(log_ratio: Array, advantages: Array, tau_pos: float, tau
     tau = jnp.where(advantages > 0, tau_pos, tau_neg).astype(ratio.dtype)
     s = jax.nn.sigmoid(tau * (ratio - 1.0))
     return -(4.0 / tau) * s * advantages, jax.lax.stop_gradient(4.0 * s * (1.0 - s))
+
+
+def future_sums(x: Array, gamma: float) -> Array:
+    """y_t = sum_{k >= t} gamma^(k - t) x_k along the last axis, [..., T] (a reversed first-order
+    linear recurrence y_t = x_t + gamma y_{t+1}, as an associative scan: log T steps, no
+    gamma^T underflow however long the response)."""
+    def combine(earlier, later):  # segments of the reversed sequence: (gamma^len, partial sum)
+        (a1, b1), (a2, b2) = earlier, later
+        return a1 * a2, a2 * b1 + b2
+
+    rev = jnp.flip(x, axis=-1)
+    _, out = jax.lax.associative_scan(combine, (jnp.full_like(rev, gamma), rev), axis=-1)
+    return jnp.flip(out, axis=-1)
+
+
+def fipo_weights(token_log_ratio: Array, advantages: Array, valid: Array, cfg: "PolicyLossConfig"
+                 ) -> tuple[Array, Array]:
+    """FIPO's influence weights and the Future-KL they come from, both [B, T], no gradient (module
+    doc): FutureKL_t = sum_{k >= t} gamma^(k - t) d_k over the row's valid tokens, d the token
+    log-ratio, 0 where the ratio is over cfg.dual_clip; f = clip(exp(FutureKL), 1 or 1 - c,
+    1 + c), capped at 1 for A < 0 tokens whose ratio is over cfg.fipo_safety_threshold; 0 on
+    padding."""
+    d = jax.lax.stop_gradient(token_log_ratio)
+    ratio = jnp.exp(d)
+    keep = valid if not cfg.dual_clip else valid & (ratio <= cfg.dual_clip)
+    future_kl = jnp.where(valid, future_sums(jnp.where(keep, d, 0.0),
+                                             2.0 ** (-1.0 / cfg.fipo_decay_rate)), 0.0)
+    low = 1.0 if cfg.fipo_clip_high_only else 1.0 - cfg.fipo_clip
+    weight = jnp.clip(jnp.exp(future_kl), low, 1.0 + cfg.fipo_clip)
+    if cfg.fipo_safety_threshold:
+        risky = (advantages < 0) & (ratio > cfg.fipo_safety_threshold)
+        weight = jnp.where(risky, jnp.minimum(weight, 1.0), weight)
+    return jnp.where(valid, weight, 0.0), future_kl
 
 
 def sequence_log_ratio(token_log_ratio: Array, logp: Array, valid: Array) -> Array:
@@ -290,6 +350,9 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     else:
         surrogate, flags = clipped_surrogate(log_ratio, adv, cfg.eps_low, cfg.eps_high,
                                              cfg.dual_clip)
+    if cfg.fipo:
+        fipo_w, future_kl = fipo_weights(token_log_ratio, adv, valid, cfg)
+        surrogate = surrogate * fipo_w
     pg = surrogate if token_weights is None else surrogate * sg(_upcast(token_weights))
     pg = jnp.where(valid, pg, 0.0)
     per_token = pg
@@ -317,6 +380,9 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     }
     if cfg.surrogate == "sapo":  # the mean share of the policy gradient the gate keeps
         metrics["sapo_gate"] = token_sum(gate)
+    if cfg.fipo:  # the mean influence weight and Future-KL over the valid tokens
+        metrics["fipo_weight"] = token_sum(fipo_w)
+        metrics["fipo_future_kl"] = token_sum(future_kl)
     if cfg.kl_type is not None:
         kl = kl_penalty(logp, sg(_upcast(ref_logp)), cfg.kl_type, cfg.log_ratio_clamp)
         kl = jnp.where(valid, kl, 0.0)
@@ -343,6 +409,8 @@ METRIC_DENOMINATORS = {
     "kl": "tokens",
     "entropy": "tokens",
     "sapo_gate": "tokens",
+    "fipo_weight": "tokens",
+    "fipo_future_kl": "tokens",
 }
 
 

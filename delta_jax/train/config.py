@@ -212,6 +212,18 @@ def default_config() -> config_dict.ConfigDict:
     c.rl.surrogate = "clip"
     c.rl.sapo_tau_pos = 1.0
     c.rl.sapo_tau_neg = 1.05
+    # FIPO (arXiv 2603.19835, the DelTA paper's strongest 14B baseline): the clipped surrogate of
+    # each token times clip(exp(FutureKL_t), 1, 1 + rl.fipo_clip) (1 - rl.fipo_clip below with
+    # rl.fipo_clip_high_only=False), FutureKL_t the sum of the later tokens' log(pi / pi_old),
+    # discounted by 2^(-1 / rl.fipo_decay_rate) a token, tokens over rl.dual_clip left out; a
+    # negative-advantage token whose ratio is over rl.fipo_safety_threshold (0 = off) is never
+    # amplified. It needs more than one update a step (pi = pi_old at the first). Defaults: the
+    # settings ms-swift's port documents (decay 32, clip 0.2, high only, safety 4).
+    c.rl.fipo = False
+    c.rl.fipo_decay_rate = 32.0
+    c.rl.fipo_clip = 0.2
+    c.rl.fipo_clip_high_only = True
+    c.rl.fipo_safety_threshold = 4.0
     c.rl.entropy_coef = 0.0
     # KL penalty to a frozen reference policy (the initial policy, after any SFT warm start).
     # 0 = off (the paper's setting). When on, the run keeps a second copy of the parameters and
@@ -439,7 +451,8 @@ def _require(ok, name, message):
 
 def _check_surrogate_fields(c):
     """rl.surrogate=sapo has no clip range: rl.eps_low / eps_high / dual_clip other than the
-    method's (which it ignores) are refused; the gate's temperatures belong to sapo alone."""
+    method's (which it ignores) are refused; the gate's temperatures belong to sapo alone, the
+    rl.fipo_* settings to rl.fipo."""
     if c.rl.surrogate == "sapo":
         for name in ("rl.eps_low", "rl.eps_high", "rl.dual_clip"):
             _require(_get(c, name) == METHOD_DEFAULTS[c.method][name], name,
@@ -452,6 +465,23 @@ def _check_surrogate_fields(c):
                      f"rl.surrogate=sapo or leave {name} at {default}")
     for name in ("rl.sapo_tau_pos", "rl.sapo_tau_neg"):
         _require(_get(c, name) > 0, name, f"must be > 0, got {_get(c, name)}")
+    fipo_defaults = (("rl.fipo_decay_rate", 32.0), ("rl.fipo_clip", 0.2),
+                     ("rl.fipo_clip_high_only", True), ("rl.fipo_safety_threshold", 4.0))
+    if not c.rl.fipo:
+        for name, default in fipo_defaults:
+            _require(_get(c, name) == default, name,
+                     f"belongs to rl.fipo=True: set it, or leave {name} at {default}")
+        return
+    _require(c.rl.surrogate == "clip", "rl.fipo",
+             f"weights the clipped surrogate, not rl.surrogate={c.rl.surrogate!r}")
+    _require(c.rl.mini_batch_prompts < c.rollout.batch_prompts or c.rl.epochs > 1, "rl.fipo",
+             "weights tokens by how the policy moved since the rollout, which needs more than "
+             "one update a step (pi = pi_old at the first): set rl.mini_batch_prompts below "
+             f"rollout.batch_prompts={c.rollout.batch_prompts} or rl.epochs > 1")
+    for name in ("rl.fipo_decay_rate", "rl.fipo_clip"):
+        _require(_get(c, name) > 0, name, f"must be > 0, got {_get(c, name)}")
+    _require(c.rl.fipo_safety_threshold >= 0, "rl.fipo_safety_threshold",
+             f"must be >= 0 (0 = off), got {c.rl.fipo_safety_threshold}")
 
 
 def _check_combinations(c):

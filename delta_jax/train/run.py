@@ -157,6 +157,9 @@ def make_loss_fn(cfg) -> Callable:
         entropy_coef=cfg.rl.entropy_coef, ratio_level=cfg.rl.ratio_level,
         surrogate=cfg.rl.surrogate, sapo_tau_pos=cfg.rl.sapo_tau_pos,
         sapo_tau_neg=cfg.rl.sapo_tau_neg,
+        fipo=cfg.rl.fipo, fipo_decay_rate=cfg.rl.fipo_decay_rate, fipo_clip=cfg.rl.fipo_clip,
+        fipo_clip_high_only=cfg.rl.fipo_clip_high_only,
+        fipo_safety_threshold=cfg.rl.fipo_safety_threshold,
         kl_type=cfg.rl.kl_type if cfg.rl.kl_coef > 0 else None, kl_coef=cfg.rl.kl_coef)
 
     def loss_fn(logp, old_logp, advantages, mask, token_weights, entropy, ref_logp=None):
