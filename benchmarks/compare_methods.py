@@ -1,5 +1,5 @@
-"""GRPO vs DAPO vs DelTA (and DelTA's ablations) on the built-in synthetic task, several seeds,
-the same compute, with confidence intervals and paired tests.
+"""GRPO vs DAPO vs DelTA (and DelTA's ablations, SAPO, FIPO) on the built-in synthetic task, several
+seeds, the same compute, with confidence intervals and paired tests.
 
     python benchmarks/compare_methods.py [--seeds 0,1,2,3,4] [--variants grpo,dapo,delta]
         [--config experiments/tiny.py] [--jobs 1] [--out_dir runs/compare]
@@ -9,7 +9,9 @@ Variants (VARIANTS below): the methods grpo, dapo, delta, and the DelTA paper's 
 (DELTA_SPEC.md section 4) as delta + config overrides: delta_k0 / delta_k2 / delta_k3
 (delta.num_refine), delta_fixed_gamma (delta.fixed_gamma=1.0), delta_hard (delta.assignment=hard),
 delta_no_norm (delta.normalize=False), delta_alpha (delta.weight=alpha), delta_random
-(delta.random_lambda=True), delta_topk (delta.proxy=hidden_topk). `--variants all` runs every one.
+(delta.random_lambda=True), delta_topk (delta.proxy=hidden_topk); and the paper's strongest
+baselines on DAPO's recipe: sapo (rl.surrogate=sapo), fipo (rl.fipo=True). `--variants all` runs
+every one.
 
 Per seed the SFT warm start of the config is trained ONCE (`--config.mode=sft`, exported as a
 Hugging Face directory), and every variant starts its RL from that same checkpoint with the same
@@ -73,6 +75,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "delta_alpha": ("delta", {"delta.weight": "alpha"}),
     "delta_random": ("delta", {"delta.random_lambda": True}),
     "delta_topk": ("delta", {"delta.proxy": "hidden_topk"}),
+    # The paper's strongest baselines (DELTA_SPEC.md section 4: SAPO at 8B, FIPO at 14B), each on
+    # DAPO's recipe with its own per-token objective.
+    "sapo": ("dapo", {"rl.surrogate": "sapo"}),
+    "fipo": ("dapo", {"rl.fipo": True}),
 }
 DEFAULT_VARIANTS = "grpo,dapo,delta"
 DEFAULT_SEEDS = "0,1,2,3,4"

@@ -114,7 +114,7 @@ def test_variants_are_valid_configs():
     spec.loader.exec_module(module)
     assert {"grpo", "dapo", "delta", "delta_k0", "delta_k2", "delta_k3", "delta_fixed_gamma",
             "delta_hard", "delta_no_norm", "delta_alpha", "delta_random",
-            "delta_topk"} == set(cm.VARIANTS)
+            "delta_topk", "sapo", "fipo"} == set(cm.VARIANTS)
     for name, (method, overrides) in cm.VARIANTS.items():
         cfg = module.get_config()
         cfg.method = method
