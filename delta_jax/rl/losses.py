@@ -304,7 +304,8 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
       mask: [B, T], 1 for valid response tokens.
       token_weights: optional [B, T] non-negative weights (e.g. DelTA), multiply the surrogate's
         per-token loss (not the KL or entropy terms); treated as constants.
-      cfg: PolicyLossConfig (the clipped surrogate or SAPO's soft gate: cfg.surrogate).
+      cfg: PolicyLossConfig (the clipped surrogate or SAPO's soft gate: cfg.surrogate; FIPO's
+        weights on the former: cfg.fipo).
       ref_logp: [B, T] reference-policy log-probs, required when cfg.kl_type is set.
       entropy: [B, T] per-token policy entropy, required when cfg.entropy_coef > 0 (differentiated),
         reported in the metrics when given.
