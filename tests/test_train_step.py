@@ -165,12 +165,30 @@ def test_fused_logprob_step_matches_chunked(setup, sgd_steps):
     assert moved > 1e-3
 
 
+def _sgd_step_follows(cfg, graphdef, params, rest, batch, ref_loss):
+    """One train step of the run's loss (run.make_loss_fn of the validated config `cfg`) in two
+    micro-batches with SGD(lr=1): its loss is ref_loss(params) and it moves the parameters by
+    minus ref_loss's gradient. Returns (the step's metrics, that gradient)."""
+    from delta_jax.train import run as run_lib
+
+    ref_grads = jax.jit(jax.grad(ref_loss))(params)
+    opt = optax.sgd(1.0)
+    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
+                           chunk_size=4, micro_batch_size=2)
+    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
+    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
+                       jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
+                                   rtol=1e-3)
+    return metrics, ref_grads
+
+
 def test_sequence_ratio_step_follows_gspo(setup):
     """rl.ratio_level=sequence through the run's loss (run.make_loss_fn of a validated config)
     and the train step, in two micro-batches: SGD(lr=1) moves the parameters by minus the
     gradient of GSPO's sequence objective computed from full logits, with one response clipped
     (its mean log-ratio beyond the range) and the others inside it."""
-    from delta_jax.train import run as run_lib
     from tests.rl_fixtures import tiny_rl_config
     from tests.test_losses import _gspo_reference
 
@@ -191,16 +209,7 @@ def test_sequence_ratio_step_follows_gspo(setup):
         return _gspo_reference(reference_logp(graphdef, p, rest, batch), old,
                                batch["advantages"], mask, 3e-3, 4e-3)
 
-    ref_grads = jax.jit(jax.grad(ref_loss))(params)
-    opt = optax.sgd(1.0)
-    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
-                           chunk_size=4, micro_batch_size=2)
-    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
-    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
-                       jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
-                                   rtol=1e-3)
+    metrics, ref_grads = _sgd_step_follows(cfg, graphdef, params, rest, batch, ref_loss)
     assert float(metrics["clip_frac_high"]) == float(jnp.sum(mask[0]))  # row 0's tokens
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-3
 
@@ -209,7 +218,6 @@ def test_sapo_step_follows_the_soft_gate(setup):
     """rl.surrogate=sapo through the run's loss (run.make_loss_fn of a validated config) and the
     train step, in two micro-batches: SGD(lr=1) moves the parameters by minus the gradient of
     SAPO's token-mean objective written out from full logits, with ratios off 1 both ways."""
-    from delta_jax.train import run as run_lib
     from tests.rl_fixtures import tiny_rl_config
 
     graphdef, params, rest, batch = setup
@@ -226,16 +234,7 @@ def test_sapo_step_follows_the_soft_gate(setup):
         per_token = -(4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0)) * adv
         return jnp.sum(jnp.where(mask > 0, per_token, 0.0)) / jnp.sum(mask)
 
-    ref_grads = jax.jit(jax.grad(ref_loss))(params)
-    opt = optax.sgd(1.0)
-    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
-                           chunk_size=4, micro_batch_size=2)
-    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
-    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
-                       jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
-                                   rtol=1e-3)
+    metrics, ref_grads = _sgd_step_follows(cfg, graphdef, params, rest, batch, ref_loss)
     # Metric sums over the micro-batches: the gate's mean is under 1 (off policy), no clipping.
     assert 0 < float(metrics["sapo_gate"]) / float(metrics["tokens"]) < 1
     assert float(metrics["clip_frac_high"]) == float(metrics["clip_frac_low"]) == 0
@@ -248,7 +247,6 @@ def test_fipo_step_follows_the_future_kl_weights(setup):
     clipped surrogate with each token's loss times clip(exp(sum_{k >= t} gamma^(k - t) d_k),
     1, 1.2), written out from full logits with a [R, R] matrix of discounts (the weights held
     constant), the policy moved away from the rollout's by +-0.3 a token."""
-    from delta_jax.train import run as run_lib
     from tests.rl_fixtures import tiny_rl_config
 
     graphdef, params, rest, batch = setup
@@ -270,16 +268,7 @@ def test_fipo_step_follows_the_future_kl_weights(setup):
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * 10.0), per_token)
         return jnp.sum(jnp.where(mask > 0, per_token * weight, 0.0)) / jnp.sum(mask)
 
-    ref_grads = jax.jit(jax.grad(ref_loss))(params)
-    opt = optax.sgd(1.0)
-    step = make_train_step(graphdef, rest, opt, run_lib.make_loss_fn(cfg), temperature=T,
-                           chunk_size=4, micro_batch_size=2)
-    new, metrics = step(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(ref_loss)(params)), rtol=1e-4)
-    for a, b, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(params),
-                       jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), -np.asarray(g), atol=2e-5,
-                                   rtol=1e-3)
+    metrics, ref_grads = _sgd_step_follows(cfg, graphdef, params, rest, batch, ref_loss)
     # Metric sums over the micro-batches: some tokens amplified, none above 1.2.
     mean_weight = float(metrics["fipo_weight"]) / float(metrics["tokens"])
     assert 1.0 < mean_weight < 1.2
