@@ -449,6 +449,15 @@ def _require(ok, name, message):
         raise ConfigError(f"{name}: {message}")
 
 
+def _require_defaults(c, names, why: str):
+    """Each field of `names` left at its default_config() value: settings that only another
+    option reads (`why`, then "leave <field> at <default>", is the message)."""
+    defaults = default_config()
+    for name in names:
+        default = _get(defaults, name)
+        _require(_get(c, name) == default, name, f"{why} leave {name} at {default}")
+
+
 def _check_surrogate_fields(c):
     """rl.surrogate=sapo has no clip range: rl.eps_low / eps_high / dual_clip other than the
     method's (which it ignores) are refused; the gate's temperatures belong to sapo alone, the
@@ -459,18 +468,15 @@ def _check_surrogate_fields(c):
                      "belongs to the clipped surrogate; rl.surrogate='sapo' has no clip (its "
                      "soft gate: rl.sapo_tau_pos / rl.sapo_tau_neg): leave it unset")
     else:
-        for name, default in (("rl.sapo_tau_pos", 1.0), ("rl.sapo_tau_neg", 1.05)):
-            _require(_get(c, name) == default, name,
-                     f"the soft gate of rl.surrogate='sapo', not {c.rl.surrogate!r}: set "
-                     f"rl.surrogate=sapo or leave {name} at {default}")
+        _require_defaults(c, ("rl.sapo_tau_pos", "rl.sapo_tau_neg"),
+                          f"the soft gate of rl.surrogate='sapo', not {c.rl.surrogate!r}: set "
+                          "rl.surrogate=sapo or")
     for name in ("rl.sapo_tau_pos", "rl.sapo_tau_neg"):
         _require(_get(c, name) > 0, name, f"must be > 0, got {_get(c, name)}")
-    fipo_defaults = (("rl.fipo_decay_rate", 32.0), ("rl.fipo_clip", 0.2),
-                     ("rl.fipo_clip_high_only", True), ("rl.fipo_safety_threshold", 4.0))
     if not c.rl.fipo:
-        for name, default in fipo_defaults:
-            _require(_get(c, name) == default, name,
-                     f"belongs to rl.fipo=True: set it, or leave {name} at {default}")
+        _require_defaults(c, ("rl.fipo_decay_rate", "rl.fipo_clip", "rl.fipo_clip_high_only",
+                              "rl.fipo_safety_threshold"),
+                          "belongs to rl.fipo=True: set it, or")
         return
     _require(c.rl.surrogate == "clip", "rl.fipo",
              f"weights the clipped surrogate, not rl.surrogate={c.rl.surrogate!r}")
@@ -559,10 +565,10 @@ def _check_combinations(c):
         _require(not value or c.data.template == "chat", name,
                  f"applies to data.template='chat' (the tokenizer's chat template), not "
                  f"{c.data.template!r}: set data.template=chat or leave {name} at its default")
-    for name, default in (("rewards.one_box_bonus", 0.0), ("rewards.no_box_penalty", 1.0)):
-        _require(_get(c, name) == default or c.rewards.name == "math_format", name,
-                 f"shapes rewards.name='math_format' only, not {c.rewards.name!r}: set "
-                 f"rewards.name=math_format or leave {name} at {default}")
+    if c.rewards.name != "math_format":
+        _require_defaults(c, ("rewards.one_box_bonus", "rewards.no_box_penalty"),
+                          f"shapes rewards.name='math_format' only, not {c.rewards.name!r}: set "
+                          "rewards.name=math_format or")
     _require(c.rewards.num_workers >= 1, "rewards.num_workers",
              f"must be >= 1, got {c.rewards.num_workers}")
     _require(c.rewards.timeout_s > 0, "rewards.timeout_s",
