@@ -20,7 +20,7 @@
 #   bash scripts/gpu_bench.sh longtail longtail_noahead  # long tail with / without prefilling ahead (#15)
 #   bash scripts/gpu_bench.sh longtail_shrink    # long tail: continuous with / without shrink_batch,
 #                                                # static (TAIL_MODES, SHRINK_BATCHES) (#15)
-#   bash scripts/gpu_bench.sh profile_longtail   # long tail at batch 64, device time by kernel (#15)
+#   bash scripts/gpu_bench.sh profile_longtail   # long tail at batch 64 (PROFILE_TAIL_BATCH), device time by kernel (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
@@ -136,11 +136,12 @@ for s in "$@"; do
         --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
         --tail-modes ${TAIL_MODES:-continuous static continuous_unshrunk} \
         --output "$OUT/decode_throughput_shrink$SUFFIX.json" ;;
-    profile_longtail)  # issue 15: the long-tailed workload at batch 64, continuous and static,
-                       # each traced once more: device time by kernel and kernel time vs wall
-                       # (where continuous batching's extra time goes: calls, copies, prefill)
+    profile_longtail)  # issue 15: the long-tailed workload at batch 64 (PROFILE_TAIL_BATCH), continuous
+                       # and static, each traced once more: device time by kernel and kernel time
+                       # vs wall (where continuous batching's extra time goes: calls, copies,
+                       # prefill; at 256 on an H100, 2026-11-27, prefill was 1.34 s of 7.66)
       stage profile_longtail 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
-        --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
+        --dtype bfloat16 --batch "${PROFILE_TAIL_BATCH:-64}" --prompt-len 512 --new-tokens 1024 \
         --decode-attention "$DECODE" --workload longtail --hf never --repeats 1 \
         --profile /tmp/decode_profile_longtail \
         --output "$OUT/decode_profile_longtail$SUFFIX.json" ;;
@@ -253,7 +254,8 @@ for s in "$@"; do
                    # 16,688 tok/s against 18,895 (2026-11-26); no command buffers 17,531 against
                    # 18,922; exhaustive tiling did not compile in 146 s; 2026-11-27: pdl_off /
                    # pdl_on 19,471 / 19,489 against 19,503 (no effect), concurrent_graph 19,992-
-                   # 20,150 against 19,422-19,677 (adopted). Variants, by name in DECODE_FLAG_VARIANTS
+                   # 20,150 against 19,422-19,677 (adopted); H100 (2026-11-27): graph_while 15,539
+                   # against 15,349-15,635 as is (no gain). Variants, by name in DECODE_FLAG_VARIANTS
                    # (flags that jaxlib 0.11.2, the GPU image's, accepts: checked on the CPU with
                    # scripts/gpu_jax_check.sh's venv): no_concurrent (the default off), no_splitk
                    # (Triton GEMMs without split-K: at 64 rows the qkv fusion writes f32[4, 64,
@@ -264,14 +266,16 @@ for s in "$@"; do
                    # pdl_on (programmatic dependent launch), exhaustive_tiling, cublaslt,
                    # no_command_buffer, graph_while (command buffers with the decode's while loop
                    # and conditionals in them as well: one CUDA graph for the loop, if XLA takes
-                   # its data-dependent trip count; the enum names are jaxlib 0.11.2's).
+                   # its data-dependent trip count; the enum names are jaxlib 0.11.2's: it has no
+                   # DYNAMIC_SLICE_COPY_FUSION). tests/test_gpu_bench.py parses every variant's
+                   # XLA_FLAGS with the local jaxlib.
       for variant in ${DECODE_FLAG_VARIANTS:-base no_concurrent no_splitk warp_spec}; do
         case $variant in
           base) flags="" ;;
           exhaustive_tiling) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
           cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
           no_command_buffer) flags="--xla_gpu_enable_command_buffer=" ;;
-          graph_while) flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,DYNAMIC_SLICE_COPY_FUSION,WHILE,CONDITIONAL" ;;
+          graph_while) flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL" ;;
           pdl_off) flags="--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" ;;
           pdl_on) flags="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" ;;
           concurrent_graph) flags="--xla_gpu_graph_enable_concurrent_region=true" ;;

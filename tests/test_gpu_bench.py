@@ -1,11 +1,13 @@
 """scripts/gpu_bench.sh: every stage's command lines, printed by its DRY_RUN mode, name scripts,
 configs and test files that exist and arguments that those scripts' parsers accept, so a flag
 renamed in a benchmark (or a stage's typo) fails here on the CPU instead of in a device call,
-whose time is scarce (the eighth GPU run lost a call to the script itself). The XLA flag names of
-the decode_flags variants are not checked here: XLA aborts on an unknown one, and only the GPU
-image's jaxlib knows them (checked by hand with scripts/gpu_jax_check.sh's venv)."""
+whose time is scarce (the eighth GPU run lost a call to the script itself). The XLA flags of the
+decode_flags variants are parsed by this machine's jaxlib (the ninth run lost a call to a value
+XLA refuses); a flag name that only the GPU image's newer jaxlib knows is listed in
+NEWER_XLA_FLAGS (checked with scripts/gpu_jax_check.sh's venv)."""
 import argparse
 import importlib
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -33,7 +35,7 @@ def stage_names() -> list:
 def dry_run(stages, **env) -> list:
     """(stage name, limit, argv) of each command DRY_RUN=1 prints for `stages`."""
     run_env = {k: v for k, v in os.environ.items()
-               if k not in ("DECODE_ATTENTION", "BUNDLE", "OUT")}
+               if k not in ("DECODE_ATTENTION", "BUNDLE", "OUT", "XLA_FLAGS")}
     run_env.update(DRY_RUN="1", **env)
     proc = subprocess.run(["bash", str(SCRIPT), *stages], capture_output=True, text=True,
                           env=run_env, cwd=ROOT, timeout=60)
@@ -119,9 +121,11 @@ def test_every_stage_has_commands_that_parse(monkeypatch, capsys):
 
 def test_stage_variables_change_the_commands(monkeypatch):
     """The environment knobs the next GPU calls use (DECODE_ATTENTION, FUSED_BATCHES,
-    SHRINK_BATCHES, TAIL_MODES, ROWS_BATCHES, MOSAIC_ROWS, SUITE_TESTS, SUITE_WORKERS) reach the
+    SHRINK_BATCHES, TAIL_MODES, ROWS_BATCHES, MOSAIC_ROWS, SUITE_TESTS, SUITE_WORKERS,
+    PROFILE_TAIL_BATCH) reach the
     commands, and what they make still parses."""
-    commands = dry_run(["decode_fused", "shrink_ab", "longtail_shrink", "decode_rows", "suite"],
+    commands = dry_run(["decode_fused", "shrink_ab", "longtail_shrink", "decode_rows", "suite",
+                        "profile_longtail"], PROFILE_TAIL_BATCH="256",
                        DECODE_ATTENTION="mosaic_fused", FUSED_BATCHES="64 256",
                        SHRINK_BATCHES="256", TAIL_MODES="continuous static static_shrunk",
                        ROWS_BATCHES="64", MOSAIC_ROWS="1 4",
@@ -145,6 +149,8 @@ def test_stage_variables_change_the_commands(monkeypatch):
     # the workers where python3 has pytest-xdist, else one process
     assert "-n" not in suite or suite[suite.index("-n") + 1] == "4"
     assert suite[-2:] == ["tests/test_paged_decode.py", "tests/test_sampling.py"]
+    tail = by_name["profile_longtail"]
+    assert tail[tail.index("--batch") + 1:][:2] == ["256", "--prompt-len"]
     for _, _, argv in commands:
         check_command(argv, monkeypatch)
 
@@ -166,3 +172,61 @@ def test_a_stale_flag_is_caught(monkeypatch):
     # and the real arguments pass
     assert check_command(["python3", "benchmarks/lm_head_logprob.py", "--tokens", "8"],
                          monkeypatch) == "benchmark"
+
+
+# Flags of the decode_flags variants that the GPU image's jaxlib (0.11.2) takes and older ones do
+# not know (checked 2026-11-27 with scripts/gpu_jax_check.sh's .venv-gpujax: every variant parses
+# there). Only a name listed here may be unknown to this machine's jaxlib, and only if that
+# jaxlib is older than the image's.
+GPU_IMAGE_JAXLIB = (0, 11, 2)
+NEWER_XLA_FLAGS = {"xla_gpu_enable_pdl_launch"}
+
+
+def decode_flag_variants() -> list:
+    """The variant names of gpu_bench.sh's decode_flags case."""
+    return re.findall(r"^ {10}([a-z_]+)\) flags=", SCRIPT.read_text(), flags=re.M)
+
+
+def xla_flags_refusal(xla_flags: str) -> str:
+    """"" if this machine's jaxlib starts a backend under XLA_FLAGS=xla_flags, else its
+    complaint (the log line naming the flag or value)."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.ones(2).block_until_ready()"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    if proc.returncode == 0:
+        return ""
+    lines = [l for l in proc.stderr.splitlines() if re.search(r"Unknown flag|Illegal value", l)]
+    return lines[0] if lines else proc.stderr[-2000:]
+
+
+def test_decode_flag_variants_xla_flags_parse():
+    """Every decode_flags variant's XLA_FLAGS, as the DRY_RUN command line sets them, is taken by
+    XLA's flag parser: no illegal value, and no unknown name except the listed newer ones."""
+    variants = decode_flag_variants()
+    assert {"base", "graph_while", "pdl_on", "no_splitk"} <= set(variants)
+    commands = dry_run(["decode_flags"], DECODE_FLAG_VARIANTS=" ".join(variants))
+    assert [name for name, _, _ in commands] == [f"decode_flags_{v}" for v in variants]
+    older = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:3]) \
+        < GPU_IMAGE_JAXLIB
+    flag_sets = {}
+    for name, _, argv in commands:
+        sets = [a.split("=", 1)[1] for a in argv if a.startswith("XLA_FLAGS=")]
+        if sets:
+            flag_sets[name] = sets[0]
+    assert len(flag_sets) == len(variants) - 1  # all but base set flags
+    refused = {}
+    for name, flags in flag_sets.items():
+        complaint = xla_flags_refusal(flags)
+        unknown = re.search(r"Unknown flag in XLA_FLAGS: --(\w+)", complaint)
+        if complaint and not (older and unknown and unknown.group(1) in NEWER_XLA_FLAGS):
+            refused[name] = complaint
+    assert not refused, refused
+
+
+def test_a_refused_xla_flag_is_caught():
+    """Positive control: the value the ninth GPU run's graph_while variant had, and an unknown
+    flag name, are reported; a good value is not."""
+    assert "Illegal value" in xla_flags_refusal(
+        "--xla_gpu_enable_command_buffer=FUSION,DYNAMIC_SLICE_COPY_FUSION")
+    assert "Unknown flag" in xla_flags_refusal("--xla_gpu_no_such_flag=true")
+    assert xla_flags_refusal("--xla_gpu_enable_command_buffer=FUSION,WHILE") == ""
