@@ -8,9 +8,11 @@ changed).
 
 Variants: continuous batching with each --refill-queue value (Sampler(refill_queue=); -1 = the
 Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
-(Sampler(decode_steps_per_call=), default 32), and static batching with --static
+(Sampler(decode_steps_per_call=), default 32) with each --decode-attention value
+(Sampler(decode_attention=), e.g. "mosaic mosaic_fused"), and static batching with --static
 (Sampler(continuous=False, shrink_batch=False), decode_throughput's baseline), and with
---unshrunk continuous batching without shrink_batch (every decode call over all slots).
+--unshrunk continuous batching without shrink_batch (every decode call over all slots), these two
+with the first --decode-attention value.
 Workload: --samples prompts (default 4 x --batch) of --prompt-len random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
 generate() per variant first (compiles; the compiled memory analysis of the programs it runs
@@ -49,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--tail-mean-div", type=float, default=8.0)
     p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--decode-attention", default="auto")
+    p.add_argument("--decode-attention", nargs="+", default=["auto"],
+                   help="rollout.decode_attention values, each a variant of continuous batching")
     p.add_argument("--refill-queue", type=int, nargs="+", default=[0, -1],
                    help="continuous-batching variants' Sampler(refill_queue=) (-1: default)")
     p.add_argument("--steps-per-call", type=int, nargs="+", default=[32],
@@ -82,15 +85,19 @@ def main(argv=None):
     lengths = decode_throughput.longtail_lengths(wl, count)
     kwargs = decode_throughput.generate_kwargs(wl, lengths)
     common = dict(max_batch_size=args.batch, page_size=args.page_size,
-                  decode_attention=args.decode_attention)
+                  decode_attention=args.decode_attention[0])
     variants = {}
-    for steps in args.steps_per_call:
-        for q in args.refill_queue:
-            name = f"continuous, refill_queue {'default' if q < 0 else q}"
-            if len(args.steps_per_call) > 1:
-                name += f", {steps} steps a call"
-            variants[name] = Sampler(model, refill_queue=None if q < 0 else q,
-                                     decode_steps_per_call=steps, **common)
+    for attention in args.decode_attention:
+        for steps in args.steps_per_call:
+            for q in args.refill_queue:
+                name = f"continuous, refill_queue {'default' if q < 0 else q}"
+                if len(args.steps_per_call) > 1:
+                    name += f", {steps} steps a call"
+                if len(args.decode_attention) > 1:
+                    name += f", {attention}"
+                variants[name] = Sampler(model, refill_queue=None if q < 0 else q,
+                                         decode_steps_per_call=steps,
+                                         **dict(common, decode_attention=attention))
     if args.unshrunk:
         variants["continuous, refill_queue default, shrink_batch off"] = Sampler(
             model, shrink_batch=False, decode_steps_per_call=args.steps_per_call[0], **common)
@@ -124,7 +131,8 @@ def main(argv=None):
         seconds = [s["seconds"] for s in stats]
         outside = [s["seconds"] - s["decode_seconds"] - s["prefill_seconds"] for s in stats]
         tokens = stats[0]["generated_tokens"]
-        rows.append({"variant": name, "refill_queue": variants[name].refill_queue,
+        rows.append({"variant": name, "decode_attention": variants[name].decode_attention,
+                     "refill_queue": variants[name].refill_queue,
                      "steps_per_call": variants[name].decode_steps_per_call,
                      "shrink_batch": variants[name].shrink_batch,
                      "decode_rows": stats[0]["decode_rows"],

@@ -38,6 +38,8 @@
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
 #   bash scripts/gpu_bench.sh longtail_ab        # batch 64: staging / none / static interleaved (#15)
 #   bash scripts/gpu_bench.sh shrink_ab          # batch 256, 64: shrink_batch / not / static interleaved (#15)
+#   bash scripts/gpu_bench.sh shrink_splitk      # batch 256: shrink_batch / not, XLA GEMMs without split-K (#15)
+#   bash scripts/gpu_bench.sh fused_tail         # batch 64, 256: long tail, mosaic / mosaic_fused interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
 #   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
 #                                                # page reader (the default "auto" is Mosaic on Hopper)
@@ -223,6 +225,29 @@ for s in "$@"; do
           --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
           --decode-attention "$DECODE" --refill-queue -1 --unshrunk --static --repeats 2 \
           --out "$OUT/sampler_ab_shrink_$b$SUFFIX.json"
+      done ;;
+    shrink_splitk)  # issue 15: shrink_batch's tokens against every call over all slots with XLA's
+                    # GEMMs held to one split of the contraction at every row count (ninth run,
+                    # H100: 89 of 1,024 samples differed at 256 with the default flags, shrinking
+                    # 9.9% faster); is split-K by row count the cause, and what does holding it
+                    # cost? Interleaved in one process per batch (SHRINK_BATCHES), no static.
+      for b in ${SHRINK_BATCHES:-256}; do
+        stage "shrink_splitk_$b" 300 env XLA_FLAGS="$(echo ${XLA_FLAGS:-} \
+          --xla_gpu_experimental_force_split_k=1)" python3 benchmarks/sampler_ab.py \
+          --preset qwen3-0.6b --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-queue -1 --unshrunk --repeats 2 \
+          --out "$OUT/sampler_ab_shrink_splitk_$b$SUFFIX.json"
+      done ;;
+    fused_tail)  # issue 15: the long tail with the fused Mosaic step against the unfused one,
+                 # interleaved (FUSED_TAIL_BATCHES, default "64 256"). Why: on the ninth run (H100)
+                 # the fused step gained 1.5% at batch 64 with fixed lengths, inside the spread,
+                 # but the long tail's drained steps (8-32 rows, ~450 of 1,024 at 64 slots) are
+                 # mostly kernels' fixed costs, of which it removes four a layer.
+      for b in ${FUSED_TAIL_BATCHES:-64 256}; do
+        stage "fused_tail_$b" 300 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention mosaic mosaic_fused --refill-queue -1 --repeats 2 \
+          --out "$OUT/sampler_ab_fused_tail_$b.json"
       done ;;
     longtail_steps)  # issue 15: the batch-64 long tail (256 and 768 samples) with samples staged
                      # at 32 (the default) and 64 decode steps a call, 16 (the default, slots //

@@ -199,13 +199,16 @@ def xla_flags_refusal(xla_flags: str) -> str:
     return lines[0] if lines else proc.stderr[-2000:]
 
 
-def test_decode_flag_variants_xla_flags_parse():
-    """Every decode_flags variant's XLA_FLAGS, as the DRY_RUN command line sets them, is taken by
-    XLA's flag parser: no illegal value, and no unknown name except the listed newer ones."""
+def test_every_stages_xla_flags_parse():
+    """Every XLA_FLAGS a stage's DRY_RUN command line sets (each decode_flags variant, and the
+    other stages' own) is taken by XLA's flag parser: no illegal value, and no unknown name
+    except the listed newer ones."""
     variants = decode_flag_variants()
     assert {"base", "graph_while", "pdl_on", "no_splitk"} <= set(variants)
     commands = dry_run(["decode_flags"], DECODE_FLAG_VARIANTS=" ".join(variants))
     assert [name for name, _, _ in commands] == [f"decode_flags_{v}" for v in variants]
+    commands += [c for stage in stage_names() if stage != "decode_flags"
+                 for c in dry_run([stage])]
     older = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:3]) \
         < GPU_IMAGE_JAXLIB
     flag_sets = {}
@@ -213,7 +216,9 @@ def test_decode_flag_variants_xla_flags_parse():
         sets = [a.split("=", 1)[1] for a in argv if a.startswith("XLA_FLAGS=")]
         if sets:
             flag_sets[name] = sets[0]
-    assert len(flag_sets) == len(variants) - 1  # all but base set flags
+    # all decode_flags variants but base set flags, and so does shrink_splitk
+    assert {f"decode_flags_{v}" for v in variants if v != "base"} | {"shrink_splitk_256"} \
+        <= set(flag_sets)
     refused = {}
     for name, flags in flag_sets.items():
         complaint = xla_flags_refusal(flags)

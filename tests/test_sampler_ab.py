@@ -36,3 +36,17 @@ def test_variants_interleave_and_agree(tmp_path):
     assert len(record["results"]) == 6
     # interleaved: each repeat runs every variant once, in turn
     assert record["run_order"] == [r["variant"] for r in rows] * 2
+
+
+def test_each_decode_attention_is_a_variant(tmp_path):
+    """--decode-attention with two values: the continuous variants once per value (the Sampler
+    built with it), the unshrunk one with the first; on the CPU both resolve to the jnp page
+    reader, so the tokens agree."""
+    rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "16",
+                       "--refill-queue", "-1", "--decode-attention", "auto", "reference",
+                       "--unshrunk", "--repeats", "1", "--out", str(tmp_path / "ab.json")])
+    assert [r["variant"] for r in rows] == [
+        "continuous, refill_queue default, auto", "continuous, refill_queue default, reference",
+        "continuous, refill_queue default, shrink_batch off"]
+    assert [r["decode_attention"] for r in rows] == ["auto", "reference", "auto"]
+    assert [r["samples_differing"] for r in rows] == [0, 0, 0]
