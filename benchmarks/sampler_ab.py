@@ -19,7 +19,9 @@ generate() per variant first (compiles; the compiled memory analysis of the prog
 is printed and stored). Reported per variant: decode calls and steps, samples
 started from the queue, useful tokens/s (generated / generate() wall time) best and median of
 --repeats, the median time outside decode and prefill calls (the host's share while the
-device idles), and how many samples' tokens differ from the first variant's. The engine's tokens
+device idles), and how many samples' tokens differ from the first variant's (with the index of
+each one's first differing token: late, isolated first differences point at rounding near-ties
+rather than a scheduling fault). The engine's tokens
 do not depend on scheduling on the CPU (tests/test_sampling.py), so there every count is 0; a GPU
 may round differently shaped programs (prefill batches of other sizes) differently, which this
 reports rather than stops on (one H200, 2026-11-26, bf16 Qwen3-0.6B shape, 768 samples: 0 in all
@@ -72,6 +74,13 @@ def parse_args(argv=None):
     return args
 
 
+def first_differences(tokens, reference) -> list:
+    """For each sample whose token ids differ from the reference's (lists of ids, same lengths),
+    the index of the first response token that differs."""
+    return [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            for a, b in zip(tokens, reference) if list(a) != list(b)]
+
+
 def main(argv=None):
     xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
     args = parse_args(argv)
@@ -116,10 +125,12 @@ def main(argv=None):
         reference = reference or tokens
         if [len(t) for t in tokens] != [len(t) for t in reference]:
             raise RuntimeError(f"{name}: response lengths differ from {first}'s (they are forced)")
-        differing[name] = sum(a != b for a, b in zip(tokens, reference))
-        if differing[name]:
-            print(f"{name}: {differing[name]} of {count} samples' tokens differ from {first}'s",
-                  flush=True)
+        firsts = first_differences(tokens, reference)
+        differing[name] = (len(firsts), firsts)
+        if firsts:
+            print(f"{name}: {len(firsts)} of {count} samples' tokens differ from {first}'s "
+                  f"(first differing response token: min {min(firsts)}, median "
+                  f"{statistics.median(firsts):g})", flush=True)
     order = []  # the timed runs as they ran: each repeat runs every variant once, in turn
     for repeat in range(args.repeats):
         for name, sampler in variants.items():
@@ -142,7 +153,8 @@ def main(argv=None):
                      "tokens_per_s_best": tokens / min(seconds),
                      "tokens_per_s_median": tokens / statistics.median(seconds),
                      "outside_calls_s_median": statistics.median(outside), "seconds": seconds,
-                     "samples_differing": differing[name],
+                     "samples_differing": differing[name][0],
+                     "first_differences": differing[name][1],
                      "compiled_memory": memory[name]})
     timing.write_json(args.out, {"results": rows, "run_order": order}, args=args)
     timing.print_table(

@@ -30,6 +30,7 @@ def test_variants_interleave_and_agree(tmp_path):
         assert short["decode_calls"] > long["decode_calls"]
     assert len({r["generated_tokens"] for r in rows}) == 1
     assert [r["samples_differing"] for r in rows] == [0] * 6  # the CPU: scheduling changes nothing
+    assert all(r["first_differences"] == [] for r in rows)
     assert all(len(r["seconds"]) == 2 and r["tokens_per_s_best"] > 0 for r in rows)
     assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0 for r in rows)
     record = json.loads(out.read_text())
@@ -50,3 +51,10 @@ def test_each_decode_attention_is_a_variant(tmp_path):
         "continuous, refill_queue default, shrink_batch off"]
     assert [r["decode_attention"] for r in rows] == ["auto", "reference", "auto"]
     assert [r["samples_differing"] for r in rows] == [0, 0, 0]
+
+
+def test_first_differences():
+    """The index of each differing sample's first differing token; equal samples are left out."""
+    assert bench.first_differences([[1, 2, 3], [4, 5], [7, 8, 9]],
+                                   [[1, 2, 3], [4, 6], [0, 8, 9]]) == [1, 0]
+    assert bench.first_differences([[1]], [[1]]) == []

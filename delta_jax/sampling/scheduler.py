@@ -147,10 +147,10 @@ class Sampler:
       tail of a generate(), where the last long samples run alone, a static batch draining and
       slots left free for want of pages do not pay for empty slots: their rows would go through
       every matmul, norm and sampling draw of a step. Default True; False runs every call on all
-      slots (the static baseline of the benchmarks). The same tokens on the CPU; on a GPU the
-      matmuls round a row differently at another row count, so near-ties can draw other
-      tokens (89 of 1,024 long-tailed samples on an H100, 2026-11-27: BENCHMARKS.md "Ninth GPU
-      run"); False keeps a GPU's tokens independent of the refill order.
+      slots (the static baseline of the benchmarks). The same tokens on the CPU; on a GPU some
+      differ (89 of 1,024 long-tailed samples on an H100, 2026-11-27: BENCHMARKS.md "Ninth GPU
+      run"; presumably the matmuls rounding a row differently at another row count), and False
+      keeps them independent of the refill order.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,

@@ -168,7 +168,7 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.decode_attention = "auto"
     # Decode calls run only the rows the live samples need (the smallest power of two of rows,
     # >= 8, that holds them, when fewer than the slots; Sampler shrink_batch): ~10% faster on
-    # an H100's long tail; same tokens on the CPU, on a GPU near-ties can round to others.
+    # an H100's long tail; same tokens on the CPU, some differ on a GPU (README).
     c.rollout.shrink_batch = True
 
     c.rewards = config_dict.ConfigDict()
