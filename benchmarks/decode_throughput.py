@@ -416,6 +416,24 @@ def profile_generate(sampler: Sampler, prompts, args, label: str, max_new_tokens
             "kernels": every[:80]}  # more than printed: hlo_fusions.py joins them with the HLO
 
 
+def longtail_read_bytes(cfg: models.ModelConfig, lengths, prompt_len: int, steps: int) -> float:
+    """Bytes a long-tailed run must read in its decode steps: the parameters once a step (as
+    param_bytes) and, for each response token t (0-based) of each sample, K and V of
+    prompt_len + t cached tokens (as the fixed workload's steps), whatever the schedule."""
+    n = np.asarray(lengths, np.float64)
+    cached = float(np.sum(n * prompt_len + n * (n - 1) / 2))
+    return steps * param_bytes(cfg) + cache_bytes(cfg, 1, cached)
+
+
+def prefill_flops(cfg: models.ModelConfig, prompts: int, prompt_len: int) -> float:
+    """FLOPs of prefilling `prompts` prompts: the forward of every token but the last (its KV
+    comes from the first decode step), no LM head; train_throughput.model_flops' dense and
+    causal attention terms, which count forward + backward as 3 forwards."""
+    from train_throughput import model_flops  # a sibling benchmark, on sys.path with this one
+    flops = model_flops(cfg, prompts, prompt_len - 1, 0)
+    return (flops["dense"] + flops["attention"]) / 3
+
+
 def longtail_lengths(args, count: int) -> list:
     """Geometric lengths of mean new_tokens / tail_mean_div, clipped to [1, new_tokens]."""
     rng = np.random.default_rng(1)
@@ -425,7 +443,11 @@ def longtail_lengths(args, count: int) -> list:
     return [int(x) for x in lengths]
 
 
-def longtail_workload(model, batch: int, impl: str, args) -> dict:
+def longtail_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict:
+    """Each --tail-modes run's useful tokens/s; beside it, its decode calls' time against the
+    bytes the run must read at the copy bandwidth (longtail_read_bytes: the limit of a
+    bandwidth-bound decode with these lengths and the run's decode steps), and its prefill
+    calls' FLOP rate."""
     count = args.tail_samples or 4 * batch
     prompts = random_prompts(model.cfg, count, args.prompt_len, seed=2)
     lengths = longtail_lengths(args, count)
@@ -438,8 +460,14 @@ def longtail_workload(model, batch: int, impl: str, args) -> dict:
         if stats["generated_tokens"] != sum(lengths):
             raise RuntimeError(f"{mode}: generated {stats['generated_tokens']} tokens, "
                                f"expected {sum(lengths)}")
+        ideal = longtail_read_bytes(model.cfg, lengths, args.prompt_len, stats["decode_steps"])
         out[mode] = {"useful_tokens_per_s": stats["generated_tokens"] / stats["seconds"],
                      "continuous": sampler.continuous, "shrink_batch": sampler.shrink_batch,
+                     "decode_read_ideal_gb": ideal / 1e9,
+                     "decode_fraction_of_limit": ideal / bandwidth / stats["decode_seconds"],
+                     "prefill_tflop_s": prefill_flops(model.cfg, stats["prefilled_prompts"],
+                                                      args.prompt_len)
+                     / stats["prefill_seconds"] / 1e12,
                      "stats": stats}
         if continuous:
             out["refill_after"] = sampler.refill_after
@@ -513,7 +541,8 @@ def main(argv=None):
             if "longtail" in args.workload:
                 print(f"longtail: batch {batch}, {impl}", flush=True)
                 with mosaic_parameters(mosaic_kwargs(args)):
-                    row["longtail"] = attempt(longtail_workload, model, batch, impl, args)
+                    row["longtail"] = attempt(longtail_workload, model, batch, impl, args,
+                                              bandwidth)
             results.append(row)
             write_results(args, results)  # after every configuration
 
@@ -547,14 +576,21 @@ def print_table(results):
         else:
             cells += ["error" if t else "-"] + ["-"] * 4
         print(" | ".join(f"{c:>15}" for c in cells))
-        for mode in [m for m in t if m in TAIL_MODES and m not in ("continuous", "static")]:
-            print(f"    tail {mode}: {t[mode]['useful_tokens_per_s']:.1f} tok/s, x static "
-                  f"{t[mode]['useful_tokens_per_s'] / t['static']['useful_tokens_per_s']:.2f}, "
-                  f"{t[mode]['stats']['decode_rows']:.1f} rows a step")
+        for mode in [m for m in t if m in TAIL_MODES]:
+            m, st = t[mode], t[mode]["stats"]
+            print(f"    tail {mode}: {m['useful_tokens_per_s']:.1f} tok/s, x static "
+                  f"{m['useful_tokens_per_s'] / t['static']['useful_tokens_per_s']:.2f}, "
+                  f"{st['decode_rows']:.1f} rows a step; decode {st['decode_seconds']:.3f} s = "
+                  f"{100 * m['decode_fraction_of_limit']:.1f}% of its read limit "
+                  f"({m['decode_read_ideal_gb']:.3g} GB); prefill {st['prefill_seconds']:.3f} s "
+                  f"at {m['prefill_tflop_s']:.3g} TFLOP/s; outside calls "
+                  f"{st['seconds'] - st['decode_seconds'] - st['prefill_seconds']:.3f} s")
     print("decode tok/s = generated / time in decode calls (fixed lengths, no stop); limit = B x "
           "copy bandwidth / (params + K/V at the live length); tail = long-tailed length "
           "schedule, useful tok/s = generated / generate() wall time, continuous vs static "
-          "batching; util = slot utilization; prefills = prefill calls, continuous / static")
+          "batching; util = slot utilization; prefills = prefill calls, continuous / static; "
+          "a tail run's read limit = (params x decode steps + K/V of each response token's "
+          "cached length) / copy bandwidth")
 
 
 def write_results(args, results):

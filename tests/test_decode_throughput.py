@@ -115,5 +115,30 @@ def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
     assert tail["static"]["stats"]["decode_rows"] == 16 and "static_shrunk_vs_static" in tail
     assert tail["static_shrunk"]["stats"]["decode_rows"] < 16
     assert tail["static_shrunk"]["stats"]["decode_steps"] == tail["static"]["stats"]["decode_steps"]
+    for mode in ("continuous", "static", "static_shrunk"):  # the read limit and prefill rate
+        m = tail[mode]
+        assert m["decode_fraction_of_limit"] > 0 and m["prefill_tflop_s"] > 0
+        assert m["decode_read_ideal_gb"] * 1e9 == pytest.approx(bench.longtail_read_bytes(
+            bench.model_config(bench.parse_args(["--preset", "tiny"])),
+            bench.longtail_lengths(bench.parse_args(["--new-tokens", "16"]), tail["samples"]),
+            16, m["stats"]["decode_steps"]))
     with pytest.raises(SystemExit):
         bench.parse_args(["--tail-modes", "continuous"])  # no baseline
+
+
+def test_longtail_read_bytes_and_prefill_flops_known_answers():
+    """The long tail's read limit and the prefill's FLOPs, against sums written out here: a
+    sample of n response tokens after a P-token prompt reads K / V of P, P + 1, ..., P + n - 1
+    tokens; the prefill forward of P - 1 tokens a prompt is 2 FLOPs per non-embedding parameter
+    and token plus causal attention's 2 x L x N x D x (P - 1)^2."""
+    from delta_jax import models
+    cfg = models.get_preset("tiny")
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    lengths, P, steps = [3, 1, 2], 10, 4
+    cached = (10 + 11 + 12) + 10 + (10 + 11)
+    assert bench.longtail_read_bytes(cfg, lengths, P, steps) == (
+        steps * bench.param_bytes(cfg) + cached * kv_token)
+    tokens = 5 * (P - 1)
+    expected = (2 * cfg.num_params(include_embeddings=False) * tokens
+                + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (P - 1) ** 2 * 5)
+    assert bench.prefill_flops(cfg, 5, P) == pytest.approx(expected)
