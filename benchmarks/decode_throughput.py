@@ -373,14 +373,14 @@ def fixed_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict
         raise RuntimeError(f"generated {stats['generated_tokens']} tokens, expected {expected}")
     profile = profile_generate(sampler, prompts, args, f"fixed_b{batch}_{impl}") \
         if args.profile else None
-    # Step s (0-based) attends prompt_len + s cached tokens.
-    live = float(np.mean(args.prompt_len + np.arange(args.new_tokens)))
-    step_bytes = param_bytes(cfg) + cache_bytes(cfg, batch, live)
+    # A step's bytes: the whole run's (every sample new_tokens long) over its new_tokens steps.
+    step_bytes = decode_read_bytes(cfg, [args.new_tokens] * batch, args.prompt_len,
+                                   args.new_tokens) / args.new_tokens
     out = {
         "decode_tokens_per_s": stats["generated_tokens"] / stats["decode_seconds"],
         "bandwidth_limit_tokens_per_s": batch * bandwidth / step_bytes,
         "step_read_ideal_gb": step_bytes / 1e9,
-        "cache_read_ideal_gb": cache_bytes(cfg, batch, live) / 1e9,
+        "cache_read_ideal_gb": (step_bytes - param_bytes(cfg)) / 1e9,
         "stats": stats,
     }
     out["fraction_of_limit"] = out["decode_tokens_per_s"] / out["bandwidth_limit_tokens_per_s"]
@@ -416,10 +416,11 @@ def profile_generate(sampler: Sampler, prompts, args, label: str, max_new_tokens
             "kernels": every[:80]}  # more than printed: hlo_fusions.py joins them with the HLO
 
 
-def longtail_read_bytes(cfg: models.ModelConfig, lengths, prompt_len: int, steps: int) -> float:
-    """Bytes a long-tailed run must read in its decode steps: the parameters once a step (as
-    param_bytes) and, for each response token t (0-based) of each sample, K and V of
-    prompt_len + t cached tokens (as the fixed workload's steps), whatever the schedule."""
+def decode_read_bytes(cfg: models.ModelConfig, lengths, prompt_len: int, steps: int) -> float:
+    """Bytes a run of samples of `lengths` response tokens must read in its `steps` decode
+    steps: the parameters once a step (param_bytes) and, for each response token t (0-based) of
+    each sample, K and V of prompt_len + t cached tokens, whatever the schedule. The fixed
+    workload's per-step bytes and the long tail's read limit."""
     n = np.asarray(lengths, np.float64)
     cached = float(np.sum(n * prompt_len + n * (n - 1) / 2))
     return steps * param_bytes(cfg) + cache_bytes(cfg, 1, cached)
@@ -445,7 +446,7 @@ def longtail_lengths(args, count: int) -> list:
 
 def longtail_workload(model, batch: int, impl: str, args, bandwidth: float) -> dict:
     """Each --tail-modes run's useful tokens/s; beside it, its decode calls' time against the
-    bytes the run must read at the copy bandwidth (longtail_read_bytes: the limit of a
+    bytes the run must read at the copy bandwidth (decode_read_bytes: the limit of a
     bandwidth-bound decode with these lengths and the run's decode steps), and its prefill
     calls' FLOP rate."""
     count = args.tail_samples or 4 * batch
@@ -460,7 +461,7 @@ def longtail_workload(model, batch: int, impl: str, args, bandwidth: float) -> d
         if stats["generated_tokens"] != sum(lengths):
             raise RuntimeError(f"{mode}: generated {stats['generated_tokens']} tokens, "
                                f"expected {sum(lengths)}")
-        ideal = longtail_read_bytes(model.cfg, lengths, args.prompt_len, stats["decode_steps"])
+        ideal = decode_read_bytes(model.cfg, lengths, args.prompt_len, stats["decode_steps"])
         out[mode] = {"useful_tokens_per_s": stats["generated_tokens"] / stats["seconds"],
                      "continuous": sampler.continuous, "shrink_batch": sampler.shrink_batch,
                      "decode_read_ideal_gb": ideal / 1e9,

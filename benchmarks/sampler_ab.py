@@ -125,8 +125,7 @@ def main(argv=None):
         reference = reference or tokens
         if [len(t) for t in tokens] != [len(t) for t in reference]:
             raise RuntimeError(f"{name}: response lengths differ from {first}'s (they are forced)")
-        firsts = first_differences(tokens, reference)
-        differing[name] = (len(firsts), firsts)
+        differing[name] = firsts = first_differences(tokens, reference)
         if firsts:
             print(f"{name}: {len(firsts)} of {count} samples' tokens differ from {first}'s "
                   f"(first differing response token: min {min(firsts)}, median "
@@ -153,8 +152,8 @@ def main(argv=None):
                      "tokens_per_s_best": tokens / min(seconds),
                      "tokens_per_s_median": tokens / statistics.median(seconds),
                      "outside_calls_s_median": statistics.median(outside), "seconds": seconds,
-                     "samples_differing": differing[name][0],
-                     "first_differences": differing[name][1],
+                     "samples_differing": len(differing[name]),
+                     "first_differences": differing[name],
                      "compiled_memory": memory[name]})
     timing.write_json(args.out, {"results": rows, "run_order": order}, args=args)
     timing.print_table(

@@ -99,6 +99,13 @@ def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
     assert row["fixed"]["decode_tokens_per_s"] > 0
     assert row["fused_write"] is False  # tiny's 32-wide heads: no Mosaic kernel on any device
     assert row["fixed"]["stats"]["generated_tokens"] == 16 * 16
+    # a fixed step's bytes: the parameters + K / V of 16 rows at the mean cached length of steps
+    # 0..15 (16 + s tokens at step s)
+    kv_token = 2 * 2 * 2 * 32 * 2  # tiny: K and V, 2 layers x 2 KV heads x 32 wide, bfloat16
+    tiny = bench.model_config(bench.parse_args(["--preset", "tiny"]))
+    assert (tiny.num_layers, tiny.num_kv_heads, tiny.head_dim) == (2, 2, 32)
+    assert row["fixed"]["step_read_ideal_gb"] * 1e9 == pytest.approx(
+        bench.param_bytes(tiny) + 16 * (16 + 7.5) * kv_token)
     tail = row["longtail"]
     for mode in ("continuous", "static"):
         stats = tail[mode]["stats"]
@@ -118,7 +125,7 @@ def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
     for mode in ("continuous", "static", "static_shrunk"):  # the read limit and prefill rate
         m = tail[mode]
         assert m["decode_fraction_of_limit"] > 0 and m["prefill_tflop_s"] > 0
-        assert m["decode_read_ideal_gb"] * 1e9 == pytest.approx(bench.longtail_read_bytes(
+        assert m["decode_read_ideal_gb"] * 1e9 == pytest.approx(bench.decode_read_bytes(
             bench.model_config(bench.parse_args(["--preset", "tiny"])),
             bench.longtail_lengths(bench.parse_args(["--new-tokens", "16"]), tail["samples"]),
             16, m["stats"]["decode_steps"]))
@@ -126,7 +133,7 @@ def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
         bench.parse_args(["--tail-modes", "continuous"])  # no baseline
 
 
-def test_longtail_read_bytes_and_prefill_flops_known_answers():
+def test_decode_read_bytes_and_prefill_flops_known_answers():
     """The long tail's read limit and the prefill's FLOPs, against sums written out here: a
     sample of n response tokens after a P-token prompt reads K / V of P, P + 1, ..., P + n - 1
     tokens; the prefill forward of P - 1 tokens a prompt is 2 FLOPs per non-embedding parameter
@@ -136,7 +143,7 @@ def test_longtail_read_bytes_and_prefill_flops_known_answers():
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     lengths, P, steps = [3, 1, 2], 10, 4
     cached = (10 + 11 + 12) + 10 + (10 + 11)
-    assert bench.longtail_read_bytes(cfg, lengths, P, steps) == (
+    assert bench.decode_read_bytes(cfg, lengths, P, steps) == (
         steps * bench.param_bytes(cfg) + cached * kv_token)
     tokens = 5 * (P - 1)
     expected = (2 * cfg.num_params(include_embeddings=False) * tokens

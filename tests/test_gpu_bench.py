@@ -1,9 +1,9 @@
 """scripts/gpu_bench.sh: every stage's command lines, printed by its DRY_RUN mode, name scripts,
 configs and test files that exist and arguments that those scripts' parsers accept, so a flag
 renamed in a benchmark (or a stage's typo) fails here on the CPU instead of in a device call,
-whose time is scarce (the eighth GPU run lost a call to the script itself). The XLA flags of the
-decode_flags variants are parsed by this machine's jaxlib (the ninth run lost a call to a value
-XLA refuses); a flag name that only the GPU image's newer jaxlib knows is listed in
+whose time is scarce (the eighth GPU run lost a call to the script itself). The XLA_FLAGS the
+stages set (each decode_flags variant's among them) are parsed by this machine's jaxlib (the
+ninth run lost a call to a value XLA refuses); a flag name that only the GPU image's newer jaxlib knows is listed in
 NEWER_XLA_FLAGS (checked with scripts/gpu_jax_check.sh's venv)."""
 import argparse
 import importlib
@@ -219,12 +219,15 @@ def test_every_stages_xla_flags_parse():
     # all decode_flags variants but base set flags, and so does shrink_splitk
     assert {f"decode_flags_{v}" for v in variants if v != "base"} | {"shrink_splitk_256"} \
         <= set(flag_sets)
-    refused = {}
+    stages_by_flags = {}  # each distinct XLA_FLAGS parsed once (no_splitk = shrink_splitk's)
     for name, flags in flag_sets.items():
+        stages_by_flags.setdefault(flags, []).append(name)
+    refused = {}
+    for flags, names in stages_by_flags.items():
         complaint = xla_flags_refusal(flags)
         unknown = re.search(r"Unknown flag in XLA_FLAGS: --(\w+)", complaint)
         if complaint and not (older and unknown and unknown.group(1) in NEWER_XLA_FLAGS):
-            refused[name] = complaint
+            refused[", ".join(names)] = complaint
     assert not refused, refused
 
 
