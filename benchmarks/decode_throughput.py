@@ -146,6 +146,9 @@ def parse_args(argv=None):
     p.add_argument("--no-prefill-ahead", action="store_true",
                    help="continuous batching prefills only the prompts it admits (one prefill "
                         "call per refill; Sampler(prefill_ahead=False))")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="Sampler(batch_invariant=True): the prefill and decode programs compiled "
+                        "with XLA's GEMMs held to one summation order at every row count")
     p.add_argument("--repeats", type=int, default=2, help="timed runs (best is kept)")
     p.add_argument("--profile", default="",
                    help="trace one more generate() of each workload (and each longtail mode) "
@@ -313,7 +316,7 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True,
     return Sampler(model, max_batch_size=batch, page_size=args.page_size,
                    decode_steps_per_call=args.steps_per_call, decode_attention=impl,
                    kv_budget_bytes=budget, continuous=continuous, shrink_batch=shrink,
-                   prefill_ahead=not args.no_prefill_ahead,
+                   batch_invariant=args.batch_invariant, prefill_ahead=not args.no_prefill_ahead,
                    refill_after=args.refill_after or None,
                    refill_queue=None if args.refill_queue < 0 else args.refill_queue)
 
@@ -346,7 +349,10 @@ def timed_generate(sampler: Sampler, prompts, max_new_tokens, args) -> dict:
     return {"compile_and_first_run_s": first, **best, "compiled_memory": memory}
 
 
-SAMPLER_PROGRAMS = ("prefill", "decode", "copy_pages")  # delta_jax.sampling.programs
+# delta_jax.sampling.programs' programs, each recorded under its own name; the batch-invariant
+# twins (Sampler(batch_invariant=True) runs them instead) under their twin's
+SAMPLER_PROGRAMS = {"prefill": "prefill", "decode": "decode", "copy_pages": "copy_pages",
+                    "batch_invariant_prefill": "prefill", "batch_invariant_decode": "decode"}
 
 
 @contextlib.contextmanager
@@ -355,7 +361,8 @@ def recording_sampler_programs(calls: dict):
     `calls` (timing.recording_first_call)."""
     saved = {name: getattr(sampling_programs, name) for name in SAMPLER_PROGRAMS}
     for name, fn in saved.items():
-        setattr(sampling_programs, name, timing.recording_first_call(fn, name, calls))
+        setattr(sampling_programs, name,
+                timing.recording_first_call(fn, SAMPLER_PROGRAMS[name], calls))
     try:
         yield calls
     finally:

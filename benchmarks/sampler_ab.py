@@ -11,18 +11,25 @@ Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
 (Sampler(decode_steps_per_call=), default 32) with each --decode-attention value
 (Sampler(decode_attention=), e.g. "mosaic mosaic_fused"), and static batching with --static
 (Sampler(continuous=False, shrink_batch=False), decode_throughput's baseline), and with
---unshrunk continuous batching without shrink_batch (every decode call over all slots), these two
-with the first --decode-attention value.
+--unshrunk continuous batching without shrink_batch (every decode call over all slots), with
+--other-batches continuous batching at other max_batch_size values (for their tokens), these
+with the first --decode-attention value; every variant once per --batch-invariant value
+(Sampler(batch_invariant=): 1 compiles the prefill and decode programs with XLA's GEMMs held to
+one summation order at every row count, sampling.programs.BATCH_INVARIANT_OPTIONS).
 Workload: --samples prompts (default 4 x --batch) of --prompt-len random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
 generate() per variant first (compiles; the compiled memory analysis of the programs it runs
 is printed and stored). Reported per variant: decode calls and steps, samples
 started from the queue, useful tokens/s (generated / generate() wall time) best and median of
 --repeats, the median time outside decode and prefill calls (the host's share while the
-device idles), and how many samples' tokens differ from the first variant's (with the index of
-each one's first differing token: late, isolated first differences point at rounding near-ties
-rather than a scheduling fault). The engine's tokens
-do not depend on scheduling on the CPU (tests/test_sampling.py), so there every count is 0; a GPU
+device idles), and how many samples' tokens differ from those of the first variant with the same
+batch_invariant value (with the index of each one's first differing token: late, isolated first
+differences point at rounding near-ties rather than a scheduling fault), and how many log-probs
+of the tokens drawn alike differ, by at most how much (any at all: the two runs' numerics
+differ, whether or not a near-tie turned it into another token). The engine's tokens
+do not depend on scheduling on the CPU (tests/test_sampling.py), so there every token count is 0
+(its log-probs may differ by float32 rounding at other row counts: 4.8e-7 at 4 rows a call
+against 8, tests/test_sampler_ab.py); a GPU
 may round differently shaped programs (prefill batches of other sizes) differently, which this
 reports rather than stops on (one H200, 2026-11-26, bf16 Qwen3-0.6B shape, 768 samples: 0 in all
 three variants). A variant that generates another number of
@@ -34,6 +41,7 @@ import argparse
 import statistics
 import sys
 
+import numpy as np
 from flax import nnx
 
 from delta_jax import models, xla_env
@@ -64,13 +72,19 @@ def parse_args(argv=None):
     p.add_argument("--unshrunk", action="store_true",
                    help="add continuous batching (refill_queue default, the first "
                         "--steps-per-call) without shrink_batch: every decode call over all slots")
+    p.add_argument("--batch-invariant", type=int, nargs="+", default=[0], choices=(0, 1),
+                   help="Sampler(batch_invariant=) values: every variant runs with each (1: the "
+                        "prefill and decode programs compiled with programs.BATCH_INVARIANT_OPTIONS)")
+    p.add_argument("--other-batches", type=int, nargs="*", default=[],
+                   help="add continuous batching (defaults) at these max_batch_size values, for "
+                        "their tokens against the first variant's (scheduling independence)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="sampler_ab.json")
     args = p.parse_args(argv)
     if (args.batch < 1 or args.samples < 0 or args.repeats < 1 or min(args.refill_queue) < -1
-            or min(args.steps_per_call) < 1):
-        p.error("--batch, --repeats and --steps-per-call must be >= 1, --samples >= 0, "
-                "--refill-queue >= -1")
+            or min(args.steps_per_call) < 1 or min(args.other_batches, default=1) < 1):
+        p.error("--batch, --other-batches, --repeats and --steps-per-call must be >= 1, "
+                "--samples >= 0, --refill-queue >= -1")
     return args
 
 
@@ -79,6 +93,22 @@ def first_differences(tokens, reference) -> list:
     the index of the first response token that differs."""
     return [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             for a, b in zip(tokens, reference) if list(a) != list(b)]
+
+
+def logprob_differences(tokens, logprobs, reference, reference_logprobs) -> dict:
+    """The log-probs of the tokens both runs drew alike (each sample's response up to its first
+    differing token) against the reference's: how many differ at all, and the largest absolute
+    difference. Equal programs give 0 and 0.0; a nonzero count with no differing token still
+    says the two runs' numerics differ (the rounding that near-ties turn into other tokens)."""
+    count, largest, compared = 0, 0.0, 0
+    for a, b, la, lb in zip(tokens, reference, logprobs, reference_logprobs):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        diff = np.abs(np.asarray(la[:same], np.float64) - np.asarray(lb[:same], np.float64))
+        compared += same
+        count += int(np.count_nonzero(diff))
+        largest = max(largest, float(diff.max(initial=0.0)))
+    return {"tokens_compared": compared, "logprobs_differing": count,
+            "logprob_diff_max": largest}
 
 
 def main(argv=None):
@@ -93,43 +123,59 @@ def main(argv=None):
     prompts = decode_throughput.random_prompts(cfg, count, args.prompt_len, seed=2)
     lengths = decode_throughput.longtail_lengths(wl, count)
     kwargs = decode_throughput.generate_kwargs(wl, lengths)
-    common = dict(max_batch_size=args.batch, page_size=args.page_size,
-                  decode_attention=args.decode_attention[0])
     variants = {}
-    for attention in args.decode_attention:
-        for steps in args.steps_per_call:
-            for q in args.refill_queue:
-                name = f"continuous, refill_queue {'default' if q < 0 else q}"
-                if len(args.steps_per_call) > 1:
-                    name += f", {steps} steps a call"
-                if len(args.decode_attention) > 1:
-                    name += f", {attention}"
-                variants[name] = Sampler(model, refill_queue=None if q < 0 else q,
-                                         decode_steps_per_call=steps,
-                                         **dict(common, decode_attention=attention))
-    if args.unshrunk:
-        variants["continuous, refill_queue default, shrink_batch off"] = Sampler(
-            model, shrink_batch=False, decode_steps_per_call=args.steps_per_call[0], **common)
-    if args.static:
-        variants["static"] = Sampler(model, continuous=False, shrink_batch=False,
-                                     decode_steps_per_call=args.steps_per_call[0], **common)
+    for invariant in args.batch_invariant:
+        common = dict(max_batch_size=args.batch, page_size=args.page_size,
+                      decode_attention=args.decode_attention[0], batch_invariant=bool(invariant))
+        tag = ", batch_invariant" if invariant else ""
+        for attention in args.decode_attention:
+            for steps in args.steps_per_call:
+                for q in args.refill_queue:
+                    name = f"continuous, refill_queue {'default' if q < 0 else q}"
+                    if len(args.steps_per_call) > 1:
+                        name += f", {steps} steps a call"
+                    if len(args.decode_attention) > 1:
+                        name += f", {attention}"
+                    variants[name + tag] = Sampler(model, refill_queue=None if q < 0 else q,
+                                                   decode_steps_per_call=steps,
+                                                   **dict(common, decode_attention=attention))
+        if args.unshrunk:
+            variants["continuous, refill_queue default, shrink_batch off" + tag] = Sampler(
+                model, shrink_batch=False, decode_steps_per_call=args.steps_per_call[0], **common)
+        for other in args.other_batches:
+            variants[f"continuous, max_batch_size {other}" + tag] = Sampler(
+                model, decode_steps_per_call=args.steps_per_call[0],
+                **dict(common, max_batch_size=other))
+        if args.static:
+            variants["static" + tag] = Sampler(model, continuous=False, shrink_batch=False,
+                                               decode_steps_per_call=args.steps_per_call[0],
+                                               **common)
     runs = {name: [] for name in variants}
-    reference, memory, differing = None, {}, {}
-    first = next(iter(variants))
+    references, memory, differing, logprob_diffs = {}, {}, {}, {}
     for name, sampler in variants.items():  # compiles; the programs' compiled memory printed
         calls = {}
         with decode_throughput.recording_sampler_programs(calls):
-            tokens = [ids for per_prompt in sampler.generate(prompts, **kwargs).response_ids
-                      for ids in per_prompt]  # one list of token ids per sample
+            out = sampler.generate(prompts, **kwargs)
         memory[name] = timing.print_recorded_memory(calls, prefix=f"{name}: ")
-        reference = reference or tokens
-        if [len(t) for t in tokens] != [len(t) for t in reference]:
+        # one list of token ids (log-probs) per sample
+        tokens = [ids for per_prompt in out.response_ids for ids in per_prompt]
+        logprobs = [lp for per_prompt in out.logprobs for lp in per_prompt]
+        # against the first variant compiled alike (other XLA options may round otherwise)
+        first, ref_tokens, ref_logprobs = references.setdefault(
+            sampler.batch_invariant, (name, tokens, logprobs))
+        if [len(t) for t in tokens] != [len(t) for t in ref_tokens]:
             raise RuntimeError(f"{name}: response lengths differ from {first}'s (they are forced)")
-        differing[name] = firsts = first_differences(tokens, reference)
+        differing[name] = firsts = first_differences(tokens, ref_tokens)
+        logprob_diffs[name] = diffs = logprob_differences(tokens, logprobs, ref_tokens,
+                                                          ref_logprobs)
         if firsts:
             print(f"{name}: {len(firsts)} of {count} samples' tokens differ from {first}'s "
                   f"(first differing response token: min {min(firsts)}, median "
                   f"{statistics.median(firsts):g})", flush=True)
+        if diffs["logprobs_differing"]:
+            print(f"{name}: {diffs['logprobs_differing']} of the {diffs['tokens_compared']} "
+                  f"log-probs of tokens drawn alike differ from {first}'s (largest by "
+                  f"{diffs['logprob_diff_max']:.3g})", flush=True)
     order = []  # the timed runs as they ran: each repeat runs every variant once, in turn
     for repeat in range(args.repeats):
         for name, sampler in variants.items():
@@ -145,6 +191,8 @@ def main(argv=None):
                      "refill_queue": variants[name].refill_queue,
                      "steps_per_call": variants[name].decode_steps_per_call,
                      "shrink_batch": variants[name].shrink_batch,
+                     "batch_invariant": variants[name].batch_invariant,
+                     "max_batch_size": variants[name].max_batch_size,
                      "decode_rows": stats[0]["decode_rows"],
                      "decode_calls": stats[0]["decode_calls"],
                      "decode_steps": stats[0]["decode_steps"],
@@ -153,19 +201,20 @@ def main(argv=None):
                      "tokens_per_s_median": tokens / statistics.median(seconds),
                      "outside_calls_s_median": statistics.median(outside), "seconds": seconds,
                      "samples_differing": len(differing[name]),
-                     "first_differences": differing[name],
+                     "first_differences": differing[name], **logprob_diffs[name],
                      "compiled_memory": memory[name]})
     timing.write_json(args.out, {"results": rows, "run_order": order}, args=args)
     timing.print_table(
         f"Long-tailed workload, {count} samples in {args.batch} slots, {args.preset} "
         f"{args.dtype}, interleaved x {args.repeats}, on {timing.device_description()}",
-        [("variant", "variant", "50s"), ("calls", "decode_calls", "6d"),
+        [("variant", "variant", "60s"), ("calls", "decode_calls", "6d"),
          ("steps", "decode_steps", "6d"), ("rows", "decode_rows", "6.1f"),
          ("queued", "queue_refills", "7d"),
          ("tok/s best", "tokens_per_s_best", "11.0f"),
          ("tok/s median", "tokens_per_s_median", "13.0f"),
          ("outside s", "outside_calls_s_median", "10.3f"),
-         ("differ", "samples_differing", "7d")], rows)
+         ("differ", "samples_differing", "7d"),
+         ("logp differ", "logprobs_differing", "12d")], rows)
     return rows
 
 

@@ -38,7 +38,8 @@
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
 #   bash scripts/gpu_bench.sh longtail_ab        # batch 64: staging / none / static interleaved (#15)
 #   bash scripts/gpu_bench.sh shrink_ab          # batch 256, 64: shrink_batch / not / static interleaved (#15)
-#   bash scripts/gpu_bench.sh shrink_splitk      # batch 256: shrink_batch / not, XLA GEMMs without split-K (#15)
+#   bash scripts/gpu_bench.sh batch_invariant    # batch 256: shrink_batch / not / 128 slots, with and
+#                                                # without rollout.batch_invariant: tokens, cost (#15)
 #   bash scripts/gpu_bench.sh fused_tail         # batch 64, 256: long tail, mosaic / mosaic_fused interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
 #   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
@@ -226,17 +227,21 @@ for s in "$@"; do
           --decode-attention "$DECODE" --refill-queue -1 --unshrunk --static --repeats 2 \
           --out "$OUT/sampler_ab_shrink_$b$SUFFIX.json"
       done ;;
-    shrink_splitk)  # issue 15: shrink_batch's tokens against every call over all slots with XLA's
-                    # GEMMs held to one split of the contraction at every row count (ninth run,
-                    # H100: 89 of 1,024 samples differed at 256 with the default flags, shrinking
-                    # 9.9% faster); is split-K by row count the cause, and what does holding it
-                    # cost? Interleaved in one process per batch (SHRINK_BATCHES), no static.
-      for b in ${SHRINK_BATCHES:-256}; do
-        stage "shrink_splitk_$b" 300 env XLA_FLAGS="$(echo ${XLA_FLAGS:-} \
-          --xla_gpu_experimental_force_split_k=1)" python3 benchmarks/sampler_ab.py \
-          --preset qwen3-0.6b --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
-          --decode-attention "$DECODE" --refill-queue -1 --unshrunk --repeats 2 \
-          --out "$OUT/sampler_ab_shrink_splitk_$b$SUFFIX.json"
+    batch_invariant)  # issue 15: rollout.batch_invariant (Sampler(batch_invariant=True): the
+                      # prefill and decode programs compiled with XLA's GEMMs without split-K and
+                      # never cuBLAS, programs.BATCH_INVARIANT_OPTIONS) on the long tail, in one
+                      # process per batch (INVARIANT_BATCHES, default 256): continuous batching
+                      # with shrink_batch and without, each with the default options and with
+                      # batch_invariant, interleaved x 2 (the cost), and each numerics once more
+                      # at half the slots (tokens only). Ninth run (H100): with the default
+                      # options 89 of 1,024 samples differed between shrink_batch and not at 256.
+                      # Do the batch-invariant variants agree (samples and log-probs differing 0),
+                      # and what does it cost?
+      for b in ${INVARIANT_BATCHES:-256}; do
+        stage "batch_invariant_$b" 420 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-queue -1 --unshrunk --batch-invariant 0 1 \
+          --other-batches $((b / 2)) --repeats 2 --out "$OUT/sampler_ab_invariant_$b$SUFFIX.json"
       done ;;
     fused_tail)  # issue 15: the long tail with the fused Mosaic step against the unfused one,
                  # interleaved (FUSED_TAIL_BATCHES, default "64 256"). Why: on the ninth run (H100)

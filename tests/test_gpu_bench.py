@@ -122,10 +122,11 @@ def test_every_stage_has_commands_that_parse(monkeypatch, capsys):
 def test_stage_variables_change_the_commands(monkeypatch):
     """The environment knobs the next GPU calls use (DECODE_ATTENTION, FUSED_BATCHES,
     SHRINK_BATCHES, TAIL_MODES, ROWS_BATCHES, MOSAIC_ROWS, SUITE_TESTS, SUITE_WORKERS,
-    PROFILE_TAIL_BATCH) reach the
+    PROFILE_TAIL_BATCH, INVARIANT_BATCHES) reach the
     commands, and what they make still parses."""
     commands = dry_run(["decode_fused", "shrink_ab", "longtail_shrink", "decode_rows", "suite",
-                        "profile_longtail"], PROFILE_TAIL_BATCH="256",
+                        "profile_longtail", "batch_invariant"], PROFILE_TAIL_BATCH="256",
+                       INVARIANT_BATCHES="64",
                        DECODE_ATTENTION="mosaic_fused", FUSED_BATCHES="64 256",
                        SHRINK_BATCHES="256", TAIL_MODES="continuous static static_shrunk",
                        ROWS_BATCHES="64", MOSAIC_ROWS="1 4",
@@ -151,6 +152,9 @@ def test_stage_variables_change_the_commands(monkeypatch):
     assert suite[-2:] == ["tests/test_paged_decode.py", "tests/test_sampling.py"]
     tail = by_name["profile_longtail"]
     assert tail[tail.index("--batch") + 1:][:2] == ["256", "--prompt-len"]
+    invariant = by_name["batch_invariant_64"]  # half the slots for the tokens-only variant
+    assert invariant[invariant.index("--other-batches") + 1] == "32"
+    assert invariant[invariant.index("--batch-invariant") + 1:][:2] == ["0", "1"]
     for _, _, argv in commands:
         check_command(argv, monkeypatch)
 
@@ -216,10 +220,9 @@ def test_every_stages_xla_flags_parse():
         sets = [a.split("=", 1)[1] for a in argv if a.startswith("XLA_FLAGS=")]
         if sets:
             flag_sets[name] = sets[0]
-    # all decode_flags variants but base set flags, and so does shrink_splitk
-    assert {f"decode_flags_{v}" for v in variants if v != "base"} | {"shrink_splitk_256"} \
-        <= set(flag_sets)
-    stages_by_flags = {}  # each distinct XLA_FLAGS parsed once (no_splitk = shrink_splitk's)
+    # all decode_flags variants but base set flags
+    assert {f"decode_flags_{v}" for v in variants if v != "base"} <= set(flag_sets)
+    stages_by_flags = {}  # each distinct XLA_FLAGS parsed once
     for name, flags in flag_sets.items():
         stages_by_flags.setdefault(flags, []).append(name)
     refused = {}

@@ -58,3 +58,41 @@ def test_first_differences():
     assert bench.first_differences([[1, 2, 3], [4, 5], [7, 8, 9]],
                                    [[1, 2, 3], [4, 6], [0, 8, 9]]) == [1, 0]
     assert bench.first_differences([[1]], [[1]]) == []
+
+
+def test_batch_invariant_and_other_batch_variants(tmp_path):
+    """--batch-invariant 0 1 builds every variant with each Sampler(batch_invariant=), and
+    --other-batches a continuous variant at that max_batch_size; each is compared with the first
+    variant of its own numerics (the CPU: no token differs; at 4 rows a call XLA:CPU rounds a
+    log-prob or so differently, by float32 rounding only), and the batch-invariant ones record
+    their programs' memory under the usual names."""
+    rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "16",
+                       "--refill-queue", "-1", "--unshrunk", "--batch-invariant", "0", "1",
+                       "--other-batches", "4", "--repeats", "1", "--out", str(tmp_path / "ab.json")])
+    assert [(r["variant"], r["batch_invariant"], r["max_batch_size"]) for r in rows] == [
+        ("continuous, refill_queue default", False, 8),
+        ("continuous, refill_queue default, shrink_batch off", False, 8),
+        ("continuous, max_batch_size 4", False, 4),
+        ("continuous, refill_queue default, batch_invariant", True, 8),
+        ("continuous, refill_queue default, shrink_batch off, batch_invariant", True, 8),
+        ("continuous, max_batch_size 4, batch_invariant", True, 4)]
+    assert [r["samples_differing"] for r in rows] == [0] * 6
+    # 8 rows a call, as the first (8 slots: no smaller row bucket)
+    assert [r["logprobs_differing"] for r in rows if r["max_batch_size"] == 8] == [0] * 4
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-5
+    assert all(r["tokens_compared"] == r["generated_tokens"] > 0 for r in rows)
+    assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0
+               and r["compiled_memory"]["prefill"]["peak_estimate_bytes"] > 0 for r in rows)
+
+
+def test_logprob_differences():
+    """Known answers: only tokens before a sample's first differing token are compared."""
+    tokens, reference = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
+    logprobs = [[-0.5, -1.0, -2.0], [-0.25, -3.0, -1.0]]
+    same = bench.logprob_differences(tokens, logprobs, reference, logprobs)
+    assert same == {"tokens_compared": 4, "logprobs_differing": 0, "logprob_diff_max": 0.0}
+    # sample 0 differs by 0.125 at token 2; sample 1's token 1 differs, so its log-prob (and
+    # token 2's, which follows a different token) is not compared
+    other = [[-0.5, -1.0, -2.125], [-0.25, -7.0, -9.0]]
+    assert bench.logprob_differences(tokens, other, reference, logprobs) == {
+        "tokens_compared": 4, "logprobs_differing": 1, "logprob_diff_max": 0.125}

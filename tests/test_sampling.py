@@ -1,6 +1,8 @@
 """The rollout engine (delta_jax.sampling) on tiny models: transformers parity, log-prob
 consistency with a teacher-forced pass, continuous batching and its invariances (slots, pages,
 preemption, mesh), the KV budget, bad input."""
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,6 +366,35 @@ def test_a_draining_batch_runs_only_the_rows_it_needs(tiny_model, monkeypatch):
     ref = Sampler(tiny_model, max_batch_size=16, shrink_batch=False).generate(prompts[:12],
                                                                               **kwargs)
     assert tight.response_ids == ref.response_ids
+
+
+def test_batch_invariant_runs_the_programs_compiled_for_it(tiny_model, monkeypatch):
+    """Sampler(batch_invariant=True) prefills and decodes with sampling.programs' twins compiled
+    with BATCH_INVARIANT_OPTIONS (so those options are names this jaxlib takes: an unknown one
+    fails the compile), and only with them; the default sampler never runs them. On the CPU the
+    tokens and log-probs are those of the default programs, at another max_batch_size and with
+    shrunk calls too."""
+    ran = collections.Counter()
+    for name in ("prefill", "decode", "batch_invariant_prefill", "batch_invariant_decode"):
+        def counted(*args, _fn=getattr(programs, name), _name=name, **kwargs):
+            ran[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(programs, name, counted)
+    rng = np.random.RandomState(2)
+    prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(12)]
+    kwargs = dict(n=4, temperature=1.0, max_new_tokens=40, stop_token_ids=tuple(range(1, 21)),
+                  seed=7)
+    default = Sampler(tiny_model, max_batch_size=16).generate(prompts, **kwargs)
+    assert set(ran) == {"prefill", "decode"}
+    ran.clear()
+    sampler = Sampler(tiny_model, max_batch_size=32, batch_invariant=True)
+    assert sampler.batch_invariant and not Sampler(tiny_model).batch_invariant
+    out = sampler.generate(prompts, **kwargs)
+    assert set(ran) == {"batch_invariant_prefill", "batch_invariant_decode"}, ran
+    assert out.stats["shrunk_calls"] > 0
+    assert out.response_ids == default.response_ids and out.truncated == default.truncated
+    np.testing.assert_allclose(np.concatenate(sum(out.logprobs, [])),
+                               np.concatenate(sum(default.logprobs, [])), atol=1e-5)
 
 
 def test_kv_budget_is_checked_before_generating(tiny_model):

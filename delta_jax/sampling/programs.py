@@ -4,6 +4,11 @@ every program, so it is updated in place and exists once.
 
 Parameters are an argument (the nnx state), so new weights need no recompile.
 
+prefill and decode each have a twin compiled with BATCH_INVARIANT_OPTIONS
+(batch_invariant_prefill, batch_invariant_decode: the same function, XLA options that hold a
+GPU's matmuls to one summation order at every row count), which Sampler(batch_invariant=True)
+runs instead.
+
 With a mesh (batch_spec = (mesh, batch axes)) the pool's page axis is split over the batch
 shards and every page index these programs get is shard-LOCAL: row / slot / copy entry r of a
 call belongs to shard r // (rows / S) and addresses that shard's pages only. The page writes,
@@ -37,8 +42,17 @@ def _per_shard(fn, batch_spec, num_kv_heads, in_kinds, out_kinds):
     return attention.shard_pages(fn, mesh, batch_axes, num_kv_heads, in_kinds, out_kinds)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "batch_spec"),
-                   donate_argnames=("cache",))
+# XLA options that make a row's results independent of how many rows a program runs (a
+# GPU's GEMMs otherwise pick their tiling, split of the contraction and library per shape, and a
+# contraction split in another number of parts sums a row in another order): one split
+# (split-K off) and XLA's own Triton GEMMs always, never cuBLAS's (whose kernels split as they
+# choose). For the prefill and decode programs of Sampler(batch_invariant=True); the CPU and TPU
+# backends accept them and do nothing with them (the CPU's tokens are independent of the
+# schedule either way: tests/test_sampling.py).
+BATCH_INVARIANT_OPTIONS = {"xla_gpu_experimental_force_split_k": 1,
+                           "xla_gpu_cublas_fallback": False}
+
+
 def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, dest_offset, *,
             batch_spec=None):
     """Run B prompts (left-aligned, right-padded: ids, mask int32 [B, T]) and write every
@@ -67,6 +81,11 @@ def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, d
                       (pools, pools, "stack", "stack", "rows", "rows"), (pools, pools))(
         cache.k, cache.v, out.cache.k, out.cache.v, dest_page, dest_offset)
     return models.PagedKVCache(k=tuple(k), v=tuple(v))
+
+
+_PREFILL_JIT = dict(static_argnames=("graphdef", "batch_spec"), donate_argnames=("cache",))
+batch_invariant_prefill = jax.jit(prefill, **_PREFILL_JIT, compiler_options=BATCH_INVARIANT_OPTIONS)
+prefill = jax.jit(prefill, **_PREFILL_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("batch_spec",), donate_argnames=("cache",))
@@ -115,10 +134,6 @@ class Rows(NamedTuple):
     limit: Any
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "use_top_p",
-                                             "greedy", "attention_impl", "pages_per_block",
-                                             "batch_spec"),
-                   donate_argnames=("cache",))
 def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, queue: Rows, seed,
            stop_ids, temperature, top_p, pad_id, exit_after, *, num_steps, top_k, use_top_p,
            greedy, attention_impl="auto", pages_per_block=8, batch_spec=None):
@@ -223,3 +238,10 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
              jnp.zeros((shards,), jnp.int32), jnp.int32(0), bufs)
     step, cache, _, _, _, _, _, bufs = jax.lax.while_loop(cond, body, carry)
     return (cache,) + bufs + (step,)
+
+
+_DECODE_JIT = dict(static_argnames=("graphdef", "num_steps", "top_k", "use_top_p", "greedy",
+                                    "attention_impl", "pages_per_block", "batch_spec"),
+                   donate_argnames=("cache",))
+batch_invariant_decode = jax.jit(decode, **_DECODE_JIT, compiler_options=BATCH_INVARIANT_OPTIONS)
+decode = jax.jit(decode, **_DECODE_JIT)

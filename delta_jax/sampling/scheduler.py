@@ -151,6 +151,12 @@ class Sampler:
       differ (89 of 1,024 long-tailed samples on an H100, 2026-11-27: BENCHMARKS.md "Ninth GPU
       run"; presumably the matmuls rounding a row differently at another row count), and False
       keeps them independent of the refill order.
+    batch_invariant: compile the prefill and decode programs with
+      programs.BATCH_INVARIANT_OPTIONS (XLA's GEMMs without split-K, never cuBLAS), so that a
+      GPU sums each row's matmuls in one order whatever the rows of the call: the tokens then
+      should not depend on shrink_batch, max_batch_size or the refill order on a GPU either.
+      Default False: neither that nor its cost is measured yet (`gpu_bench.sh batch_invariant`).
+      The CPU's results are the same either way.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -161,7 +167,8 @@ class Sampler:
                  kv_budget_bytes: Optional[int] = None, decode_steps_per_call: int = 32,
                  decode_attention: str = "auto", continuous: bool = True,
                  prefill_ahead: bool = True, refill_after: Optional[int] = None,
-                 refill_queue: Optional[int] = None, shrink_batch: bool = True):
+                 refill_queue: Optional[int] = None, shrink_batch: bool = True,
+                 batch_invariant: bool = False):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -232,6 +239,11 @@ class Sampler:
         self.refill_queue = queued if self.continuous else 0
         self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
         self.shrink_batch = bool(shrink_batch)
+        self.batch_invariant = bool(batch_invariant)
+        # the jitted programs this sampler runs (looked up when it runs them, so a program
+        # patched into sampling.programs by name is the one that runs)
+        self._prefill_program = "batch_invariant_prefill" if batch_invariant else "prefill"
+        self._decode_program = "batch_invariant_decode" if batch_invariant else "decode"
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -622,7 +634,7 @@ class _Run:
                     mask[r, :prompt.kv_len] = 1
                     page[r, :prompt.kv_len] = np.asarray(prompt.pages[shard])[t // self.ps]
                     offset[r, :prompt.kv_len] = t % self.ps
-            self.cache = programs.prefill(
+            self.cache = getattr(programs, s._prefill_program)(
                 s.graphdef, self.state, self.cache, *(s._put(x) for x in (ids, mask, page, offset)),
                 batch_spec=s._batch_spec)
             self.prefill_calls += 1
@@ -836,7 +848,7 @@ class _Run:
             slot_rows = programs.Rows(*(a[run_rows] for a in slot_rows))
         queue_rows, queued = self._queue_rows()
         start = time.perf_counter()
-        out = programs.decode(
+        out = getattr(programs, s._decode_program)(
             s.graphdef, self.state, self.layers, self.cache,
             programs.Rows(*map(s._put, slot_rows)), programs.Rows(*map(s._put, queue_rows)),
             self.seed, self.stop_ids, np.float32(self.params.temperature),

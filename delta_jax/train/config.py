@@ -170,6 +170,11 @@ def default_config() -> config_dict.ConfigDict:
     # >= 8, that holds them, when fewer than the slots; Sampler shrink_batch): ~10% faster on
     # an H100's long tail; same tokens on the CPU, some differ on a GPU (README).
     c.rollout.shrink_batch = True
+    # Prefill and decode compiled with XLA's GEMMs held to one summation order at every row count
+    # (no split-K, no cuBLAS; Sampler batch_invariant), so a GPU's tokens should not depend on
+    # the schedule (shrink_batch, max_batch_size, refills): its effect and cost on a GPU are not
+    # measured yet. No effect on the CPU, whose tokens never depend on the schedule.
+    c.rollout.batch_invariant = False
 
     c.rewards = config_dict.ConfigDict()
     c.rewards.name = "math"
@@ -636,7 +641,8 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
-                    "rollout.decode_attention", "rollout.shrink_batch")
+                    "rollout.decode_attention", "rollout.shrink_batch",
+                    "rollout.batch_invariant")
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 
