@@ -15,7 +15,8 @@ Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
 --other-batches continuous batching at other max_batch_size values (for their tokens), these
 with the first --decode-attention value; every variant once per --batch-invariant value
 (Sampler(batch_invariant=): 1 compiles the prefill and decode programs with XLA's GEMMs held to
-one summation order at every row count, sampling.programs.BATCH_INVARIANT_OPTIONS).
+one summation order at every row count and no excess precision,
+sampling.programs.BATCH_INVARIANT_OPTIONS).
 Workload: --samples prompts (default 4 x --batch) of --prompt-len random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
 generate() per variant first (compiles; the compiled memory analysis of the programs it runs
@@ -26,10 +27,11 @@ device idles), and how many samples' tokens differ from those of the first varia
 batch_invariant value (with the index of each one's first differing token: late, isolated first
 differences point at rounding near-ties rather than a scheduling fault), and how many log-probs
 of the tokens drawn alike differ, by at most how much (any at all: the two runs' numerics
-differ, whether or not a near-tie turned it into another token). The engine's tokens
-do not depend on scheduling on the CPU (tests/test_sampling.py), so there every token count is 0
-(its log-probs may differ by float32 rounding at other row counts: 4.8e-7 at 4 rows a call
-against 8, tests/test_sampler_ab.py); a GPU
+differ, whether or not a near-tie turned it into another token). On the CPU the tiny
+float32 model's tokens do not depend on scheduling (tests/test_sampling.py), so there every
+token count is 0 (its log-probs may differ by float32 rounding at other row counts: 4.8e-7 at 4
+rows a call against 8, tests/test_sampler_ab.py; wider bfloat16 models can draw other tokens,
+README); a GPU
 may round differently shaped programs (prefill batches of other sizes) differently, which this
 reports rather than stops on (one H200, 2026-11-26, bf16 Qwen3-0.6B shape, 768 samples: 0 in all
 three variants). A variant that generates another number of

@@ -228,15 +228,15 @@ for s in "$@"; do
           --out "$OUT/sampler_ab_shrink_$b$SUFFIX.json"
       done ;;
     batch_invariant)  # issue 15: rollout.batch_invariant (Sampler(batch_invariant=True): the
-                      # prefill and decode programs compiled with XLA's GEMMs without split-K and
-                      # never cuBLAS, programs.BATCH_INVARIANT_OPTIONS) on the long tail, in one
-                      # process per batch (INVARIANT_BATCHES, default 256): continuous batching
-                      # with shrink_batch and without, each with the default options and with
-                      # batch_invariant, interleaved x 2 (the cost), and each numerics once more
-                      # at half the slots (tokens only). Ninth run (H100): with the default
-                      # options 89 of 1,024 samples differed between shrink_batch and not at 256.
-                      # Do the batch-invariant variants agree (samples and log-probs differing 0),
-                      # and what does it cost?
+                      # prefill and decode programs compiled with XLA's GEMMs without split-K,
+                      # never cuBLAS, and no excess precision: programs.BATCH_INVARIANT_OPTIONS)
+                      # on the long tail, in one process per batch (INVARIANT_BATCHES, default
+                      # 256): continuous batching with shrink_batch, without, and at half the
+                      # slots, each with the default options and with batch_invariant,
+                      # interleaved x 2. Ninth run (H100): with the default options 89 of 1,024
+                      # samples differed between shrink_batch and not at 256. Do the
+                      # batch-invariant variants agree (samples and log-probs differing 0), and
+                      # what does it cost?
       for b in ${INVARIANT_BATCHES:-256}; do
         stage "batch_invariant_$b" 420 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
           --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \

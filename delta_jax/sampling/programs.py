@@ -42,15 +42,19 @@ def _per_shard(fn, batch_spec, num_kv_heads, in_kinds, out_kinds):
     return attention.shard_pages(fn, mesh, batch_axes, num_kv_heads, in_kinds, out_kinds)
 
 
-# XLA options that make a row's results independent of how many rows a program runs (a
-# GPU's GEMMs otherwise pick their tiling, split of the contraction and library per shape, and a
-# contraction split in another number of parts sums a row in another order): one split
-# (split-K off) and XLA's own Triton GEMMs always, never cuBLAS's (whose kernels split as they
-# choose). For the prefill and decode programs of Sampler(batch_invariant=True); the CPU and TPU
-# backends accept them and do nothing with them (the CPU's tokens are independent of the
-# schedule either way: tests/test_sampling.py).
+# XLA options that make a row's results independent of how many rows a program runs. A GPU's
+# GEMMs otherwise pick their tiling, split of the contraction and library per shape, and a
+# contraction split in another number of parts sums a row in another order: one split (split-K
+# off) and XLA's own Triton GEMMs always, never cuBLAS's (whose kernels split as they choose).
+# And XLA may keep a bfloat16 value in float32 where a fusion holds it, which fusion decisions
+# (shape-dependent) change: excess precision off rounds every value to its dtype. For the
+# prefill and decode programs of Sampler(batch_invariant=True). The CPU and TPU backends take
+# the GPU options and do nothing with them; excess precision off also rounds a bfloat16 model's
+# intermediates on them (the CPU's tokens are independent of the schedule either way:
+# tests/test_sampling.py).
 BATCH_INVARIANT_OPTIONS = {"xla_gpu_experimental_force_split_k": 1,
-                           "xla_gpu_cublas_fallback": False}
+                           "xla_gpu_cublas_fallback": False,
+                           "xla_allow_excess_precision": False}
 
 
 def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, dest_offset, *,

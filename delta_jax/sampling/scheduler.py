@@ -152,11 +152,12 @@ class Sampler:
       run"; presumably the matmuls rounding a row differently at another row count), and False
       keeps them independent of the refill order.
     batch_invariant: compile the prefill and decode programs with
-      programs.BATCH_INVARIANT_OPTIONS (XLA's GEMMs without split-K, never cuBLAS), so that a
-      GPU sums each row's matmuls in one order whatever the rows of the call: the tokens then
-      should not depend on shrink_batch, max_batch_size or the refill order on a GPU either.
-      Default False: neither that nor its cost is measured yet (`gpu_bench.sh batch_invariant`).
-      The CPU's results are the same either way.
+      programs.BATCH_INVARIANT_OPTIONS (XLA's GEMMs without split-K, never cuBLAS; no excess
+      precision), so that a GPU sums each row's matmuls in one order and rounds where the
+      program's dtypes say, whatever the rows of the call: the tokens then should not depend on
+      shrink_batch, max_batch_size or the refill order on a GPU either. Default False: neither
+      that nor its cost is measured yet (`gpu_bench.sh batch_invariant`). A float32 model's
+      results on the CPU are the same either way.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,

@@ -171,9 +171,9 @@ def default_config() -> config_dict.ConfigDict:
     # an H100's long tail; same tokens on the CPU, some differ on a GPU (README).
     c.rollout.shrink_batch = True
     # Prefill and decode compiled with XLA's GEMMs held to one summation order at every row count
-    # (no split-K, no cuBLAS; Sampler batch_invariant), so a GPU's tokens should not depend on
-    # the schedule (shrink_batch, max_batch_size, refills): its effect and cost on a GPU are not
-    # measured yet. No effect on the CPU, whose tokens never depend on the schedule.
+    # and no excess precision (no split-K, no cuBLAS; Sampler batch_invariant), so a GPU's tokens
+    # should not depend on the schedule (shrink_batch, max_batch_size, refills): its effect and
+    # cost on a GPU are not measured yet. The CPU's tokens never depend on the schedule.
     c.rollout.batch_invariant = False
 
     c.rewards = config_dict.ConfigDict()
