@@ -600,6 +600,12 @@ def test_sharded_batch_matches_single_device(tiny_model, sampler):
     assert shrunk.response_ids == ragged_ref.response_ids
     np.testing.assert_allclose(np.concatenate(sum(shrunk.logprobs, [])),
                                np.concatenate(sum(ragged_ref.logprobs, [])), atol=1e-5)
+    # The same with the programs compiled for batch invariance (their XLA options over the
+    # mesh's per-shard programs): the same tokens.
+    invariant = Sampler(tiny_model, max_batch_size=32, mesh=mesh, decode_steps_per_call=2,
+                        batch_invariant=True).generate(PROMPTS, **ragged)
+    assert invariant.stats["shrunk_calls"] > 0
+    assert invariant.response_ids == ragged_ref.response_ids
     # One slot per shard (a prompt's samples on several shards: prefilled on each), 4-token
     # pages, 2 steps per call and 6 pages per shard (samples preempted and restarted), KV heads
     # over tensor=2: the same tokens.
