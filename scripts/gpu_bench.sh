@@ -40,6 +40,7 @@
 #   bash scripts/gpu_bench.sh shrink_ab          # batch 256, 64: shrink_batch / not / static interleaved (#15)
 #   bash scripts/gpu_bench.sh batch_invariant    # batch 256: shrink_batch / not / 128 slots, with and
 #                                                # without rollout.batch_invariant: tokens, cost (#15)
+#   bash scripts/gpu_bench.sh decode_invariant   # fixed lengths at 64 and 256 with / without batch_invariant (#15)
 #   bash scripts/gpu_bench.sh fused_tail         # batch 64, 256: long tail, mosaic / mosaic_fused interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
 #   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
@@ -120,6 +121,17 @@ for s in "$@"; do
         --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
         --decode-attention "$DECODE" --workload fixed --hf never --repeats 1 \
         --output "$OUT/decode_fixed$SUFFIX.json" ;;
+    decode_invariant)  # issue 15: decode_fixed with rollout.batch_invariant (XLA's GEMMs without
+                       # split-K and cuBLAS, no excess precision), one process, then the default
+                       # in another: what holding the summation order costs at fixed lengths
+      stage decode_invariant 240 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention "$DECODE" --workload fixed --hf never --repeats 1 --batch-invariant \
+        --output "$OUT/decode_invariant$SUFFIX.json"
+      stage decode_invariant_base 240 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \
+        --dtype bfloat16 --batch 64 256 --prompt-len 512 --new-tokens 1024 \
+        --decode-attention "$DECODE" --workload fixed --hf never --repeats 1 \
+        --output "$OUT/decode_invariant_base$SUFFIX.json" ;;
     profile)  # issue 15: fixed lengths at batch 64 and 256 with the device time by kernel
               # (kernels.timing.trace_summary; H100, 2026-11-24: ~170 s)
       stage profile 300 python3 benchmarks/decode_throughput.py --preset qwen3-0.6b \

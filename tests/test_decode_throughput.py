@@ -68,18 +68,20 @@ def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time()
 
 
 def test_refill_options_reach_the_sampler():
-    """--refill-after 3 builds Samplers that return to refill after 3 finished samples and
-    --refill-queue 0 stages none; the defaults leave the Sampler's (slots // 16, slots // 4);
-    negative counts are refused."""
+    """--refill-after 3 builds Samplers that return to refill after 3 finished samples,
+    --refill-queue 0 stages none and --batch-invariant compiles for batch invariance; the
+    defaults leave the Sampler's (slots // 16, slots // 4, not batch-invariant); negative counts
+    are refused."""
     from flax import nnx
 
     from delta_jax import models
-    args = bench.parse_args(["--preset", "tiny", "--refill-after", "3", "--refill-queue", "0"])
+    args = bench.parse_args(["--preset", "tiny", "--refill-after", "3", "--refill-queue", "0",
+                             "--batch-invariant"])
     model = models.Transformer(bench.model_config(args), rngs=nnx.Rngs(0))
     sampler = bench.make_sampler(model, 64, "auto", args)
-    assert (sampler.refill_after, sampler.refill_queue) == (3, 0)
+    assert (sampler.refill_after, sampler.refill_queue, sampler.batch_invariant) == (3, 0, True)
     default = bench.make_sampler(model, 64, "auto", bench.parse_args(["--preset", "tiny"]))
-    assert (default.refill_after, default.refill_queue) == (4, 16)
+    assert (default.refill_after, default.refill_queue, default.batch_invariant) == (4, 16, False)
     for bad in (["--refill-after", "-1"], ["--refill-queue", "-2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
