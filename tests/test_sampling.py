@@ -373,7 +373,7 @@ def test_batch_invariant_runs_the_programs_compiled_for_it(tiny_model, monkeypat
     with BATCH_INVARIANT_OPTIONS (so those options are names this jaxlib takes: an unknown one
     fails the compile), and only with them; the default sampler never runs them. On the CPU the
     tokens and log-probs are those of the default programs, at another max_batch_size and with
-    shrunk calls too."""
+    shrunk calls too; refused on a platform outside BATCH_INVARIANT_PLATFORMS."""
     ran = collections.Counter()
     for name in ("prefill", "decode", "batch_invariant_prefill", "batch_invariant_decode"):
         def counted(*args, _fn=getattr(programs, name), _name=name, **kwargs):
@@ -395,6 +395,12 @@ def test_batch_invariant_runs_the_programs_compiled_for_it(tiny_model, monkeypat
     assert out.response_ids == default.response_ids and out.truncated == default.truncated
     np.testing.assert_allclose(np.concatenate(sum(out.logprobs, [])),
                                np.concatenate(sum(default.logprobs, [])), atol=1e-5)
+    # Where the compiler is not known to take those options (a TPU): refused, naming the field.
+    from delta_jax.sampling import scheduler
+    monkeypatch.setattr(scheduler.jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ValueError, match=r"rollout\.batch_invariant.*'tpu'"):
+        Sampler(tiny_model, batch_invariant=True)
+    Sampler(tiny_model)  # the default stays available there
 
 
 @pytest.mark.gpu

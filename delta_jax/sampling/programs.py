@@ -48,13 +48,16 @@ def _per_shard(fn, batch_spec, num_kv_heads, in_kinds, out_kinds):
 # off) and XLA's own Triton GEMMs always, never cuBLAS's (whose kernels split as they choose).
 # And XLA may keep a bfloat16 value in float32 where a fusion holds it, which fusion decisions
 # (shape-dependent) change: excess precision off rounds every value to its dtype. For the
-# prefill and decode programs of Sampler(batch_invariant=True). The CPU and TPU backends take
-# the GPU options and do nothing with them; excess precision off also rounds a bfloat16 model's
-# intermediates on them (the CPU's tokens are independent of the schedule either way:
-# tests/test_sampling.py).
+# prefill and decode programs of Sampler(batch_invariant=True). XLA:CPU takes the GPU options
+# and does nothing with them; excess precision off also rounds a bfloat16 model's intermediates
+# there.
 BATCH_INVARIANT_OPTIONS = {"xla_gpu_experimental_force_split_k": 1,
                            "xla_gpu_cublas_fallback": False,
                            "xla_allow_excess_precision": False}
+# The platforms whose compilers take those options (jax device.platform names): XLA:GPU's and
+# XLA:CPU's (the same DebugOptions; tests/test_sampling.py compiles with them on the CPU).
+# Whether a TPU's compiler takes the GPU ones is not known here, so Sampler refuses them there.
+BATCH_INVARIANT_PLATFORMS = ("gpu", "cpu")
 
 
 def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, dest_offset, *,

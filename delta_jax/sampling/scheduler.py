@@ -157,7 +157,8 @@ class Sampler:
       program's dtypes say, whatever the rows of the call: the tokens then should not depend on
       shrink_batch, max_batch_size or the refill order on a GPU either. Default False: neither
       that nor its cost is measured yet (`gpu_bench.sh batch_invariant`). A float32 model's
-      results on the CPU are the same either way.
+      results on the CPU are the same either way. Refused on other platforms (a TPU), whose
+      compiler is not known to take the GPU options.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 256,
@@ -200,6 +201,12 @@ class Sampler:
             if reason:
                 raise ValueError(f"decode_attention {resolved!r} (rollout.decode_attention) "
                                  f"cannot run this model / rollout.page_size: {reason}")
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        if batch_invariant and platform not in programs.BATCH_INVARIANT_PLATFORMS:
+            raise ValueError(f"batch_invariant (rollout.batch_invariant) compiles with XLA GPU "
+                             f"options ({', '.join(programs.BATCH_INVARIANT_OPTIONS)}); the "
+                             f"sampler runs on {platform!r}, whose compiler is not known to "
+                             f"take them: leave it off there")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer

@@ -173,7 +173,7 @@ def default_config() -> config_dict.ConfigDict:
     # Prefill and decode compiled with XLA's GEMMs held to one summation order at every row count
     # and no excess precision (no split-K, no cuBLAS; Sampler batch_invariant), so a GPU's tokens
     # should not depend on the schedule (shrink_batch, max_batch_size, refills): its effect and
-    # cost on a GPU are not measured yet. The CPU's tokens never depend on the schedule.
+    # cost on a GPU are not measured yet. GPU and CPU only (refused on a TPU).
     c.rollout.batch_invariant = False
 
     c.rewards = config_dict.ConfigDict()
