@@ -76,7 +76,8 @@ def parse_args(argv=None):
                         "--steps-per-call) without shrink_batch: every decode call over all slots")
     p.add_argument("--batch-invariant", type=int, nargs="+", default=[0], choices=(0, 1),
                    help="Sampler(batch_invariant=) values: every variant runs with each (1: the "
-                        "prefill and decode programs compiled with programs.BATCH_INVARIANT_OPTIONS)")
+                        "prefill and decode programs compiled with "
+                        "programs.BATCH_INVARIANT_OPTIONS)")
     p.add_argument("--other-batches", type=int, nargs="*", default=[],
                    help="add continuous batching (defaults) at these max_batch_size values, for "
                         "their tokens against the first variant's (scheduling independence)")

@@ -68,7 +68,8 @@ def test_batch_invariant_and_other_batch_variants(tmp_path):
     their programs' memory under the usual names."""
     rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "16",
                        "--refill-queue", "-1", "--unshrunk", "--batch-invariant", "0", "1",
-                       "--other-batches", "4", "--repeats", "1", "--out", str(tmp_path / "ab.json")])
+                       "--other-batches", "4", "--repeats", "1",
+                       "--out", str(tmp_path / "ab.json")])
     assert [(r["variant"], r["batch_invariant"], r["max_batch_size"]) for r in rows] == [
         ("continuous, refill_queue default", False, 8),
         ("continuous, refill_queue default, shrink_batch off", False, 8),

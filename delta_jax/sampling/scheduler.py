@@ -248,10 +248,6 @@ class Sampler:
         self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
         self.shrink_batch = bool(shrink_batch)
         self.batch_invariant = bool(batch_invariant)
-        # the jitted programs this sampler runs (looked up when it runs them, so a program
-        # patched into sampling.programs by name is the one that runs)
-        self._prefill_program = "batch_invariant_prefill" if batch_invariant else "prefill"
-        self._decode_program = "batch_invariant_decode" if batch_invariant else "decode"
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -642,7 +638,8 @@ class _Run:
                     mask[r, :prompt.kv_len] = 1
                     page[r, :prompt.kv_len] = np.asarray(prompt.pages[shard])[t // self.ps]
                     offset[r, :prompt.kv_len] = t % self.ps
-            self.cache = getattr(programs, s._prefill_program)(
+            program = programs.batch_invariant_prefill if s.batch_invariant else programs.prefill
+            self.cache = program(
                 s.graphdef, self.state, self.cache, *(s._put(x) for x in (ids, mask, page, offset)),
                 batch_spec=s._batch_spec)
             self.prefill_calls += 1
@@ -856,7 +853,8 @@ class _Run:
             slot_rows = programs.Rows(*(a[run_rows] for a in slot_rows))
         queue_rows, queued = self._queue_rows()
         start = time.perf_counter()
-        out = getattr(programs, s._decode_program)(
+        program = programs.batch_invariant_decode if s.batch_invariant else programs.decode
+        out = program(
             s.graphdef, self.state, self.layers, self.cache,
             programs.Rows(*map(s._put, slot_rows)), programs.Rows(*map(s._put, queue_rows)),
             self.seed, self.stop_ids, np.float32(self.params.temperature),
