@@ -17,6 +17,8 @@ with the first --decode-attention value; every variant once per --batch-invarian
 (Sampler(batch_invariant=): 1 compiles the prefill and decode programs with XLA's GEMMs held to
 one summation order at every row count and no excess precision,
 sampling.programs.BATCH_INVARIANT_OPTIONS).
+Model: --preset in --dtype, random weights, with --num-layers / --vocab-size in place of the
+preset's where given (a narrow, shallow stand-in for a CPU run).
 Workload: --samples prompts (default 4 x --batch) of --prompt-len random tokens, one sample each, geometric lengths of mean --new-tokens / --tail-mean-div clipped
 to [1, --new-tokens] (decode_throughput.longtail_lengths), T = 1, no stop token. One untimed
 generate() per variant first (compiles; the compiled memory analysis of the programs it runs
@@ -30,8 +32,8 @@ of the tokens drawn alike differ, by at most how much (any at all: the two runs'
 differ, whether or not a near-tie turned it into another token). On the CPU the tiny
 float32 model's tokens do not depend on scheduling (tests/test_sampling.py), so there every
 token count is 0 (its log-probs may differ by float32 rounding at other row counts: 4.8e-7 at 4
-rows a call against 8, tests/test_sampler_ab.py; wider bfloat16 models can draw other tokens,
-README); a GPU
+rows a call against 8, tests/test_sampler_ab.py; bfloat16 models can draw other tokens at
+other slot counts, README); a GPU
 may round differently shaped programs (prefill batches of other sizes) differently, which this
 reports rather than stops on (one H200, 2026-11-26, bf16 Qwen3-0.6B shape, 768 samples: 0 in all
 three variants). A variant that generates another number of
@@ -57,6 +59,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-layers", type=int, default=0, help="the preset's layers (0: as is)")
+    p.add_argument("--vocab-size", type=int, default=0, help="the preset's vocabulary (0: as is)")
     p.add_argument("--batch", type=int, default=64, help="slots (Sampler max_batch_size)")
     p.add_argument("--samples", type=int, default=0, help="prompts, one sample each (0: 4 x batch)")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -85,9 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default="sampler_ab.json")
     args = p.parse_args(argv)
     if (args.batch < 1 or args.samples < 0 or args.repeats < 1 or min(args.refill_queue) < -1
-            or min(args.steps_per_call) < 1 or min(args.other_batches, default=1) < 1):
+            or min(args.steps_per_call) < 1 or min(args.other_batches, default=1) < 1
+            or args.num_layers < 0 or args.vocab_size < 0):
         p.error("--batch, --other-batches, --repeats and --steps-per-call must be >= 1, "
-                "--samples >= 0, --refill-queue >= -1")
+                "--samples, --num-layers and --vocab-size >= 0, --refill-queue >= -1")
     return args
 
 
@@ -114,13 +119,21 @@ def logprob_differences(tokens, logprobs, reference, reference_logprobs) -> dict
             "logprob_diff_max": largest}
 
 
-def main(argv=None):
-    xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
-    args = parse_args(argv)
+def workload_and_model(args):
+    """decode_throughput's arguments for the workload, and the model config: --preset in --dtype
+    with --num-layers / --vocab-size in place of the preset's where given."""
     wl = decode_throughput.parse_args([
         "--preset", args.preset, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
         "--new-tokens", str(args.new_tokens), "--tail-mean-div", str(args.tail_mean_div)])
     cfg = decode_throughput.model_config(wl)
+    return wl, cfg.replace(num_layers=args.num_layers or cfg.num_layers,
+                           vocab_size=args.vocab_size or cfg.vocab_size)
+
+
+def main(argv=None):
+    xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
+    args = parse_args(argv)
+    wl, cfg = workload_and_model(args)
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     count = args.samples or 4 * args.batch
     prompts = decode_throughput.random_prompts(cfg, count, args.prompt_len, seed=2)

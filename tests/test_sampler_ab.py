@@ -5,6 +5,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import sampler_ab as bench  # noqa: E402
 
@@ -84,6 +86,22 @@ def test_batch_invariant_and_other_batch_variants(tmp_path):
     assert all(r["tokens_compared"] == r["generated_tokens"] > 0 for r in rows)
     assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0
                and r["compiled_memory"]["prefill"]["peak_estimate_bytes"] > 0 for r in rows)
+
+
+def test_num_layers_and_vocab_size_replace_the_presets():
+    """--num-layers / --vocab-size: the preset's widths with those in place of its own; 0 (the
+    default) keeps the preset's; negative values are refused."""
+    import jax.numpy as jnp
+    _, cfg = bench.workload_and_model(bench.parse_args(
+        ["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--num-layers", "2",
+         "--vocab-size", "4096"]))
+    assert (cfg.num_layers, cfg.vocab_size, cfg.hidden_size, cfg.head_dim, cfg.dtype) == (
+        2, 4096, 1024, 128, jnp.bfloat16)
+    _, tiny = bench.workload_and_model(bench.parse_args([]))
+    assert (tiny.num_layers, tiny.vocab_size) == (2, 256)
+    for bad in (["--num-layers", "-1"], ["--vocab-size", "-2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 def test_logprob_differences():
