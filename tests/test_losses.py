@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from delta_jax.rl.losses import (AGG_MODES, RATIO_LEVELS, PolicyLossConfig, aggregate,
-                                 finalize_metrics, fipo_weights, future_sums, kl_penalty,
-                                 policy_loss)
+                                 clipped_surrogate, finalize_metrics, fipo_weights, future_sums,
+                                 kl_penalty, policy_loss)
 
 
 def _dapo_example():
@@ -300,6 +300,59 @@ def test_fipo_weights_value_clip_filter_and_safety():
     fm = finalize_metrics(sums)
     np.testing.assert_allclose(fm["fipo_weight"], want[mask].mean(), rtol=1e-5)
     np.testing.assert_allclose(fm["fipo_future_kl"], future_kl[mask].mean(), rtol=1e-4)
+
+
+def test_fipo_leaves_out_responses_with_more_than_one_dual_clipped_token():
+    """As FIPO's code does: a response with more than one token where the dual clip binds (A < 0,
+    ratio over dual_clip) leaves the loss, its tokens out of the sum and the denominator (no
+    gradient); one such token, or ratios over dual_clip at a positive advantage, keep it; DAPO
+    (fipo off) keeps every response; fipo_dropped logs the share of the responses dropped; the
+    micro-batch split still accumulates exactly."""
+    rng = np.random.default_rng(13)
+    B, T = 4, 6
+    old = rng.normal(size=(B, T)) - 2
+    d = rng.normal(scale=0.1, size=(B, T))
+    adv = np.array([-1.0, -0.5, 0.7, -0.3])
+    d[0, 1] = d[0, 4] = np.log(12.0)  # two dual-clipped tokens: dropped
+    d[1, 2] = np.log(12.0)            # one: kept
+    d[2, 0] = d[2, 3] = np.log(12.0)  # A > 0, not dual clipped: kept
+    mask = (np.arange(T)[None] < np.array([6, 5, 6, 3])[:, None]).astype(np.float32)
+    as_j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    cfg = PolicyLossConfig(fipo=True)  # dual_clip 10
+
+    def run(rows, cfg=cfg):
+        return policy_loss(as_j((old + d)[rows]), as_j(old[rows]), as_j(adv[rows]),
+                           as_j(mask[rows]), cfg=cfg)
+
+    loss_sum, denom, metrics = run(slice(0, B))
+    # The reference from the pieces tested above: the clipped surrogate times the weights,
+    # summed over the kept responses' tokens.
+    surrogate, flags = clipped_surrogate(as_j(d), as_j(adv)[:, None], cfg.eps_low, cfg.eps_high,
+                                         cfg.dual_clip)
+    weights, _ = fipo_weights(as_j(d), as_j(adv)[:, None] * jnp.ones((B, T)), as_j(mask) > 0, cfg)
+    np.testing.assert_array_equal((np.asarray(flags["dual"]) * mask).sum(-1), [2, 1, 0, 0])
+    kept = np.array([0.0, 1.0, 1.0, 1.0])[:, None] * mask
+    np.testing.assert_allclose(float(loss_sum), float((surrogate * weights * kept).sum()),
+                               rtol=1e-6)
+    assert float(denom) == kept.sum() == mask.sum() - 6
+    np.testing.assert_allclose(finalize_metrics(metrics)["fipo_dropped"], 0.25)
+    grad = jax.grad(lambda lp: policy_loss(lp, as_j(old), as_j(adv), as_j(mask), cfg=cfg)[0])(
+        as_j(old + d))
+    assert np.all(np.asarray(grad)[0] == 0) and np.abs(np.asarray(grad)[1:]).max() > 1e-3
+    # With a KL and an entropy term the dropped response leaves those too.
+    extra = dataclasses.replace(cfg, kl_type="k3", kl_coef=0.1, entropy_coef=0.01)
+    ent = as_j(rng.uniform(0.1, 2.0, size=(B, T)))
+    g_lp, g_ent = jax.grad(lambda lp, e: policy_loss(
+        lp, as_j(old), as_j(adv), as_j(mask), cfg=extra, ref_logp=as_j(old - 0.2),
+        entropy=e)[0], argnums=(0, 1))(as_j(old + d), ent)
+    assert np.all(np.asarray(g_lp)[0] == 0) and np.all(np.asarray(g_ent)[0] == 0)
+    assert np.all(np.asarray(g_ent)[1:][mask[1:] > 0] != 0)
+    # DAPO keeps the response.
+    assert float(run(slice(0, B), dataclasses.replace(cfg, fipo=False))[1]) == mask.sum()
+    # Two micro-batches of two responses.
+    parts = [run(slice(0, 2)), run(slice(2, 4))]
+    np.testing.assert_allclose(sum(float(p[0]) for p in parts) / sum(float(p[1]) for p in parts),
+                               float(loss_sum) / float(denom), rtol=1e-6)
 
 
 def test_fipo_on_policy_is_the_clipped_surrogate():

@@ -24,7 +24,10 @@ Optimization Algorithms", https://arxiv.org/abs/1707.06347) with
   sum_{k >= t} gamma^(k - t) log(pi / pi_old)(y_k) over the response's tokens (gamma =
   2^(-1 / decay_rate); tokens past the dual-clip ratio left out of the sum), a constant of the
   gradient; a token of negative advantage whose ratio is over the safety threshold is never
-  amplified (f_t <= 1). It acts from the second update of a rollout on (pi = pi_old before),
+  amplified (f_t <= 1); and a response with more than one token where the dual clip binds is
+  left out of the loss (all its terms and the denominator; FIPO's code leaves it out of the
+  surrogate's average, which is the same where, as in its recipe, there is no KL or entropy
+  term). It acts from the second update of a rollout on (pi = pi_old before),
 * optional per-token weights (e.g. DelTA coefficients, rl/delta.py) multiplying the per-token
   surrogate loss before aggregation; for positive weights this equals replacing A by A * w (spec
   2.8), because every branch of the clipped surrogate is linear in A (SAPO's too, for a given
@@ -86,7 +89,8 @@ class PolicyLossConfig:
       token's log-ratio counts half), fipo_clip (c > 0) with fipo_clip_high_only (weights in
       [1, 1 + c], else [1 - c, 1 + c]), fipo_safety_threshold (a ratio above which a
       negative-advantage token's weight is capped at 1; None or 0: off). Tokens whose ratio is
-      over dual_clip are left out of the future sums.
+      over dual_clip are left out of the future sums, and a response with more than one token
+      where the dual clip binds (A < 0, ratio over dual_clip) out of the loss.
     """
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -351,13 +355,17 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     else:
         surrogate, flags = clipped_surrogate(log_ratio, adv, cfg.eps_low, cfg.eps_high,
                                              cfg.dual_clip)
+    loss_mask = mask  # the tokens the loss averages over
     if cfg.fipo:
         fipo_w, future_kl = fipo_weights(token_log_ratio, adv, valid, cfg)
         surrogate = surrogate * fipo_w
+        # FIPO leaves a response with more than one dual-clipped token out of the loss
+        fipo_dropped = jnp.where(valid, flags["dual"], 0.0).sum(axis=-1) > 1  # [B]
+        loss_mask = jnp.where(fipo_dropped[:, None], 0.0, mask)
     pg = surrogate if token_weights is None else surrogate * sg(_upcast(token_weights))
-    pg = jnp.where(valid, pg, 0.0)
+    pg = jnp.where(loss_mask > 0, pg, 0.0)
     per_token = pg
-    pg_sum, denom = aggregate(pg, mask, cfg.agg, cfg.drgrpo_norm)
+    pg_sum, denom = aggregate(pg, loss_mask, cfg.agg, cfg.drgrpo_norm)
 
     def token_sum(x):
         return jnp.where(valid, x, 0.0).sum()
@@ -384,6 +392,7 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     if cfg.fipo:  # the mean influence weight and Future-KL over the valid tokens
         metrics["fipo_weight"] = token_sum(fipo_w)
         metrics["fipo_future_kl"] = token_sum(future_kl)
+        metrics["fipo_dropped"] = fipo_dropped.sum().astype(mask.dtype)  # over the sequences
     if cfg.kl_type is not None:
         kl = kl_penalty(logp, sg(_upcast(ref_logp)), cfg.kl_type, cfg.log_ratio_clamp)
         kl = jnp.where(valid, kl, 0.0)
@@ -394,7 +403,7 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
         if cfg.entropy_coef > 0:
             per_token = per_token - cfg.entropy_coef * ent
         metrics["entropy"] = sg(ent.sum())
-    loss_sum, _ = aggregate(per_token, mask, cfg.agg, cfg.drgrpo_norm)
+    loss_sum, _ = aggregate(per_token, loss_mask, cfg.agg, cfg.drgrpo_norm)
     return loss_sum, denom, metrics
 
 
@@ -412,6 +421,7 @@ METRIC_DENOMINATORS = {
     "sapo_gate": "tokens",
     "fipo_weight": "tokens",
     "fipo_future_kl": "tokens",
+    "fipo_dropped": "sequences",
 }
 
 

@@ -223,8 +223,9 @@ def default_config() -> config_dict.ConfigDict:
     # rl.fipo_clip_high_only=False), FutureKL_t the sum of the later tokens' log(pi / pi_old),
     # discounted by 2^(-1 / rl.fipo_decay_rate) a token, tokens over rl.dual_clip left out; a
     # negative-advantage token whose ratio is over rl.fipo_safety_threshold (0 = off) is never
-    # amplified. It needs more than one update a step (pi = pi_old at the first). Defaults: the
-    # settings ms-swift's port documents (decay 32, clip 0.2, high only, safety 4).
+    # amplified; a response with more than one dual-clipped token leaves the loss. It needs more
+    # than one update a step (pi = pi_old at the first). Defaults: the settings ms-swift's port
+    # documents and FIPO's loss code defaults to (decay 32, clip 0.2, high only, safety 4).
     c.rl.fipo = False
     c.rl.fipo_decay_rate = 32.0
     c.rl.fipo_clip = 0.2
