@@ -248,9 +248,10 @@ for s in "$@"; do
                       # interleaved x 2. Ninth run (H100): with the default options 89 of 1,024
                       # samples differed between shrink_batch and not at 256. Do the
                       # batch-invariant variants agree (samples and log-probs differing 0), and
-                      # what does it cost?
+                      # what does it cost? (~350 s expected at 256: shrink_ab 256, three variants
+                      # of which one static, took 207 s on the H100 on 2026-11-27)
       for b in ${INVARIANT_BATCHES:-256}; do
-        stage "batch_invariant_$b" 420 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+        stage "batch_invariant_$b" 480 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
           --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
           --decode-attention "$DECODE" --refill-queue -1 --unshrunk --batch-invariant 0 1 \
           --other-batches $((b / 2)) --repeats 2 --out "$OUT/sampler_ab_invariant_$b$SUFFIX.json"
