@@ -201,12 +201,14 @@ class Sampler:
             if reason:
                 raise ValueError(f"decode_attention {resolved!r} (rollout.decode_attention) "
                                  f"cannot run this model / rollout.page_size: {reason}")
-        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-        if batch_invariant and platform not in programs.BATCH_INVARIANT_PLATFORMS:
-            raise ValueError(f"batch_invariant (rollout.batch_invariant) compiles with XLA GPU "
-                             f"options ({', '.join(programs.BATCH_INVARIANT_OPTIONS)}); the "
-                             f"sampler runs on {platform!r}, whose compiler is not known to "
-                             f"take them: leave it off there")
+        if batch_invariant:
+            platform = (mesh.devices.flat[0].platform if mesh is not None
+                        else jax.default_backend())
+            if platform not in programs.BATCH_INVARIANT_PLATFORMS:
+                raise ValueError(f"batch_invariant (rollout.batch_invariant) compiles with XLA "
+                                 f"GPU options ({', '.join(programs.BATCH_INVARIANT_OPTIONS)}); "
+                                 f"the sampler runs on {platform!r}, whose compiler is not known "
+                                 f"to take them: leave it off there")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
