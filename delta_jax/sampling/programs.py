@@ -46,12 +46,18 @@ def _per_shard(fn, batch_spec, num_kv_heads, in_kinds, out_kinds):
 # GEMMs otherwise pick their tiling, split of the contraction and library per shape, and a
 # contraction split in another number of parts sums a row in another order: one split (split-K
 # off) and XLA's own Triton GEMMs always, never cuBLAS's (whose kernels split as they choose).
+# Both are needed for the second: XLA's GEMM fusion leaves a "pure" matmul (operands straight
+# from parameters, bitcasts or reshapes: o_proj after the attention kernel, say) to cuBLAS
+# without asking the autotuner unless triton_gemm_any is set, and the autotuner may still pick
+# cuBLAS for the rest unless cublas_fallback is off (XLA's gemm_fusion.cc and the flag's help:
+# "to make sure only triton gemm is chosen ... run with xla_gpu_cublas_fallback set to false").
 # And XLA may keep a bfloat16 value in float32 where a fusion holds it, which fusion decisions
 # (shape-dependent) change: excess precision off rounds every value to its dtype. For the
 # prefill and decode programs of Sampler(batch_invariant=True). XLA:CPU takes the GPU options
 # and does nothing with them; excess precision off also rounds a bfloat16 model's intermediates
 # there.
 BATCH_INVARIANT_OPTIONS = {"xla_gpu_experimental_force_split_k": 1,
+                           "xla_gpu_triton_gemm_any": True,
                            "xla_gpu_cublas_fallback": False,
                            "xla_allow_excess_precision": False}
 # The platforms whose compilers take those options (jax device.platform names): XLA:GPU's and
