@@ -10,13 +10,24 @@
 #
 #   bash scripts/gpu_jax_check.sh                  # the kernel's tests and the sampler's
 #   bash scripts/gpu_jax_check.sh tests/test_x.py  # other tests under that jax
+#   bash scripts/gpu_jax_check.sh --compile benchmarks/gpu_program.py [args]
+#       # a script under that jax with its CUDA plugin, JAX_PLATFORMS=cpu: programs compiled for
+#       # an H100 / H200 without one (benchmarks/gpu_program.py's deviceless compile)
 #
-# Makes .venv-gpujax (git-ignored) with PYTHON312 (default: python3.12 on PATH, else pyenv's).
+# Makes .venv-gpujax (git-ignored) with PYTHON312 (default: python3.12 on PATH, else pyenv's);
+# --compile makes .venv-gpucompile, the same plus jax-cuda12-plugin / jax-cuda12-pjrt (~200 MB;
+# kept apart: with the plugin installed, every jax import looks for a CUDA driver).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JAX_VERSION=${GPU_JAX_VERSION:-0.11.2}
 FLAX_VERSION=${GPU_FLAX_VERSION:-0.12.10}
 VENV=.venv-gpujax
+EXTRA=()
+if [ "${1:-}" = "--compile" ]; then
+  shift
+  VENV=.venv-gpucompile
+  EXTRA=("jax-cuda12-plugin==$JAX_VERSION" "jax-cuda12-pjrt==$JAX_VERSION")
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   PY=${PYTHON312:-}
   if [ -z "$PY" ]; then
@@ -31,7 +42,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" \
-    "flax==$FLAX_VERSION" pytest pytest-xdist -e .
+    "flax==$FLAX_VERSION" pytest pytest-xdist "${EXTRA[@]}" -e .
+if [ ${#EXTRA[@]} -gt 0 ]; then
+  [ $# -gt 0 ] || { echo "gpu_jax_check --compile: name the script to run" >&2; exit 2; }
+  JAX_PLATFORMS=cpu exec "$VENV/bin/python" "$@"
+fi
 "$VENV/bin/python" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
 if [ $# -eq 0 ]; then
   set -- tests/test_paged_decode.py tests/test_sampling.py tests/test_attention.py

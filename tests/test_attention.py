@@ -13,7 +13,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.models import attention as A
-from tests.decode_args import abstract_decode_args
+from delta_jax.sampling.programs import abstract_decode_args
 
 
 def numpy_attention(q, k, v, q_offset, kv_valid, causal=True):
@@ -214,6 +214,18 @@ def test_backend_checks_follow_the_default_device(monkeypatch):
     assert A._cuda_backend() and not A._hopper()
     with pytest.raises(ValueError, match=f"here the device is 'gpu' .compute capability {other}"):
       A.resolve_decode_impl("mosaic")
+
+  # A compile-only client's device (a deviceless compile for a described GPU): its platform
+  # version names no CUDA, its device kind the NVIDIA GPU. An AMD GPU is not CUDA.
+  class CompileOnly:
+    platform_version = "PJRT C API\nNVIDIA H100 80GB HBM3"
+
+  Hopper.client, Hopper.compute_capability = CompileOnly(), "9.0"
+  Hopper.device_kind = "NVIDIA H100 80GB HBM3"
+  assert A._cuda_backend() and A._hopper()
+  CompileOnly.platform_version = "PJRT C API\nrocm 60300"
+  Hopper.device_kind = "AMD Instinct MI300X"
+  assert not A._cuda_backend() and not A._hopper()
 
 
 def test_impl_resolution_and_errors():

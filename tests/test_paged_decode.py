@@ -19,7 +19,7 @@ from jax import export
 from delta_jax.kernels import paged_decode as PD
 from delta_jax.models import attention as A
 from tests import mosaic_interpret
-from tests.decode_args import abstract_decode_args
+from delta_jax.sampling.programs import abstract_decode_args
 from tests.test_attention import paged_case
 
 needs_interpreter = pytest.mark.skipif(mosaic_interpret.available() is not None,

@@ -13,7 +13,7 @@ from flax import nnx
 
 from delta_jax import models, plan, sharding
 from delta_jax.train.state import init_train_state, split_model
-from tests.decode_args import abstract_decode_args
+from delta_jax.sampling.programs import abstract_decode_args
 from tests.rl_fixtures import device_bytes
 
 # hidden 36 does not divide by fsdp=8 (the rules fall back to replication there).

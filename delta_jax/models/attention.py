@@ -690,11 +690,14 @@ def _default_device():
 def _cuda_backend() -> bool:
   """Whether computations traced now run on a CUDA GPU (_default_device: under
   jax.default_device(cpu) on a GPU machine they run on the CPU, which must not get cuDNN or the
-  GPU kernels)."""
+  GPU kernels). A CUDA client's platform version names CUDA; a compile-only client's (a
+  deviceless compile for a GPU described by a target config, benchmarks/gpu_program.py) does
+  not, and its device is known by its NVIDIA device kind."""
   device = _default_device()
   if device is None or device.platform != "gpu":
     return False
-  return "cuda" in str(getattr(device.client, "platform_version", "")).lower()
+  return ("cuda" in str(getattr(device.client, "platform_version", "")).lower()
+          or str(getattr(device, "device_kind", "")).startswith("NVIDIA"))
 
 
 def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int,

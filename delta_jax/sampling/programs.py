@@ -258,3 +258,33 @@ _DECODE_JIT = dict(static_argnames=("graphdef", "num_steps", "top_k", "use_top_p
                    donate_argnames=("cache",))
 batch_invariant_decode = jax.jit(decode, **_DECODE_JIT, compiler_options=BATCH_INVARIANT_OPTIONS)
 decode = jax.jit(decode, **_DECODE_JIT)
+
+
+def abstract_decode_args(graphdef, state, cache: models.PagedKVCache, num_slots: int,
+                         pages_per_seq: int, *, queued=None, sharding=None,
+                         row_sharding=None) -> tuple:
+    """decode's positional arguments as abstract shapes, to lower or compile it ahead of time
+    (benchmarks/gpu_program.py: for a GPU this machine does not have; tests): `num_slots` slots
+    and `queued` staged entries (None: as many as slots; 0: none, the program without refill
+    work), four stop ids, temperature and top-p as scalars; the static arguments are the
+    caller's. The layer weights are decode_layers' (abstract) result. `sharding` (None: the
+    arguments' own) places the parameters, pages and scalars, `row_sharding` the per-row inputs
+    (default `sharding`)."""
+    if sharding is not None:
+        state, cache = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), (state, cache))
+    row_sharding = sharding if row_sharding is None else row_sharding
+
+    def rows(n):
+        def of(*shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding)
+        return Rows(of(n, pages_per_seq), of(n), of(n), of(n), of(n, dtype=jnp.bool_), of(n),
+                    of(n), of(n))
+
+    def scalar(dtype, *shape):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    layers = jax.eval_shape(decode_layers, graphdef, state)
+    return (graphdef, state, layers, cache, rows(num_slots),
+            rows(num_slots if queued is None else queued), scalar(jnp.uint32),
+            scalar(jnp.int32, 4), scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32),
+            scalar(jnp.int32))
