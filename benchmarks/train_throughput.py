@@ -49,8 +49,13 @@ combination, lowered from abstract shapes only (nothing is allocated, so the ful
 can be analysed on a CPU; the figure is then the CPU compiler's buffer assignment, which is close
 to but not the GPU's), printed beside plan mode's "update" figure (delta_jax.plan) for the same
 shape (plan mode models every remat policy: none, full and the dots_* policies from the matmul
-outputs they save). The timed programs' own analyses (forward, fwd+bwd, step at the
-throughput shape) are printed on the backend that runs them.
+outputs they save). With --compile-for h100 / h200 (and --skip-throughput) the step is compiled
+for that GPU on this machine instead, deviceless (benchmarks/gpu_program.py: jax's CUDA plugin,
+`bash scripts/gpu_jax_check.sh --compile benchmarks/train_throughput.py --skip-throughput
+--compile-for h100`; cuDNN attention needs nvidia-cudnn-cu12 installed there), with the model's
+dispatch as on that GPU (cuDNN attention): XLA:GPU's figures next to the plan, without a GPU.
+The timed programs' own analyses (forward, fwd+bwd, step at the throughput shape) are printed on
+the backend that runs them.
 
 Defaults (one GPU call, issue #9 / #16: Qwen3-1.7B, batch 8 in micro-batches of 2 x sequence
 4096, bf16): remat full (the layer input only) and dots_with_no_batch_dims_saveable (also the
@@ -67,6 +72,7 @@ CPU recording run (Qwen3-1.7B width with 2 layers, sequence 512, float32):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import re
@@ -374,11 +380,15 @@ def memory_shape(args) -> dict:
                 response_len=args.memory_response_len)
 
 
-def peak_memory(args, cfg, impl: str) -> dict:
+def peak_memory(args, cfg, impl: str, sharding=None) -> dict:
     """Compiled-memory analysis of the full-shape train step, from abstract shapes only, printed
-    beside plan mode's "update" figure for the same shape."""
+    beside plan mode's "update" figure for the same shape; `sharding` places the abstract state
+    and batch (a compile-only GPU's device: --compile-for)."""
     shape = memory_shape(args)
     step, state, batch = abstract_step(cfg, impl=impl, **shape)
+    if sharding is not None:
+        state, batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), (state, batch))
     plan_bytes = plan_update_bytes(cfg, **shape)
     start = time.perf_counter()
     memory = timing.print_compiled_memory(
@@ -457,6 +467,10 @@ def main(argv=None):
                              "print its device time by kernel")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--compile-for", default=None, choices=["h100", "h200"],
+                        help="compile the memory analysis's step for this GPU without one "
+                             "(needs jax's CUDA plugin and --skip-throughput; "
+                             "benchmarks/gpu_program.py)")
     parser.add_argument("--out", default="benchmarks/results/train_throughput.json")
     args = parser.parse_args(argv)
     xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
@@ -464,6 +478,9 @@ def main(argv=None):
         parser.error("response lengths must lie in (0, seq)")
     if args.lora_rank < 0:
         parser.error("--lora-rank must be >= 0")
+    if args.compile_for and not (args.skip_throughput and not args.skip_memory):
+        parser.error("--compile-for compiles the memory analysis only: give --skip-throughput "
+                     "and not --skip-memory")
     for batch, micro in ((args.batch, args.micro_batch),
                          (args.memory_batch, args.memory_micro_batch)):
         if 0 < micro < batch and batch % micro:
@@ -506,9 +523,18 @@ def main(argv=None):
                        peak_matmul_source=matmul_source, peak_matmul_calls=matmul_calls,
                        throughput=rows)
     if not args.skip_memory:
-        rows = sweep(args, f"compiling the {args.memory_preset} step for its memory analysis",
-                     args.memory_preset, None, args.memory_dtype, memory_shape(args),
-                     lambda cfg, impl: peak_memory(args, cfg, impl))
+        target, sharding = contextlib.nullcontext(), None
+        if args.compile_for:
+            import gpu_program  # a sibling benchmark: the deviceless GPU compile
+            device = gpu_program.compile_only_device(args.compile_for, gpu_program.CUDNN_VERSION,
+                                                     gpu_program.CUDA_VERSION)
+            target, sharding = jax.default_device(device), jax.sharding.SingleDeviceSharding(device)
+            print(f"compiling for {device.device_kind} (compile only, cuDNN "
+                  f"{gpu_program.CUDNN_VERSION}, CUDA {gpu_program.CUDA_VERSION})")
+        with target:
+            rows = sweep(args, f"compiling the {args.memory_preset} step for its memory analysis",
+                         args.memory_preset, None, args.memory_dtype, memory_shape(args),
+                         lambda cfg, impl: peak_memory(args, cfg, impl, sharding))
         timing.print_table(
             f"compiled train-step memory: {args.memory_preset}{lora}, batch {args.memory_batch} "
             f"(micro {args.memory_micro_batch}) x seq {args.memory_seq} "

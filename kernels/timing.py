@@ -118,7 +118,7 @@ def compiled_memory_bytes(program, *args, **kwargs) -> dict:
     """
     compiled = program if hasattr(program, "memory_analysis") else (
         program.lower(*args, **kwargs).compile())
-    backend = jax.default_backend()
+    backend = compiled_backend(compiled)
     try:
         analysis = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError) as err:  # e.g. a backend without the analysis
@@ -130,6 +130,21 @@ def compiled_memory_bytes(program, *args, **kwargs) -> dict:
     out["peak_estimate_bytes"] = (out["argument_bytes"] + out["output_bytes"]
                                   + out["temp_bytes"] - out["alias_bytes"])
     return out
+
+
+def compiled_backend(compiled) -> str:
+    """The platform a compiled program is for: its inputs' devices' (a program compiled for a
+    GPU described without one, benchmarks/gpu_program.py, says "gpu (<kind>, compile only)");
+    jax.default_backend() where it has no inputs to tell."""
+    try:
+        sharding = next(s for s in jax.tree.leaves(compiled.input_shardings)
+                        if hasattr(s, "device_set"))
+        device = next(iter(sharding.device_set))
+    except (StopIteration, AttributeError, TypeError):
+        return jax.default_backend()
+    if type(device.client).__name__ == "CompileOnlyPyClient":
+        return f"{device.platform} ({device.device_kind}, compile only)"
+    return device.platform
 
 
 def format_compiled_memory(label: str, memory: dict, plan_bytes: int | None = None) -> str:

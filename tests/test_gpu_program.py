@@ -164,8 +164,29 @@ def test_a_decode_program_compiled_for_an_h100(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert {(r["rows"], r["batch_invariant"]) for r in rows} == {(8, 0), (8, 1), (64, 0), (64, 1)}
     for r in rows:
+        assert r["compiled_memory"]["backend"] == "gpu (NVIDIA H100 80GB HBM3, compile only)"
         assert r["by_kind"].get("custom-call mosaic_gpu_v2") == 2
         assert r["pool_sized"] == []
         if r["batch_invariant"]:
             assert r["split_gemms"] == 0
             assert not [k for k in r["by_kind"] if "cublas" in k]
+
+
+def test_train_step_memory_compiled_for_an_h100(tmp_path):
+    """With the CUDA plugin: train_throughput.py --compile-for h100 compiles its memory analysis
+    for the H100 (the figures say so) beside plan mode's."""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location(
+        "train_throughput", pathlib.Path(gpu_program.__file__).with_name("train_throughput.py"))
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    out = tmp_path / "tt.json"
+    tt.main(["--skip-throughput", "--compile-for", "h100", "--memory-preset", "tiny",
+             "--memory-seq", "128", "--memory-response-len", "64", "--memory-batch", "4",
+             "--memory-micro-batch", "2", "--remat", "full", "--attention", "auto",
+             "--logprob-impls", "chunked", "--logprob-chunk", "256", "--out", str(out)])
+    row, = json.loads(out.read_text())["memory"]
+    assert row["backend"] == "gpu (NVIDIA H100 80GB HBM3, compile only)"
+    assert row["peak_estimate_bytes"] > 0 and row["plan_update_bytes"] > 0

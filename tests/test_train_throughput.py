@@ -127,3 +127,15 @@ def test_lora_rows_train_the_adapters_and_count_their_flops(tmp_path, capsys):
     assert cfg.lora_targets == models.LORA_TARGETS and "memory" not in record
     assert row["trainable_params"] == cfg.num_lora_params()   # the adapters alone
     assert "+ LoRA rank 4" in capsys.readouterr().out
+
+
+def test_compile_for_a_gpu_takes_the_memory_analysis_only(tmp_path, capsys):
+    """--compile-for compiles the memory analysis for a GPU this machine lacks (deviceless,
+    benchmarks/gpu_program.py); asked for with the timed sweep, or with the memory analysis
+    skipped, it is refused before anything runs."""
+    tt = _load()
+    for extra in ([], ["--skip-throughput", "--skip-memory"]):
+        with pytest.raises(SystemExit):
+            tt.main(["--compile-for", "h100", "--out", str(tmp_path / "x.json"), *extra])
+        assert "--compile-for compiles the memory analysis only" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
