@@ -27,8 +27,8 @@ contraction (a 2-D GEMM whose f32 result has a leading dimension a consumer sums
 the buffers of a page pool's size (or larger) written other than in place. Prefill
 (programs.prefill), with --prefill-rows: that many prompts of --prompt-len tokens, the same for
 a layer of its layer scan (jax asks the cuDNN library's version when it traces cuDNN attention,
-so a bf16 prefill needs nvidia-cudnn-cu12 installed, ~700 MB; without it the prefill is
-reported not compiled).
+so a bf16 prefill needs nvidia-cudnn-cu12 installed, ~700 MB: COMPILE_CUDNN=1 bash
+scripts/gpu_jax_check.sh --compile ...; without it the prefill is reported not compiled).
 """
 from __future__ import annotations
 
@@ -320,7 +320,8 @@ def main(argv=None):
                         graphdef, abstract_state, cache, ints, ints, ints, ints))
                 except RuntimeError as e:  # e.g. "cuDNN not found": jax asks the library's version
                     print(f"prefill rows {rows}: not compiled: {e} (the cuDNN attention of a "
-                          f"bf16 prefill needs the cuDNN library, pip install nvidia-cudnn-cu12)",
+                          f"bf16 prefill needs the cuDNN library: nvidia-cudnn-cu12, which "
+                          f"COMPILE_CUDNN=1 bash scripts/gpu_jax_check.sh --compile installs)",
                           flush=True)
                     break
                 row = {"program": "prefill", "rows": rows, "prompt_len": args.prompt_len,

@@ -52,7 +52,7 @@ shape (plan mode models every remat policy: none, full and the dots_* policies f
 outputs they save). With --compile-for h100 / h200 (and --skip-throughput) the step is compiled
 for that GPU on this machine instead, deviceless (benchmarks/gpu_program.py: jax's CUDA plugin,
 `bash scripts/gpu_jax_check.sh --compile benchmarks/train_throughput.py --skip-throughput
---compile-for h100`; cuDNN attention needs nvidia-cudnn-cu12 installed there), with the model's
+--compile-for h100`, with COMPILE_CUDNN=1 for cuDNN attention's library), with the model's
 dispatch as on that GPU (cuDNN attention): XLA:GPU's figures next to the plan, without a GPU.
 The timed programs' own analyses (forward, fwd+bwd, step at the throughput shape) are printed on
 the backend that runs them.

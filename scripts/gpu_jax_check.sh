@@ -16,7 +16,9 @@
 #
 # Makes .venv-gpujax (git-ignored) with PYTHON312 (default: python3.12 on PATH, else pyenv's);
 # --compile makes .venv-gpucompile, the same plus jax-cuda12-plugin / jax-cuda12-pjrt (~200 MB;
-# kept apart: with the plugin installed, every jax import looks for a CUDA driver).
+# kept apart: with the plugin installed, every jax import looks for a CUDA driver), and with
+# COMPILE_CUDNN=1 nvidia-cudnn-cu12 9.8 (~700 MB: cuDNN attention, i.e. the prefill's and the
+# train step's, asks the library's version when it is traced).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JAX_VERSION=${GPU_JAX_VERSION:-0.11.2}
@@ -27,6 +29,7 @@ if [ "${1:-}" = "--compile" ]; then
   shift
   VENV=.venv-gpucompile
   EXTRA=("jax-cuda12-plugin==$JAX_VERSION" "jax-cuda12-pjrt==$JAX_VERSION")
+  [ "${COMPILE_CUDNN:-0}" = 1 ] && EXTRA+=("nvidia-cudnn-cu12>=9.8,<9.9")
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   PY=${PYTHON312:-}
