@@ -127,7 +127,10 @@ def test_kernels_of_a_step_known_answer():
 def test_target_config_describes_the_gpu():
     text = gpu_program.target_config("h200", "9.8", "12.8")
     assert 'device_description_str: "NVIDIA H200"' in text
-    assert f"device_memory_size: {143_771 * 2**20}" in text
+    # stated so that XLA's 80% of it is the allocator limit at the fraction (0.95 by default)
+    assert f"device_memory_size: {int(143_771 * 2**20 * 0.95 / 0.8)}" in text
+    assert f"device_memory_size: {int(81_559 * 2**20 * 0.5 / 0.8)}" in gpu_program.target_config(
+        "h100", "9.8", "12.8", memory_fraction=0.5)
     assert "cuda_compute_capability { major: 9 minor: 0 }" in text
     assert "dnn_version_info { major: 9 minor: 8 }" in text
     assert "runtime_version { major: 12 minor: 8 }" in text
