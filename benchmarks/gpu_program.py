@@ -13,7 +13,8 @@ driver is loaded. The programs are traced under jax.default_device(that GPU), so
 device checks pick what they pick on one (cuDNN attention in the prefill, the Mosaic GPU decode
 kernel for "auto"), and compiled from abstract arguments (programs.abstract_decode_args).
 XLA cannot autotune without the device: its GEMM configs here are its own choice without
-measuring. For the Qwen3-0.6B decode at 64 rows that choice split the contraction exactly as the
+measuring. `--target local` compiles for this machine's own device instead (on a GPU: the
+autotuned programs a run gets, to set beside the predictions; on a CPU: XLA:CPU's). For the Qwen3-0.6B decode at 64 rows that choice split the contraction exactly as the
 profiled H200 program did (2, 4 and 8 parts: BENCHMARKS.md "A decode step's GEMMs on an H100,
 compiled without a GPU"); a GPU's autotuner may choose other tiles and splits elsewhere.
 
@@ -187,8 +188,12 @@ def kernels(text: str, computation: str, pool_bytes: int | None = None) -> dict:
             "gemms": gemms, "pool_sized": pool_sized}
 
 
-def loop_bodies(text: str) -> list[str]:
-    """The bodies of the module's while loops (what runs at every iteration)."""
+def loop_bodies(text: str, computation: str | None = None) -> list[str]:
+    """The bodies of the module's while loops (what runs at every iteration), or of those whose
+    while instruction is in `computation` (the entry's: the outermost loops)."""
+    if computation is not None:
+        text = "\n".join(i["text"] for i in hlo_fusions.parse_module(text)[computation]
+                         if i["opcode"] == "while")
     return sorted(set(re.findall(r"\bbody=%?([\w.\-]+)", text)))
 
 
@@ -211,11 +216,13 @@ def summary(found: dict) -> dict:
 
 
 def program_summary(text: str, label: str, pool_bytes: int | None = None) -> dict:
-    """summary() of the program's one while loop's body (decode: a step; prefill: a layer of
-    the layer scan), with "call_kernels": the kernels its entry launches once a call."""
-    bodies = loop_bodies(text)
+    """summary() of the body of the program's one outermost while loop (decode: a step;
+    prefill: a layer of the layer scan; loops inside it count as no kernel), with
+    "call_kernels": the kernels its entry launches once a call."""
+    bodies = loop_bodies(text, entry(text))
     if len(bodies) != 1:
-        raise SystemExit(f"gpu_program: {label}: expected one while loop, found {bodies}")
+        raise SystemExit(f"gpu_program: {label}: expected one outermost while loop, found "
+                         f"{bodies}")
     return {**summary(kernels(text, bodies[0], pool_bytes)),
             "call_kernels": kernels(text, entry(text))["kernels"]}
 
@@ -224,7 +231,9 @@ def program_summary(text: str, label: str, pool_bytes: int | None = None) -> dic
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default="h100", choices=sorted(TARGETS))
+    p.add_argument("--target", default="h100", choices=sorted(TARGETS) + ["local"],
+                   help="the GPU described (compiled without it), or 'local': this machine's "
+                        "default device, its compiler's own (on a GPU: autotuned) programs")
     p.add_argument("--cudnn", default=CUDNN_VERSION,
                    help="the cuDNN version XLA is told (major.minor)")
     p.add_argument("--cuda", default=CUDA_VERSION, help="the CUDA runtime version XLA is told")
@@ -257,7 +266,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles only: no GPU opened
+    if args.target != "local":  # the CUDA plugin compiles only: no GPU is opened
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -267,7 +277,10 @@ def main(argv=None):
     from delta_jax.models import attention
     from delta_jax.sampling import programs
 
-    device = compile_only_device(args.target, args.cudnn, args.cuda, args.memory_fraction)
+    if args.target == "local":
+        device = jax.devices()[0]
+    else:
+        device = compile_only_device(args.target, args.cudnn, args.cuda, args.memory_fraction)
     placed = jax.sharding.SingleDeviceSharding(device)
     dtype = jnp.dtype(args.dtype)
     cfg = models.get_preset(args.preset, dtype=dtype, param_dtype=dtype)
@@ -277,10 +290,11 @@ def main(argv=None):
                                                                           rngs=nnx.Rngs(0))))
     ps = args.page_size
     pages_per_seq = -(-(args.prompt_len + args.new_tokens) // ps)
+    how = ("this machine's device" if args.target == "local" else
+           f"compile only, memory fraction {args.memory_fraction}, cuDNN {args.cudnn}, "
+           f"CUDA {args.cuda}")
     print(f"gpu_program: {args.preset} ({cfg.num_layers} layers, vocabulary {cfg.vocab_size}) "
-          f"{args.dtype} for {device.device_kind} (compile only, memory fraction "
-          f"{args.memory_fraction}, cuDNN {args.cudnn}, CUDA {args.cuda}, jax {jax.__version__})",
-          flush=True)
+          f"{args.dtype} for {device.device_kind} ({how}, jax {jax.__version__})", flush=True)
     results, memory = [], {}
 
     def compiled_text(label, lowered):

@@ -41,6 +41,8 @@
 #   bash scripts/gpu_bench.sh batch_invariant    # batch 256: shrink_batch / not / 128 slots, with and
 #                                                # without rollout.batch_invariant: tokens, cost (#15)
 #   bash scripts/gpu_bench.sh decode_invariant   # fixed lengths at 64 and 256 with / without batch_invariant (#15)
+#   bash scripts/gpu_bench.sh programs           # the decode / prefill programs this GPU compiles:
+#                                                # GEMM splits, kernels a step, 8-256 rows (#15)
 #   bash scripts/gpu_bench.sh fused_tail         # batch 64, 256: long tail, mosaic / mosaic_fused interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
 #   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
@@ -256,6 +258,13 @@ for s in "$@"; do
           --decode-attention "$DECODE" --refill-queue -1 --unshrunk --batch-invariant 0 1 \
           --other-batches $((b / 2)) --repeats 2 --out "$OUT/sampler_ab_invariant_$b$SUFFIX.json"
       done ;;
+    programs)  # issue 15: the decode and prefill programs as this GPU's compiler builds them,
+               # autotuned (benchmarks/gpu_program.py --target local): GEMM splits and kernels a
+               # step at 8-256 rows, with and without batch_invariant, to set beside the ones
+               # compiled without a GPU (BENCHMARKS.md, 2026-11-27: the same splits at 64 rows
+               # as the eighth run's profiled program). Compiles only (~3-5 min expected).
+      stage programs 360 python3 benchmarks/gpu_program.py --target local --prefill-rows 1 2 16 \
+        --output "$OUT/gpu_program_local.json" ;;
     fused_tail)  # issue 15: the long tail with the fused Mosaic step against the unfused one,
                  # interleaved (FUSED_TAIL_BATCHES, default "64 256"). Why: on the ninth run (H100)
                  # the fused step gained 1.5% at batch 64 with fixed lengths, inside the spread,

@@ -193,3 +193,22 @@ def test_train_step_memory_compiled_for_an_h100(tmp_path):
     row, = json.loads(out.read_text())["memory"]
     assert row["backend"] == "gpu (NVIDIA H100 80GB HBM3, compile only)"
     assert row["peak_estimate_bytes"] > 0 and row["plan_update_bytes"] > 0
+
+
+def test_local_target_reports_this_machines_decode_program(tmp_path, on_cpu):
+    """--target local compiles for this machine's own device (a GPU's autotuned programs on a
+    GPU; here XLA:CPU's): the whole script end to end at the tiny preset, a step's kernels and
+    the call's, no buffer of a page pool's size written other than in place (as
+    tests/test_attention.py checks on the CPU's program), the memory analysis the CPU's."""
+    import json
+    out = tmp_path / "local.json"
+    gpu_program.main(["--target", "local", "--preset", "tiny", "--dtype", "float32",
+                      "--rows", "4", "8", "--batch-invariant", "0", "1", "--new-tokens", "64",
+                      "--prompt-len", "32", "--output", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["batch_invariant"]) for r in rows] == [(4, 0), (4, 1), (8, 0), (8, 1)]
+    for r in rows:
+        assert r["program"] == "decode" and r["kernels"] > 0 and r["call_kernels"] > 0
+        assert r["pool_sized"] == []
+        assert r["compiled_memory"]["backend"] == "cpu"
+        assert sum(r["by_kind"].values()) == r["kernels"]
