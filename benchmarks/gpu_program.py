@@ -130,16 +130,14 @@ def _operands(text: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", inside.split("), ", 1)[0])
 
 
-def _kind(ins: dict) -> str:
-    """A kernel's kind: a fusion's (kLoop, kInput, a Triton kind, ...), a custom call's target,
-    else the opcode."""
+def _kind(ins: dict, fused: dict) -> str:
+    """A kernel's kind: a fusion's (hlo_fusions.fusions' kind: kLoop, kInput, a Triton kind,
+    ...), a custom call's target, else the opcode."""
     if ins["opcode"] == "custom-call":
         target = re.search(r'custom_call_target="([^"]+)"', ins["text"])
         return "custom-call " + (target.group(1) if target else "?")
     if ins["opcode"] == "fusion":
-        custom = re.search(r'"kind":\s*"(__[\w]+)"', ins["text"])
-        kind = re.search(r"kind=(\w+)", ins["text"])
-        return "fusion " + (custom or kind).group(1) if (custom or kind) else "fusion ?"
+        return "fusion " + fused.get(ins["name"], {}).get("kind", "?")
     return ins["opcode"]
 
 
@@ -169,7 +167,7 @@ def kernels(text: str, computation: str, pool_bytes: int | None = None) -> dict:
     for ins in body:
         if ins["opcode"] in NOT_KERNELS:
             continue
-        kind = _kind(ins)
+        kind = _kind(ins, fused)
         by_kind[kind] += 1
         info = fused.get(ins["name"], {})
         if _is_gemm(kind):
@@ -336,13 +334,10 @@ def main(argv=None):
                 results.append(row)
                 print_row(row)
         for rows in args.prefill_rows:
-            cache = jax.eval_shape(lambda: models.init_paged_cache(
-                cfg, 1 + rows * pages_per_seq, ps))
-            cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                sharding=placed), cache)
+            cache = timing.abstract_like(jax.eval_shape(lambda: models.init_paged_cache(
+                cfg, 1 + rows * pages_per_seq, ps)), placed)
             ints = jax.ShapeDtypeStruct((rows, args.prompt_len), jnp.int32, sharding=placed)
-            abstract_state = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), state)
+            abstract_state = timing.abstract_like(state, placed)
             for invariant in args.batch_invariant:
                 program = programs.batch_invariant_prefill if invariant else programs.prefill
                 label = f"prefill_rows{rows}_len{args.prompt_len}_inv{invariant}"

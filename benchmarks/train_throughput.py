@@ -387,8 +387,7 @@ def peak_memory(args, cfg, impl: str, sharding=None) -> dict:
     shape = memory_shape(args)
     step, state, batch = abstract_step(cfg, impl=impl, **shape)
     if sharding is not None:
-        state, batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), (state, batch))
+        state, batch = timing.abstract_like((state, batch), sharding)
     plan_bytes = plan_update_bytes(cfg, **shape)
     start = time.perf_counter()
     memory = timing.print_compiled_memory(

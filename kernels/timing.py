@@ -171,11 +171,18 @@ def print_compiled_memory(label: str, program, *args, plan_bytes: int | None = N
     return memory
 
 
-def abstract_like(tree):
+def abstract_like(tree, sharding=None):
     """`tree` with every jax.Array replaced by a ShapeDtypeStruct of the same shape, dtype and
-    sharding (what a program can be lowered for again once donated buffers are gone)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                        if isinstance(x, jax.Array) else x, tree)
+    sharding (what a program can be lowered for again once donated buffers are gone); with
+    `sharding`, every array and ShapeDtypeStruct by one placed by it instead (abstract
+    arguments for another device, e.g. a compile-only GPU's: benchmarks/gpu_program.py)."""
+    def one(x):
+        if sharding is not None and isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+    return jax.tree.map(one, tree)
 
 
 def recording_first_call(fn, name: str, calls: dict):

@@ -173,3 +173,21 @@ def test_copy_bandwidth_is_a_positive_rate_on_the_cpu():
     for calls in (None, 3):
         got = timing.copy_bandwidth(1, repeats=2, calls=calls)
         assert math.isfinite(got) and got > 0
+
+
+def test_abstract_like_keeps_or_replaces_the_placement():
+    """abstract_like: arrays become ShapeDtypeStructs of their own sharding; with a sharding,
+    arrays and ShapeDtypeStructs alike become ones placed by it; other leaves stay."""
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+    x = jnp.ones((2, 3), jnp.bfloat16)
+    spec = jax.ShapeDtypeStruct((4,), jnp.int32)
+    tree = {"x": x, "spec": spec, "n": 3}
+    own = timing.abstract_like(tree)
+    assert isinstance(own["x"], jax.ShapeDtypeStruct) and own["x"].sharding == x.sharding
+    assert (own["x"].shape, own["x"].dtype) == ((2, 3), jnp.bfloat16)
+    assert own["spec"] is spec and own["n"] == 3
+    where = SingleDeviceSharding(jax.devices()[-1])
+    placed = timing.abstract_like(tree, where)
+    assert placed["x"].sharding == where and placed["spec"].sharding == where
+    assert (placed["spec"].shape, placed["spec"].dtype) == ((4,), jnp.int32) and placed["n"] == 3
