@@ -58,6 +58,8 @@ rows_per_block: a block attends R sequences in turn, its page copies one stream 
 the next row's first pages arrive while a row finishes, and batch 64 is 256 blocks, not 512).
 --mosaic-pdl runs it with programmatic dependent launch (paged_decode_mosaic's
 pdl: its blocks start while the kernel before it drains; marked for the launch by jax >= 0.11).
+(--mosaic-kernel's K_SPLITS holds for every call; the product's own setting is --decode-splits,
+Sampler(decode_splits=): 1, a fixed count, or 0 = auto, per call from its rows.)
 Each row records them (mosaic_kernel); they apply to the attention kernel alone and to the fused
 step (paged_write_decode_mosaic: the q / k norms, RoPE and page writes in the attention kernel,
 what --decode-attention mosaic_fused runs where attention.fused_write_attend holds; "mosaic"
@@ -74,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -159,6 +160,9 @@ def parse_args(argv=None):
                    help="transformers baseline: auto = only when torch has CUDA")
     p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                    help="transformers' KV cache (generate's cache_implementation)")
+    p.add_argument("--decode-splits", type=int, default=1,
+                   help="Sampler(decode_splits=): the Mosaic kernel's splits of a row's pages "
+                        "(rollout.decode_splits; 0 = auto, per call from its rows)")
     p.add_argument("--mosaic-kernel", type=int, nargs=3, default=None,
                    metavar=("K_SPLITS", "PAGES_PER_BLOCK", "STAGES"),
                    help="the Mosaic GPU decode kernel's parameters (default: its own)")
@@ -202,12 +206,14 @@ def mosaic_kwargs(args) -> dict:
 def mosaic_parameters(kwargs: dict):
     """Within the block the Mosaic GPU decode kernels (the attention alone and the fused step)
     run with `kwargs` (attention.paged_decode_attention and paged_write_attend look them up at
-    each trace); nothing changes for {}."""
+    each trace), over what the caller passes (its k_splits: rollout.decode_splits); nothing
+    changes for {}."""
     names = ("paged_decode_mosaic", "paged_write_decode_mosaic")
     originals = [getattr(paged_decode, name) for name in names]
     if kwargs:
         for name, original in zip(names, originals):
-            setattr(paged_decode, name, functools.partial(original, **kwargs))
+            setattr(paged_decode, name,
+                    lambda *a, original=original, **k: original(*a, **{**k, **kwargs}))
     try:
         yield
     finally:
@@ -316,7 +322,8 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True,
     return Sampler(model, max_batch_size=batch, page_size=args.page_size,
                    decode_steps_per_call=args.steps_per_call, decode_attention=impl,
                    kv_budget_bytes=budget, continuous=continuous, shrink_batch=shrink,
-                   batch_invariant=args.batch_invariant, prefill_ahead=not args.no_prefill_ahead,
+                   batch_invariant=args.batch_invariant, decode_splits=args.decode_splits,
+                   prefill_ahead=not args.no_prefill_ahead,
                    refill_after=args.refill_after or None,
                    refill_queue=None if args.refill_queue < 0 else args.refill_queue)
 

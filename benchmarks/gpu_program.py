@@ -254,6 +254,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--decode-attention", default="auto")
+    p.add_argument("--decode-splits", type=int, default=1,
+                   help="rollout.decode_splits of the decode programs (0 = auto: from each row "
+                        "count and the target's SMs)")
     p.add_argument("--prefill-rows", type=int, nargs="*", default=[],
                    help="prompts of one prefill call (default none: the prefill's cuDNN "
                         "attention needs the cuDNN library to be traced)")
@@ -320,15 +323,20 @@ def main(argv=None):
                 group=cfg.num_heads // cfg.num_kv_heads)
             for invariant in args.batch_invariant:
                 program = programs.batch_invariant_decode if invariant else programs.decode
+                # auto varies with the rows: the batch-invariant sampler refuses it (one split)
+                splits = 1 if invariant and not args.decode_splits else args.decode_splits
                 lowered = program.lower(
                     *programs.abstract_decode_args(graphdef, state, cache, rows, pages_per_seq,
                                                    queued=args.queue, sharding=placed),
                     num_steps=args.steps_per_call, top_k=-1, use_top_p=False, greedy=False,
-                    attention_impl=impl, pages_per_block=max(1, min(pages_per_seq, 256 // ps)))
-                label = f"decode_rows{rows}_queue{args.queue}_inv{invariant}"
+                    attention_impl=impl, pages_per_block=max(1, min(pages_per_seq, 256 // ps)),
+                    attention_splits=splits)
+                label = (f"decode_rows{rows}_queue{args.queue}_inv{invariant}"
+                         + (f"_splits{splits}" if splits != 1 else ""))
                 text, seconds = compiled_text(label, lowered)
                 row = {"program": "decode", "rows": rows, "queue": args.queue,
                        "batch_invariant": invariant, "decode_attention": impl,
+                       "decode_splits": splits,
                        "compile_s": round(seconds, 1), "compiled_memory": memory[label],
                        **program_summary(text, label, pool_bytes)}
                 results.append(row)

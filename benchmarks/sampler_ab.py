@@ -9,7 +9,10 @@ changed).
 Variants: continuous batching with each --refill-queue value (Sampler(refill_queue=); -1 = the
 Sampler's default, slots // 4; 0 = none staged) at each --steps-per-call value
 (Sampler(decode_steps_per_call=), default 32) with each --decode-attention value
-(Sampler(decode_attention=), e.g. "mosaic mosaic_fused"), and static batching with --static
+(Sampler(decode_attention=), e.g. "mosaic mosaic_fused") and each --decode-splits value
+(Sampler(decode_splits=): the Mosaic kernel's splits of a row's pages, 0 = auto; default 1;
+auto is left out of the batch_invariant variants, which refuse it), and static batching with
+--static
 (Sampler(continuous=False, shrink_batch=False), decode_throughput's baseline), and with
 --unshrunk continuous batching without shrink_batch (every decode call over all slots), with
 --other-batches continuous batching at other max_batch_size values (for their tokens), these
@@ -74,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-call", type=int, nargs="+", default=[32],
                    help="Sampler(decode_steps_per_call=) of the continuous variants (each with "
                         "each --refill-queue); static batching takes the first")
+    p.add_argument("--decode-splits", type=int, nargs="+", default=[1],
+                   help="Sampler(decode_splits=) values of the continuous variants (0 = auto)")
     p.add_argument("--static", action="store_true", help="add static batching as a variant")
     p.add_argument("--unshrunk", action="store_true",
                    help="add continuous batching (refill_queue default, the first "
@@ -90,9 +95,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.batch < 1 or args.samples < 0 or args.repeats < 1 or min(args.refill_queue) < -1
             or min(args.steps_per_call) < 1 or min(args.other_batches, default=1) < 1
-            or args.num_layers < 0 or args.vocab_size < 0):
+            or args.num_layers < 0 or args.vocab_size < 0 or min(args.decode_splits) < 0):
         p.error("--batch, --other-batches, --repeats and --steps-per-call must be >= 1, "
-                "--samples, --num-layers and --vocab-size >= 0, --refill-queue >= -1")
+                "--samples, --num-layers, --vocab-size and --decode-splits >= 0, "
+                "--refill-queue >= -1")
     return args
 
 
@@ -141,20 +147,27 @@ def main(argv=None):
     kwargs = decode_throughput.generate_kwargs(wl, lengths)
     variants = {}
     for invariant in args.batch_invariant:
+        first_splits = next((x for x in args.decode_splits if x or not invariant), 1)
         common = dict(max_batch_size=args.batch, page_size=args.page_size,
-                      decode_attention=args.decode_attention[0], batch_invariant=bool(invariant))
+                      decode_attention=args.decode_attention[0], batch_invariant=bool(invariant),
+                      decode_splits=first_splits)
         tag = ", batch_invariant" if invariant else ""
-        for attention in args.decode_attention:
-            for steps in args.steps_per_call:
-                for q in args.refill_queue:
-                    name = f"continuous, refill_queue {'default' if q < 0 else q}"
-                    if len(args.steps_per_call) > 1:
-                        name += f", {steps} steps a call"
-                    if len(args.decode_attention) > 1:
-                        name += f", {attention}"
-                    variants[name + tag] = Sampler(model, refill_queue=None if q < 0 else q,
-                                                   decode_steps_per_call=steps,
-                                                   **dict(common, decode_attention=attention))
+        for splits in args.decode_splits:
+            if invariant and not splits:  # auto varies with a call's rows: refused there
+                continue
+            for attention in args.decode_attention:
+                for steps in args.steps_per_call:
+                    for q in args.refill_queue:
+                        name = f"continuous, refill_queue {'default' if q < 0 else q}"
+                        if len(args.steps_per_call) > 1:
+                            name += f", {steps} steps a call"
+                        if len(args.decode_attention) > 1:
+                            name += f", {attention}"
+                        if len(args.decode_splits) > 1:
+                            name += f", decode_splits {splits or 'auto'}"
+                        variants[name + tag] = Sampler(
+                            model, refill_queue=None if q < 0 else q, decode_steps_per_call=steps,
+                            **dict(common, decode_attention=attention, decode_splits=splits))
         if args.unshrunk:
             variants["continuous, refill_queue default, shrink_batch off" + tag] = Sampler(
                 model, shrink_batch=False, decode_steps_per_call=args.steps_per_call[0], **common)
@@ -208,6 +221,7 @@ def main(argv=None):
                      "steps_per_call": variants[name].decode_steps_per_call,
                      "shrink_batch": variants[name].shrink_batch,
                      "batch_invariant": variants[name].batch_invariant,
+                     "decode_splits": variants[name].decode_splits,
                      "max_batch_size": variants[name].max_batch_size,
                      "decode_rows": stats[0]["decode_rows"],
                      "decode_calls": stats[0]["decode_calls"],

@@ -48,9 +48,13 @@ Pages past the sequence's length are never read. The output tile goes to an unti
 shared-memory buffer, from which one TMA copy stores its G real rows straight into the
 [B, N, D] output (the other rows never leave the block, so nothing is sliced off afterwards:
 that slice was a kernel of its own a layer, ~1.8 us at batch 64 on an H200, and so was q's RoPE
-with the padding of q to 8 rows a KV head, ~2.1 us). With k_splits > 1
-each split writes its normalised partial output and log-sum-exp and the splits are merged in
-jnp. With rows_per_block R > 1 a block's page copies are one stream over its R rows (row r's
+with the padding of q to 8 rows a KV head, ~2.1 us). With k_splits > 1 (flash-decoding:
+more blocks for a call whose rows x KV heads leave SMs idle, the draining tail of a rollout)
+a row's live pages are cut into k_splits equal shares of whole steps (from its length, so a
+row far shorter than its table still spreads over every split), each split writes its
+normalised partial output and log-sum-exp, and the splits are merged in jnp (merge_splits,
+one kernel a layer); auto_splits is the rule rollout.decode_splits=0 picks a call's splits by.
+With rows_per_block R > 1 a block's page copies are one stream over its R rows (row r's
 steps follow row r - 1's in the stages' buffers), and a row's q window (with `write`, its key /
 value rows, in one of two buffers by the row's parity) is copied in as soon as the previous
 row's last step is done, so a row's first pages and its prologue's inputs are in flight while the
@@ -95,7 +99,8 @@ WGMMA_ROWS = 64
 # Defaults, chosen by benchmarks/paged_attention.py's sweep on an H200 (2026-11-26, calls timed
 # back to back, one layer's call at 1,024 live tokens; BENCHMARKS.md "Fifth GPU run"): 2 pages
 # (64 tokens of 32-token pages) a step, 2 steps in flight, one split: 16 KiB of q tile, 16 KiB
-# of output tile and 2 x 2 x 16 KiB of K/V, 96 KiB of shared memory a block, two blocks an SM
+# of output tile and 2 x 2 x 16 KiB of K/V, 96 KiB of shared memory a block (98 with the
+# log-sum-exp rows of k_splits > 1), two blocks an SM
 # (the sweep ran with the output in q's tile: 80 KiB, also two). The fastest of 15 settings at
 # batch 64 and 256 (81.4 / 273.6 us against 89.0 / 321.8 us with 3 steps in flight, the earlier
 # default; 4 in flight and 4 pages a step were slower too); the whole decode at batch 256 ran
@@ -107,6 +112,11 @@ K_SPLITS = 1
 # (rows_per_block): 1 until measured otherwise on a GPU (an experiment: benchmarks/
 # paged_attention.py --rows-per-block, decode_throughput.py --mosaic-rows).
 ROWS_PER_BLOCK = 1
+# The most splits auto_splits gives a row's pages.
+MAX_SPLITS = 8
+# float32 columns of a split's log-sum-exp rows (the value in each): 32-byte rows, so a head's
+# rows start 16-byte aligned in shared memory, as a TMA store needs.
+LSE_COLS = 8
 _LOG2E = math.log2(math.e)
 # Shared memory a block may use on Hopper (H100 / H200: 227 KiB opt-in).
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -115,15 +125,67 @@ SMEM_LIMIT_BYTES = 227 * 1024
 def smem_bytes(head_dim: int, page_size: int, pages_per_block: int, stages: int,
                itemsize: int = 2, fused: bool = False, rows_per_block: int = 1) -> int:
   """Shared memory of one block: the q tile, the output tile, `stages` steps of K and V pages
-  and the log-sum-exp row of k_splits > 1 (counted always; barriers aside); with `fused`
+  and the log-sum-exp rows of k_splits > 1 (counted always; barriers aside); with `fused`
   (paged_write_decode_mosaic) also the new key / value rows (two rows' worth with
   rows_per_block > 1: the next row's arrive while this row's are stored) and the float32
   cos / sin and norm weight rows."""
   kv_rows = 2 * min(rows_per_block, 2)
   extra = (kv_rows * itemsize + 4 * 4) * head_dim if fused else 0   # k / v rows, 4 f32 rows
   return (2 * WGMMA_ROWS * head_dim * itemsize
-          + 2 * stages * pages_per_block * page_size * head_dim * itemsize + 4 * WGMMA_ROWS
+          + 2 * stages * pages_per_block * page_size * head_dim * itemsize
+          + 4 * WGMMA_ROWS * LSE_COLS
           + extra)
+
+
+def auto_splits(rows: int, num_kv_heads: int, cores: int,
+                rows_per_block: int = ROWS_PER_BLOCK, max_splits: int = MAX_SPLITS) -> int:
+  """The k_splits of a call with `rows` rows (sequences) and num_kv_heads KV heads on a GPU of
+  `cores` SMs: the fewest, a power of two up to max_splits, that give the call at least one
+  block per SM (ceil(rows / rows_per_block) x num_kv_heads x k_splits >= cores). At Qwen3's 8
+  KV heads on a 132-SM H100 / H200: 4 splits at 8 rows, 2 at 16, 1 from 32 rows on."""
+  if rows < 1 or num_kv_heads < 1 or cores < 1 or max_splits < 1:
+    raise ValueError(f"auto_splits: rows {rows}, num_kv_heads {num_kv_heads}, cores {cores} and "
+                     f"max_splits {max_splits} must be >= 1")
+  blocks = -(-rows // rows_per_block) * num_kv_heads
+  splits = 1
+  while splits < max_splits and blocks * splits < cores:
+    splits *= 2
+  return splits
+
+
+def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+  """The attention of a row over all its splits from each split's normalised output o
+  [S, B, N, D] and log-sum-exp lse [S, B, N] (-inf: a split with no key; its output 0), in
+  float32: the splits folded in one at a time as the kernel's online softmax folds its steps.
+  Elementwise only, on the kernel's outputs as they are (each head's log-sum-exp rows stored
+  beside its output rows, column 0 read here), so XLA makes one kernel a layer of it (a
+  deviceless compile for an H100, 2026-11-27; gathering the heads' rows out of whole 64-row
+  tiles first was a second). A row no split attends gives 0."""
+  finite = jnp.isfinite
+  m = lse[0]
+  acc = o[0].astype(jnp.float32)
+  total = finite(m).astype(jnp.float32)
+  for s in range(1, o.shape[0]):
+    new = jnp.maximum(m, lse[s])
+    base = jnp.where(finite(new), new, 0.0)
+    old_w = jnp.where(finite(m), jnp.exp(m - base), 0.0)
+    new_w = jnp.where(finite(lse[s]), jnp.exp(lse[s] - base), 0.0)
+    acc = acc * old_w[..., None] + o[s].astype(jnp.float32) * new_w[..., None]
+    total, m = total * old_w + new_w, new
+  return acc / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _row_share(n, page_size: int, pages_per_block: int, k_splits: int, pages_per_seq: int):
+  """Pages of a row's table each of its k_splits blocks reads from, for a row of n tokens in the
+  pages (traced): split j reads [j share, (j + 1) share). One split: the whole table (a static
+  int). More: ceil(live pages / k_splits) rounded up to whole steps of pages_per_block, so a
+  split's steps never reach into the next split's pages and the last split's end no further
+  than the row's last step."""
+  if k_splits == 1:
+    return pages_per_seq
+  pages = (n + page_size - 1) // page_size
+  per = (pages + k_splits - 1) // k_splits
+  return (per + pages_per_block - 1) // pages_per_block * pages_per_block
 
 
 def q_windows(num_heads: int, num_kv_heads: int,
@@ -314,7 +376,6 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
   k_pages = k_pages.astype(dtype)
   v_pages = v_pages.astype(dtype)
   pages_per_seq = block_tables.shape[1]
-  share = -(-pages_per_seq // k_splits)          # pages of a sequence per split
   block_kv = pages_per_block * page_size
   scale = (D ** -0.5) * _LOG2E                   # scores in log2 units: exp2 in the softmax
   tables = block_tables.astype(jnp.int32)
@@ -365,7 +426,6 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
     # rows the TMA lowering can see (a tiled copy must start on a tile)
     start = pl.multiple_of(window_start(h, stride, rows, q_rows, jnp.minimum), 8)
     off = h * stride - start                     # its own G rows within the window
-    first = split * share
     # The block's rows: R consecutive rows from row_0; a row past B (the last block of a batch
     # R does not divide) has length 0 and is neither read nor stored.
     row_0 = lax.axis_index("batch") * R
@@ -375,8 +435,16 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
                  for r in range(R)]
     # tokens read from the pages: all of them, or with `write` all but the new one
     paged = [jnp.maximum(n - 1, 0) if fused else n for n in lengths_r]
+    # Each row's pages in k_splits shares: split j reads pages [j share, (j + 1) share) of the
+    # row's table. One split: the whole table. More: the row's live pages in equal shares of
+    # whole steps (_row_share), so every split of a long row has work whatever the table's
+    # width (a share of the table's width would leave the later splits of a row shorter than
+    # the table with nothing to read).
+    shares = [_row_share(n, page_size, pages_per_block, k_splits, pages_per_seq)
+              for n in paged]
+    firsts = [split * share for share in shares]
     steps, bases = [], [0]
-    for n in paged:
+    for n, first, share in zip(paged, firsts, shares):
       # live pages of this split: [first, first + live)
       live = jnp.clip((n + page_size - 1) // page_size - first, 0, share)
       live = jnp.minimum(live, pages_per_seq - first)
@@ -387,10 +455,11 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
     def page_ids(g):
       # the pool pages of step g of the block's stream (row r's steps are [bases[r],
       # bases[r + 1])): block-table reads, clipped so a step past the end reads in range
-      b, local = bs[0], g
+      b, local, first = bs[0], g, firsts[0]
       for r in range(1, R):
         later = g >= bases[r]
         b, local = jnp.where(later, bs[r], b), jnp.where(later, g - bases[r], local)
+        first = jnp.where(later, firsts[r], first)
       cols = [jnp.minimum(first + local * pages_per_block + p, pages_per_seq - 1)
               for p in range(pages_per_block)]
       return [jnp.clip(tables_ref[b, col], 0, P - 1) for col in cols]
@@ -451,7 +520,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
               rounded(x2 * row_vector(cs_smem.at[0], 1) + x1 * row_vector(cs_smem.at[1], 1)))
 
     for r in range(R):
-      b, length, old = bs[r], lengths_r[r], paged[r]
+      b, length, old, first, share = bs[r], lengths_r[r], paged[r], firsts[r], shares[r]
       # keys this block may attend: the row's, within its split (a step can reach past the
       # split's last page, or past the table, whose column is clipped: those keys are masked)
       limit = jnp.minimum(old, jnp.minimum(first + share, pages_per_seq) * page_size)
@@ -493,7 +562,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
         # one, which writes after its reads). The softmax of that split starts from the new
         # token (weight 1, its value); the other splits and rows of length 0 start empty, from
         # the same reference maximum, which only rescales.
-        owner = jnp.minimum(old // page_size // share, k_splits - 1)
+        owner = jnp.minimum(old // page_size // jnp.maximum(share, 1), k_splits - 1)
         mine = split == owner
         counts = (mine & (length > 0)).astype(jnp.float32)
         v_row = plgpu.layout_cast(kv.at[1][...], plgpu.Layout.WGMMA.reduce(0))
@@ -502,7 +571,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
         l_i = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 1.0, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(1)) * counts
 
-      def body(step, carry, base=bases[r], limit=limit):
+      def body(step, carry, base=bases[r], limit=limit, first=first):
         acc, m_i, l_i = carry
         g = base + step                  # the step's place in the block's stream of copies
         slot = lax.rem(g, jnp.asarray(stages, g.dtype))
@@ -571,8 +640,10 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       # into the [B, N, D] layout the caller reads (no padded rows to slice off afterwards).
       o_smem[...] = out.astype(dtype)
       if k_splits > 1:
-        lse_smem[...] = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)),
-                                  -jnp.inf)
+        # each row's log-sum-exp across a row of LSE_COLS (16-byte-aligned rows, so that a
+        # head's G rows are one TMA store beside its output's)
+        lse = jnp.where(has, m_i / _LOG2E + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
+        lse_smem[...] = lax.broadcast_in_dim(lse, (WGMMA_ROWS, LSE_COLS), [0])
       plgpu.commit_smem()
       # The rows' offset in the tile is one of the few values of `offsets`: a branch per value
       # keeps the shared-memory slice static (jax 0.11's Mosaic GPU layout inference refuses a
@@ -582,10 +653,9 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
         def _():
           plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(value, G)],
                                   o_ref.at[split, b, pl.ds(h * G, G)])
-      if k_splits > 1:
-        @pl.when(valid[r])
-        def _():
-          plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h])
+          if k_splits > 1:
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(value, G)],
+                                    lse_ref.at[split, b, pl.ds(h * G, G)])
     plgpu.wait_smem_to_gmem(0)
 
   scratch = [
@@ -593,7 +663,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       plgpu.SMEM((WGMMA_ROWS, D), dtype),        # the output, untiled
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
-      *([plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] if k_splits > 1 else []),
+      *([plgpu.SMEM((WGMMA_ROWS, LSE_COLS), jnp.float32)] if k_splits > 1 else []),
       *([plgpu.SMEM((2, D), jnp.float32)] if rope is not None else []),   # cos, sin
       *([plgpu.SMEM((min(R, 2), 2, D), dtype)] if fused else []),   # new k, v rows (by parity)
       *([plgpu.SMEM((2, D), norms[0].dtype)] if norms is not None else []),  # q, k norms
@@ -602,8 +672,8 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
       plgpu.Barrier(num_barriers=stages * pages_per_block),
   ]
   out_type = [jax.ShapeDtypeStruct((k_splits, B, N, D), dtype)]
-  if k_splits > 1:  # each split's log-sum-exp, to merge the splits' outputs
-    out_type.append(jax.ShapeDtypeStruct((k_splits, B, K, WGMMA_ROWS), jnp.float32))
+  if k_splits > 1:  # each split's log-sum-exp (in column 0), to merge the splits' outputs
+    out_type.append(jax.ShapeDtypeStruct((k_splits, B, N, LSE_COLS), jnp.float32))
   params = plgpu.CompilerParams(approx_math=True)
   grid = dict(grid=(-(-B // R), K, k_splits), grid_names=("batch", "heads", "split"))
   inputs = (lengths, tables, q, *(rope or ()), *(norms or ()), *(write or ()))
@@ -625,14 +695,7 @@ def _run(q, k_pages, v_pages, block_tables, lengths, *, num_heads, rope, pages_p
   if k_splits == 1:
     out = o[0]                                                       # [B, N, D]
   else:
-    # each head's G rows sit at its window offset in the block's log-sum-exp row
-    lse = jnp.stack([lse[0][:, :, h, offsets[h]:offsets[h] + G] for h in range(K)], axis=2)
-    lse = lse.reshape(k_splits, B, N)                                   # [S, B, N]
-    top = jnp.max(lse, axis=0)
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    total = jnp.sum(w, axis=0)
-    out = jnp.einsum("sbn,sbnd->bnd", w, o.astype(jnp.float32))
-    out = (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+    out = merge_splits(o, lse[0][..., 0]).astype(dtype)
   if fused:
     return out, k_pool[...], v_pool[...]
   return out

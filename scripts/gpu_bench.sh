@@ -33,6 +33,8 @@
 #   bash scripts/gpu_bench.sh paged_rows decode_rows  # the Mosaic kernel with 1 / 2 / 4 / 8 rows a block:
 #                                                # alone, then the whole decode (#15)
 #   bash scripts/gpu_bench.sh longtail_splits    # batch 64 with the Mosaic kernel split 2 / 4 (#15)
+#   bash scripts/gpu_bench.sh decode_splits      # rollout.decode_splits: the kernel split at 8-32
+#                                                # rows, then the long tail, 1 / auto splits (#15)
 #   bash scripts/gpu_bench.sh longtail_refill    # batch 64, refill_after 2 (old default) / 4 (#15)
 #   bash scripts/gpu_bench.sh longtail_rl        # batch 64, 768 long-tailed samples (12 a slot) (#15)
 #   bash scripts/gpu_bench.sh longtail_queue     # batch 64, 256 and 768 samples, staged refills off (#15)
@@ -297,6 +299,27 @@ for s in "$@"; do
           --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
           --decode-attention mosaic --mosaic-kernel "$ks" 2 3 --workload fixed longtail \
           --hf never --repeats 1 --output "$OUT/decode_throughput_splits_$ks.json"
+      done ;;
+    decode_splits)  # issue 15: rollout.decode_splits (Sampler(decode_splits=0): auto, per call,
+                    # enough splits of each row's live pages for a block on every SM: 4 at 8
+                    # rows, 2 at 16, 1 from 32 at 8 KV heads; the shares follow a row's length
+                    # since 2026-11-27, not the table's width). The kernel alone at the shrunk
+                    # tail's row counts (ragged, half the rows live, as a shrunk call's bucket),
+                    # at this workload's lengths and at an RL response's (8,192 tokens); then
+                    # the batch-64 long tail with 1 split and with auto, and static batching,
+                    # interleaved x 2 (SPLITS_BATCHES, default 64). Expected ~4-5 minutes.
+      stage decode_splits_paged 150 python3 benchmarks/paged_attention.py --batch 8 16 32 \
+        --ragged --live-fraction 0.5 --impls mosaic --k-splits 1 2 4 8 --pages-per-block 2 \
+        --num-stages 2 --out "$OUT/paged_attention_splits.json"
+      stage decode_splits_paged_long 150 python3 benchmarks/paged_attention.py --batch 8 16 \
+        --length 8192 --pages-per-seq 512 --ragged --live-fraction 0.5 --impls mosaic \
+        --k-splits 1 2 4 8 --pages-per-block 2 --num-stages 2 \
+        --out "$OUT/paged_attention_splits_long.json"
+      for b in ${SPLITS_BATCHES:-64}; do
+        stage "decode_splits_ab_$b" 300 python3 benchmarks/sampler_ab.py --preset qwen3-0.6b \
+          --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --refill-queue -1 --decode-splits 1 0 --static \
+          --repeats 2 --out "$OUT/sampler_ab_splits_$b$SUFFIX.json"
       done ;;
     decode_flags)  # issue 15: the fixed workload at batch 64 under XLA flag variants, one process
                    # each (an unknown flag aborts only its own variant); ~40 s a variant. "base"

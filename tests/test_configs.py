@@ -202,6 +202,22 @@ def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
         validate_config(cfg)
 
 
+def test_decode_splits_field():
+    """rollout.decode_splits: >= 0 (0 = auto), and auto refused beside rollout.batch_invariant
+    (whose fixed summation order auto's per-call splits would break), each naming the field;
+    a fixed count with it, and auto alone, validate."""
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    for bad in (["--config.rollout.decode_splits=-1"],
+                ["--config.rollout.decode_splits=0", "--config.rollout.batch_invariant=True"]):
+        with pytest.raises(ConfigError, match=r"^rollout\.decode_splits"):
+            validate_config(parse([base, *bad]))
+    assert validate_config(parse([base, "--config.rollout.decode_splits=0"])).rollout \
+        .decode_splits == 0
+    assert validate_config(parse([base, "--config.rollout.decode_splits=2",
+                                  "--config.rollout.batch_invariant=True"])).rollout \
+        .decode_splits == 2
+
+
 def test_the_prompt_asks_for_what_the_reward_reads():
     """A task-specific template (code, qwen_math) with the other task's reward is refused; the
     task-neutral layouts (base, chat, plain) take the reward's instruction in the run."""

@@ -11,21 +11,26 @@ import decode_throughput as bench  # noqa: E402
 from delta_jax.kernels import paged_decode  # noqa: E402
 
 
-def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only():
+def test_mosaic_kernel_parameters_reach_the_kernel_in_the_block_only(monkeypatch):
     """--mosaic-kernel 2 4 2: inside mosaic_parameters, the name paged_decode_attention looks up
-    is the kernel with k_splits 2, 4 pages a step, 2 stages; outside it the kernel is the module's
-    own again, and without the option nothing is replaced."""
+    is the kernel with k_splits 2, 4 pages a step, 2 stages, over the k_splits its caller passes
+    (the product's rollout.decode_splits); outside it the kernel is the module's own again, and
+    without the option nothing is replaced."""
     args = bench.parse_args(["--preset", "qwen3-0.6b", "--dtype", "bfloat16", "--page-size", "32",
                              "--mosaic-kernel", "2", "4", "2"])
+    calls = []
+    for name in ("paged_decode_mosaic", "paged_write_decode_mosaic"):
+        monkeypatch.setattr(paged_decode, name,
+                            lambda *a, name=name, **k: calls.append((name, a, k)))
     original = paged_decode.paged_decode_mosaic
     fused = paged_decode.paged_write_decode_mosaic
     kwargs = bench.mosaic_kwargs(args)
     assert kwargs == {"k_splits": 2, "pages_per_block": 4, "stages": 2}
     with bench.mosaic_parameters(kwargs):
-        patched = paged_decode.paged_decode_mosaic
-        assert patched.func is original and patched.keywords == kwargs
-        patched = paged_decode.paged_write_decode_mosaic  # the fused step's kernel too
-        assert patched.func is fused and patched.keywords == kwargs
+        paged_decode.paged_decode_mosaic("q", k_splits=1, rope=None)
+        paged_decode.paged_write_decode_mosaic("qkv", k_splits=4)  # the fused step's kernel too
+    assert calls == [("paged_decode_mosaic", ("q",), {**kwargs, "rope": None}),
+                     ("paged_write_decode_mosaic", ("qkv",), kwargs)]
     assert paged_decode.paged_decode_mosaic is original
     assert paged_decode.paged_write_decode_mosaic is fused
     with bench.mosaic_parameters(bench.mosaic_kwargs(bench.parse_args(["--preset", "tiny"]))):
@@ -69,9 +74,9 @@ def test_mosaic_kernel_parameters_the_kernel_refuses_are_refused_at_parse_time()
 
 def test_refill_options_reach_the_sampler():
     """--refill-after 3 builds Samplers that return to refill after 3 finished samples,
-    --refill-queue 0 stages none and --batch-invariant compiles for batch invariance; the
-    defaults leave the Sampler's (slots // 16, slots // 4, not batch-invariant); negative counts
-    are refused."""
+    --refill-queue 0 stages none, --batch-invariant compiles for batch invariance and
+    --decode-splits sets the Mosaic kernel's splits; the defaults leave the Sampler's (slots //
+    16, slots // 4, not batch-invariant, one split); negative counts are refused."""
     from flax import nnx
 
     from delta_jax import models
@@ -82,6 +87,9 @@ def test_refill_options_reach_the_sampler():
     assert (sampler.refill_after, sampler.refill_queue, sampler.batch_invariant) == (3, 0, True)
     default = bench.make_sampler(model, 64, "auto", bench.parse_args(["--preset", "tiny"]))
     assert (default.refill_after, default.refill_queue, default.batch_invariant) == (4, 16, False)
+    assert sampler.decode_splits == default.decode_splits == 1
+    assert bench.make_sampler(model, 64, "auto", bench.parse_args(
+        ["--preset", "tiny", "--decode-splits", "0"])).decode_splits == 0
     for bad in (["--refill-after", "-1"], ["--refill-queue", "-2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

@@ -80,6 +80,91 @@ def test_interpreted_matches_reference(G, lengths, kw):
     assert np.all(got[b] == 0)
 
 
+def test_auto_splits_give_every_sm_a_block():
+  """rollout.decode_splits=0's rule, known answers: the fewest splits, a power of two up to
+  MAX_SPLITS, with ceil(rows / rows_per_block) x KV heads x splits >= the SMs."""
+  assert [PD.auto_splits(rows, 8, 132) for rows in (1, 8, 16, 17, 32, 64, 256)] == \
+      [8, 4, 2, 1, 1, 1, 1]                   # Qwen3's 8 KV heads on an H100 / H200
+  assert PD.auto_splits(8, 8, 132, rows_per_block=2) == 8      # 4 row blocks x 8 heads = 32
+  assert PD.auto_splits(8, 4, 132) == 8                        # 4 KV heads a shard (tensor 2)
+  assert PD.auto_splits(1, 8, 132, max_splits=2) == 2
+  assert PD.auto_splits(16, 8, 128) == 1                       # 128 blocks on 128 SMs
+  with pytest.raises(ValueError, match="rows 0"):
+    PD.auto_splits(0, 8, 132)
+
+
+@pytest.mark.parametrize("k_splits", [2, 3, 4, 8])
+@pytest.mark.parametrize("ppb", [1, 2, 4])
+def test_row_shares_cut_a_rows_live_pages_into_equal_whole_steps(k_splits, ppb):
+  """Split j of a row of n tokens reads [j share, (j + 1) share) of its pages (the kernel's
+  live-page and step counts, as it computes them): the splits read each live page once, a
+  share is whole steps, its longest split takes the fewest steps any cut into whole steps can
+  (ceil(pages / (k_splits ppb))), whatever the table's width, and no step reaches past the
+  row's pages rounded up to a step."""
+  page_size, pages_per_seq = 16, 64
+  assert PD._row_share(100, page_size, ppb, 1, pages_per_seq) == pages_per_seq  # one: the table
+  for n in list(range(0, 70)) + [255, 256, 257, 999, 1024]:
+    pages = -(-n // page_size)
+    share = int(PD._row_share(n, page_size, ppb, k_splits, pages_per_seq))
+    assert share % ppb == 0
+    live = [min(max(pages - j * share, 0), share) for j in range(k_splits)]
+    steps = [-(-x // ppb) for x in live]
+    assert sum(live) == pages, (n, live)
+    assert max(steps) == -(-pages // (k_splits * ppb)), (n, steps)
+    ends = [j * share + s * ppb for j, s in enumerate(steps) if s]
+    assert max(ends, default=0) <= -(-pages // ppb) * ppb, (n, ends)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("k_splits", [3, 4])
+def test_interpreted_splits_of_short_rows_in_a_wide_table(fused, k_splits):
+  """k_splits over a 32-page table whose rows are far shorter (the tail of a rollout with a
+  table bucket sized for its longest sample): each row's live pages are cut into shares of
+  whole steps, and the result is the reference's / the unfused step's. Pages from the longest
+  row's last step on (a step: 4 pages) are NaN, so no split may read past its row's pages: a
+  share of the table's width (32 / 3 -> 11 pages, not whole steps) would send the second split
+  of the 256-token row (16 pages) to pages 11-18."""
+  lengths = (0, 1, 256, 61)
+  if fused:
+    args, fkw, ref = fused_case(71, G=2, page_size=16, pages_per_seq=32, lengths=lengths,
+                                block=4)
+    with mosaic_interpret.interpreting(detect_races=True):
+      got = PD.paged_write_decode_mosaic(*args, **fkw, pages_per_block=4, k_splits=k_splits)
+    assert not mosaic_interpret.races_found()
+    check_fused(got, ref, args)
+    return
+  q, kp, vp, tables, lengths, _, _ = paged_case(
+      72, B=4, K=2, G=2, D=64, page_size=16, pages_per_seq=32, lengths=lengths,
+      dtype=jnp.bfloat16, pages_per_block=4)
+  ref = np.asarray(A.paged_decode_reference(q, kp, vp, tables, lengths, pages_per_block=4),
+                   np.float32)
+  with mosaic_interpret.interpreting(detect_races=True):
+    got = np.asarray(PD.paged_decode_mosaic(q, kp, vp, tables, lengths, pages_per_block=4,
+                                            k_splits=k_splits), np.float32)
+  assert not mosaic_interpret.races_found()
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, ref, atol=1e-2, rtol=1e-2)
+  assert np.all(got[0] == 0)
+
+
+def test_decode_splits_resolves_auto_from_the_device(monkeypatch):
+  """attention.decode_splits: a count >= 1 as given; 0 = auto_splits on the default device's
+  SMs (its core_count), one split where the device has no SM count (a CPU); anything else
+  refused."""
+  class Device:
+    core_count = 132
+  assert A.decode_splits(3, 8, 8) == 3
+  monkeypatch.setattr(A, "_default_device", lambda: object())
+  assert A._sm_count() is None and A.decode_splits(0, 8, 8) == 1
+  monkeypatch.setattr(A, "_default_device", lambda: Device())
+  assert A._sm_count() == 132
+  assert [A.decode_splits(0, rows, 8) for rows in (8, 16, 64)] == [4, 2, 1]
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="0 = auto"):
+      A.decode_splits(bad, 8, 8)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("G,K,kw", [
     (2, 8, {}),                    # Qwen3-0.6B's 16 / 8 heads: windows at rows 0 and 8
@@ -400,8 +485,9 @@ def test_lowering_checks_the_shared_memory_budget(monkeypatch):
   """The lowering these tests rely on does check the kernel: with the kernel's own budget check
   lifted, 8 steps of 8 pages in flight (~1 MiB of shared memory) are refused by Mosaic GPU on the
   way to CUDA; with it, they are refused first, naming the knobs."""
-  # 2 x 16 KiB of q and output tiles + 8 x 8 x 2 x 8 KiB of K / V pages + 256 B = 1,081,600 B
-  with pytest.raises(ValueError, match="stages 8 x pages_per_block 8 need 1081600 B"):
+  # 2 x 16 KiB of q and output tiles + 8 x 8 x 2 x 8 KiB of K / V pages + 64 x 8 x 4 B of
+  # log-sum-exp rows = 1,083,392 B
+  with pytest.raises(ValueError, match="stages 8 x pages_per_block 8 need 1083392 B"):
     lower_for_cuda(pages_per_seq=64, stages=8, pages_per_block=8)
   assert PD.smem_bytes(128, 32, PD.PAGES_PER_BLOCK, PD.STAGES) <= PD.SMEM_LIMIT_BYTES
   monkeypatch.setattr(PD, "SMEM_LIMIT_BYTES", 1 << 30)
@@ -571,6 +657,44 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch, impl, head_dim):
   assert text.count("output_operand_alias<") == (2 if fused else 0)  # K and V pools, in place
   # one GEMM a layer for q, k and v (decode_layers' qkv_proj), then o, gate, up, down; the LM head
   assert text.count("stablehlo.dot_general") == 5 * cfg.num_layers + 1
+
+
+@needs_interpreter
+@pytest.mark.parametrize("impl", ["mosaic", "mosaic_fused"])
+def test_sampler_with_auto_splits_generates_what_the_reference_does(monkeypatch, on_cpu, impl):
+  """Sampler(decode_splits=0) (rollout.decode_splits auto) on a GPU of 16 SMs (stood in for):
+  each decode call's kernel gets auto_splits(its rows, the KV heads, 16) = 2 splits for the
+  tiny model's 4 slots x 2 KV heads, and the tokens are the jnp page reader's (greedy), the
+  log-probs within bf16 rounding. Refused with batch_invariant, and below 0."""
+  from flax import nnx
+  from delta_jax import models
+  from delta_jax.sampling import Sampler
+
+  allow_mosaic_here(monkeypatch)
+  monkeypatch.setattr(A, "_sm_count", lambda: 16)
+  cfg = models.get_preset("tiny", head_dim=128, dtype=jnp.bfloat16)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(1))
+  prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99]]
+  kwargs = dict(n=2, max_new_tokens=6, seed=0)  # 6 samples in 4 slots: slots refill
+  common = dict(max_batch_size=4, page_size=32, decode_steps_per_call=3)
+  ref = Sampler(model, decode_attention="reference", **common).generate(prompts, **kwargs)
+  splits = []
+  for name in ("paged_decode_mosaic", "paged_write_decode_mosaic"):
+    def recorded(*a, kernel=getattr(PD, name), **k):
+      splits.append(k["k_splits"])
+      return kernel(*a, **k)
+    monkeypatch.setattr(PD, name, recorded)
+  with mosaic_interpret.interpreting():
+    got = Sampler(model, decode_attention=impl, decode_splits=0, **common).generate(prompts,
+                                                                                  **kwargs)
+  assert set(splits) == {PD.auto_splits(4, cfg.num_kv_heads, 16)} == {2}
+  assert got.response_ids == ref.response_ids
+  for a, b in zip(sum(got.logprobs, []), sum(ref.logprobs, [])):
+    np.testing.assert_allclose(a, b, atol=2e-2)
+  with pytest.raises(ValueError, match="decode_splits=0.*batch_invariant"):
+    Sampler(model, decode_splits=0, batch_invariant=True)
+  with pytest.raises(ValueError, match="decode_splits must be an int >= 0"):
+    Sampler(model, decode_splits=-1)
 
 
 @needs_interpreter

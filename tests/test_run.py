@@ -333,19 +333,22 @@ def test_build_model_adds_lora_to_a_loaded_checkpoint_on_its_mesh(tmp_path):
 
 
 def test_build_run_gives_the_sampler_the_rollout_settings(tmp_path):
-    """rollout.page_size, decode_steps_per_call, max_batch_size, shrink_batch and
-    batch_invariant reach the Sampler that the trainer and the evaluator share."""
+    """rollout.page_size, decode_steps_per_call, max_batch_size, shrink_batch,
+    batch_invariant and decode_splits reach the Sampler that the trainer and the evaluator
+    share."""
     from tests.rl_fixtures import single_device_mesh
 
     for shrink in (True, False):
         cfg = tiny_rl_config("dapo", rollout=dict(page_size=16, decode_steps_per_call=8,
                                                   max_batch_size=32, shrink_batch=shrink,
-                                                  batch_invariant=shrink))
+                                                  batch_invariant=shrink,
+                                                  decode_splits=2 if shrink else 0))
         run = run_lib.build_run(cfg, str(tmp_path / str(shrink)), need_data=False,
                                 need_scorer=False, mesh=single_device_mesh())
         try:
             s = run.sampler
             assert (s.page_size, s.decode_steps_per_call, s.num_slots) == (16, 8, 32)
             assert s.shrink_batch is shrink and s.batch_invariant is shrink
+            assert s.decode_splits == (2 if shrink else 0)
         finally:
             run.close()

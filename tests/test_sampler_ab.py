@@ -63,25 +63,29 @@ def test_first_differences():
 
 
 def test_batch_invariant_and_other_batch_variants(tmp_path):
-    """--batch-invariant 0 1 builds every variant with each Sampler(batch_invariant=), and
+    """--batch-invariant 0 1 builds every variant with each Sampler(batch_invariant=),
+    --decode-splits 1 0 the continuous ones with each Sampler(decode_splits=) (auto left out of
+    the batch-invariant ones, which refuse it; on the CPU auto is one split), and
     --other-batches a continuous variant at that max_batch_size; each is compared with the first
     variant of its own numerics (the CPU: no token differs; at 4 rows a call XLA:CPU rounds a
     log-prob or so differently, by float32 rounding only), and the batch-invariant ones record
     their programs' memory under the usual names."""
     rows = bench.main(["--batch", "8", "--prompt-len", "8", "--new-tokens", "16",
                        "--refill-queue", "-1", "--unshrunk", "--batch-invariant", "0", "1",
-                       "--other-batches", "4", "--repeats", "1",
+                       "--decode-splits", "1", "0", "--other-batches", "4", "--repeats", "1",
                        "--out", str(tmp_path / "ab.json")])
-    assert [(r["variant"], r["batch_invariant"], r["max_batch_size"]) for r in rows] == [
-        ("continuous, refill_queue default", False, 8),
-        ("continuous, refill_queue default, shrink_batch off", False, 8),
-        ("continuous, max_batch_size 4", False, 4),
-        ("continuous, refill_queue default, batch_invariant", True, 8),
-        ("continuous, refill_queue default, shrink_batch off, batch_invariant", True, 8),
-        ("continuous, max_batch_size 4, batch_invariant", True, 4)]
-    assert [r["samples_differing"] for r in rows] == [0] * 6
+    assert [(r["variant"], r["batch_invariant"], r["max_batch_size"], r["decode_splits"])
+            for r in rows] == [
+        ("continuous, refill_queue default, decode_splits 1", False, 8, 1),
+        ("continuous, refill_queue default, decode_splits auto", False, 8, 0),
+        ("continuous, refill_queue default, shrink_batch off", False, 8, 1),
+        ("continuous, max_batch_size 4", False, 4, 1),
+        ("continuous, refill_queue default, decode_splits 1, batch_invariant", True, 8, 1),
+        ("continuous, refill_queue default, shrink_batch off, batch_invariant", True, 8, 1),
+        ("continuous, max_batch_size 4, batch_invariant", True, 4, 1)]
+    assert [r["samples_differing"] for r in rows] == [0] * 7
     # 8 rows a call, as the first (8 slots: no smaller row bucket)
-    assert [r["logprobs_differing"] for r in rows if r["max_batch_size"] == 8] == [0] * 4
+    assert [r["logprobs_differing"] for r in rows if r["max_batch_size"] == 8] == [0] * 5
     assert max(r["logprob_diff_max"] for r in rows) < 1e-5
     assert all(r["tokens_compared"] == r["generated_tokens"] > 0 for r in rows)
     assert all(r["compiled_memory"]["decode"]["peak_estimate_bytes"] > 0

@@ -518,20 +518,47 @@ def _device_name() -> str:
           + (f" (compute capability {capability})" if capability else ""))
 
 
+def decode_splits(splits: int, rows: int, num_kv_heads: int) -> int:
+  """The Mosaic GPU decode kernel's k_splits for a call of `rows` rows (rollout.decode_splits):
+  `splits` itself when >= 1; 0 = kernels.paged_decode.auto_splits for the call's rows and KV
+  heads on the default device's SMs (one split where the device does not say how many)."""
+  if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 0:
+    raise ValueError(f"decode splits must be an int >= 0 (0 = auto), got {splits!r}")
+  if splits >= 1:
+    return int(splits)
+  cores = _sm_count()
+  if cores is None:
+    return 1
+  from delta_jax.kernels.paged_decode import auto_splits
+  return auto_splits(rows, num_kv_heads, cores)
+
+
+def _sm_count() -> Optional[int]:
+  """The default device's streaming multiprocessors (a GPU's core_count; a compile-only GPU
+  device has it too), or None where it has none (a CPU)."""
+  cores = getattr(_default_device(), "core_count", None)
+  if isinstance(cores, bool) or not isinstance(cores, (int, np.integer)) or cores < 1:
+    return None
+  return int(cores)
+
+
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, rope=None,
                            impl: str = "auto",
-                           pages_per_block: int = DECODE_PAGES_PER_BLOCK) -> jax.Array:
+                           pages_per_block: int = DECODE_PAGES_PER_BLOCK,
+                           splits: int = 1) -> jax.Array:
   """Decode attention over a page pool (see paged_decode_reference for the contract).
   rope: None, or (cos, sin) [B, D] each: q is rotated by them first (rope.apply_rope; the Mosaic
   kernel does it in its prologue). impl: "auto" | "reference" | "mosaic" | "mosaic_fused" |
   "tpu" (resolve_decode_impl; "mosaic_fused" reads as "mosaic" here: the fusion is
   paged_write_attend's); pages_per_block: the reader's block of pages, and the TPU kernel's
-  compute block."""
+  compute block; splits: the Mosaic kernel's splits of each row's pages (decode_splits: >= 1,
+  or 0 = auto; the other implementations have none)."""
   chosen = resolve_decode_impl(impl, dtype=q.dtype, head_dim=q.shape[-1],
                                page_size=k_pages.shape[2], group=q.shape[1] // k_pages.shape[0])
   if chosen in MOSAIC_DECODE_IMPLS:
     from delta_jax.kernels.paged_decode import paged_decode_mosaic
-    return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths, rope=rope)
+    return paged_decode_mosaic(q, k_pages, v_pages, block_tables, lengths, rope=rope,
+                               k_splits=decode_splits(splits, q.shape[0], k_pages.shape[0]))
   if rope is not None:
     q = apply_rope(q, *rope)
   if chosen == "reference":
@@ -613,7 +640,8 @@ def fused_write_attend(impl: str, q_dtype, pool_dtype, head_dim: int, page_size:
 
 def paged_write_attend(qkv, k_pages, v_pages, write_page, write_offset, block_tables, lengths,
                        *, rope=None, qk_norm=None, eps: float = 1e-6, impl: str = "auto",
-                       pages_per_block: int = DECODE_PAGES_PER_BLOCK, mesh=None, batch_axes=()):
+                       pages_per_block: int = DECODE_PAGES_PER_BLOCK, splits: int = 1,
+                       mesh=None, batch_axes=()):
   """One decode step of one layer, from its projections of each row's new token, qkv
   [B, K, G + 2, D] (KV head h's G queries, query head h G + g at qkv[:, h, g], then its new key
   qkv[:, h, G] and value qkv[:, h, G + 1]: models.Transformer.decode_layers' qkv_proj). q and
@@ -621,7 +649,8 @@ def paged_write_attend(qkv, k_pages, v_pages, write_page, write_offset, block_ta
   head with eps, when given) and rotated by rope = (cos, sin) [B, D] each (when given); the key
   and value are written at (write_page[b], write_offset[b]) of the layer's pools (page -1: not
   written), then paged_decode_attention of q over block_tables / lengths (lengths[b] counts the
-  new token). Returns (out [B, N, D], k_pages, v_pages).
+  new token). splits: the Mosaic kernels' splits of each row's pages (decode_splits, with the
+  rows of each batch shard). Returns (out [B, N, D], k_pages, v_pages).
 
   With impl "mosaic_fused" (where fused_write_attend holds) all of it is one Mosaic GPU kernel,
   paged_write_decode_mosaic, which writes the pools in place; otherwise XLA normalises, rotates
@@ -647,7 +676,8 @@ def paged_write_attend(qkv, k_pages, v_pages, write_page, write_offset, block_ta
       return paged_write_decode_mosaic(
           qkv, k_pages, v_pages, block_tables, lengths, write_page, write_offset, rope=rope,
           q_norm=None if qk_norm is None else qk_norm[0],
-          k_norm=None if qk_norm is None else qk_norm[1], eps=eps)
+          k_norm=None if qk_norm is None else qk_norm[1], eps=eps,
+          k_splits=decode_splits(splits, qkv.shape[0], k_pages.shape[0]))
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, D)
     k_new, v_new = qkv[:, :, G], qkv[:, :, G + 1]
     if qk_norm is not None:
@@ -657,7 +687,7 @@ def paged_write_attend(qkv, k_pages, v_pages, write_page, write_offset, block_ta
     k_pages = write_pages(k_pages, write_page, write_offset, k_new)
     v_pages = write_pages(v_pages, write_page, write_offset, v_new)
     out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, rope=rope,
-                                 impl=impl, pages_per_block=pages_per_block)
+                                 impl=impl, pages_per_block=pages_per_block, splits=splits)
     return out, k_pages, v_pages
 
   args = (qkv, k_pages, v_pages, write_page, write_offset, block_tables, lengths, rope, qk_norm)

@@ -374,8 +374,8 @@ class Transformer(nnx.Module):
   def decode_paged(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
                    block_tables: jax.Array, lengths: jax.Array, write_page: jax.Array,
                    write_offset: jax.Array, *, attention_impl: str = "auto",
-                   pages_per_block: int = attention.DECODE_PAGES_PER_BLOCK, mesh=None,
-                   batch_axes=(), layers=None):
+                   pages_per_block: int = attention.DECODE_PAGES_PER_BLOCK,
+                   attention_splits: int = 1, mesh=None, batch_axes=(), layers=None):
     """One decode step of B sequences against a paged cache.
 
     tokens, positions: int32 [B], each sequence's input token and its position (RoPE).
@@ -384,7 +384,7 @@ class Transformer(nnx.Module):
     [B, pages_per_seq] (so lengths[b] counts the token being written; padding rows have
     write_page -1, so they write nothing, and length 0): attention.paged_write_attend, which
     also applies the q / k norms and RoPE (in one kernel with attention_impl "mosaic_fused").
-    attention_impl: see attention.paged_decode_attention.
+    attention_impl, attention_splits: see attention.paged_decode_attention (its impl, splits).
     mesh / batch_axes: a pool whose page axis is split over these mesh axes (write_page and
     block_tables then hold each row's shard-LOCAL page ids; attention.paged_write_attend).
     layers: self.decode_layers(), taken by a caller that loops over decode steps before its loop
@@ -413,8 +413,8 @@ class Transformer(nnx.Module):
           qkv, new_k[i], new_v[i], write_page, write_offset, block_tables, lengths,
           rope=(cos, sin),
           qk_norm=(p["q_norm"], p["k_norm"]) if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
-          impl=attention_impl, pages_per_block=pages_per_block, mesh=mesh,
-          batch_axes=batch_axes)
+          impl=attention_impl, pages_per_block=pages_per_block, splits=attention_splits,
+          mesh=mesh, batch_axes=batch_axes)
       x = _finish_layer(cfg, p, x, attn[:, None])
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return self.logits(hidden)[:, 0], PagedKVCache(k=tuple(new_k), v=tuple(new_v))

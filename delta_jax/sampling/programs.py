@@ -149,14 +149,16 @@ class Rows(NamedTuple):
 
 def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, queue: Rows, seed,
            stop_ids, temperature, top_p, pad_id, exit_after, *, num_steps, top_k, use_top_p,
-           greedy, attention_impl="auto", pages_per_block=8, batch_spec=None):
+           greedy, attention_impl="auto", pages_per_block=8, attention_splits=1,
+           batch_spec=None):
     """Up to num_steps decode steps for all S slots, refilling each slot whose sample finishes
     with the next staged sample of the queue; returns early once `exit_after` slots have
     finished with no staged sample left to take them (so the scheduler can refill them) or none
     is live.
 
     state: the model's nnx state (embedding, final norm, LM head); layers: decode_layers(graphdef,
-    state), the layer weights the steps use.
+    state), the layer weights the steps use. attention_impl, pages_per_block, attention_splits:
+    Transformer.decode_paged's (the decode attention).
     slots: Rows [S], the slots at entry. queue: Rows [Q], samples staged to start mid-call
     (admitted, their prompt prefilled, their pages in their rows; generated 0; Q = 0 when none
     is staged: the program then does no refill work at any step): with a mesh of
@@ -225,7 +227,8 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
         logits, cache = model.decode_paged(
             rows.token, length, cache, rows.tables, jnp.where(active, length + 1, 0), page,
             offset, attention_impl=attention_impl, pages_per_block=pages_per_block,
-            mesh=mesh, batch_axes=batch_axes or (), layers=layers)
+            attention_splits=attention_splits, mesh=mesh, batch_axes=batch_axes or (),
+            layers=layers)
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(row_keys, impl=impl),
                                             rows.generated)
         new, logp, tlogp = sample_tokens(keys, logits, temperature, top_p, top_k=top_k,
@@ -254,7 +257,8 @@ def decode(graphdef, state, layers, cache: models.PagedKVCache, slots: Rows, que
 
 
 _DECODE_JIT = dict(static_argnames=("graphdef", "num_steps", "top_k", "use_top_p", "greedy",
-                                    "attention_impl", "pages_per_block", "batch_spec"),
+                                    "attention_impl", "pages_per_block", "attention_splits",
+                                    "batch_spec"),
                    donate_argnames=("cache",))
 batch_invariant_decode = jax.jit(decode, **_DECODE_JIT, compiler_options=BATCH_INVARIANT_OPTIONS)
 decode = jax.jit(decode, **_DECODE_JIT)

@@ -122,6 +122,15 @@ class Sampler:
       jnp page reader elsewhere; "mosaic_fused": that kernel with the q / k norms, RoPE and the
       K / V page writes inside it, by name; "tpu": pallas.ops' TPU paged attention, by name; see
       attention.resolve_decode_impl). decode_impl: the one that runs.
+    decode_splits: the Mosaic GPU kernel's splits of each row's pages (flash-decoding: a call's
+      blocks are rows x KV heads x splits; attention.decode_splits): 1 (default), a fixed
+      count, or 0 = auto: per call, the fewest (a power of two up to 8) that give every SM a
+      block (kernels.paged_decode.auto_splits: 4 at 8 rows, 2 at 16, 1 from 32 at Qwen3's 8 KV
+      heads on an H100), so the few rows of a shrunk call (a rollout's draining tail) read their
+      long pages with the whole GPU. Other decode attentions have no splits. Splits merge a
+      row's attention in another order: with 0 a row's tokens on a GPU depend on the rows of
+      the call it runs in, so 0 is refused with batch_invariant. Not measured on a GPU yet
+      (`gpu_bench.sh decode_splits`).
     continuous: True (default) refills a slot as soon as its sample stops; False decodes static
       batches (new samples only once every slot is free; with shrink_batch=False, every step
       over every slot: the baseline that benchmarks compare against).
@@ -170,7 +179,7 @@ class Sampler:
                  decode_attention: str = "auto", continuous: bool = True,
                  prefill_ahead: bool = True, refill_after: Optional[int] = None,
                  refill_queue: Optional[int] = None, shrink_batch: bool = True,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, decode_splits: int = 1):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -188,6 +197,15 @@ class Sampler:
         if refill_queue is not None and (isinstance(refill_queue, bool)
                                          or not isinstance(refill_queue, int) or refill_queue < 0):
             raise ValueError(f"refill_queue must be an int >= 0 (or None), got {refill_queue!r}")
+        if isinstance(decode_splits, bool) or not isinstance(decode_splits, int) \
+                or decode_splits < 0:
+            raise ValueError(f"decode_splits must be an int >= 0 (0 = auto), got "
+                             f"{decode_splits!r}")
+        if decode_splits == 0 and batch_invariant:
+            raise ValueError("decode_splits=0 (rollout.decode_splits, auto) splits a row's "
+                             "attention by the rows of its call, which batch_invariant "
+                             "(rollout.batch_invariant) holds fixed: set a fixed count (1) or "
+                             "turn batch_invariant off")
         if kv_budget_bytes is not None and not kv_budget_bytes > 0:
             raise ValueError(f"kv_budget_bytes must be > 0 (or None), got {kv_budget_bytes!r}")
         cfg = model.cfg
@@ -250,6 +268,7 @@ class Sampler:
         self.queue_per_shard = -(-self.refill_queue // self._batch_shards)
         self.shrink_batch = bool(shrink_batch)
         self.batch_invariant = bool(batch_invariant)
+        self.decode_splits = decode_splits
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -865,7 +884,7 @@ class _Run:
             top_k=self.params.effective_top_k(s.cfg.vocab_size),
             use_top_p=self.params.use_top_p, greedy=self.params.greedy,
             attention_impl=s.decode_impl, pages_per_block=self._pages_per_block(),
-            batch_spec=s._batch_spec)
+            attention_splits=s.decode_splits, batch_spec=s._batch_spec)
         self.cache = out[0]
         toks, logp, tlogp, owner, steps = fetch_global(out[1:])
         self.decode_seconds += time.perf_counter() - start

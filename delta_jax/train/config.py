@@ -175,6 +175,11 @@ def default_config() -> config_dict.ConfigDict:
     # should not depend on the schedule (shrink_batch, max_batch_size, refills): its effect and
     # cost on a GPU are not measured yet. GPU and CPU only (refused on a TPU).
     c.rollout.batch_invariant = False
+    # The Mosaic GPU decode kernel's splits of each row's pages (flash-decoding): 1, a fixed
+    # count, or 0 = auto (per call, enough splits to give every SM a block: the few rows of a
+    # rollout's draining tail read their long pages with the whole GPU; Sampler decode_splits).
+    # Not measured on a GPU yet; 0 is refused with rollout.batch_invariant.
+    c.rollout.decode_splits = 1
 
     c.rewards = config_dict.ConfigDict()
     c.rewards.name = "math"
@@ -551,6 +556,12 @@ def _check_combinations(c):
     _require(c.rollout.top_k == -1 or c.rollout.top_k >= 1, "rollout.top_k", "-1 or >= 1")
     for name in ("rollout.page_size", "rollout.decode_steps_per_call"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
+    _require(c.rollout.decode_splits >= 0, "rollout.decode_splits",
+             f"must be >= 0 (0 = auto), got {c.rollout.decode_splits}")
+    _require(not (c.rollout.decode_splits == 0 and c.rollout.batch_invariant),
+             "rollout.decode_splits", "0 (auto) splits a row's attention by the rows of its "
+             "call, which rollout.batch_invariant holds fixed: set a fixed count (1) or turn "
+             "rollout.batch_invariant off")
     _require(c.rollout.kv_budget_gb >= 0, "rollout.kv_budget_gb",
              f"must be >= 0 (0 = the worst case), got {c.rollout.kv_budget_gb}")
     _require(c.eval.temperature >= 0, "eval.temperature",
@@ -643,7 +654,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
                     "rollout.decode_attention", "rollout.shrink_batch",
-                    "rollout.batch_invariant")
+                    "rollout.batch_invariant", "rollout.decode_splits")
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 
