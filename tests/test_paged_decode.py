@@ -571,9 +571,11 @@ def test_mosaic_is_refused_without_a_hopper_gpu():
     (4, 64, 16, dict(k_splits=4, pages_per_block=4)),
     (5, 128, 32, dict(pages_per_block=4, stages=2)),
     (2, 128, 32, dict(rows_per_block=4)),          # 2 blocks of rows, the second half full
+    (2, 128, 32, dict(k_splits=3)),   # shares of each row's own pages: 6, 6, 4 of a full table
+    (2, 128, 32, dict(k_splits=8)),   # rollout.decode_splits auto's most
 ])
 def test_compiled_matches_reference(G, D, page_size, kw):
-  """GQA groups 2 / 4 / 5, one to four splits, one or four rows a block, ragged lengths with a
+  """GQA groups 2 / 4 / 5, one to eight splits, one or four rows a block, ragged lengths with a
   row of length 0 (exactly 0 out) and a row that ends inside a page, on scrambled pages, bf16:
   within bf16 rounding of the jnp reference. Entries past each row's last block point at a NaN
   page (paged_case): a read of one would poison the row."""
@@ -600,6 +602,8 @@ def test_compiled_matches_reference(G, D, page_size, kw):
      dict(k_splits=2, stages=2)),
     (2, 8, dict(page_size=32, pages_per_seq=16, lengths=(0, 1, 37, 200, 512, 160), B=6),
      dict(rows_per_block=4)),                      # 2 blocks of rows, the second half full
+    (2, 8, dict(page_size=32, pages_per_seq=16, lengths=(0, 1, 37, 200, 512, 160), B=6),
+     dict(k_splits=3)),                            # shares of each row's own pages
 ])
 def test_compiled_fused_step_matches_the_unfused_one(G, K, case, kw):
   """The compiled fused kernel (paged_write_decode_mosaic, jitted with its pools donated, as the
