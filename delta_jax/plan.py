@@ -26,10 +26,13 @@ dots_with_no_batch_dims_saveable with materialised scores and with blockwise att
 blocks, dots_saveable with each; 0.97-1.08 there, 0.96-1.10 at 47 points measured by hand). The
 "rollout" figure (less the optimizer state) agrees with the larger of the sampler's prefill and
 decode programs at two points there (0.91 and 1.00), each with the sampler's copy of the layer
-weights (programs.decode_layers, held for the whole generate()) beside it. Not checked that way:
-bfloat16 activations (XLA:CPU keeps them largely in float32, unlike a GPU), blockwise attention
-other than the dots_* update points, the recompute feature cache's trunk pass, and any GPU
-compiler's figures (the benchmarks print those where they run; an H100 run of 2026-11-24,
+weights (programs.decode_layers, held for the whole generate()) beside it; its prefill term (every
+layer's keys and values of one prefill call, one layer's forward) and the old-policy pass also
+with XLA:GPU's own figures for Qwen3-0.6B compiled for an H100 without one (0.93-0.99 and
+1.01-1.04, 2026-11-27; a test that runs where jax's CUDA plugin and cuDNN are installed). Not
+checked that way: bfloat16 activations on XLA:CPU (which keeps them largely in float32, unlike a
+GPU), blockwise attention other than the dots_* update points, the recompute feature cache's
+trunk pass, and other GPU figures (the benchmarks print those where they run; an H100 run of 2026-11-24,
 Qwen3-1.7B at micro-batch 2 x 4096 in bf16, compiled the train step at 0.89-0.93x the plan for
 remat full and dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
 
@@ -65,7 +68,7 @@ from delta_jax import models
 from delta_jax import sharding as sharding_lib
 from delta_jax.errors import naming
 from delta_jax.models.logprobs import positions_per_chunk
-from delta_jax.sampling import bucket_size, plan_kv
+from delta_jax.sampling import bucket_size, plan_kv, prefill_rows_per_shard
 
 GB = 1e9
 FEATURE_CACHE_MODES = ("device", "host", "recompute")  # config.delta.feature_cache
@@ -196,7 +199,13 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
               dtype, per token: the quadratic term; attn_transient 0;
       rope: what the layer holds while it rotates q and k: q projected and rotated and the
               rotation's two half-width temporaries (3 N D), k projected and rotated and v
-              (3 K D), per token in the activation dtype.
+              (3 K D), per token in the activation dtype;
+      mlp: what the layer holds in its MLP: the gate / up projections, silu(gate) x up and the
+              residual stream in and out (3 I + 2 H per token, the activation dtype): the peak
+              of a layer whose attention keeps no scores (cuDNN's), as XLA:GPU compiles the
+              prefill for an H100 (2026-11-27).
+    cudnn, backward=False: attn_transient = attend_packed_causal's permuted copies of q, k, v and
+      the output (cuDNN's fused forward keeps no scores in memory); otherwise as blockwise.
     blockwise (either pass): scores = the float32 log-sum-exp, N per token (also what full remat
       keeps of the recomputed layer's scores); attn_transient = one (block_q x block_kv) block of
       scores, probabilities and, in the backward pass, their cotangents (4 float32 + 2
@@ -242,15 +251,34 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
             transient = (rows * n_loc * bq * bkv * (4 * 4 + 2 * a)
                          + rows * n_loc * bq * (2 * D + 2) * 4
                          + tokens * 4 * k_loc * D * 4)
+        elif impl == "cudnn":
+            # cuDNN's fused forward keeps no block of scores in memory: what it adds is
+            # attention.attend_packed_causal's permuted copies of q, k and v and of the output
+            transient = tokens * a * 2 * (n_loc + k_loc) * D
         else:
             transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
     dots_saved = tokens * a * (2 * H + n_loc * D + 2 * k_loc * D + 2 * i_loc)
     weights = a * H * (2 * n_loc * D + 2 * k_loc * D + 3 * i_loc)
     rope = tokens * a * (3 * n_loc * D + 3 * k_loc * D)
-    return {"linear": linear, "scores": scores, "attn_transient": transient,
+    mlp = tokens * a * (3 * i_loc + 2 * H)
+    return {"linear": linear, "scores": scores, "attn_transient": transient, "mlp": mlp,
             "recomputed_scores": recomputed_scores, "held_scores": held_scores, "mask": mask,
             "input": tokens * H * a, "dots_saved": dots_saved, "batched_dots": batched_dots,
             "weights": weights, "rope": rope, "attention": kind}
+
+
+def forward_layer_peak(layer: Mapping[str, int]) -> int:
+    """The peak of a forward-only layer scan (the old-policy pass, the rollout prefill) within
+    one layer, from _layer_activation_bytes(backward=False): in the layer's attention (its
+    scores, the mask and about an eighth of the layer's intermediates, as measured in XLA's
+    buffer assignment), or in its projections and q / k rotation (the layer's sliced weights,
+    all made at the top of the layer body and live at its q / k / v matmuls, the o_proj and MLP
+    ones still during the rotation, beside the projected and rotated q and k: the peak where the
+    weights are large against the scores, e.g. XLA:CPU's old pass of hidden 512, 128-wide heads
+    at 128 tokens), or in its MLP (where the attention keeps no scores: cuDNN's)."""
+    attention_peak = (layer["scores"] + layer["mask"] + layer["attn_transient"]
+                      + layer["linear"] // 8)
+    return max(attention_peak, layer["weights"] + layer["rope"], layer["mlp"])
 
 
 @dataclasses.dataclass
@@ -265,7 +293,7 @@ class MemoryPlan:
     activations_configured: int
     logprob_chunk: int
     kv_cache: int
-    prefill_scores: int
+    prefill: int
     old_pass_activations: int
     features_device: int
     features_host_chunk: int
@@ -316,7 +344,8 @@ class MemoryPlan:
                f"(estimate; remat={s['remat']})"] if s["remat"] not in ("none", "full") else []),
             f"  LM-head log-prob chunk         {g(self.logprob_chunk)}",
             f"  rollout KV cache               {g(self.kv_cache)}",
-            f"  rollout prefill scores         {g(self.prefill_scores)}  (estimate)",
+            f"  rollout prefill                {g(self.prefill)}  (estimate: every layer's "
+            f"K / V, one layer's forward)",
             f"  rollout decode weight copy     {g(self.decode_weight_copy)}",
             f"  old-policy pass activations    {g(self.old_pass_activations)}  (estimate)",
             f"  DelTA features, device         {g(self.features_device)}",
@@ -446,11 +475,12 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # Rollout: the sampler's KV page pool (sampling.plan_kv: sampler_rows slots split over the
     # batch shards, each shard's pages sized for its own slots, worst case or the budget per
     # shard; pages over the batch axes, KV heads over tensor when they divide), and the
-    # prefill's attention scores.
+    # prefill's transients.
     s_rows = rows_per_device(sampler_rows)
     batch_shards = sharding_lib.axes_size(mesh, sharding_lib._as_tuple(rules.get("batch")))
-    pool = plan_kv(model_cfg, slots=bucket_size(sampler_rows, 1, batch_shards)
-                   if sampler_rows % batch_shards else sampler_rows, shards=batch_shards,
+    slots = (bucket_size(sampler_rows, 1, batch_shards) if sampler_rows % batch_shards
+             else sampler_rows)
+    pool = plan_kv(model_cfg, slots=slots, shards=batch_shards,
                    prompt_len=prompt_len, max_new_tokens=response_len, page_size=page_size,
                    kv_budget_bytes=kv_budget_bytes)
     kv_split = tensor if model_cfg.num_kv_heads % tensor == 0 else 1
@@ -463,16 +493,24 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                      if k not in NORM_NAMES and "_lora_" not in k}
     decode_copy = (tree_device_bytes(layer_weights, mesh, rules) * a
                    // jnp.dtype(model_cfg.param_dtype).itemsize)
-    prefill_prompts = max(1, sampler_rows // group_size)
-    p_rows = rows_per_device(prefill_prompts)
-    P = bucket_size(prompt_len, 16)
+    # One prefill call of the sampler (scheduler.prefill_rows_per_shard: slots / n prompts of
+    # all but their last token, bucketed, at most ~MAX_PREFILL_TOKENS tokens) on a device: the
+    # keys and values of every layer, its scan's [L, rows, width, K, D] outputs, which it then
+    # writes into the pages, beside one layer's forward at a time (forward_layer_peak, as the
+    # old-policy pass). (Before 2026-11-27 only the attention scores were counted: at the
+    # ninth GPU run's 64 prompts of 512 tokens, Qwen3-0.6B, the H100 compiled 4.5 GiB of
+    # prefill temporaries, 3.5 GiB of them the stacked keys and values, against ~0 planned with
+    # cuDNN attention.)
+    P = bucket_size(max(1, prompt_len - 1), 16)
+    p_rows = prefill_rows_per_shard(slots, group_size, P, batch_shards)
+    kv_stack = 2 * L * p_rows * P * _div(model_cfg.num_kv_heads, tensor) * model_cfg.head_dim * a
 
-    def prefill_bytes(kind):  # the prefill's attention intermediates, one layer at a time
-        pre = _layer_activation_bytes(model_cfg, p_rows, P, tensor, kind, backward=False)
-        return pre["scores"] + pre["attn_transient"]
+    def prefill_bytes(impl):
+        return kv_stack + forward_layer_peak(
+            _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False))
 
     prefill_kind = attention_kind(model_cfg, P, target)
-    prefill = prefill_bytes(prefill_kind)
+    prefill = prefill_bytes(_resolved_attention(model_cfg, P, target))
 
     # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
     o_global = min(rollout_rows, sampler_rows)
@@ -480,18 +518,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     lp_old = (o_rows * min(positions_per_chunk(logprob_chunk_tokens, o_global), response_len)
               * _div(V, tensor) * 4 * 2)
 
-    def old_pass_bytes(o_layer):
-        # Forward only, one layer live at a time: the pass peaks either in a layer's attention
-        # (its scores, the mask and about an eighth of the layer's intermediates, as measured in
-        # XLA's buffer assignment), in its projections and q / k rotation (the layer's sliced
-        # weights, all made at the top of the layer body and live at its q / k / v matmuls, the
-        # o_proj and MLP ones still during the rotation, beside the projected and rotated q and
-        # k: the peak where the weights are large against the scores, e.g. XLA:CPU's old pass of
-        # hidden 512, 128-wide heads at 128 tokens), or in an LM-head chunk.
-        attention_peak = (o_layer["scores"] + o_layer["mask"] + o_layer["attn_transient"]
-                          + o_layer["linear"] // 8)
-        rope_peak = o_layer["weights"] + o_layer["rope"]
-        return max(attention_peak, rope_peak, lp_old)
+    def old_pass_bytes(o_layer):  # one layer's forward at a time, or an LM-head chunk
+        return max(forward_layer_peak(o_layer), lp_old)
 
     o_layer = _layer_activation_bytes(model_cfg, o_rows, seq, tensor, backward=False,
                                       target=target)
@@ -545,7 +573,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
                       optimizer=opt_bytes, activations_remat_none=act_none,
                       activations_remat_full=act_full, activations_configured=act_cfg,
-                      logprob_chunk=lp_chunk, kv_cache=kv, prefill_scores=prefill,
+                      logprob_chunk=lp_chunk, kv_cache=kv, prefill=prefill,
                       old_pass_activations=old_pass, features_device=f_device,
                       features_host_chunk=f_host_chunk, features_host_ram=f_host_ram,
                       features_recompute=f_recompute, phases=phases,
@@ -731,7 +759,8 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
 PHASE_KNOBS = {
     "rollout": ("rollout.max_batch_size (sampler slots)", "rollout.kv_budget_gb (KV page pool)",
                 "data.max_prompt_len / rollout.max_new_tokens",
-                "model.attention=blockwise (prefill scores)"),
+                "model.attention=blockwise (prefill scores)",
+                "data.max_prompt_len (prefill K / V of every layer)"),
     "old-policy pass + DelTA": ("delta.feature_cache=host or recompute",
                                 "rollout.max_batch_size (rows per old-policy chunk)",
                                 "model.logprob_chunk_tokens", "delta.recompute_chunk"),

@@ -247,8 +247,10 @@ def test_activation_estimate_follows_the_remat_policy(monkeypatch):
 def test_attention_kind_follows_the_backends_dispatch(monkeypatch):
     """The plan resolves attention as attend() does on the backend: on a CUDA GPU "auto" and
     "cudnn" in bf16 run cuDNN (no score arrays) at every length, so a short-sequence update plans
-    the blockwise figure there; float32 (no cuDNN) and "xla" keep the materialised scores, and an
-    explicit "cudnn" off the GPU falls back to blockwise, as attend() does."""
+    the blockwise figure there, and the forward-only passes (the old-policy pass, the rollout
+    prefill) less than blockwise's (cuDNN's fused forward keeps no block of scores); float32 (no
+    cuDNN) and "xla" keep the materialised scores, and an explicit "cudnn" off the GPU falls back
+    to blockwise, as attend() does."""
     from delta_jax.models import attention
     bf16 = SMALL.replace(remat="none", dtype=jnp.bfloat16, head_dim=8)
     short = (64, 64)  # 128 tokens: "auto" is xla by length
@@ -265,7 +267,9 @@ def test_attention_kind_follows_the_backends_dispatch(monkeypatch):
     assert plan.attention_kind(bf16.replace(attention="auto", dtype=jnp.float32), 128) == "xla"
     gpu_auto = _plan_for(bf16.replace(attention="auto"), *short)
     blockwise = _plan_for(bf16.replace(attention="blockwise"), *short)
-    assert gpu_auto.phases == blockwise.phases
+    assert gpu_auto.phases["update"] == blockwise.phases["update"]
+    for forward in ("rollout", "old-policy pass + DelTA"):
+        assert gpu_auto.phases[forward] < blockwise.phases[forward]
     assert gpu_auto.phases["update"] < cpu_auto.phases["update"]
     assert gpu_auto.settings["attention_prefill"] == "blockwise"
     dots = {impl: _plan_for(bf16.replace(attention=impl, remat="dots_saveable"), *short)
@@ -783,3 +787,100 @@ def test_choose_remat_on_cuda_starts_from_dots_with_no_batch_dims_saveable(monke
     monkeypatch.setattr(attention, "_cuda_backend", lambda: True)
     assert plan.auto_remat_order("") == (dots, "full")
     assert plan.choose_remat(cfg, 1e15, mesh_shape=(1, 1, 1))[0] == dots
+
+
+# ----------------------------------------------------------------------------- an H100's compile
+
+def test_prefill_cap_is_the_samplers():
+    """The rows of one prefill call that plan mode counts are the sampler's own
+    (sampling.prefill_rows_per_shard, which Sampler._prefill_cap is): at most slots / n prompts
+    and ~MAX_PREFILL_TOKENS tokens, a power of two, per batch shard."""
+    from delta_jax.sampling import prefill_rows_per_shard
+    from delta_jax.sampling.scheduler import MAX_PREFILL_TOKENS
+    assert MAX_PREFILL_TOKENS == 32768
+    assert [prefill_rows_per_shard(256, 16, 2048), prefill_rows_per_shard(256, 1, 512),
+            prefill_rows_per_shard(64, 1, 2048), prefill_rows_per_shard(256, 16, 2048, 8),
+            prefill_rows_per_shard(48, 1, 512), prefill_rows_per_shard(4, 8, 64)] == \
+        [16, 64, 16, 2, 32, 1]
+
+
+def test_rollout_prefill_counts_every_layers_keys_and_values():
+    """The "rollout" phase's prefill term: the scan's keys and values of every layer for one
+    prefill call of the sampler ([L, rows, width, K, D] each, in the compute dtype) beside one
+    layer's forward (plan.forward_layer_peak): known answer for Qwen3-0.6B in bf16, 64 prompts
+    of 512 + 1 tokens (width 512) on a CUDA target, 28 x 64 x 512 x 8 x 128 x 2 B x 2 = 3.5 GiB
+    of them, and the figure grows with the layers as that term does."""
+    mc = models.get_preset("qwen3-0.6b", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+    def prefill(cfg):
+        return plan.plan_memory(
+            cfg, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=64, prompt_len=513,
+            response_len=1024, sampler_rows=64, group_size=1, mini_batch_rows=64,
+            micro_batch_rows=0, logprob_chunk_tokens=256, recompute_chunk=64,
+            target="cuda").prefill
+
+    kv = 2 * 28 * 64 * 512 * 8 * 128 * 2
+    layer = plan._layer_activation_bytes(mc, 64, 512, 1, "cudnn", backward=False)
+    assert prefill(mc) == kv + plan.forward_layer_peak(layer)
+    assert plan.forward_layer_peak(layer) == layer["mlp"]  # cuDNN keeps no scores: the MLP peaks
+    assert prefill(mc.replace(num_layers=14)) == kv // 2 + plan.forward_layer_peak(layer)
+
+
+def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
+    """With the CUDA plugin and cuDNN (`COMPILE_CUDNN=1 bash scripts/gpu_jax_check.sh --compile
+    -m pytest tests/test_plan.py -k h100`; skipped elsewhere): the sampler's prefill and the
+    trainer's old-policy pass compiled for an H100 without one (benchmarks/gpu_program.py's
+    compile-only device, cuDNN attention), Qwen3-0.6B in bf16: plan mode's prefill term within
+    15% of the prefill's temporaries and its "old-policy pass + DelTA" phase (less the
+    optimizer) within 15% of the pass's peak. (Measured 2026-11-27: prefill 0.93-0.99 at
+    2,048-32,768 tokens, the old pass 1.01-1.04 at 64 x 1,536, 16 x 2,560 and 8 x 4,096; before
+    the prefill counted its keys and values and cuDNN its forward, 0.16-0.65 and up to 1.48.
+    The keys and values of every layer are most of the prefill's temporaries: with 4 layers
+    the one layer's forward the plan counts is 0.80 of XLA's.)"""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    import importlib.util
+    import pathlib
+    from delta_jax.kernels import timing
+    from delta_jax.sampling import programs
+    from delta_jax.train.features import make_old_policy_pass
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_program.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("gpu_program", path)
+    gpu_program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_program)
+    device = gpu_program.compile_only_device("h100", gpu_program.CUDNN_VERSION,
+                                             gpu_program.CUDA_VERSION)
+    placed = jax.sharding.SingleDeviceSharding(device)
+    mc = models.get_preset("qwen3-0.6b", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+    def planned(rows, prompt_len, response_len):
+        return plan.plan_memory(
+            mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=rows,
+            prompt_len=prompt_len, response_len=response_len, sampler_rows=rows, group_size=1,
+            mini_batch_rows=rows, micro_batch_rows=0, logprob_chunk_tokens=256,
+            recompute_chunk=rows, target="cuda")
+
+    with jax.default_device(device):
+        graphdef, params, rest = split_model(
+            nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
+        state = nnx.split(nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))[1]
+        for rows, width in ((16, 512), (4, 2048)):
+            cache = timing.abstract_like(jax.eval_shape(lambda: models.init_paged_cache(
+                mc, 1 + rows * width // 32, 32)), placed)
+            ints = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=placed)
+            try:
+                compiled = programs.prefill.lower(graphdef, timing.abstract_like(state, placed),
+                                                  cache, ints, ints, ints, ints).compile()
+            except RuntimeError as e:  # jax asks the cuDNN library's version: COMPILE_CUDNN=1
+                pytest.skip(f"no cuDNN to compile the prefill's attention with: {e}")
+            temp = timing.compiled_memory_bytes(compiled)["temp_bytes"]
+            ratio = planned(rows, width + 1, 1024).prefill / temp
+            assert abs(ratio - 1) <= 0.15, (rows, width, ratio)
+        old = make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=256)
+        for rows, seq, response_len in ((64, 1536, 1024), (16, 2560, 2048)):
+            ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=placed)
+            peak = timing.compiled_memory_bytes(old.lower(
+                timing.abstract_like(params, placed), ids, ids, response_len).compile())
+            p = planned(rows, seq - response_len, response_len)
+            ratio = (p.phases["old-policy pass + DelTA"] - p.optimizer) / peak["peak_estimate_bytes"]
+            assert abs(ratio - 1) <= 0.15, (rows, seq, ratio)

@@ -75,6 +75,15 @@ MAX_PREFILL_TOKENS = 32768
 SHRINK_MIN_ROWS = 8
 
 
+def prefill_rows_per_shard(slots: int, n: int, width: int, shards: int = 1) -> int:
+    """Rows (prompts) per batch shard of one prefill call of prompts up to `width` (bucketed)
+    tokens, for `slots` slots and n samples a prompt: at most slots / n prompts and about
+    MAX_PREFILL_TOKENS tokens per call, a power of two (the prefill's keys and values of every
+    layer are a transient [L, rows, width, K, D] pair; plan mode counts them by this)."""
+    rows = min(max(1, slots // n), max(1, MAX_PREFILL_TOKENS // width))
+    return max(1, max(shards, 1 << int(math.floor(math.log2(rows)))) // shards)
+
+
 @dataclasses.dataclass
 class _Prompt:
     ids: list
@@ -670,12 +679,7 @@ class _Run:
         return bucket_size(max(self.prompts[i].kv_len for i, _ in jobs), self.s.min_prompt_bucket)
 
     def _prefill_cap(self, width: int) -> int:
-        """Rows per shard of one prefill call of prompts up to `width` (bucketed) tokens: at most
-        slots / n prompts and about MAX_PREFILL_TOKENS tokens per call (the prefill's keys and
-        values of every layer are a transient [L, rows, width, K, D] pair)."""
-        S = self.num_shards
-        rows = min(max(1, self.s.num_slots // self.n), max(1, MAX_PREFILL_TOKENS // width))
-        return max(1, max(S, 1 << int(math.floor(math.log2(rows)))) // S)
+        return prefill_rows_per_shard(self.s.num_slots, self.n, width, self.num_shards)
 
     def _ahead(self, jobs) -> list:
         """Prefill-ahead jobs for the call that prefills `jobs`: the next waiting prompts with no
