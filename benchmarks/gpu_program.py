@@ -27,7 +27,7 @@ the GEMMs (Triton GEMM fusions, cuBLAS calls) with their result shapes and the s
 contraction (a 2-D GEMM whose f32 result has a leading dimension a consumer sums over: split-K);
 the buffers of a page pool's size (or larger) written other than in place. Prefill
 (programs.prefill), with --prefill-rows: that many prompts of --prompt-len tokens, the same for
-a layer of its layer scan (jax asks the cuDNN library's version when it traces cuDNN attention,
+a call (its layers run unrolled; jax asks the cuDNN library's version when it traces cuDNN attention,
 so a bf16 prefill needs nvidia-cudnn-cu12 installed, ~700 MB: COMPILE_CUDNN=1 bash
 scripts/gpu_jax_check.sh --compile ...; without it the prefill is reported not compiled).
 """
@@ -214,9 +214,9 @@ def summary(found: dict) -> dict:
 
 
 def program_summary(text: str, label: str, pool_bytes: int | None = None) -> dict:
-    """summary() of the body of the program's one outermost while loop (decode: a step;
-    prefill: a layer of the layer scan; loops inside it count as no kernel), with
-    "call_kernels": the kernels its entry launches once a call."""
+    """summary() of the body of the program's one outermost while loop (decode: a step; loops
+    inside it count as no kernel), with "call_kernels": the kernels its entry launches once a
+    call."""
     bodies = loop_bodies(text, entry(text))
     if len(bodies) != 1:
         raise SystemExit(f"gpu_program: {label}: expected one outermost while loop, found "
@@ -346,21 +346,26 @@ def main(argv=None):
                 cfg, 1 + rows * pages_per_seq, ps)), placed)
             ints = jax.ShapeDtypeStruct((rows, args.prompt_len), jnp.int32, sharding=placed)
             abstract_state = timing.abstract_like(state, placed)
+            layers = timing.abstract_like(jax.eval_shape(programs.decode_layers, graphdef, state),
+                                          placed)
             for invariant in args.batch_invariant:
                 program = programs.batch_invariant_prefill if invariant else programs.prefill
                 label = f"prefill_rows{rows}_len{args.prompt_len}_inv{invariant}"
                 try:
                     text, seconds = compiled_text(label, program.lower(
-                        graphdef, abstract_state, cache, ints, ints, ints, ints))
+                        graphdef, abstract_state, layers, cache, ints, ints, ints, ints))
                 except RuntimeError as e:  # e.g. "cuDNN not found": jax asks the library's version
                     print(f"prefill rows {rows}: not compiled: {e} (the cuDNN attention of a "
                           f"bf16 prefill needs the cuDNN library: nvidia-cudnn-cu12, which "
                           f"COMPILE_CUDNN=1 bash scripts/gpu_jax_check.sh --compile installs)",
                           flush=True)
                     break
+                # the layers run unrolled (Transformer.prefill_paged): a call's kernels
+                found = summary(kernels(text, entry(text)))
                 row = {"program": "prefill", "rows": rows, "prompt_len": args.prompt_len,
                        "batch_invariant": invariant, "compile_s": round(seconds, 1),
-                       "compiled_memory": memory[label], **program_summary(text, label)}
+                       "compiled_memory": memory[label], **found,
+                       "call_kernels": found["kernels"]}
                 results.append(row)
                 print_row(row)
     if args.output:
@@ -373,9 +378,10 @@ def print_row(row: dict) -> None:
     splits = ", ".join(f"{g['count']} x {g['shape']}" + (f" split {g['split_k']}"
                                                           if g["split_k"] > 1 else "")
                        for g in row["gemms"])
-    where = "a step" if row["program"] == "decode" else "a layer"
+    where = ("a step" + f" (+ {row['call_kernels']} a call)" if row["program"] == "decode"
+             else "a call")
     print(f"{row['program']} rows {row['rows']} batch_invariant {row['batch_invariant']}: "
-          f"{row['kernels']} kernels {where} (+ {row['call_kernels']} a call), "
+          f"{row['kernels']} kernels {where}, "
           f"{row['split_gemms']} GEMMs split; GEMMs: {splits}"
           + (f"; pool-sized writes: {row['pool_sized']}" if row.get("pool_sized") else ""),
           flush=True)

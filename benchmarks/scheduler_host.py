@@ -121,7 +121,7 @@ def stand_in_programs(decode_seconds: list = None, call_rows: list = None):
         return out
     sampling_programs.decode = timed_decode
     sampling_programs.decode_layers = lambda graphdef, state: ()
-    sampling_programs.prefill = lambda graphdef, state, cache, *a, **k: cache
+    sampling_programs.prefill = lambda graphdef, state, layers, cache, *a, **k: cache
     sampling_programs.copy_pages = lambda cache, *a, **k: cache
     models.init_paged_cache = lambda cfg, num_pages, page_size, **k: init_cache(cfg, 1, page_size,
                                                                                 **k)

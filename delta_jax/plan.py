@@ -26,10 +26,10 @@ dots_with_no_batch_dims_saveable with materialised scores and with blockwise att
 blocks, dots_saveable with each; 0.97-1.08 there, 0.96-1.10 at 47 points measured by hand). The
 "rollout" figure (less the optimizer state) agrees with the larger of the sampler's prefill and
 decode programs at two points there (0.91 and 1.00), each with the sampler's copy of the layer
-weights (programs.decode_layers, held for the whole generate()) beside it; its prefill term (every
-layer's keys and values of one prefill call, one layer's forward) and the old-policy pass also
-with XLA:GPU's own figures for Qwen3-0.6B compiled for an H100 without one (0.93-0.99 and
-1.01-1.04, 2026-11-27; a test that runs where jax's CUDA plugin and cuDNN are installed). Not
+weights (programs.decode_layers, held for the whole generate()) beside it; its prefill term (one
+prefill call's one layer's forward) and the old-policy pass also with XLA:GPU's own figures for
+Qwen3-0.6B compiled for an H100 without one (0.92-1.10 and 1.01-1.04, 2026-11-27; a test that
+runs where jax's CUDA plugin and cuDNN are installed). Not
 checked that way: bfloat16 activations on XLA:CPU (which keeps them largely in float32, unlike a
 GPU), blockwise attention other than the dots_* update points, the recompute feature cache's
 trunk pass, and other GPU figures (the benchmarks print those where they run; an H100 run of 2026-11-24,
@@ -344,8 +344,8 @@ class MemoryPlan:
                f"(estimate; remat={s['remat']})"] if s["remat"] not in ("none", "full") else []),
             f"  LM-head log-prob chunk         {g(self.logprob_chunk)}",
             f"  rollout KV cache               {g(self.kv_cache)}",
-            f"  rollout prefill                {g(self.prefill)}  (estimate: every layer's "
-            f"K / V, one layer's forward)",
+            f"  rollout prefill                {g(self.prefill)}  (estimate: one layer's "
+            f"forward)",
             f"  rollout decode weight copy     {g(self.decode_weight_copy)}",
             f"  old-policy pass activations    {g(self.old_pass_activations)}  (estimate)",
             f"  DelTA features, device         {g(self.features_device)}",
@@ -494,19 +494,14 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     decode_copy = (tree_device_bytes(layer_weights, mesh, rules) * a
                    // jnp.dtype(model_cfg.param_dtype).itemsize)
     # One prefill call of the sampler (scheduler.prefill_rows_per_shard: slots / n prompts of
-    # all but their last token, bucketed, at most ~MAX_PREFILL_TOKENS tokens) on a device: the
-    # keys and values of every layer, its scan's [L, rows, width, K, D] outputs, which it then
-    # writes into the pages, beside one layer's forward at a time (forward_layer_peak, as the
-    # old-policy pass). (Before 2026-11-27 only the attention scores were counted: at the
-    # ninth GPU run's 64 prompts of 512 tokens, Qwen3-0.6B, the H100 compiled 4.5 GiB of
-    # prefill temporaries, 3.5 GiB of them the stacked keys and values, against ~0 planned with
-    # cuDNN attention.)
+    # all but their last token, bucketed, at most ~MAX_PREFILL_TOKENS tokens) on a device: one
+    # layer's forward at a time (forward_layer_peak, as the old-policy pass); each layer writes
+    # its keys and values into the pages as it computes them (Transformer.prefill_paged).
     P = bucket_size(max(1, prompt_len - 1), 16)
     p_rows = prefill_rows_per_shard(slots, group_size, P, batch_shards)
-    kv_stack = 2 * L * p_rows * P * _div(model_cfg.num_kv_heads, tensor) * model_cfg.head_dim * a
 
     def prefill_bytes(impl):
-        return kv_stack + forward_layer_peak(
+        return forward_layer_peak(
             _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False))
 
     prefill_kind = attention_kind(model_cfg, P, target)
@@ -759,8 +754,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
 PHASE_KNOBS = {
     "rollout": ("rollout.max_batch_size (sampler slots)", "rollout.kv_budget_gb (KV page pool)",
                 "data.max_prompt_len / rollout.max_new_tokens",
-                "model.attention=blockwise (prefill scores)",
-                "data.max_prompt_len (prefill K / V of every layer)"),
+                "model.attention=blockwise (prefill scores)"),
     "old-policy pass + DelTA": ("delta.feature_cache=host or recompute",
                                 "rollout.max_batch_size (rows per old-policy chunk)",
                                 "model.logprob_chunk_tokens", "delta.recompute_chunk"),

@@ -665,8 +665,8 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
                                                                  response_len):
     """Plan mode's "rollout" phase less the optimizer state within 15% of the larger of XLA's
     memory analyses of the rollout engine's two big programs (sampling.programs.prefill of the
-    prompts of `slots` samples beside the layer weights' copy, and decode of `slots` slots for 32
-    steps, which takes that copy), each compiled from abstract shapes with the worst-case page
+    prompts of `slots` samples, and decode of `slots` slots for 32 steps, both taking the layer
+    weights' copy), each compiled from abstract shapes with the worst-case page
     pool of sampling.plan_kv (16-token pages), as the sampler calls them; float32 as in the
     update test."""
     from delta_jax.kernels import timing
@@ -684,22 +684,21 @@ def test_rollout_phase_agrees_with_the_compiled_sampler_programs(model, slots, g
         return jax.ShapeDtypeStruct(shape, dtype)
 
     # The layer weights' copy (programs.decode_layers) lives for the whole generate(): an
-    # argument of decode, held beside the prefill. Decode leaves the stacked layer weights
-    # unused (jit prunes them from its arguments) while they stay resident.
+    # argument of decode and of the prefill, which leave the stacked layer weights unused (jit
+    # prunes them from their arguments) while they stay resident.
     def nbytes(tree):
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     layers = jax.eval_shape(programs.decode_layers, graphdef, state)
-    layers_bytes, stacked_bytes = nbytes(layers), nbytes(state["layers"])
+    stacked_bytes = nbytes(state["layers"])
     decode = timing.compiled_memory_bytes(
         programs.decode, *abstract_decode_args(graphdef, state, cache, slots, kv.pages_per_seq,
                                                queued=max(1, slots // 4)),
         num_steps=32, top_k=-1, use_top_p=False, greedy=False, attention_impl="reference",
         pages_per_block=8)
     rows, length = max(1, slots // group), bucket_size(prompt_len, 16)
-    prefill = timing.compiled_memory_bytes(programs.prefill, graphdef, state, cache,
+    prefill = timing.compiled_memory_bytes(programs.prefill, graphdef, state, layers, cache,
                                            *(ints(rows, length),) * 4)
-    compiled = max(decode["peak_estimate_bytes"] + stacked_bytes,
-                   prefill["peak_estimate_bytes"] + layers_bytes)
+    compiled = max(decode["peak_estimate_bytes"], prefill["peak_estimate_bytes"]) + stacked_bytes
     p = plan.plan_memory(mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=slots,
                          prompt_len=prompt_len, response_len=response_len, sampler_rows=slots,
                          group_size=group, mini_batch_rows=slots, micro_batch_rows=0,
@@ -804,12 +803,12 @@ def test_prefill_cap_is_the_samplers():
         [16, 64, 16, 2, 32, 1]
 
 
-def test_rollout_prefill_counts_every_layers_keys_and_values():
-    """The "rollout" phase's prefill term: the scan's keys and values of every layer for one
-    prefill call of the sampler ([L, rows, width, K, D] each, in the compute dtype) beside one
-    layer's forward (plan.forward_layer_peak): known answer for Qwen3-0.6B in bf16, 64 prompts
-    of 512 + 1 tokens (width 512) on a CUDA target, 28 x 64 x 512 x 8 x 128 x 2 B x 2 = 3.5 GiB
-    of them, and the figure grows with the layers as that term does."""
+def test_rollout_prefill_is_one_layers_forward():
+    """The "rollout" phase's prefill term: one layer's forward (plan.forward_layer_peak) for one
+    prefill call of the sampler, whose layers write their keys and values into the pages as
+    they go (Transformer.prefill_paged): known answer for Qwen3-0.6B in bf16, 64 prompts of 512
+    + 1 tokens (width 512) on a CUDA target, where cuDNN keeps no scores and the layer's MLP
+    peaks; the same at any number of layers."""
     mc = models.get_preset("qwen3-0.6b", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 
     def prefill(cfg):
@@ -819,11 +818,10 @@ def test_rollout_prefill_counts_every_layers_keys_and_values():
             micro_batch_rows=0, logprob_chunk_tokens=256, recompute_chunk=64,
             target="cuda").prefill
 
-    kv = 2 * 28 * 64 * 512 * 8 * 128 * 2
     layer = plan._layer_activation_bytes(mc, 64, 512, 1, "cudnn", backward=False)
-    assert prefill(mc) == kv + plan.forward_layer_peak(layer)
-    assert plan.forward_layer_peak(layer) == layer["mlp"]  # cuDNN keeps no scores: the MLP peaks
-    assert prefill(mc.replace(num_layers=14)) == kv // 2 + plan.forward_layer_peak(layer)
+    assert layer["mlp"] == 64 * 512 * 2 * (3 * 3072 + 2 * 1024)
+    assert prefill(mc) == plan.forward_layer_peak(layer) == layer["mlp"]
+    assert prefill(mc.replace(num_layers=14)) == prefill(mc)
 
 
 def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
@@ -832,11 +830,9 @@ def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
     trainer's old-policy pass compiled for an H100 without one (benchmarks/gpu_program.py's
     compile-only device, cuDNN attention), Qwen3-0.6B in bf16: plan mode's prefill term within
     15% of the prefill's temporaries and its "old-policy pass + DelTA" phase (less the
-    optimizer) within 15% of the pass's peak. (Measured 2026-11-27: prefill 0.93-0.99 at
-    2,048-32,768 tokens, the old pass 1.01-1.04 at 64 x 1,536, 16 x 2,560 and 8 x 4,096; before
-    the prefill counted its keys and values and cuDNN its forward, 0.16-0.65 and up to 1.48.
-    The keys and values of every layer are most of the prefill's temporaries: with 4 layers
-    the one layer's forward the plan counts is 0.80 of XLA's.)"""
+    optimizer) within 15% of the pass's peak. (Measured 2026-11-27: prefill 0.92-1.10 at
+    512-32,768 tokens, the old pass 1.01-1.04 at 64 x 1,536, 16 x 2,560 and 8 x 4,096; before
+    cuDNN's forward was counted as keeping no scores, the old pass up to 1.48.)"""
     pytest.importorskip("jax_plugins.xla_cuda12")
     import importlib.util
     import pathlib
@@ -864,13 +860,15 @@ def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
         graphdef, params, rest = split_model(
             nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
         state = nnx.split(nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))[1]
+        layers = timing.abstract_like(jax.eval_shape(programs.decode_layers, graphdef, state),
+                                      placed)
         for rows, width in ((16, 512), (4, 2048)):
             cache = timing.abstract_like(jax.eval_shape(lambda: models.init_paged_cache(
                 mc, 1 + rows * width // 32, 32)), placed)
             ints = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=placed)
             try:
                 compiled = programs.prefill.lower(graphdef, timing.abstract_like(state, placed),
-                                                  cache, ints, ints, ints, ints).compile()
+                                                  layers, cache, ints, ints, ints, ints).compile()
             except RuntimeError as e:  # jax asks the cuDNN library's version: COMPILE_CUDNN=1
                 pytest.skip(f"no cuDNN to compile the prefill's attention with: {e}")
             temp = timing.compiled_memory_bytes(compiled)["temp_bytes"]

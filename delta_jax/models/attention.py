@@ -587,6 +587,24 @@ def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array,
       jnp.swapaxes(values, 0, 1).astype(pool.dtype), mode="drop", unique_indices=True)
 
 
+def write_prompt_pages(pool: jax.Array, values: jax.Array, pages: jax.Array, offsets: jax.Array,
+                       *, mesh=None, batch_axes=()) -> jax.Array:
+  """pool [K, P, page_size, D] with values [B, T, K, D] (one layer's keys or values of B
+  prompts) written at (pages[b, t], offsets[b, t]) (int32 [B, T]; page -1: not written; the
+  written pairs distinct, write_pages). With a mesh and batch_axes, per batch shard on its own
+  pages (shard_pages: rows and pages over the batch axes, shard-local page ids)."""
+  def local(pool, values, pages, offsets):  # this shard's rows, KV heads and pages
+    b, t, k, d = values.shape
+    return write_pages(pool, pages.reshape(b * t), offsets.reshape(b * t),
+                       values.reshape(b * t, k, d))
+
+  if mesh is None or not batch_axes:
+    return local(pool, values, pages, offsets)
+  return shard_pages(lambda pool, values, pages, offsets: local(pool, values[0], pages, offsets),
+                     mesh, batch_axes, pool.shape[0], ("pool", "stack", "rows", "rows"),
+                     "pool")(pool, values[None], pages, offsets)
+
+
 def pool_specs(mesh, batch_axes, num_kv_heads: int):
   """(page pool spec, kv head mesh axis or None) of a pool split over the batch shards: the
   page axis over `batch_axes`, the KV heads over "tensor" when it divides them."""

@@ -371,6 +371,47 @@ class Transformer(nnx.Module):
     logits = self.logits(hidden) if return_logits else None
     return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
 
+  def prefill_paged(self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array,
+                    cache: PagedKVCache, write_page: jax.Array, write_offset: jax.Array, *,
+                    layers=None, mesh=None, batch_axes=()) -> PagedKVCache:
+    """Prompts through every layer into a paged cache (the rollout engine's prefill).
+
+    tokens, positions: int32 [B, T]; key_valid: [B, T], 1 = a real token (rows left-aligned,
+    right-padded; padding is never attended to). Each layer writes its keys / values of token t
+    of row b at page write_page[b, t], offset write_offset[b, t] of its pool (page -1: not
+    written; with a mesh and batch_axes, shard-local pages: attention.write_prompt_pages) as it
+    computes them, so no [L, B, T, K, D] stack of every layer's is ever held. The layers run
+    unrolled on `layers` (decode_layers(): each layer's own arrays, LoRA merged, q / k / v as one
+    GEMM; default: made here), the weights decode reads. Returns the updated PagedKVCache (the
+    last layer's hidden states and the logits are not computed)."""
+    cfg = self.cfg
+    B, T = tokens.shape
+    G, D = cfg.num_groups, cfg.head_dim
+    if len(cache.k) != cfg.num_layers:
+      raise ValueError(f"prefill_paged: the cache has {len(cache.k)} layers, the model "
+                       f"{cfg.num_layers}")
+    cos, sin = rope_cos_sin(positions, D, cfg.rope_theta)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
+    key_valid = key_valid.astype(bool)
+    layers = self.decode_layers() if layers is None else layers
+    new_k, new_v = list(cache.k), list(cache.v)
+    for i in range(cfg.num_layers):
+      p = _cast_layer(cfg, layers[i])  # a no-op on decode_layers()
+      h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+      qkv = jnp.einsum("bth,hkgd->btkgd", h, p["qkv_proj"])
+      q, k, v = qkv[..., :G, :].reshape(B, T, -1, D), qkv[..., G, :], qkv[..., G + 1, :]
+      if cfg.qk_norm:
+        q, k = (rms_norm(q, p["q_norm"], cfg.rms_norm_eps),
+                rms_norm(k, p["k_norm"], cfg.rms_norm_eps))
+      q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+      attn = _attend(cfg, q, k, v, key_valid)
+      new_k[i], new_v[i] = (attention.write_prompt_pages(pool, values, write_page, write_offset,
+                                                         mesh=mesh, batch_axes=batch_axes)
+                            for pool, values in ((new_k[i], k), (new_v[i], v)))
+      if i + 1 < cfg.num_layers:  # the last layer's output feeds nothing here
+        x = _finish_layer(cfg, p, x, attn)
+    return PagedKVCache(k=tuple(new_k), v=tuple(new_v))
+
   def decode_paged(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
                    block_tables: jax.Array, lengths: jax.Array, write_page: jax.Array,
                    write_offset: jax.Array, *, attention_impl: str = "auto",

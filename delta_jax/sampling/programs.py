@@ -66,34 +66,20 @@ BATCH_INVARIANT_OPTIONS = {"xla_gpu_experimental_force_split_k": 1,
 BATCH_INVARIANT_PLATFORMS = ("gpu", "cpu")
 
 
-def prefill(graphdef, state, cache: models.PagedKVCache, ids, mask, dest_page, dest_offset, *,
-            batch_spec=None):
+def prefill(graphdef, state, layers, cache: models.PagedKVCache, ids, mask, dest_page,
+            dest_offset, *, batch_spec=None):
     """Run B prompts (left-aligned, right-padded: ids, mask int32 [B, T]) and write every
     layer's keys/values of token t of row b at page dest_page[b, t], offset dest_offset[b, t]
-    (padding: page -1, not written; with a mesh, row b's shard-local pages). Returns the updated
+    (padding: page -1, not written; with a mesh, row b's shard-local pages), each layer's as it
+    is computed (Transformer.prefill_paged: no stack of every layer's keys and values). layers:
+    decode_layers(graphdef, state), the layer weights decode reads too. Returns the updated
     cache."""
     model = nnx.merge(graphdef, state)
     mesh, batch_axes = batch_spec or (None, None)
     ids, mask = sharding_lib.constrain_batch((ids, mask), mesh, batch_axes=batch_axes)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    out = model(ids, positions=positions, attention_mask=mask, return_logits=False,
-                return_kv=True)
-    L = out.cache.k.shape[0]
-
-    def write(k_pools, v_pools, new_k, new_v, dest_page, dest_offset):
-        _, B, T, K, D = new_k.shape
-        pages, offsets = dest_page.reshape(B * T), dest_offset.reshape(B * T)
-        k = tuple(_scatter_pages(k_pools[i], pages, offsets, new_k[i].reshape(B * T, K, D))
-                  for i in range(L))
-        v = tuple(_scatter_pages(v_pools[i], pages, offsets, new_v[i].reshape(B * T, K, D))
-                  for i in range(L))
-        return k, v
-
-    pools = ("pool",) * L
-    k, v = _per_shard(write, batch_spec, cache.k[0].shape[0],
-                      (pools, pools, "stack", "stack", "rows", "rows"), (pools, pools))(
-        cache.k, cache.v, out.cache.k, out.cache.v, dest_page, dest_offset)
-    return models.PagedKVCache(k=tuple(k), v=tuple(v))
+    return model.prefill_paged(ids, positions, mask, cache, dest_page, dest_offset, layers=layers,
+                               mesh=mesh, batch_axes=batch_axes or ())
 
 
 _PREFILL_JIT = dict(static_argnames=("graphdef", "batch_spec"), donate_argnames=("cache",))

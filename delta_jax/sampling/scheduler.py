@@ -670,8 +670,8 @@ class _Run:
                     offset[r, :prompt.kv_len] = t % self.ps
             program = programs.batch_invariant_prefill if s.batch_invariant else programs.prefill
             self.cache = program(
-                s.graphdef, self.state, self.cache, *(s._put(x) for x in (ids, mask, page, offset)),
-                batch_spec=s._batch_spec)
+                s.graphdef, self.state, self.layers, self.cache,
+                *(s._put(x) for x in (ids, mask, page, offset)), batch_spec=s._batch_spec)
             self.prefill_calls += 1
             self.prefilled += sum(map(len, groups))
 
