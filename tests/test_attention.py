@@ -254,9 +254,8 @@ def test_impl_resolution_and_errors():
 
 
 def test_model_blockwise_matches_xla():
-  """Padded forward (logits, and the keys / values a prefill returns): attention="blockwise" with
-  blocks smaller than the sequence (query blocks of 4, key blocks of 3 over 11 tokens) equals
-  attention="xla"."""
+  """Padded forward (logits and hidden states): attention="blockwise" with blocks smaller than
+  the sequence (query blocks of 4, key blocks of 3 over 11 tokens) equals attention="xla"."""
   cfg = models.get_preset("tiny", attention="xla")
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -272,8 +271,8 @@ def test_model_blockwise_matches_xla():
   def run(state):
     outs = []
     for gd in (graphdef, block_def):
-      out = nnx.merge(gd, state)(ids, attention_mask=jnp.asarray(mask), return_kv=True)
-      outs.append((out.logits, out.cache.k, out.cache.v))
+      out = nnx.merge(gd, state)(ids, attention_mask=jnp.asarray(mask))
+      outs.append((out.logits, out.hidden))
     return outs
 
   ref, blockwise = run(state)

@@ -165,11 +165,12 @@ def test_padding_is_invisible_and_fully_masked_rows_are_finite(model):
 
 @pytest.mark.parametrize("which", ["model", "lora_model"])
 def test_paged_decoding_matches_full_forward(request, which):
-  """Prefill KV (return_kv) written into scrambled pages of a per-layer pool, then decode token
-  by token with decode_paged (rows of different lengths, padding rows with write page -1):
-  the logits of a full forward pass, and padding rows write nothing (the scratch page 0, which
-  no table entry of a live row names, stays zero). With LoRA the decode step runs the merged
-  weights (DecoderLayers.unstacked), the full pass the unmerged adapters."""
+  """The prompts prefilled into scrambled pages of a per-layer pool by prefill_paged (all rows in
+  one call, right-padded: padding writes nothing), then decoded token by token with
+  decode_paged (rows of different lengths, padding rows with write page -1): the logits of a
+  full forward pass, and padding writes nothing (the scratch page 0, which no table entry of a
+  live row names, stays zero). With LoRA prefill and decode run the merged weights
+  (DecoderLayers.unstacked), the full pass the unmerged adapters."""
   model = request.getfixturevalue(which)
   rng = np.random.RandomState(5)
   B, G, page_size, pages_per_seq = 3, 6, 4, 4
@@ -185,17 +186,20 @@ def test_paged_decoding_matches_full_forward(request, which):
     m = nnx.merge(graphdef, state)
     return m.decode_paged(tokens, positions, cache, jnp.asarray(tables), lengths, page, offset)
 
-  # Prefill every prompt but its last token (the engine's convention), one row at a time.
+  # Prefill every prompt but its last token (the engine's convention), all rows in one call.
+  T = max(prompt_lens) - 1
+  ids, valid = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+  page, offset = np.full((B, T), -1, np.int32), np.zeros((B, T), np.int32)
   for b, n in enumerate(prompt_lens):
-    kv = model(jnp.asarray([seqs[b][:n - 1]], jnp.int32), return_kv=True).cache
-    assert kv.k.shape == (CFG.num_layers, 1, n - 1, CFG.num_kv_heads, CFG.head_dim)
     t = np.arange(n - 1)
-    pages, offsets = tables[b, t // page_size], t % page_size
-    cache = models.PagedKVCache(
-        k=tuple(c.at[:, pages, offsets].set(jnp.swapaxes(kv.k[i, 0], 0, 1))
-                for i, c in enumerate(cache.k)),
-        v=tuple(c.at[:, pages, offsets].set(jnp.swapaxes(kv.v[i, 0], 0, 1))
-                for i, c in enumerate(cache.v)))
+    ids[b, :n - 1], valid[b, :n - 1] = seqs[b][:n - 1], 1
+    page[b, :n - 1], offset[b, :n - 1] = tables[b, t // page_size], t % page_size
+  cache = jax.jit(lambda state, cache, *a: nnx.merge(graphdef, state).prefill_paged(*a[:3], cache,
+                                                                                 *a[3:]))(
+      state, cache, jnp.asarray(ids), jnp.asarray(np.maximum(np.cumsum(valid, 1) - 1, 0)),
+      jnp.asarray(valid), jnp.asarray(page), jnp.asarray(offset))
+  for pool in cache.k + cache.v:  # padding wrote nothing: the scratch page is all zeros
+    assert not np.asarray(pool[:, 0]).any()
   fulls = [np.asarray(model(jnp.asarray([s], jnp.int32)).logits[0]) for s in seqs]
   for g in range(G + 1):
     pos = np.asarray([n - 1 + g for n in prompt_lens], np.int32)
@@ -254,7 +258,7 @@ def test_remat_gives_same_gradients(model):
 def test_return_logits_false(model):
   ids = jnp.zeros((1, 3), jnp.int32)
   out = model(ids, return_logits=False)
-  assert out.logits is None and out.hidden.shape == (1, 3, CFG.hidden_size) and out.cache is None
+  assert out.logits is None and out.hidden.shape == (1, 3, CFG.hidden_size)
 
 
 def test_lora_adapters(model, lora_model):

@@ -10,7 +10,7 @@
     model.add_lora(rank=16)                         # low-rank adapters (model.lora_rank)
     tok = models.load_tokenizer(path)
 """
-from delta_jax.models.cache import KVCache, PagedKVCache, init_paged_cache, page_bytes
+from delta_jax.models.cache import PagedKVCache, init_paged_cache, page_bytes
 from delta_jax.models.config import (LORA_TARGETS, PRESETS, REMAT_POLICIES, ModelConfig,
                                      get_preset)
 from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, config_from_hf,
@@ -21,7 +21,7 @@ from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
 from delta_jax.models.transformer import LAYER_AXES, LoRAParam, ModelOutput, Transformer
 
 __all__ = [
-    "CheckpointError", "KVCache", "LAYER_AXES", "LORA_TARGETS", "LoRAParam",
+    "CheckpointError", "LAYER_AXES", "LORA_TARGETS", "LoRAParam",
     "ModelConfig", "ModelOutput",
     "PRESETS", "PagedKVCache", "REMAT_POLICIES", "Tokenizer", "Transformer",
     "UnsupportedModelError", "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict",

@@ -1,10 +1,7 @@
-"""Key/value caches.
+"""The key/value cache.
 
-KVCache(k, v): the keys and values a prefill computed, layer-stacked [layers, batch, T,
-num_kv_heads, head_dim] (Transformer.__call__(..., return_kv=True)); the rollout engine writes
-them into its pages.
-
-PagedKVCache(k, v): the rollout engine's cache (Transformer.decode_paged). One page pool per
+PagedKVCache(k, v): the rollout engine's cache (Transformer.prefill_paged writes prompts into
+it, Transformer.decode_paged decodes over it). One page pool per
 layer, k[l] and v[l] of shape [num_kv_heads, num_pages, page_size, head_dim]: separate arrays, so
 a layer's decode attention reads its own pool in place (no slice of a layer-stacked array), in
 the layout the paged decode attention kernels read (kernels/paged_decode.py on Hopper GPUs,
@@ -22,12 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from delta_jax.models.config import ModelConfig
-
-
-@flax.struct.dataclass
-class KVCache:
-  k: jax.Array  # [layers, B, T, num_kv_heads, head_dim]
-  v: jax.Array  # [layers, B, T, num_kv_heads, head_dim]
 
 
 @flax.struct.dataclass

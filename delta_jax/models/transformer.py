@@ -32,11 +32,12 @@ decode step (and the Hugging Face export) uses the merged W + scale A B of each 
 per call (DecoderLayers.unstacked, merge_lora). A starts N(0, 1 / fan-in), B at zero: a fresh
 adapter leaves the model as it was.
 
-Decoding: __call__(..., return_kv=True) is the prefill (it returns the keys and values its layers
-computed, KVCache [L, B, T, K, D]); decode_paged(...) is the decode step over a PagedKVCache (one
-page pool per layer, read in place by attention.paged_decode_attention), what the rollout engine
-(delta_jax.sampling) runs. decode_paged runs the layers as a Python loop, so every layer's pool is
-its own array (a scan would carry a layer-stacked cache and slice it per layer).
+Decoding: prefill_paged(...) runs prompts into a PagedKVCache (one page pool per layer), each
+layer writing its keys and values into the pages as it computes them; decode_paged(...) is the
+decode step over it (each pool read in place by attention.paged_decode_attention): what the
+rollout engine (delta_jax.sampling) runs. Both run the layers as a Python loop on decode_layers()
+(each layer's own arrays), so every layer's pool is its own array (a scan would carry a
+layer-stacked cache and slice it per layer, or stack every layer's keys and values).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from delta_jax.models import attention
-from delta_jax.models.cache import KVCache, PagedKVCache
+from delta_jax.models.cache import PagedKVCache
 from delta_jax.models.config import LORA_TARGETS, ModelConfig
 from delta_jax.models.norm import rms_norm
 from delta_jax.models.rope import apply_rope, rope_cos_sin
@@ -155,7 +156,6 @@ def _lora(cfg: ModelConfig, p: dict, name: str, x: jax.Array, y: jax.Array) -> j
 class ModelOutput:
   logits: Optional[jax.Array]  # float32 [B, T, V], or None when return_logits=False
   hidden: jax.Array            # [B, T, H], after the final RMSNorm
-  cache: Optional[KVCache]     # with return_kv the keys/values the layers computed, else None
 
 
 def _param(value, axes):
@@ -334,17 +334,16 @@ class Transformer(nnx.Module):
     return jnp.einsum("bth,hv->btv", hidden, w, preferred_element_type=jnp.float32)
 
   def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-               attention_mask: Optional[jax.Array] = None, return_logits: bool = True,
-               return_kv: bool = False) -> ModelOutput:
+               attention_mask: Optional[jax.Array] = None,
+               return_logits: bool = True) -> ModelOutput:
     """Forward pass.
 
     input_ids: int32 [B, T].
     positions: int32 [B, T]. Default: cumsum(attention_mask) - 1 clipped at 0 when an
       attention_mask is given, otherwise arange(T).
     attention_mask: [B, T], 1 = real token; keys are masked by it (padding may be anywhere).
-    return_kv: also return the keys/values the layers computed for the input as
-      ModelOutput.cache = KVCache(k, v) of [layers, B, T, K, D] (the rollout prefill).
-    Returns ModelOutput(logits float32 [B, T, V] or None, hidden [B, T, H], cache or None).
+    Returns ModelOutput(logits float32 [B, T, V] or None with return_logits=False, hidden
+    [B, T, H]). (The rollout prefill is prefill_paged.)
     """
     cfg = self.cfg
     B, T = input_ids.shape
@@ -361,15 +360,13 @@ class Transformer(nnx.Module):
       p = _cast_layer(cfg, p)
       q, k, v = _project_qkv(cfg, p, x)
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-      x = _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid))
-      return x, ((k, v) if return_kv else None)
+      return _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid)), None
 
-    x, kv = jax.lax.scan(_maybe_remat(cfg, layer), x, self.layers.arrays())
-    new_cache = KVCache(k=kv[0], v=kv[1]) if return_kv else None
+    x, _ = jax.lax.scan(_maybe_remat(cfg, layer), x, self.layers.arrays())
 
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     logits = self.logits(hidden) if return_logits else None
-    return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
+    return ModelOutput(logits=logits, hidden=hidden)
 
   def prefill_paged(self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array,
                     cache: PagedKVCache, write_page: jax.Array, write_offset: jax.Array, *,
