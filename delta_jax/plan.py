@@ -29,12 +29,13 @@ decode programs at two points there (0.91 and 1.00), each with the sampler's cop
 weights (programs.decode_layers, held for the whole generate()) beside it; its prefill term (one
 prefill call's one layer's forward) and the old-policy pass also with XLA:GPU's own figures for
 Qwen3-0.6B compiled for an H100 without one (0.92-1.10 and 1.01-1.04, 2026-11-27; a test that
-runs where jax's CUDA plugin and cuDNN are installed). Not
-checked that way: bfloat16 activations on XLA:CPU (which keeps them largely in float32, unlike a
-GPU), blockwise attention other than the dots_* update points, the recompute feature cache's
-trunk pass, and other GPU figures (the benchmarks print those where they run; an H100 run of 2026-11-24,
-Qwen3-1.7B at micro-batch 2 x 4096 in bf16, compiled the train step at 0.89-0.93x the plan for
-remat full and dots_with_no_batch_dims_saveable, with cuDNN and with materialised attention).
+runs where jax's CUDA plugin and cuDNN are installed; Qwen3-8B's prefill 1.21). Not checked that
+way: bfloat16 activations on XLA:CPU (which keeps them largely in float32, unlike a GPU),
+blockwise attention other than the dots_* update points, the recompute feature cache's trunk
+pass, and other GPU figures (the benchmarks print those where they run; an H100 run of
+2026-11-24, Qwen3-1.7B at micro-batch 2 x 4096 in bf16, compiled the train step at 0.89-0.93x the
+plan for remat full and dots_with_no_batch_dims_saveable, with cuDNN and with materialised
+attention).
 
 model.remat="auto" (the default) is resolved from these plans (choose_remat): the first policy of
 the backend's order (auto_remat_order: on CUDA dots_with_no_batch_dims_saveable then full, measured
@@ -268,8 +269,9 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
 
 
 def forward_layer_peak(layer: Mapping[str, int]) -> int:
-    """The peak of a forward-only layer scan (the old-policy pass, the rollout prefill) within
-    one layer, from _layer_activation_bytes(backward=False): in the layer's attention (its
+    """The peak of a forward-only pass over the layers (the old-policy pass's layer scan, the
+    rollout prefill's loop) within one layer, from _layer_activation_bytes(backward=False): in
+    the layer's attention (its
     scores, the mask and about an eighth of the layer's intermediates, as measured in XLA's
     buffer assignment), or in its projections and q / k rotation (the layer's sliced weights,
     all made at the top of the layer body and live at its q / k / v matmuls, the o_proj and MLP

@@ -600,6 +600,8 @@ def write_prompt_pages(pool: jax.Array, values: jax.Array, pages: jax.Array, off
 
   if mesh is None or not batch_axes:
     return local(pool, values, pages, offsets)
+  # values as a one-layer stack: shard_pages' "stack" kind splits its rows over the batch axes
+  # and its KV heads as the pool's
   return shard_pages(lambda pool, values, pages, offsets: local(pool, values[0], pages, offsets),
                      mesh, batch_axes, pool.shape[0], ("pool", "stack", "rows", "rows"),
                      "pool")(pool, values[None], pages, offsets)
