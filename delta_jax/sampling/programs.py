@@ -30,9 +30,6 @@ from delta_jax.models import attention
 from delta_jax.sampling_utils import sample_tokens
 
 
-_scatter_pages = attention.write_pages
-
-
 def _per_shard(fn, batch_spec, num_kv_heads, in_kinds, out_kinds):
     """fn as is without a mesh (batch_spec None), else per batch shard on its own pages
     (attention.shard_pages: the pool's page axis over the batch axes, LOCAL page ids)."""

@@ -78,8 +78,8 @@ SHRINK_MIN_ROWS = 8
 def prefill_rows_per_shard(slots: int, n: int, width: int, shards: int = 1) -> int:
     """Rows (prompts) per batch shard of one prefill call of prompts up to `width` (bucketed)
     tokens, for `slots` slots and n samples a prompt: at most slots / n prompts and about
-    MAX_PREFILL_TOKENS tokens per call, a power of two (the prefill's keys and values of every
-    layer are a transient [L, rows, width, K, D] pair; plan mode counts them by this)."""
+    MAX_PREFILL_TOKENS tokens per call (a layer's activations grow with them), a power of two.
+    Plan mode sizes the prefill's memory by this too."""
     rows = min(max(1, slots // n), max(1, MAX_PREFILL_TOKENS // width))
     return max(1, max(shards, 1 << int(math.floor(math.log2(rows)))) // shards)
 
