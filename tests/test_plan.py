@@ -484,13 +484,16 @@ def test_compiled_memory_without_an_analysis_says_so():
 
 # ----------------------------------------------------------------------------- plan vs compiled
 
-def _train_throughput():
-    """benchmarks/train_throughput.py as a module: its abstract-shape train step is the one the
-    memory analysis of the benchmark compiles (the trainer's make_train_step)."""
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (its sibling modules importable): train_throughput's
+    abstract-shape train step is the one the memory analysis of the benchmark compiles (the
+    trainer's make_train_step); gpu_program's compile-only GPU device."""
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_throughput.py"
-    spec = importlib.util.spec_from_file_location("train_throughput", path)
+    folder = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -568,7 +571,7 @@ def _planned_and_compiled_update(mc, micro_batch, seq, response_len):
     a mini-batch of two micro-batches of `micro_batch` rows on one device."""
     from delta_jax.kernels import timing
 
-    tt = _train_throughput()
+    tt = _benchmark("train_throughput")
     shape = dict(chunk=256, batch=2 * micro_batch, micro_batch=micro_batch, seq=seq,
                  response_len=response_len)
     step, state, batch = tt.abstract_step(mc, impl="chunked", **shape)
@@ -834,16 +837,10 @@ def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
     512-32,768 tokens, the old pass 1.01-1.04 at 64 x 1,536, 16 x 2,560 and 8 x 4,096; before
     cuDNN's forward was counted as keeping no scores, the old pass up to 1.48.)"""
     pytest.importorskip("jax_plugins.xla_cuda12")
-    import importlib.util
-    import pathlib
     from delta_jax.kernels import timing
     from delta_jax.sampling import programs
     from delta_jax.train.features import make_old_policy_pass
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_program.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("gpu_program", path)
-    gpu_program = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_program)
+    gpu_program = _benchmark("gpu_program")
     device = gpu_program.compile_only_device("h100", gpu_program.CUDNN_VERSION,
                                              gpu_program.CUDA_VERSION)
     placed = jax.sharding.SingleDeviceSharding(device)
