@@ -150,7 +150,7 @@ def _resolved_attention(mc: models.ModelConfig, seq: int, target: str = "") -> s
 
 def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int,
                             attention: Optional[str] = None, backward: bool = True,
-                            target: str = "") -> dict:
+                            target: str = "", prefix_rows: bool = False) -> dict:
     """Estimated bytes of one decoder layer's intermediates for `rows` x `seq` tokens on one
     device (heads and MLP columns split over `tensor` when it divides them).
 
@@ -206,7 +206,9 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
               of a layer whose attention keeps no scores (cuDNN's), as XLA:GPU compiles the
               prefill for an H100 (2026-11-27).
     cudnn, backward=False: attn_transient = attend_packed_causal's permuted copies of q, k, v and
-      the output (cuDNN's fused forward keeps no scores in memory); otherwise as blockwise.
+      the output (cuDNN's fused forward keeps no scores in memory); with prefix_rows (the
+      rollout prefill's right-padded rows: attend_prefix_causal, no permutation) none; otherwise
+      as blockwise.
     blockwise (either pass): scores = the float32 log-sum-exp, N per token (also what full remat
       keeps of the recomputed layer's scores); attn_transient = one (block_q x block_kv) block of
       scores, probabilities and, in the backward pass, their cotangents (4 float32 + 2
@@ -255,7 +257,8 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
         elif impl == "cudnn":
             # cuDNN's fused forward keeps no block of scores in memory: what it adds is
             # attention.attend_packed_causal's permuted copies of q, k and v and of the output
-            transient = tokens * a * 2 * (n_loc + k_loc) * D
+            # (right-padded rows, attend_prefix_causal's, are not moved)
+            transient = 0 if prefix_rows else tokens * a * 2 * (n_loc + k_loc) * D
         else:
             transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
     dots_saved = tokens * a * (2 * H + n_loc * D + 2 * k_loc * D + 2 * i_loc)
@@ -504,7 +507,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
 
     def prefill_bytes(impl):
         return forward_layer_peak(
-            _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False))
+            _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False,
+                                    prefix_rows=True))
 
     prefill_kind = attention_kind(model_cfg, P, target)
     prefill = prefill_bytes(_resolved_attention(model_cfg, P, target))

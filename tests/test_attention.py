@@ -189,6 +189,43 @@ def test_packed_causal_path_matches_reference_on_valid_queries():
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_prefix_causal_path_matches_the_reference_at_every_slot():
+  """The cuDNN path for right-padded rows (attend_prefix_causal: key lengths, no permutation),
+  run through jax's own XLA kernel with the same arguments: at every query slot, padding
+  included, the independent NumPy attention's result (a slot past a row's length attends its
+  valid keys; an empty row gives 0); gradients as the reference's. attend(kv_lengths=) with the
+  other implementations: as attend(kv_valid=) with the same mask."""
+  B, T, N, K, D = 4, 10, 4, 2, 8
+  q, k, v = random_qkv(6, B, T, T, N, K, D)
+  lengths = np.array([10, 7, 3, 0], np.int32)
+  valid = np.arange(T)[None, :] < lengths[:, None]
+  lengths_j, valid_j = jnp.asarray(lengths), jnp.asarray(valid)
+
+  def losses(q, k, v):
+    prefix = A.attend_prefix_causal(q, k, v, lengths_j, implementation="xla")
+    ref = A.attend(q, k, v, kv_valid=valid_j, impl="xla")
+    return (jnp.sum(jnp.tanh(prefix)), jnp.sum(jnp.tanh(ref))), (prefix, ref)
+
+  @jax.jit
+  def run(q, k, v):
+    grad = lambda i: jax.grad(lambda *a: losses(*a)[0][i], argnums=(0, 1, 2))(q, k, v)  # noqa
+    return losses(q, k, v)[1], grad(0), grad(1)
+
+  (prefix, ref), g_prefix, g_ref = run(q, k, v)
+  np.testing.assert_allclose(prefix, numpy_attention(q, k, v, 0, valid), atol=1e-5)
+  assert np.all(np.asarray(prefix)[3] == 0)
+  for a, b in zip(g_prefix, g_ref):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  for impl in ("xla", "blockwise"):
+    np.testing.assert_array_equal(
+        A.attend(q, k, v, kv_lengths=lengths_j, impl=impl, block_q=4, block_kv=3),
+        A.attend(q, k, v, kv_valid=valid_j, impl=impl, block_q=4, block_kv=3))
+  with pytest.raises(ValueError, match="kv_valid or kv_lengths"):
+    A.attend(q, k, v, kv_valid=valid_j, kv_lengths=lengths_j)
+  with pytest.raises(ValueError, match=r"kv_lengths must be \[B\]"):
+    A.attend(q, k, v, kv_lengths=lengths_j[:2])
+
+
 def test_backend_checks_follow_the_default_device(monkeypatch):
   """_cuda_backend / _hopper (what picks cuDNN and the Mosaic GPU paged decode kernel) ask
   about the device a computation traced now runs on: JAX's default device where one is set (a
@@ -520,6 +557,24 @@ def test_cudnn_attention_matches_reference_with_padding():
   for a, b in zip(g_got, g_ref):
     scale = np.max(np.abs(f32(b)))
     np.testing.assert_allclose(f32(a), f32(b), atol=2e-2 * scale, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_with_key_lengths_matches_reference():
+  """cuDNN flash attention over right-padded rows given as key lengths (the rollout prefill's
+  attend_prefix_causal, through attend's "auto" choice), bf16, one row empty: outputs at every
+  query slot within bf16 rounding of the materialised-scores path on the same inputs, the
+  empty row exactly 0."""
+  B, T, N, K, D = 4, 128, 8, 2, 64
+  q, k, v = random_qkv(9, B, T, T, N, K, D, dtype=jnp.bfloat16)
+  lengths = jnp.asarray([128, 77, 5, 0], jnp.int32)
+  assert A.resolve_impl("auto", q.shape, q.dtype, kv_len=T) == "cudnn"
+  run = jax.jit(lambda q, k, v, impl: A.attend(q, k, v, kv_lengths=lengths, impl=impl),
+                static_argnums=3)
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  got, ref = f32(run(q, k, v, "auto")), f32(run(q, k, v, "xla"))
+  np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
+  assert np.all(got[3] == 0)
 
 
 def test_paged_decode_bfloat16_and_bad_input():

@@ -1,4 +1,6 @@
 """Transformer behaviour: presets, axis names, KV-cache decoding, masking, dtype, remat, LoRA."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +8,7 @@ import pytest
 from flax import nnx
 
 from delta_jax import models
+from delta_jax.models import attention
 
 CFG = models.get_preset("tiny")  # GQA 2:1, head_dim 32 != 64 / 4, untied, qk-norm
 
@@ -163,14 +166,17 @@ def test_padding_is_invisible_and_fully_masked_rows_are_finite(model):
   assert np.isfinite(np.asarray(out.logits)).all() and np.isfinite(np.asarray(out.hidden)).all()
 
 
-@pytest.mark.parametrize("which", ["model", "lora_model"])
-def test_paged_decoding_matches_full_forward(request, which):
+@pytest.mark.parametrize("which,cudnn_path", [("model", False), ("lora_model", False),
+                                              ("model", True)])
+def test_paged_decoding_matches_full_forward(request, monkeypatch, which, cudnn_path):
   """The prompts prefilled into scrambled pages of a per-layer pool by prefill_paged (all rows in
   one call, right-padded: padding writes nothing), then decoded token by token with
   decode_paged (rows of different lengths, padding rows with write page -1): the logits of a
   full forward pass, and padding writes nothing (the scratch page 0, which no table entry of a
   live row names, stays zero). With LoRA prefill and decode run the merged weights
-  (DecoderLayers.unstacked), the full pass the unmerged adapters."""
+  (DecoderLayers.unstacked), the full pass the unmerged adapters. cudnn_path: the prefill's
+  attention as a CUDA GPU resolves it, cuDNN over the rows' key lengths
+  (attention.attend_prefix_causal, run here by jax's XLA kernel), never the permuting path."""
   model = request.getfixturevalue(which)
   rng = np.random.RandomState(5)
   B, G, page_size, pages_per_seq = 3, 6, 4, 4
@@ -194,10 +200,18 @@ def test_paged_decoding_matches_full_forward(request, which):
     t = np.arange(n - 1)
     ids[b, :n - 1], valid[b, :n - 1] = seqs[b][:n - 1], 1
     page[b, :n - 1], offset[b, :n - 1] = tables[b, t // page_size], t % page_size
-  cache = jax.jit(lambda state, cache, *a: nnx.merge(graphdef, state).prefill_paged(*a[:3], cache,
-                                                                                 *a[3:]))(
-      state, cache, jnp.asarray(ids), jnp.asarray(np.maximum(np.cumsum(valid, 1) - 1, 0)),
-      jnp.asarray(valid), jnp.asarray(page), jnp.asarray(offset))
+  with monkeypatch.context() as patch:
+    if cudnn_path:
+      def refuse(*args, **kwargs):
+        raise AssertionError("the prefill permuted its rows (attend_packed_causal)")
+      patch.setattr(attention, "cudnn_supported", lambda *args, **kwargs: True)
+      patch.setattr(attention, "attend_packed_causal", refuse)
+      patch.setattr(attention, "attend_prefix_causal",
+                    functools.partial(attention.attend_prefix_causal, implementation="xla"))
+    cache = jax.jit(lambda state, cache, *a: nnx.merge(graphdef, state).prefill_paged(
+        *a[:3], cache, *a[3:]))(
+        state, cache, jnp.asarray(ids), jnp.asarray(np.maximum(np.cumsum(valid, 1) - 1, 0)),
+        jnp.asarray(valid), jnp.asarray(page), jnp.asarray(offset))
   for pool in cache.k + cache.v:  # padding wrote nothing: the scratch page is all zeros
     assert not np.asarray(pool[:, 0]).any()
   fulls = [np.asarray(model(jnp.asarray([s], jnp.int32)).logits[0]) for s in seqs]

@@ -27,7 +27,10 @@ Implementations (`impl`):
                to the front (a stable per-row permutation), running causal attention with
                key_value_seq_lengths, and moving them back. Outputs at query slots that are
                themselves invalid (padding) are 0 here, not the reference's mix; callers ignore
-               them. Where cuDNN cannot express the call it falls back to "blockwise".
+               them. Right-padded rows given as kv_lengths (the rollout prefill) need no
+               permutation: cuDNN's key lengths express them as they are, and the outputs are
+               the reference's at every slot (attend_prefix_causal). Where cuDNN cannot express
+               the call it falls back to "blockwise".
   "auto"       "cudnn" where supported, else "blockwise" when T * S > AUTO_BLOCKWISE_MIN_SCORES,
                else "xla" (short sequences and single-token decoding).
 
@@ -761,6 +764,28 @@ def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int,
           and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
 
 
+def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array, *,
+                         implementation: str = "cudnn") -> jax.Array:
+  """Causal self-attention (T == S, offset 0) over rows whose valid tokens are their first
+  kv_lengths[b] (left-aligned, right-padded: the rollout prefill's prompts), through
+  jax.nn.dot_product_attention's key-length masks as they are: no permutation.
+
+  The result is the reference's at every query slot: one past a row's length attends the row's
+  valid keys, as the reference's mask has it, and a row with no valid key gives 0 (cuDNN gets
+  one key for it, whose value is set to 0 by an elementwise select that XLA fuses into the copy
+  of v cuDNN reads anyway; a dynamic-update-slice of that one row instead tripled the
+  prefill's temporaries at 64 x 512 tokens, compiled for an H100). `implementation` is passed
+  through ("xla" lets CPU tests check it).
+  """
+  S = k.shape[1]
+  lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, S)
+  first_of_empty = (lengths == 0)[:, None] & (jnp.arange(S) == 0)[None, :]
+  v = jnp.where(first_of_empty[:, :, None, None], jnp.zeros((), v.dtype), v)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                      key_value_seq_lengths=jnp.maximum(lengths, 1),
+                                      implementation=implementation)
+
+
 def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
                          implementation: str = "cudnn") -> jax.Array:
   """Causal self-attention (T == S, offset 0) with arbitrary padding through
@@ -806,17 +831,29 @@ def resolve_impl(impl: str, q_shape, dtype, *, kv_len: int, q_offset=0,
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
-           kv_valid: Optional[jax.Array] = None, impl: str = "auto", block_q: int = 512,
-           block_kv: int = 512) -> jax.Array:
+           kv_valid: Optional[jax.Array] = None, kv_lengths: Optional[jax.Array] = None,
+           impl: str = "auto", block_q: int = 512, block_kv: int = 512) -> jax.Array:
   """Causal grouped-query attention; see the module docstring for the mask and the
   implementations.
 
   q [B, T, N, D]; k, v [B, S, K, D]; q_offset: int or int32 scalar, the slot of q[:, 0];
-  kv_valid: bool [B, S] (None = all keys valid); returns [B, T, N, D] in q.dtype.
+  kv_valid: bool [B, S] (None = all keys valid), or instead kv_lengths: int [B], row b's valid
+  keys its first kv_lengths[b] (kv_valid = s < kv_lengths[b]: right-padded rows, which cuDNN
+  takes without a permutation); returns [B, T, N, D] in q.dtype.
   """
+  if kv_lengths is not None:
+    if kv_valid is not None:
+      raise ValueError("attend: give kv_valid or kv_lengths, not both")
+    if kv_lengths.shape != (q.shape[0],):
+      raise ValueError(f"attend: kv_lengths must be [B] = ({q.shape[0]},), got "
+                       f"{kv_lengths.shape}")
   _check_inputs(q, k, v, kv_valid)
   B, S = k.shape[:2]
   chosen = resolve_impl(impl, q.shape, q.dtype, kv_len=S, q_offset=q_offset)
+  if chosen == "cudnn" and kv_lengths is not None:
+    return attend_prefix_causal(q, k, v, kv_lengths)
+  if kv_lengths is not None:
+    kv_valid = jnp.arange(S, dtype=jnp.int32)[None, :] < kv_lengths[:, None]
   if chosen == "cudnn":
     valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid
     return attend_packed_causal(q, k, v, valid)

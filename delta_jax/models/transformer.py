@@ -163,9 +163,9 @@ def _param(value, axes):
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def _attend(cfg: ModelConfig, q, k, v, kv_valid) -> jax.Array:
+def _attend(cfg: ModelConfig, q, k, v, kv_valid=None, kv_lengths=None) -> jax.Array:
   """Causal grouped-query attention with the configured implementation (models.attention)."""
-  return attention.attend(q, k, v, kv_valid=kv_valid, impl=cfg.attention,
+  return attention.attend(q, k, v, kv_valid=kv_valid, kv_lengths=kv_lengths, impl=cfg.attention,
                           block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
 
 
@@ -374,13 +374,15 @@ class Transformer(nnx.Module):
     """Prompts through every layer into a paged cache (the rollout engine's prefill).
 
     tokens, positions: int32 [B, T]; key_valid: [B, T], 1 = a real token (rows left-aligned,
-    right-padded; padding is never attended to). Each layer writes its keys / values of token t
-    of row b at page write_page[b, t], offset write_offset[b, t] of its pool (page -1: not
-    written; with a mesh and batch_axes, shard-local pages: attention.write_prompt_pages) as it
-    computes them, so no [L, B, T, K, D] stack of every layer's is ever held. The layers run
-    unrolled on `layers` (decode_layers(): each layer's own arrays, LoRA merged, q / k / v as one
-    GEMM; default: made here), the weights decode reads. Returns the updated PagedKVCache (the
-    last layer's hidden states and the logits are not computed)."""
+    right-padded; padding is never attended to: the attention takes each row's count of real
+    tokens as its key length, which cuDNN expresses without moving rows). Each layer writes its
+    keys / values of token t of row b at page write_page[b, t], offset write_offset[b, t] of its
+    pool (page -1: not written; with a mesh and batch_axes, shard-local pages:
+    attention.write_prompt_pages) as it computes them, so no [L, B, T, K, D] stack of every
+    layer's is ever held. The layers run unrolled on `layers` (decode_layers(): each layer's own
+    arrays, LoRA merged, q / k / v as one GEMM; default: made here), the weights decode reads.
+    Returns the updated PagedKVCache (the last layer's hidden states and the logits are not
+    computed)."""
     cfg = self.cfg
     B, T = tokens.shape
     G, D = cfg.num_groups, cfg.head_dim
@@ -389,7 +391,7 @@ class Transformer(nnx.Module):
                        f"{cfg.num_layers}")
     cos, sin = rope_cos_sin(positions, D, cfg.rope_theta)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
-    key_valid = key_valid.astype(bool)
+    lengths = jnp.sum(key_valid.astype(jnp.int32), axis=1)  # valid tokens: a prefix of each row
     layers = self.decode_layers() if layers is None else layers
     new_k, new_v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers):
@@ -401,7 +403,7 @@ class Transformer(nnx.Module):
         q, k = (rms_norm(q, p["q_norm"], cfg.rms_norm_eps),
                 rms_norm(k, p["k_norm"], cfg.rms_norm_eps))
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-      attn = _attend(cfg, q, k, v, key_valid)
+      attn = _attend(cfg, q, k, v, kv_lengths=lengths)
       new_k[i], new_v[i] = (attention.write_prompt_pages(pool, values, write_page, write_offset,
                                                          mesh=mesh, batch_axes=batch_axes)
                             for pool, values in ((new_k[i], k), (new_v[i], v)))
