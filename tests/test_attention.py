@@ -164,7 +164,8 @@ def test_blockwise_does_not_materialise_the_score_matrix():
 
 def test_packed_causal_path_matches_reference_on_valid_queries():
   """The cuDNN path's permutation + key lengths, run here through jax's own XLA kernel with the
-  same arguments: exact on valid query slots, 0 on padding; gradients match too."""
+  same arguments: exact on valid query slots, 0 on padding; gradients match too, and the
+  backward moves the cotangents back by gathers (the inverse permutation), no scatter-add."""
   q, k, v = random_qkv(5, 4, 10, 10, 4, 2, 8)
   valid = padded_valid(4, 10, left=(0, 3, 0), right=(0, 2, 4), empty=(3,))
   valid[0, 5] = False  # a hole in the middle
@@ -187,6 +188,9 @@ def test_packed_causal_path_matches_reference_on_valid_queries():
   assert np.all(np.asarray(packed)[~valid] == 0)
   for a, b in zip(g_packed, g_ref):
     np.testing.assert_allclose(a, b, atol=1e-5)
+  backward = str(jax.make_jaxpr(
+      jax.grad(lambda *a: losses(*a)[0][0], argnums=(0, 1, 2)))(q, k, v))
+  assert "gather" in backward and "scatter-add" not in backward
 
 
 def test_prefix_causal_path_matches_the_reference_at_every_slot():

@@ -786,6 +786,30 @@ def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: j
                                       implementation=implementation)
 
 
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """x[b, index[b, t]] along axis 1; x [B, T, ...], index int [B, T]."""
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@jax.custom_vjp
+def _permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x[b, order[b, t]] along axis 1, order a permutation of each row and inverse its inverse.
+  Its VJP is the inverse gather: JAX's own transposes a gather to a scatter-add (on a GPU a
+  zeroed buffer and atomic adds for each of q, k, v and the output)."""
+  return _take_rows(x, order)
+
+
+def _permute_rows_fwd(x, order, inverse):
+  return _take_rows(x, order), inverse
+
+
+def _permute_rows_bwd(inverse, g):
+  return _take_rows(g, inverse), None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
                          implementation: str = "cudnn") -> jax.Array:
   """Causal self-attention (T == S, offset 0) with arbitrary padding through
@@ -800,13 +824,12 @@ def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax
   valid = kv_valid.astype(bool)
   order = jnp.argsort(jnp.logical_not(valid).astype(jnp.int8), axis=1, stable=True)  # [B, T]
   inverse = jnp.argsort(order, axis=1)
-  gather = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
   num_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
   out = jax.nn.dot_product_attention(
-      gather(q, order), gather(k, order), gather(v, order), is_causal=True,
+      *(_permute_rows(x, order, inverse) for x in (q, k, v)), is_causal=True,
       # >= 1 so that an all-padding row has something finite to attend to (zeroed below).
       key_value_seq_lengths=jnp.maximum(num_valid, 1), implementation=implementation)
-  out = gather(out, inverse)
+  out = _permute_rows(out, inverse, order)
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
