@@ -150,7 +150,7 @@ def _resolved_attention(mc: models.ModelConfig, seq: int, target: str = "") -> s
 
 def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor: int,
                             attention: Optional[str] = None, backward: bool = True,
-                            target: str = "", prefix_rows: bool = False) -> dict:
+                            target: str = "") -> dict:
     """Estimated bytes of one decoder layer's intermediates for `rows` x `seq` tokens on one
     device (heads and MLP columns split over `tensor` when it divides them).
 
@@ -205,10 +205,10 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
               residual stream in and out (3 I + 2 H per token, the activation dtype): the peak
               of a layer whose attention keeps no scores (cuDNN's), as XLA:GPU compiles the
               prefill for an H100 (2026-11-27).
-    cudnn, backward=False: attn_transient = attend_packed_causal's permuted copies of q, k, v and
-      the output (cuDNN's fused forward keeps no scores in memory); with prefix_rows (the
-      rollout prefill's right-padded rows: attend_prefix_causal, no permutation) none; otherwise
-      as blockwise.
+    cudnn, backward=False: attn_transient = 0 (cuDNN's fused forward keeps no scores in memory,
+      and the model's passes give it each row's real tokens at its front, by key lengths, with
+      no copies of q, k, v or the output: attention.attend_prefix_causal); otherwise as
+      blockwise.
     blockwise (either pass): scores = the float32 log-sum-exp, N per token (also what full remat
       keeps of the recomputed layer's scores); attn_transient = one (block_q x block_kv) block of
       scores, probabilities and, in the backward pass, their cotangents (4 float32 + 2
@@ -255,10 +255,9 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
                          + rows * n_loc * bq * (2 * D + 2) * 4
                          + tokens * 4 * k_loc * D * 4)
         elif impl == "cudnn":
-            # cuDNN's fused forward keeps no block of scores in memory: what it adds is
-            # attention.attend_packed_causal's permuted copies of q, k and v and of the output
-            # (right-padded rows, attend_prefix_causal's, are not moved)
-            transient = 0 if prefix_rows else tokens * a * 2 * (n_loc + k_loc) * D
+            # cuDNN's fused forward keeps no block of scores in memory, and the model's rows
+            # reach it unpermuted (attention.attend_prefix_causal)
+            transient = 0
         else:
             transient = rows * n_loc * bq * bkv * (2 * 4 + a) + rows * n_loc * bq * (D + 2) * 4
     dots_saved = tokens * a * (2 * H + n_loc * D + 2 * k_loc * D + 2 * i_loc)
@@ -507,8 +506,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
 
     def prefill_bytes(impl):
         return forward_layer_peak(
-            _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False,
-                                    prefix_rows=True))
+            _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False))
 
     prefill_kind = attention_kind(model_cfg, P, target)
     prefill = prefill_bytes(_resolved_attention(model_cfg, P, target))

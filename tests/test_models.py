@@ -152,18 +152,51 @@ def test_forward_matches_naive_reference(request, which):
     np.testing.assert_allclose(out.hidden[b], hidden, atol=1e-4, rtol=1e-4)
 
 
-def test_padding_is_invisible_and_fully_masked_rows_are_finite(model):
+def _as_on_a_cuda_gpu(patch):
+  """The model's attention as a CUDA GPU resolves it (cuDNN), its key-length path
+  (attention.attend_prefix_causal) run by jax's XLA kernel here, the permuting path
+  (attend_packed_causal) refused: the model's passes and the prefill never take it."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("the attention permuted its rows (attend_packed_causal)")
+  patch.setattr(attention, "cudnn_supported", lambda *args, **kwargs: True)
+  patch.setattr(attention, "attend_packed_causal", refuse)
+  patch.setattr(attention, "attend_prefix_causal",
+                functools.partial(attention.attend_prefix_causal, implementation="xla"))
+
+
+@pytest.mark.parametrize("cudnn_path", [False, True])
+def test_padding_is_invisible_and_fully_masked_rows_are_finite(model, monkeypatch, cudnn_path):
+  """Left- and right-padded rows and an all-padding row: the unpadded logits at the real
+  tokens, everything finite. cudnn_path: as a CUDA GPU runs the pass (each row's real tokens
+  moved to its front for the whole pass, attention by key lengths, the hidden states moved
+  back): the same, and the gradients of a loss over the real tokens' logits are the masked
+  pass's."""
   ids = np.random.RandomState(1).randint(0, CFG.vocab_size, (1, 6))
   plain = model(jnp.asarray(ids, jnp.int32)).logits[0]
   filler = np.full((1, 3), 7)
   left = np.concatenate([filler, ids], 1)
   right = np.concatenate([ids, filler], 1)
-  batch = np.concatenate([left, right, np.zeros_like(left)], 0)
-  mask = np.array([[0] * 3 + [1] * 6, [1] * 6 + [0] * 3, [0] * 9])
-  out = model(jnp.asarray(batch, jnp.int32), attention_mask=jnp.asarray(mask))
+  batch = jnp.asarray(np.concatenate([left, right, np.zeros_like(left)], 0), jnp.int32)
+  mask = jnp.asarray([[0] * 3 + [1] * 6, [1] * 6 + [0] * 3, [0] * 9])
+  graphdef, state = nnx.split(model)
+  weights = jnp.asarray(np.random.RandomState(2).randn(3, 9, 1), jnp.float32)
+
+  def loss(state):
+    out = nnx.merge(graphdef, state)(batch, attention_mask=mask)
+    real = (mask > 0)[:, :, None]
+    return jnp.sum(jnp.where(real, jnp.tanh(out.logits) * weights, 0.0)), out
+
+  masked_grads = jax.grad(lambda st: loss(st)[0])(state)
+  with monkeypatch.context() as patch:
+    if cudnn_path:
+      _as_on_a_cuda_gpu(patch)
+    grads, out = jax.grad(loss, has_aux=True)(state)
   np.testing.assert_allclose(out.logits[0, 3:], plain, atol=1e-5)
   np.testing.assert_allclose(out.logits[1, :6], plain, atol=1e-5)
   assert np.isfinite(np.asarray(out.logits)).all() and np.isfinite(np.asarray(out.hidden)).all()
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(masked_grads)):
+    # float32 sums over the tokens in another order: within 1e-5 of each gradient's scale
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
 @pytest.mark.parametrize("which,cudnn_path", [("model", False), ("lora_model", False),
@@ -202,12 +235,7 @@ def test_paged_decoding_matches_full_forward(request, monkeypatch, which, cudnn_
     page[b, :n - 1], offset[b, :n - 1] = tables[b, t // page_size], t % page_size
   with monkeypatch.context() as patch:
     if cudnn_path:
-      def refuse(*args, **kwargs):
-        raise AssertionError("the prefill permuted its rows (attend_packed_causal)")
-      patch.setattr(attention, "cudnn_supported", lambda *args, **kwargs: True)
-      patch.setattr(attention, "attend_packed_causal", refuse)
-      patch.setattr(attention, "attend_prefix_causal",
-                    functools.partial(attention.attend_prefix_causal, implementation="xla"))
+      _as_on_a_cuda_gpu(patch)
     cache = jax.jit(lambda state, cache, *a: nnx.merge(graphdef, state).prefill_paged(
         *a[:3], cache, *a[3:]))(
         state, cache, jnp.asarray(ids), jnp.asarray(np.maximum(np.cumsum(valid, 1) - 1, 0)),

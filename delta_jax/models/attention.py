@@ -27,10 +27,12 @@ Implementations (`impl`):
                to the front (a stable per-row permutation), running causal attention with
                key_value_seq_lengths, and moving them back. Outputs at query slots that are
                themselves invalid (padding) are 0 here, not the reference's mix; callers ignore
-               them. Right-padded rows given as kv_lengths (the rollout prefill) need no
-               permutation: cuDNN's key lengths express them as they are, and the outputs are
-               the reference's at every slot (attend_prefix_causal). Where cuDNN cannot express
-               the call it falls back to "blockwise".
+               them. Right-padded rows given as kv_lengths need no permutation: cuDNN's key
+               lengths express them as they are, and the outputs are the reference's at every
+               slot (attend_prefix_causal). The model's passes take that path: the rollout
+               prefill's prompts are right-padded, and Transformer.__call__ moves each row's
+               real tokens to its front once a pass (padding_order, permute_rows) rather than
+               once a layer. Where cuDNN cannot express the call it falls back to "blockwise".
   "auto"       "cudnn" where supported, else "blockwise" when T * S > AUTO_BLOCKWISE_MIN_SCORES,
                else "xla" (short sequences and single-token decoding).
 
@@ -792,10 +794,10 @@ def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def _permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-  """x[b, order[b, t]] along axis 1, order a permutation of each row and inverse its inverse.
-  Its VJP is the inverse gather: JAX's own transposes a gather to a scatter-add (on a GPU a
-  zeroed buffer and atomic adds for each of q, k, v and the output)."""
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x[b, order[b, t]] along axis 1 (x [B, T, ...]), order int [B, T] a permutation of each row
+  and inverse its inverse (padding_order). Its VJP is the inverse gather: JAX's own transposes a
+  gather to a scatter-add (on a GPU a zeroed buffer and atomic adds)."""
   return _take_rows(x, order)
 
 
@@ -807,7 +809,17 @@ def _permute_rows_bwd(inverse, g):
   return _take_rows(g, inverse), None, None
 
 
-_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def padding_order(valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(order, inverse, lengths) for rows of any padding, valid bool [B, T]: order moves each
+  row's valid tokens to its front in their order (a stable permutation, permute_rows(x, order,
+  inverse)), inverse moves them back, lengths int32 [B] counts them. So "key s is valid and
+  s <= t" becomes "key index < lengths[b] and index <= query index" (attend(kv_lengths=))."""
+  valid = valid.astype(bool)
+  order = jnp.argsort(jnp.logical_not(valid).astype(jnp.int8), axis=1, stable=True)
+  return order, jnp.argsort(order, axis=1), jnp.sum(valid, axis=1, dtype=jnp.int32)
 
 
 def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
@@ -820,16 +832,13 @@ def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax
   key_value_seq_lengths), then moved back. Output at invalid query slots is 0.
   `implementation` is passed through ("xla" lets CPU tests check the permutation logic).
   """
-  B, T = kv_valid.shape
   valid = kv_valid.astype(bool)
-  order = jnp.argsort(jnp.logical_not(valid).astype(jnp.int8), axis=1, stable=True)  # [B, T]
-  inverse = jnp.argsort(order, axis=1)
-  num_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  order, inverse, num_valid = padding_order(valid)
   out = jax.nn.dot_product_attention(
-      *(_permute_rows(x, order, inverse) for x in (q, k, v)), is_causal=True,
+      *(permute_rows(x, order, inverse) for x in (q, k, v)), is_causal=True,
       # >= 1 so that an all-padding row has something finite to attend to (zeroed below).
       key_value_seq_lengths=jnp.maximum(num_valid, 1), implementation=implementation)
-  out = _permute_rows(out, inverse, order)
+  out = permute_rows(out, inverse, order)
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 

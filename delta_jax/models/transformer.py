@@ -341,7 +341,10 @@ class Transformer(nnx.Module):
     input_ids: int32 [B, T].
     positions: int32 [B, T]. Default: cumsum(attention_mask) - 1 clipped at 0 when an
       attention_mask is given, otherwise arange(T).
-    attention_mask: [B, T], 1 = real token; keys are masked by it (padding may be anywhere).
+    attention_mask: [B, T], 1 = real token; keys are masked by it (padding may be anywhere;
+      where the attention resolves to cuDNN, each row's real tokens run at its front and the
+      hidden states are moved back: one permutation a pass, not one a layer). Outputs at padding
+      slots are unspecified (finite).
     Returns ModelOutput(logits float32 [B, T, V] or None with return_logits=False, hidden
     [B, T, H]). (The rollout prefill is prefill_paged.)
     """
@@ -352,17 +355,29 @@ class Transformer(nnx.Module):
         positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
       else:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    key_valid = None if attention_mask is None else attention_mask.astype(bool)
+    kv_lengths = unpack = None
+    if key_valid is not None and attention.resolve_impl(
+        cfg.attention, (B, T, cfg.num_heads, cfg.head_dim), cfg.dtype, kv_len=T) == "cudnn":
+      # cuDNN's key lengths take right-padded rows as they are: each row's real tokens run at
+      # its front, in their order (one permutation here, undone on the hidden states), rather
+      # than every layer's attention permuting its q, k, v and output (attend_packed_causal).
+      order, inverse, kv_lengths = attention.padding_order(key_valid)
+      input_ids, positions = (jnp.take_along_axis(a, order, axis=1)
+                              for a in (input_ids, positions))
+      key_valid, unpack = None, (inverse, order)
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     x = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.dtype)
-    key_valid = None if attention_mask is None else attention_mask.astype(bool)
 
     def layer(x, p):
       p = _cast_layer(cfg, p)
       q, k, v = _project_qkv(cfg, p, x)
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-      return _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid)), None
+      return _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid, kv_lengths)), None
 
     x, _ = jax.lax.scan(_maybe_remat(cfg, layer), x, self.layers.arrays())
+    if unpack is not None:
+      x = attention.permute_rows(x, *unpack)
 
     hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     logits = self.logits(hidden) if return_logits else None
