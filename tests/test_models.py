@@ -268,6 +268,42 @@ def test_paged_decoding_matches_full_forward(request, monkeypatch, which, cudnn_
   assert not any(np.asarray(pool[:, 0]).any() for pool in cache.k + cache.v)
 
 
+@pytest.mark.gpu
+def test_cudnn_pass_on_padded_rows_matches_xla(model):
+  """On a CUDA GPU, a bf16 forward over left- and right-padded rows with cuDNN attention (the
+  model's pass: real tokens moved to each row's front once, attention by key lengths, hidden
+  states moved back) against the same model with the materialised-scores attention: logits at
+  real tokens and the gradients of a loss over them within bf16 rounding."""
+  cfg = CFG.replace(dtype=jnp.bfloat16)
+  assert attention.resolve_impl("auto", (3, 40, cfg.num_heads, cfg.head_dim), cfg.dtype,
+                                kv_len=40) == "cudnn"
+  rng = np.random.RandomState(4)
+  batch = jnp.asarray(rng.randint(0, cfg.vocab_size, (3, 40)), jnp.int32)
+  mask = jnp.asarray(np.arange(40)[None, :] >= np.array([[0], [13], [40]]), jnp.int32)
+  mask = mask * jnp.asarray(np.arange(40)[None, :] < np.array([[31], [40], [40]]), jnp.int32)
+  real = (mask > 0)[:, :, None]
+  weights = jnp.asarray(rng.randn(3, 40, 1), jnp.float32)
+
+  def run(impl):
+    m = models.Transformer(cfg.replace(attention=impl), rngs=nnx.Rngs(0))
+    nnx.update(m, nnx.state(model))
+    graphdef, state = nnx.split(m)
+
+    def loss(state):
+      out = nnx.merge(graphdef, state)(batch, attention_mask=mask)
+      return jnp.sum(jnp.where(real, jnp.tanh(out.logits) * weights, 0.0)), out.logits
+    return jax.jit(jax.grad(loss, has_aux=True))(state)
+
+  (grads, logits), (ref_grads, ref_logits) = run("auto"), run("xla")
+  real = np.asarray(real)
+  np.testing.assert_allclose(np.where(real, logits, 0), np.where(real, ref_logits, 0),
+                             atol=5e-2 * np.abs(np.asarray(ref_logits)).max(), rtol=0)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    scale = max(1e-6, float(np.abs(np.asarray(want, np.float32)).max()))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=5e-2 * scale, rtol=0)
+
+
 def test_bfloat16_policy_close_to_float32(model):
   bf16 = models.Transformer(CFG.replace(dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
   nnx.update(bf16, nnx.state(model))
