@@ -824,20 +824,17 @@ def padding_order(valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
                          implementation: str = "cudnn") -> jax.Array:
-  """Causal self-attention (T == S, offset 0) with arbitrary padding through
-  jax.nn.dot_product_attention's key-length masks.
-
-  Each row's valid tokens are moved to the front in order (a stable permutation), so "key s is
-  valid and s <= t" becomes "key index < number valid and index <= query index" (is_causal +
-  key_value_seq_lengths), then moved back. Output at invalid query slots is 0.
-  `implementation` is passed through ("xla" lets CPU tests check the permutation logic).
+  """Causal self-attention (T == S, offset 0) with arbitrary padding through cuDNN's key
+  lengths: each row's valid tokens moved to its front in order (padding_order, a stable
+  permutation), attended by key lengths (attend_prefix_causal), moved back; the output at invalid
+  query slots is 0. attend(kv_valid=) takes this path with cuDNN; the model's own passes move
+  their rows once a pass instead (Transformer.__call__). `implementation` is passed through
+  ("xla" lets CPU tests check the permutation logic).
   """
   valid = kv_valid.astype(bool)
-  order, inverse, num_valid = padding_order(valid)
-  out = jax.nn.dot_product_attention(
-      *(permute_rows(x, order, inverse) for x in (q, k, v)), is_causal=True,
-      # >= 1 so that an all-padding row has something finite to attend to (zeroed below).
-      key_value_seq_lengths=jnp.maximum(num_valid, 1), implementation=implementation)
+  order, inverse, lengths = padding_order(valid)
+  out = attend_prefix_causal(*(permute_rows(x, order, inverse) for x in (q, k, v)), lengths,
+                             implementation=implementation)
   out = permute_rows(out, inverse, order)
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
 
