@@ -268,6 +268,31 @@ def test_paged_decoding_matches_full_forward(request, monkeypatch, which, cudnn_
   assert not any(np.asarray(pool[:, 0]).any() for pool in cache.k + cache.v)
 
 
+@pytest.mark.devices(4)
+def test_cudnn_pass_under_a_batch_mesh_matches_one_device(model, monkeypatch):
+  """The model's pass over padded rows as a CUDA GPU runs it (each row's real tokens moved to its
+  front, attention by key lengths; the stand-in of _as_on_a_cuda_gpu) with the batch split over
+  a 4-device mesh: the one-device logits at the real tokens (a row's permutation stays on its
+  shard)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  from delta_jax import sharding
+  _as_on_a_cuda_gpu(monkeypatch)
+  rng = np.random.RandomState(6)
+  ids = jnp.asarray(rng.randint(0, CFG.vocab_size, (8, 12)), jnp.int32)
+  starts, ends = rng.randint(0, 5, (8, 1)), rng.randint(7, 13, (8, 1))
+  mask = jnp.asarray((np.arange(12) >= starts) & (np.arange(12) < ends), jnp.int32)
+  graphdef, state = nnx.split(model)
+  run = jax.jit(lambda st, i, m: nnx.merge(graphdef, st)(i, attention_mask=m).logits)
+  one = run(state, ids, mask)
+  mesh = sharding.make_mesh(data=4, devices=jax.devices()[:4])
+  rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+  got = run(jax.device_put(state, NamedSharding(mesh, PartitionSpec())),
+            jax.device_put(ids, rows), jax.device_put(mask, rows))
+  assert got.sharding.spec[0] is not None  # the rows stayed split
+  real = np.asarray(mask)[:, :, None] > 0
+  np.testing.assert_allclose(np.where(real, got, 0), np.where(real, one, 0), atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_cudnn_pass_on_padded_rows_matches_xla(model):
   """On a CUDA GPU, a bf16 forward over left- and right-padded rows with cuDNN attention (the
