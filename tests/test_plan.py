@@ -873,6 +873,8 @@ def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
                 pytest.skip(f"no cuDNN to compile the prefill's attention with: {e}")
             temp = timing.compiled_memory_bytes(compiled)["temp_bytes"]
             ratio = planned(rows, width + 1, 1024).prefill / temp
+            print(f"prefill {rows} x {width}: temporaries {temp / 2**20:.1f} MiB, "
+                  f"plan / compiled {ratio:.3f}")  # (pytest -s shows the figures)
             assert abs(ratio - 1) <= 0.15, (rows, width, ratio)
         old = make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=256)
         for rows, seq, response_len in ((64, 1536, 1024), (16, 2560, 2048)):
@@ -881,4 +883,7 @@ def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
                 timing.abstract_like(params, placed), ids, ids, response_len).compile())
             p = planned(rows, seq - response_len, response_len)
             ratio = (p.phases["old-policy pass + DelTA"] - p.optimizer) / peak["peak_estimate_bytes"]
+            print(f"old pass {rows} x {seq}: peak {peak['peak_estimate_bytes'] / 2**20:.1f} MiB "
+                  f"(temporaries {peak['temp_bytes'] / 2**20:.1f} MiB), plan / compiled "
+                  f"{ratio:.3f}")
             assert abs(ratio - 1) <= 0.15, (rows, seq, ratio)
