@@ -197,8 +197,9 @@ def test_prefix_causal_path_matches_the_reference_at_every_slot():
   """The cuDNN path for right-padded rows (attend_prefix_causal: key lengths, no permutation),
   run through jax's own XLA kernel with the same arguments: at every query slot, padding
   included, the independent NumPy attention's result (a slot past a row's length attends its
-  valid keys; an empty row gives 0); gradients as the reference's. attend(kv_lengths=) with the
-  other implementations: as attend(kv_valid=) with the same mask."""
+  valid keys; an empty row gives 0), and without lengths every token's; gradients as the
+  reference's. attend(kv_lengths=) with the other implementations: as attend(kv_valid=) with
+  the same mask."""
   B, T, N, K, D = 4, 10, 4, 2, 8
   q, k, v = random_qkv(6, B, T, T, N, K, D)
   lengths = np.array([10, 7, 3, 0], np.int32)
@@ -218,6 +219,9 @@ def test_prefix_causal_path_matches_the_reference_at_every_slot():
   (prefix, ref), g_prefix, g_ref = run(q, k, v)
   np.testing.assert_allclose(prefix, numpy_attention(q, k, v, 0, valid), atol=1e-5)
   assert np.all(np.asarray(prefix)[3] == 0)
+  np.testing.assert_allclose(  # no lengths: every token valid
+      A.attend_prefix_causal(q, k, v, None, implementation="xla"),
+      numpy_attention(q, k, v, 0, np.ones((B, T), bool)), atol=1e-5)
   for a, b in zip(g_prefix, g_ref):
     np.testing.assert_allclose(a, b, atol=1e-5)
   for impl in ("xla", "blockwise"):
@@ -568,17 +572,19 @@ def test_cudnn_attention_with_key_lengths_matches_reference():
   """cuDNN flash attention over right-padded rows given as key lengths (the rollout prefill's
   attend_prefix_causal, through attend's "auto" choice), bf16, one row empty: outputs at every
   query slot within bf16 rounding of the materialised-scores path on the same inputs, the
-  empty row exactly 0."""
+  empty row exactly 0; the same without a mask."""
   B, T, N, K, D = 4, 128, 8, 2, 64
   q, k, v = random_qkv(9, B, T, T, N, K, D, dtype=jnp.bfloat16)
   lengths = jnp.asarray([128, 77, 5, 0], jnp.int32)
   assert A.resolve_impl("auto", q.shape, q.dtype, kv_len=T) == "cudnn"
-  run = jax.jit(lambda q, k, v, impl: A.attend(q, k, v, kv_lengths=lengths, impl=impl),
-                static_argnums=3)
+  run = jax.jit(lambda q, k, v, lengths, impl: A.attend(q, k, v, kv_lengths=lengths, impl=impl),
+                static_argnums=4)
   f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-  got, ref = f32(run(q, k, v, "auto")), f32(run(q, k, v, "xla"))
+  got, ref = f32(run(q, k, v, lengths, "auto")), f32(run(q, k, v, lengths, "xla"))
   np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
   assert np.all(got[3] == 0)
+  got, ref = f32(run(q, k, v, None, "auto")), f32(run(q, k, v, None, "xla"))  # no mask
+  np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
 
 
 def test_paged_decode_bfloat16_and_bad_input():

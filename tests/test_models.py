@@ -167,12 +167,11 @@ def _as_on_a_cuda_gpu(patch):
 @pytest.mark.parametrize("cudnn_path", [False, True])
 def test_padding_is_invisible_and_fully_masked_rows_are_finite(model, monkeypatch, cudnn_path):
   """Left- and right-padded rows and an all-padding row: the unpadded logits at the real
-  tokens, everything finite. cudnn_path: as a CUDA GPU runs the pass (each row's real tokens
+  tokens, everything finite. cudnn_path (the unpadded pass too): as a CUDA GPU runs the pass (each row's real tokens
   moved to its front for the whole pass, attention by key lengths, the hidden states moved
   back): the same, and the gradients of a loss over the real tokens' logits are the masked
   pass's."""
   ids = np.random.RandomState(1).randint(0, CFG.vocab_size, (1, 6))
-  plain = model(jnp.asarray(ids, jnp.int32)).logits[0]
   filler = np.full((1, 3), 7)
   left = np.concatenate([filler, ids], 1)
   right = np.concatenate([ids, filler], 1)
@@ -190,6 +189,7 @@ def test_padding_is_invisible_and_fully_masked_rows_are_finite(model, monkeypatc
   with monkeypatch.context() as patch:
     if cudnn_path:
       _as_on_a_cuda_gpu(patch)
+    plain = model(jnp.asarray(ids, jnp.int32)).logits[0]  # no mask: no permutation either
     grads, out = jax.grad(loss, has_aux=True)(state)
   np.testing.assert_allclose(out.logits[0, 3:], plain, atol=1e-5)
   np.testing.assert_allclose(out.logits[1, :6], plain, atol=1e-5)

@@ -27,9 +27,9 @@ Implementations (`impl`):
                to the front (a stable per-row permutation), running causal attention with
                key_value_seq_lengths, and moving them back. Outputs at query slots that are
                themselves invalid (padding) are 0 here, not the reference's mix; callers ignore
-               them. Right-padded rows given as kv_lengths need no permutation: cuDNN's key
-               lengths express them as they are, and the outputs are the reference's at every
-               slot (attend_prefix_causal). The model's passes take that path: the rollout
+               them. Right-padded rows given as kv_lengths (or no mask at all) need no
+               permutation: cuDNN's key lengths express them as they are, and the outputs are
+               the reference's at every slot (attend_prefix_causal). The model's passes take that path: the rollout
                prefill's prompts are right-padded, and Transformer.__call__ moves each row's
                real tokens to its front once a pass (padding_order, permute_rows) rather than
                once a layer. Where cuDNN cannot express the call it falls back to "blockwise".
@@ -766,11 +766,12 @@ def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int,
           and static_zero_offset and T == kv_len and D % 8 == 0 and D <= 128)
 
 
-def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array, *,
+def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array,
+                         kv_lengths: Optional[jax.Array], *,
                          implementation: str = "cudnn") -> jax.Array:
   """Causal self-attention (T == S, offset 0) over rows whose valid tokens are their first
-  kv_lengths[b] (left-aligned, right-padded: the rollout prefill's prompts), through
-  jax.nn.dot_product_attention's key-length masks as they are: no permutation.
+  kv_lengths[b] (left-aligned, right-padded: the rollout prefill's prompts; None: every token),
+  through jax.nn.dot_product_attention's key-length masks as they are: no permutation.
 
   The result is the reference's at every query slot: one past a row's length attends the row's
   valid keys, as the reference's mask has it, and a row with no valid key gives 0 (cuDNN gets
@@ -779,6 +780,8 @@ def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: j
   prefill's temporaries at 64 x 512 tokens, compiled for an H100). `implementation` is passed
   through ("xla" lets CPU tests check it).
   """
+  if kv_lengths is None:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
   S = k.shape[1]
   lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, S)
   first_of_empty = (lengths == 0)[:, None] & (jnp.arange(S) == 0)[None, :]
@@ -879,13 +882,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
   _check_inputs(q, k, v, kv_valid)
   B, S = k.shape[:2]
   chosen = resolve_impl(impl, q.shape, q.dtype, kv_len=S, q_offset=q_offset)
-  if chosen == "cudnn" and kv_lengths is not None:
-    return attend_prefix_causal(q, k, v, kv_lengths)
+  if chosen == "cudnn":  # key lengths (or none) as they are; any other mask by a permutation
+    if kv_valid is None:
+      return attend_prefix_causal(q, k, v, kv_lengths)
+    return attend_packed_causal(q, k, v, kv_valid)
   if kv_lengths is not None:
     kv_valid = jnp.arange(S, dtype=jnp.int32)[None, :] < kv_lengths[:, None]
-  if chosen == "cudnn":
-    valid = jnp.ones((B, S), bool) if kv_valid is None else kv_valid
-    return attend_packed_causal(q, k, v, valid)
   if chosen == "blockwise":
     return attend_blockwise(q, k, v, q_offset=q_offset, kv_valid=kv_valid, block_q=block_q,
                             block_kv=block_kv)
