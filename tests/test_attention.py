@@ -14,6 +14,7 @@ from flax import nnx
 from delta_jax import models
 from delta_jax.models import attention as A
 from delta_jax.sampling.programs import abstract_decode_args
+from tests.cudnn_stand_in import xla_for_cudnn
 
 
 def numpy_attention(q, k, v, q_offset, kv_valid, causal=True):
@@ -162,10 +163,12 @@ def test_blockwise_does_not_materialise_the_score_matrix():
   assert growth["blockwise"] < score_bytes / 4, growth  # XLA:CPU: +1.9 MiB
 
 
-def test_packed_causal_path_matches_reference_on_valid_queries():
+def test_packed_causal_path_matches_reference_on_valid_queries(monkeypatch):
   """The cuDNN path's permutation + key lengths, run here through jax's own XLA kernel with the
-  same arguments: exact on valid query slots, 0 on padding; gradients match too, and the
-  backward moves the cotangents back by gathers (the inverse permutation), no scatter-add."""
+  same arguments (xla_for_cudnn): exact on valid query slots, 0 on padding; gradients match
+  too, and the backward moves the cotangents back by gathers (the inverse permutation), no
+  scatter-add."""
+  xla_for_cudnn(monkeypatch)
   q, k, v = random_qkv(5, 4, 10, 10, 4, 2, 8)
   valid = padded_valid(4, 10, left=(0, 3, 0), right=(0, 2, 4), empty=(3,))
   valid[0, 5] = False  # a hole in the middle
@@ -173,7 +176,7 @@ def test_packed_causal_path_matches_reference_on_valid_queries():
   mask = np.broadcast_to(valid[:, :, None, None], q.shape)
 
   def losses(q, k, v):
-    packed = A.attend_packed_causal(q, k, v, valid_j, implementation="xla")
+    packed = A.attend_packed_causal(q, k, v, valid_j)
     ref = A.attend(q, k, v, kv_valid=valid_j, impl="xla")
     return (jnp.sum(jnp.where(mask, jnp.tanh(packed), 0)),
             jnp.sum(jnp.where(mask, jnp.tanh(ref), 0))), (packed, ref)
@@ -193,13 +196,14 @@ def test_packed_causal_path_matches_reference_on_valid_queries():
   assert "gather" in backward and "scatter-add" not in backward
 
 
-def test_prefix_causal_path_matches_the_reference_at_every_slot():
+def test_prefix_causal_path_matches_the_reference_at_every_slot(monkeypatch):
   """The cuDNN path for right-padded rows (attend_prefix_causal: key lengths, no permutation),
-  run through jax's own XLA kernel with the same arguments: at every query slot, padding
-  included, the independent NumPy attention's result (a slot past a row's length attends its
-  valid keys; an empty row gives 0), and without lengths every token's; gradients as the
-  reference's. attend(kv_lengths=) with the other implementations: as attend(kv_valid=) with
+  run through jax's own XLA kernel with the same arguments (xla_for_cudnn): at every query
+  slot, padding included, the independent NumPy attention's result (a slot past a row's length
+  attends its valid keys; an empty row gives 0), and without lengths every token's; gradients
+  as the reference's. attend(kv_lengths=) with the other implementations: as attend(kv_valid=) with
   the same mask."""
+  xla_for_cudnn(monkeypatch)
   B, T, N, K, D = 4, 10, 4, 2, 8
   q, k, v = random_qkv(6, B, T, T, N, K, D)
   lengths = np.array([10, 7, 3, 0], np.int32)
@@ -207,7 +211,7 @@ def test_prefix_causal_path_matches_the_reference_at_every_slot():
   lengths_j, valid_j = jnp.asarray(lengths), jnp.asarray(valid)
 
   def losses(q, k, v):
-    prefix = A.attend_prefix_causal(q, k, v, lengths_j, implementation="xla")
+    prefix = A.attend_prefix_causal(q, k, v, lengths_j)
     ref = A.attend(q, k, v, kv_valid=valid_j, impl="xla")
     return (jnp.sum(jnp.tanh(prefix)), jnp.sum(jnp.tanh(ref))), (prefix, ref)
 
@@ -220,7 +224,7 @@ def test_prefix_causal_path_matches_the_reference_at_every_slot():
   np.testing.assert_allclose(prefix, numpy_attention(q, k, v, 0, valid), atol=1e-5)
   assert np.all(np.asarray(prefix)[3] == 0)
   np.testing.assert_allclose(  # no lengths: every token valid
-      A.attend_prefix_causal(q, k, v, None, implementation="xla"),
+      A.attend_prefix_causal(q, k, v, None),
       numpy_attention(q, k, v, 0, np.ones((B, T), bool)), atol=1e-5)
   for a, b in zip(g_prefix, g_ref):
     np.testing.assert_allclose(a, b, atol=1e-5)

@@ -1,6 +1,4 @@
 """Transformer behaviour: presets, axis names, KV-cache decoding, masking, dtype, remat, LoRA."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +7,7 @@ from flax import nnx
 
 from delta_jax import models
 from delta_jax.models import attention
+from tests.cudnn_stand_in import as_on_a_cuda_gpu
 
 CFG = models.get_preset("tiny")  # GQA 2:1, head_dim 32 != 64 / 4, untied, qk-norm
 
@@ -152,25 +151,13 @@ def test_forward_matches_naive_reference(request, which):
     np.testing.assert_allclose(out.hidden[b], hidden, atol=1e-4, rtol=1e-4)
 
 
-def _as_on_a_cuda_gpu(patch):
-  """The model's attention as a CUDA GPU resolves it (cuDNN), its key-length path
-  (attention.attend_prefix_causal) run by jax's XLA kernel here, the permuting path
-  (attend_packed_causal) refused: the model's passes and the prefill never take it."""
-  def refuse(*args, **kwargs):
-    raise AssertionError("the attention permuted its rows (attend_packed_causal)")
-  patch.setattr(attention, "cudnn_supported", lambda *args, **kwargs: True)
-  patch.setattr(attention, "attend_packed_causal", refuse)
-  patch.setattr(attention, "attend_prefix_causal",
-                functools.partial(attention.attend_prefix_causal, implementation="xla"))
-
-
 @pytest.mark.parametrize("cudnn_path", [False, True])
 def test_padding_is_invisible_and_fully_masked_rows_are_finite(model, monkeypatch, cudnn_path):
   """Left- and right-padded rows and an all-padding row: the unpadded logits at the real
-  tokens, everything finite. cudnn_path (the unpadded pass too): as a CUDA GPU runs the pass (each row's real tokens
-  moved to its front for the whole pass, attention by key lengths, the hidden states moved
-  back): the same, and the gradients of a loss over the real tokens' logits are the masked
-  pass's."""
+  tokens, everything finite. cudnn_path (the unpadded pass too): as a CUDA GPU runs the pass
+  (each row's real tokens moved to its front for the whole pass, attention by key lengths, the
+  hidden states moved back): the same, and the gradients of a loss over the real tokens'
+  logits are the masked pass's."""
   ids = np.random.RandomState(1).randint(0, CFG.vocab_size, (1, 6))
   filler = np.full((1, 3), 7)
   left = np.concatenate([filler, ids], 1)
@@ -188,7 +175,7 @@ def test_padding_is_invisible_and_fully_masked_rows_are_finite(model, monkeypatc
   masked_grads = jax.grad(lambda st: loss(st)[0])(state)
   with monkeypatch.context() as patch:
     if cudnn_path:
-      _as_on_a_cuda_gpu(patch)
+      as_on_a_cuda_gpu(patch)
     plain = model(jnp.asarray(ids, jnp.int32)).logits[0]  # no mask: no permutation either
     grads, out = jax.grad(loss, has_aux=True)(state)
   np.testing.assert_allclose(out.logits[0, 3:], plain, atol=1e-5)
@@ -235,7 +222,7 @@ def test_paged_decoding_matches_full_forward(request, monkeypatch, which, cudnn_
     page[b, :n - 1], offset[b, :n - 1] = tables[b, t // page_size], t % page_size
   with monkeypatch.context() as patch:
     if cudnn_path:
-      _as_on_a_cuda_gpu(patch)
+      as_on_a_cuda_gpu(patch)
     cache = jax.jit(lambda state, cache, *a: nnx.merge(graphdef, state).prefill_paged(
         *a[:3], cache, *a[3:]))(
         state, cache, jnp.asarray(ids), jnp.asarray(np.maximum(np.cumsum(valid, 1) - 1, 0)),
@@ -271,12 +258,12 @@ def test_paged_decoding_matches_full_forward(request, monkeypatch, which, cudnn_
 @pytest.mark.devices(4)
 def test_cudnn_pass_under_a_batch_mesh_matches_one_device(model, monkeypatch):
   """The model's pass over padded rows as a CUDA GPU runs it (each row's real tokens moved to its
-  front, attention by key lengths; the stand-in of _as_on_a_cuda_gpu) with the batch split over
+  front, attention by key lengths; the stand-in of as_on_a_cuda_gpu) with the batch split over
   a 4-device mesh: the one-device logits at the real tokens (a row's permutation stays on its
   shard)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from delta_jax import sharding
-  _as_on_a_cuda_gpu(monkeypatch)
+  as_on_a_cuda_gpu(monkeypatch)
   rng = np.random.RandomState(6)
   ids = jnp.asarray(rng.randint(0, CFG.vocab_size, (8, 12)), jnp.int32)
   starts, ends = rng.randint(0, 5, (8, 1)), rng.randint(7, 13, (8, 1))

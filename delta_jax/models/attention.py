@@ -29,10 +29,11 @@ Implementations (`impl`):
                themselves invalid (padding) are 0 here, not the reference's mix; callers ignore
                them. Right-padded rows given as kv_lengths (or no mask at all) need no
                permutation: cuDNN's key lengths express them as they are, and the outputs are
-               the reference's at every slot (attend_prefix_causal). The model's passes take that path: the rollout
-               prefill's prompts are right-padded, and Transformer.__call__ moves each row's
-               real tokens to its front once a pass (padding_order, permute_rows) rather than
-               once a layer. Where cuDNN cannot express the call it falls back to "blockwise".
+               the reference's at every slot (attend_prefix_causal). The model's passes take
+               that path: the rollout prefill's prompts are right-padded, and
+               Transformer.__call__ moves each row's real tokens to its front once a pass
+               (padding_order, permute_rows) rather than once a layer. Where cuDNN cannot
+               express the call it falls back to "blockwise".
   "auto"       "cudnn" where supported, else "blockwise" when T * S > AUTO_BLOCKWISE_MIN_SCORES,
                else "xla" (short sequences and single-token decoding).
 
@@ -767,8 +768,7 @@ def cudnn_supported(q_shape, dtype, *, q_offset, kv_len: int,
 
 
 def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array,
-                         kv_lengths: Optional[jax.Array], *,
-                         implementation: str = "cudnn") -> jax.Array:
+                         kv_lengths: Optional[jax.Array]) -> jax.Array:
   """Causal self-attention (T == S, offset 0) over rows whose valid tokens are their first
   kv_lengths[b] (left-aligned, right-padded: the rollout prefill's prompts; None: every token),
   through jax.nn.dot_product_attention's key-length masks as they are: no permutation.
@@ -777,18 +777,17 @@ def attend_prefix_causal(q: jax.Array, k: jax.Array, v: jax.Array,
   valid keys, as the reference's mask has it, and a row with no valid key gives 0 (cuDNN gets
   one key for it, whose value is set to 0 by an elementwise select that XLA fuses into the copy
   of v cuDNN reads anyway; a dynamic-update-slice of that one row instead tripled the
-  prefill's temporaries at 64 x 512 tokens, compiled for an H100). `implementation` is passed
-  through ("xla" lets CPU tests check it).
+  prefill's temporaries at 64 x 512 tokens, compiled for an H100).
   """
   if kv_lengths is None:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   S = k.shape[1]
   lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, S)
   first_of_empty = (lengths == 0)[:, None] & (jnp.arange(S) == 0)[None, :]
   v = jnp.where(first_of_empty[:, :, None, None], jnp.zeros((), v.dtype), v)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                       key_value_seq_lengths=jnp.maximum(lengths, 1),
-                                      implementation=implementation)
+                                      implementation="cudnn")
 
 
 def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -825,19 +824,17 @@ def padding_order(valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return order, jnp.argsort(order, axis=1), jnp.sum(valid, axis=1, dtype=jnp.int32)
 
 
-def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *,
-                         implementation: str = "cudnn") -> jax.Array:
+def attend_packed_causal(q: jax.Array, k: jax.Array, v: jax.Array,
+                         kv_valid: jax.Array) -> jax.Array:
   """Causal self-attention (T == S, offset 0) with arbitrary padding through cuDNN's key
   lengths: each row's valid tokens moved to its front in order (padding_order, a stable
   permutation), attended by key lengths (attend_prefix_causal), moved back; the output at invalid
   query slots is 0. attend(kv_valid=) takes this path with cuDNN; the model's own passes move
-  their rows once a pass instead (Transformer.__call__). `implementation` is passed through
-  ("xla" lets CPU tests check the permutation logic).
+  their rows once a pass instead (Transformer.__call__).
   """
   valid = kv_valid.astype(bool)
   order, inverse, lengths = padding_order(valid)
-  out = attend_prefix_causal(*(permute_rows(x, order, inverse) for x in (q, k, v)), lengths,
-                             implementation=implementation)
+  out = attend_prefix_causal(*(permute_rows(x, order, inverse) for x in (q, k, v)), lengths)
   out = permute_rows(out, inverse, order)
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
 
