@@ -17,6 +17,8 @@ measuring. `--target local` compiles for this machine's own device instead (on a
 autotuned programs a run gets, to set beside the predictions; on a CPU: XLA:CPU's). For the Qwen3-0.6B decode at 64 rows that choice split the contraction exactly as the
 profiled H200 program did (2, 4 and 8 parts: BENCHMARKS.md "A decode step's GEMMs on an H100,
 compiled without a GPU"); a GPU's autotuner may choose other tiles and splits elsewhere.
+`--target v5p` / `v5e` compiles for the first chip of a TPU slice instead (libtpu, TPU_TARGETS):
+only the compiled memory analysis is printed there.
 
 Decode (programs.decode, or programs.batch_invariant_decode): one program per --rows value (the
 rows of a call: all slots, or a shrunk call's bucket), --queue staged entries (0: what a shrunk
@@ -48,6 +50,11 @@ TARGETS = {
     "h200": dict(name="NVIDIA H200", memory=143_771 * 2**20, bandwidth=4_800_000_000_000,
                  l2=50 * 2**20),
 }
+# TPU slices to compile for instead (libtpu's compiler, given the slice's topology by name; the
+# programs are compiled for its first chip): scripts/test.sh places libtpu in .tpu-compile, so
+#   PYTHONPATH=.tpu-compile .venv/bin/python benchmarks/gpu_program.py --target v5p ...
+# For a TPU only the compiled memory analysis is reported (the kernel census is XLA:GPU's).
+TPU_TARGETS = {"v5p": "v5p:2x2x1", "v5e": "v5e:2x2"}
 # The allocator's share of the card a compile plans for by default (target_config), as
 # scripts/gpu_bench.sh runs the benchmarks.
 MEMORY_FRACTION = 0.95
@@ -106,9 +113,19 @@ device_description_str: "{t["name"]}"
 
 def compile_only_device(target: str, cudnn: str, cuda: str,
                         memory_fraction: float = MEMORY_FRACTION):
-    """The described GPU (target_config) as a compile-only device (jax.experimental.topologies)."""
+    """The described GPU (target_config), or the first chip of a TPU slice (TPU_TARGETS), as a
+    compile-only device (jax.experimental.topologies)."""
     import jax
     from jax.experimental import topologies
+    if target in TPU_TARGETS:
+        try:
+            return topologies.get_topology_desc(topology_name=TPU_TARGETS[target],
+                                                platform="tpu").devices[0]
+        except Exception as e:  # no libtpu
+            raise SystemExit(
+                f"gpu_program: compiling for a TPU without one needs libtpu (pip install "
+                f"'jax[tpu]', or PYTHONPATH=.tpu-compile after scripts/test.sh) and "
+                f"JAX_PLATFORMS=cpu: {type(e).__name__}: {e}") from None
     try:
         topology = topologies.get_topology_desc(
             platform="cuda", topology_name="", topology="1x1x1",
@@ -229,9 +246,11 @@ def program_summary(text: str, label: str, pool_bytes: int | None = None) -> dic
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default="h100", choices=sorted(TARGETS) + ["local"],
-                   help="the GPU described (compiled without it), or 'local': this machine's "
-                        "default device, its compiler's own (on a GPU: autotuned) programs")
+    p.add_argument("--target", default="h100",
+                   choices=sorted(TARGETS) + sorted(TPU_TARGETS) + ["local"],
+                   help="the GPU described or the TPU slice named (compiled without it), or "
+                        "'local': this machine's default device, its compiler's own (on a GPU: "
+                        "autotuned) programs")
     p.add_argument("--cudnn", default=CUDNN_VERSION,
                    help="the cuDNN version XLA is told (major.minor)")
     p.add_argument("--cuda", default=CUDA_VERSION, help="the CUDA runtime version XLA is told")
@@ -292,6 +311,7 @@ def main(argv=None):
     ps = args.page_size
     pages_per_seq = -(-(args.prompt_len + args.new_tokens) // ps)
     how = ("this machine's device" if args.target == "local" else
+           f"compile only, {TPU_TARGETS[args.target]}" if args.target in TPU_TARGETS else
            f"compile only, memory fraction {args.memory_fraction}, cuDNN {args.cudnn}, "
            f"CUDA {args.cuda}")
     print(f"gpu_program: {args.preset} ({cfg.num_layers} layers, vocabulary {cfg.vocab_size}) "
@@ -334,6 +354,10 @@ def main(argv=None):
                 label = (f"decode_rows{rows}_queue{args.queue}_inv{invariant}"
                          + (f"_splits{splits}" if splits != 1 else ""))
                 text, seconds = compiled_text(label, lowered)
+                if args.target in TPU_TARGETS:  # the kernel census below is XLA:GPU's notion
+                    results.append({"program": "decode", "rows": rows, "label": label,
+                                    "compiled_memory": memory[label]})
+                    continue
                 row = {"program": "decode", "rows": rows, "queue": args.queue,
                        "batch_invariant": invariant, "decode_attention": impl,
                        "decode_splits": splits,
@@ -360,6 +384,10 @@ def main(argv=None):
                           f"COMPILE_CUDNN=1 bash scripts/gpu_jax_check.sh --compile installs)",
                           flush=True)
                     break
+                if args.target in TPU_TARGETS:
+                    results.append({"program": "prefill", "rows": rows, "label": label,
+                                    "compiled_memory": memory[label]})
+                    continue
                 # the layers run unrolled (Transformer.prefill_paged): a call's kernels
                 found = summary(kernels(text, entry(text)))
                 row = {"program": "prefill", "rows": rows, "prompt_len": args.prompt_len,

@@ -4,6 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
+# libtpu, the TPU compiler, at the version this jax pins (its "tpu" extra), in .tpu-compile beside
+# the venv rather than in it: tests compile the rollout engine's programs for a TPU slice without
+# one (tests/tpu_compile.py), while the venv's own jax (the main job's) never looks for a TPU.
+# TPU_COMPILE=0 leaves it out (those tests then skip).
+if [ "${TPU_COMPILE:-1}" != 0 ]; then
+  pin=$(.venv/bin/python -c 'import importlib.metadata as m; print(next((r.split(";")[0].replace(" ", "") for r in m.requires("jax") or () if r.startswith("libtpu") and "tpu" in r), ""))')
+  if [ -n "$pin" ]; then
+    have=$(cat .tpu-compile/.pin 2>/dev/null || true)
+    if [ "$have" != "$pin" ]; then
+      rm -rf .tpu-compile
+      .venv/bin/python -m pip install -q --no-deps --target .tpu-compile "$pin"
+      echo "$pin" > .tpu-compile/.pin
+    fi
+    export PYTHONPATH="$PWD/.tpu-compile${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
 # Two pytest workers, whole files each (module fixtures are built once): the suite is mostly
 # XLA compiles, and two CPU cores take ~20% less time that way. TEST_WORKERS=0 runs it in this
 # process. On a CUDA GPU (JAX_PLATFORMS=cuda,cpu) the workers share the GPU (tests/conftest.py

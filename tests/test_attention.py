@@ -687,6 +687,55 @@ def test_paged_decode_program_copies_no_cache(on_cpu):
   assert header.count("-alias)") >= 2 * L, header
 
 
+@pytest.mark.parametrize("impl", ["reference", "tpu"])
+def test_rollout_programs_compiled_for_a_tpu_copy_no_cache(impl, tmp_path):
+  """The rollout engine's programs compiled for a TPU (v5p, without one: tests/tpu_compile.py)
+  keep every page pool where and as it is: the decode program (rollout.decode_attention
+  "reference", auto's pick on a TPU, and "tpu", pallas.ops' kernel), the prefill and the page
+  copy materialise no pool-sized buffer but the in-place writes, and decode's pools are aliased
+  input -> output. Until 2026-11-28 the TPU compiler laid each pool out with its page axis
+  major for the scatter of the new tokens' keys / values ([K, D] windows at (page, offset)):
+  every pool was copied into that layout when a call began and back at every step, with either
+  attention (10.75 GiB of temporaries for Qwen3-0.6B at 64 slots). attention.write_pages now indexes (head, page, offset) and writes rows of D. The
+  "tpu" case compiles under the suite's jax_default_matmul_precision=highest, which pallas.ops'
+  kernel refused until paged_decode_tpu traced it at the default precision."""
+  from tests import tpu_compile
+
+  hlo = tpu_compile.compiled_for_a_tpu(tmp_path, "--impl", impl)
+  cfg = tpu_compile.tpu_model()
+  pool = (f"bf16[{cfg.num_kv_heads},{1 + tpu_compile.SLOTS * tpu_compile.PAGES_PER_SEQ},"
+          f"{tpu_compile.PAGE_SIZE},{cfg.head_dim}]")
+  # The check sees the relayout where there is one: the write with [K, D] windows in a loop that
+  # also reads the pool; attention.write_pages in the same loop makes none.
+  assert cache_sized(hlo["window_write"], [pool])
+  assert cache_sized(hlo["write_pages"], [pool]) == []
+  assert (tmp_path / "auto.txt").read_text().strip() == "reference"   # auto's pick on a TPU
+  for name in ("decode", "prefill", "copy_pages"):
+    assert cache_sized(hlo[name], [pool]) == [], name
+  header = next(line for line in hlo["decode"].splitlines() if line.startswith("HloModule"))
+  assert header.count("-alias)") >= 2 * cfg.num_layers, header
+  assert ("tpu_custom_call" in hlo["decode"]) == (impl == "tpu")
+
+
+@pytest.mark.parametrize("impl", ["reference", "tpu"])
+def test_sharded_decode_program_compiled_for_a_tpu_slice_copies_no_cache(impl, tmp_path):
+  """The decode program over a mesh of the 4 chips of a v5p slice (data = 4, compiled without
+  one: tests/tpu_compile.py), the page pools split over the chips (attention.pool_specs) and
+  each chip writing and reading its own pages (shard_map): no pool-sized or shard-pool-sized
+  buffer but the in-place writes (21-22 of them per program before write_pages indexed
+  (head, page, offset): the same relayout as on one chip, per shard)."""
+  from tests import tpu_compile
+
+  hlo = tpu_compile.compiled_for_a_tpu(tmp_path, "--impl", impl, "--sharded")["decode"]
+  cfg = tpu_compile.tpu_model()
+  local_pages = 1 + tpu_compile.SLOTS_PER_CHIP * tpu_compile.PAGES_PER_SEQ
+  pools = [f"bf16[{cfg.num_kv_heads},{n},{tpu_compile.PAGE_SIZE},{cfg.head_dim}]"
+           for n in (4 * local_pages, local_pages)]
+  assert cache_sized(hlo, pools) == []
+  header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
+  assert header.count("-alias)") >= 2 * cfg.num_layers, header
+
+
 def _decode_hlo(cfg, cache, num_slots, pages_per_seq, *, batch_spec=None, row_sharding=None):
   from delta_jax.sampling import programs
 

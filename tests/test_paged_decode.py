@@ -655,8 +655,10 @@ def test_decode_program_lowers_for_cuda_with_it(monkeypatch, impl, head_dim):
   fused = impl == "mosaic_fused" and head_dim == 128
   name = "paged_write_decode_mosaic" if fused else "paged_decode_mosaic"
   assert len(re.findall(rf"call @{name}\b", text)) == cfg.num_layers  # called per layer
-  # the page writes' scatters (a [K, D] window a row; the step's token buffers' are [S] columns)
-  page_writes = re.findall(r'"stablehlo.scatter".*update_window_dims = \[0, 2\]', text)
+  # the page writes' scatters (a row of D at each (head, page, offset): attention.write_pages;
+  # the step's token buffers' are [S] columns)
+  page_writes = re.findall(r'"stablehlo.scatter".*update_window_dims = \[2\], '
+                           r'inserted_window_dims = \[0, 1, 2\]', text)
   assert len(page_writes) == (0 if fused else 2 * cfg.num_layers)
   assert text.count("output_operand_alias<") == (2 if fused else 0)  # K and V pools, in place
   # one GEMM a layer for q, k and v (decode_layers' qkv_proj), then o, gate, up, down; the LM head

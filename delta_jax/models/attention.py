@@ -418,8 +418,9 @@ def paged_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   them to v's dtype: the two differ by bf16 rounding). Outputs of rows of length 0 are 0 (the
   kernel leaves them unwritten). The compute block is the largest divisor of pages_per_seq that
   is at most pages_per_block (the kernel needs one that divides it).
-  Not run on a TPU here: its numbers are checked by Pallas' TPU interpreter on the CPU and its
-  lowering for a TPU by jax.export (tests/test_attention.py). The kernel's megacore_mode is left
+  Not run on a TPU here: its numbers are checked by Pallas' TPU interpreter on the CPU, its
+  lowering for a TPU by jax.export and its compile by libtpu's TPU compiler for a v5p slice
+  without one, in the decode program (tests/test_attention.py, tests/tpu_compile.py). The kernel's megacore_mode is left
   unset: on chips with two TensorCores per device (v4, v5p) it runs on one of them (setting it
   where a chip has one core can hang the kernel, says its documentation, and none was at hand
   to tell the kinds apart)."""
@@ -434,8 +435,13 @@ def paged_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                   if pages_per_seq % d == 0)
   lengths = lengths.astype(jnp.int32)
   scaled = q.astype(jnp.float32) * (q.shape[-1] ** -0.5)
-  out = tpu_paged(scaled, k_pages, v_pages, lengths, block_tables.astype(jnp.int32),
-                  pages_per_compute_block=per_block)
+  # The kernel multiplies its float32 q by the bfloat16 keys it loads, which Mosaic TPU compiles
+  # only at the default precision: under jax_default_matmul_precision "highest" / "float32" it
+  # refuses the product ("Bad rhs type"), so the kernel is traced at the default whatever the
+  # caller's setting (tests/test_attention.py compiles it for a TPU under "highest").
+  with jax.default_matmul_precision("default"):
+    out = tpu_paged(scaled, k_pages, v_pages, lengths, block_tables.astype(jnp.int32),
+                    pages_per_compute_block=per_block)
   return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
@@ -588,8 +594,16 @@ def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array,
   engine's are: a token position of one sequence each): the scatter is told its indices are
   unique. (Writing every padding row to one scratch slot instead made XLA:GPU's scatter 2x
   slower when most rows were padding: 5-6 us against 2.7-3.2 us a layer on an H200,
-  2026-11-26, long-tailed workload at batch 64.)"""
-  return pool.at[:, drop_negative(pages, pool.shape[1]), offsets].set(
+  2026-11-26, long-tailed workload at batch 64.)
+
+  Each (head, page, offset) is an index of its own and each write a row of D: written as one
+  [K, D] window per (page, offset), the scatter made the TPU compiler lay the pool out with its
+  page axis major (the window minor), so a decode program copied every pool into that layout at
+  each call and back at every step (compiled for a v5p without one, Qwen3-0.6B at 64 slots:
+  10.75 GiB of temporaries, now 0.35; tests/test_attention.py). XLA:GPU and XLA:CPU compile both forms to the same scatter."""
+  K = pool.shape[0]
+  heads = jnp.arange(K, dtype=jnp.int32)[:, None]
+  return pool.at[heads, drop_negative(pages, pool.shape[1])[None, :], offsets[None, :]].set(
       jnp.swapaxes(values, 0, 1).astype(pool.dtype), mode="drop", unique_indices=True)
 
 
