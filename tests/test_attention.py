@@ -696,9 +696,10 @@ def test_rollout_programs_compiled_for_a_tpu_copy_no_cache(impl, tmp_path):
   input -> output. Until 2026-11-28 the TPU compiler laid each pool out with its page axis
   major for the scatter of the new tokens' keys / values ([K, D] windows at (page, offset)):
   every pool was copied into that layout when a call began and back at every step, with either
-  attention (10.75 GiB of temporaries for Qwen3-0.6B at 64 slots). attention.write_pages now indexes (head, page, offset) and writes rows of D. The
-  "tpu" case compiles under the suite's jax_default_matmul_precision=highest, which pallas.ops'
-  kernel refused until paged_decode_tpu traced it at the default precision."""
+  attention (10.75 GiB of temporaries for Qwen3-0.6B at 64 slots). attention.write_pages now indexes
+  (head, page, offset) and writes rows of D. The "tpu" case compiles under the suite's
+  jax_default_matmul_precision=highest, which pallas.ops' kernel refused until paged_decode_tpu
+  traced it at the default precision."""
   from tests import tpu_compile
 
   hlo = tpu_compile.compiled_for_a_tpu(tmp_path, "--impl", impl)

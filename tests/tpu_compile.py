@@ -102,7 +102,8 @@ def main(argv=None):
         mesh = Mesh(np.array(chips).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
         slots, num_pages = 4 * SLOTS_PER_CHIP, 4 * (1 + SLOTS_PER_CHIP * PAGES_PER_SEQ)
         pools = NamedSharding(mesh, attention.pool_specs(mesh, ("data",), K)[0])
-        placed, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+        placed = NamedSharding(mesh, PartitionSpec())
+        rows = NamedSharding(mesh, PartitionSpec("data"))
         batch_spec = (mesh, ("data",))
     else:
         slots, num_pages = SLOTS, 1 + SLOTS * PAGES_PER_SEQ

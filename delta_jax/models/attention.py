@@ -420,10 +420,10 @@ def paged_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   is at most pages_per_block (the kernel needs one that divides it).
   Not run on a TPU here: its numbers are checked by Pallas' TPU interpreter on the CPU, its
   lowering for a TPU by jax.export and its compile by libtpu's TPU compiler for a v5p slice
-  without one, in the decode program (tests/test_attention.py, tests/tpu_compile.py). The kernel's megacore_mode is left
-  unset: on chips with two TensorCores per device (v4, v5p) it runs on one of them (setting it
-  where a chip has one core can hang the kernel, says its documentation, and none was at hand
-  to tell the kinds apart)."""
+  without one, in the decode program (tests/test_attention.py, tests/tpu_compile.py). The
+  kernel's megacore_mode is left unset: on chips with two TensorCores per device (v4, v5p) it runs
+  on one of them (setting it where a chip has one core can hang the kernel, says its documentation,
+  and none was at hand to tell the kinds apart)."""
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
 
   check_paged_decode_inputs(q, k_pages, v_pages, block_tables, lengths, "paged_decode_tpu")
@@ -600,7 +600,8 @@ def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array,
   [K, D] window per (page, offset), the scatter made the TPU compiler lay the pool out with its
   page axis major (the window minor), so a decode program copied every pool into that layout at
   each call and back at every step (compiled for a v5p without one, Qwen3-0.6B at 64 slots:
-  10.75 GiB of temporaries, now 0.35; tests/test_attention.py). XLA:GPU and XLA:CPU compile both forms to the same scatter."""
+  10.75 GiB of temporaries, now 0.35; tests/test_attention.py). Compiled for an H100, the
+  decode program keeps its kernels and temporaries (BENCHMARKS.md, 2026-11-28)."""
   K = pool.shape[0]
   heads = jnp.arange(K, dtype=jnp.int32)[:, None]
   return pool.at[heads, drop_negative(pages, pool.shape[1])[None, :], offsets[None, :]].set(
