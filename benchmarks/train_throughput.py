@@ -49,8 +49,9 @@ combination, lowered from abstract shapes only (nothing is allocated, so the ful
 can be analysed on a CPU; the figure is then the CPU compiler's buffer assignment, which is close
 to but not the GPU's), printed beside plan mode's "update" figure (delta_jax.plan) for the same
 shape (plan mode models every remat policy: none, full and the dots_* policies from the matmul
-outputs they save). With --compile-for h100 / h200 (and --skip-throughput) the step is compiled
-for that GPU on this machine instead, deviceless (benchmarks/gpu_program.py: jax's CUDA plugin,
+outputs they save). With --compile-for h100 / h200 (or v5p / v5e: a TPU chip, libtpu; and
+--skip-throughput) the step is compiled for that device on this machine instead, deviceless
+(benchmarks/gpu_program.py: jax's CUDA plugin,
 `bash scripts/gpu_jax_check.sh --compile benchmarks/train_throughput.py --skip-throughput
 --compile-for h100`, with COMPILE_CUDNN=1 for cuDNN attention's library), with the model's
 dispatch as on that GPU (cuDNN attention): XLA:GPU's figures next to the plan, without a GPU.
@@ -466,10 +467,10 @@ def main(argv=None):
                              "print its device time by kernel")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
-    parser.add_argument("--compile-for", default=None, choices=["h100", "h200"],
-                        help="compile the memory analysis's step for this GPU without one "
-                             "(needs jax's CUDA plugin and --skip-throughput; "
-                             "benchmarks/gpu_program.py)")
+    parser.add_argument("--compile-for", default=None, choices=["h100", "h200", "v5p", "v5e"],
+                        help="compile the memory analysis's step for this GPU, or the first chip "
+                             "of this TPU slice, without one (needs jax's CUDA plugin, or "
+                             "libtpu, and --skip-throughput; benchmarks/gpu_program.py)")
     parser.add_argument("--out", default="benchmarks/results/train_throughput.json")
     args = parser.parse_args(argv)
     xla_env.apply_default_flags()  # the product's XLA flags (as delta_jax.main), before JAX starts
@@ -528,8 +529,10 @@ def main(argv=None):
             device = gpu_program.compile_only_device(args.compile_for, gpu_program.CUDNN_VERSION,
                                                      gpu_program.CUDA_VERSION)
             target, sharding = jax.default_device(device), jax.sharding.SingleDeviceSharding(device)
-            print(f"compiling for {device.device_kind} (compile only, cuDNN "
-                  f"{gpu_program.CUDNN_VERSION}, CUDA {gpu_program.CUDA_VERSION})")
+            print(f"compiling for {device.device_kind} (compile only, "
+                  + (gpu_program.TPU_TARGETS[args.compile_for]
+                     if args.compile_for in gpu_program.TPU_TARGETS else
+                     f"cuDNN {gpu_program.CUDNN_VERSION}, CUDA {gpu_program.CUDA_VERSION}") + ")")
         with target:
             rows = sweep(args, f"compiling the {args.memory_preset} step for its memory analysis",
                          args.memory_preset, None, args.memory_dtype, memory_shape(args),
