@@ -41,3 +41,26 @@ def test_apply_if_finite_skips_a_non_finite_update(bad):
     assert not bool(finite) and int(new.step) == 0
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(st)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_state_keeps_its_dtypes_through_an_update():
+    """A bfloat16 model's state after one update has the dtypes it had (so a jitted step takes
+    its own output without compiling again), with float32 gradients (as the train step's are,
+    divided by a float32 token count): optax's AdamW alone returns its first moment in float32
+    then; the moments stay in the parameters' dtype, rounded from the float32 update."""
+    params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.bfloat16)}
+    opt = state_lib.make_optimizer(lambda _: 0.1)
+    st = state_lib.init_train_state(params, opt)
+    grads = {"w": jnp.asarray([0.3, -0.1, 0.2], jnp.float32)}
+    _, reference = opt.update(grads, st.opt_state, st.params)
+    assert {x.dtype for x in jax.tree.leaves(reference) if x.ndim} == {jnp.dtype(jnp.float32),
+                                                                       jnp.dtype(jnp.bfloat16)}
+
+    step = jax.jit(lambda s, g: state_lib.apply_if_finite(
+        s, g, opt, loss=jnp.float32(1.0), grad_norm=optax.tree.norm(g))[0])
+    new = step(st, grads)
+    assert jax.tree.map(lambda x: x.dtype, new) == jax.tree.map(lambda x: x.dtype, st)
+    for got, want in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(got.dtype)))
+    step(new, grads)
+    assert step._cache_size() == 1   # the second update ran the first's executable
