@@ -4,6 +4,7 @@ test_sharded_rl_step.py; two processes in test_multihost.py.)"""
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -123,6 +124,71 @@ def test_explicit_batch_axes_and_unconstrained_others():
     out = jax.jit(lambda y: sharding.constrain_batch(y, mesh, axis=1, batch_axes=("fsdp",)))(
         jnp.ones((3, 8, 2)))
     assert out.sharding.spec == P(None, "fsdp")
+
+
+def _fsdp_collectives(rows: int, micro: int, seq: int) -> set:
+    """{(op, result shape)} of the collectives in the trainer's train step and old-policy pass
+    of the tiny model (full remat) over a 4-device fsdp mesh, rows of `seq` tokens in
+    micro-batches of `micro`, compiled from abstract shapes."""
+    from jax.sharding import Mesh
+    from delta_jax.train import state as state_lib
+    from delta_jax.train.config import default_config, resolve_method
+    from delta_jax.train.features import make_old_policy_pass
+    from delta_jax.train.run import make_loss_fn
+    from delta_jax.train.step import make_train_step
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
+    mc = models.get_preset("tiny", remat="full")
+    graphdef, params, rest = state_lib.split_model(
+        nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
+    optimizer = state_lib.make_optimizer(lambda _: 1e-6)
+    state = jax.eval_shape(lambda p: state_lib.init_train_state(p, optimizer), params)
+    shardings = sharding.tree_shardings(state, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         state, shardings)
+    step = make_train_step(graphdef, rest, optimizer, make_loss_fn(resolve_method(
+        default_config())), temperature=1.0, chunk_size=4096, micro_batch_size=micro,
+        mesh=mesh, state_shardings=shardings)
+
+    def rows_of(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(shape, mesh))
+    response = seq // 2
+    batch = {"input_ids": rows_of((rows, seq), jnp.int32),
+             "attention_mask": rows_of((rows, seq), jnp.int32),
+             "advantages": rows_of((rows,), jnp.float32),
+             **{k: rows_of((rows, response), jnp.float32)
+                for k in ("old_logp", "response_mask", "token_weights")}}
+    old_pass = make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=4096, mesh=mesh)
+    texts = [step.lower(state, batch).compile().as_text(),
+             old_pass.lower(state.params, batch["input_ids"], batch["attention_mask"],
+                            response).compile().as_text()]
+    ops = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    return {(m.group(2), m.group(1)) for text in texts
+            for m in re.finditer(rf"= (\w+\[[\d,]*\])\S* ({ops})(?:-start)?\(", text)}
+
+
+@pytest.mark.devices(4)
+def test_fsdp_passes_gather_weights_not_activations(monkeypatch):
+    """Over a 4-device fsdp mesh the train step and the old-policy pass keep each row's
+    activations on its device and gather the layers' weights (FSDP): no collective moves a
+    [micro-batch rows, seq, ...] activation. Without sharding.rows_over_batch's constraints
+    (constrain_rows made the identity) XLA's partitioner moves activations instead, which
+    the same check sees."""
+    rows, micro, seq = 16, 8, 256
+
+    def activations(found):  # float [micro-batch or pass rows, seq, features...] results
+        return sorted(c for c in found if re.fullmatch(rf"(f32|bf16)\[({micro}|{rows}),{seq},"
+                                                        r"[\d,]+\]", c[1]))
+    found = _fsdp_collectives(rows, micro, seq)
+    assert activations(found) == [], activations(found)
+    tiny = models.get_preset("tiny")
+    hidden, mlp = tiny.hidden_size, tiny.intermediate_size
+    assert any(op == "all-gather" and shape.endswith((f"[{hidden},{mlp}]", f"[{mlp},{hidden}]"))
+               for op, shape in found), sorted(found)       # an MLP weight gathered
+    monkeypatch.setattr(sharding, "constrain_rows", lambda x: x)
+    unconstrained = activations(_fsdp_collectives(rows, micro, seq))
+    # both passes: the step's micro-batch and the old pass's rows
+    assert {shape.split(",")[0] for _, shape in unconstrained} == {f"f32[{micro}", f"f32[{rows}"}
 
 
 def test_sharding_is_the_bottom_layer():

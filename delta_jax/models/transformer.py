@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from delta_jax import sharding as sharding_lib
 from delta_jax.models import attention
 from delta_jax.models.cache import PagedKVCache
 from delta_jax.models.config import LORA_TARGETS, ModelConfig
@@ -371,9 +372,11 @@ class Transformer(nnx.Module):
 
     def layer(x, p):
       p = _cast_layer(cfg, p)
+      x = sharding_lib.constrain_rows(x)  # rows over the batch axes (sharding.rows_over_batch)
       q, k, v = _project_qkv(cfg, p, x)
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-      return _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid, kv_lengths)), None
+      out = _finish_layer(cfg, p, x, _attend(cfg, q, k, v, key_valid, kv_lengths))
+      return sharding_lib.constrain_rows(out), None
 
     x, _ = jax.lax.scan(_maybe_remat(cfg, layer), x, self.layers.arrays())
     if unpack is not None:

@@ -119,12 +119,13 @@ def make_old_policy_pass(graphdef, rest, *, temperature: float, chunk_size: int,
     needs each token's logits over the whole vocabulary, which the fused path never holds."""
     from flax import nnx
 
-    from delta_jax.sharding import constrain_batch
+    from delta_jax.sharding import constrain_batch, rows_over_batch
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def old_policy_pass(params, input_ids, attention_mask, response_len):
         model = nnx.merge(graphdef, params, rest)
-        out = model(input_ids, attention_mask=attention_mask, return_logits=False)
+        with rows_over_batch(mesh):
+            out = model(input_ids, attention_mask=attention_mask, return_logits=False)
         total = input_ids.shape[1]
         start = total - response_len
         hidden = out.hidden[:, start - 1:total - 1]
@@ -167,12 +168,13 @@ def make_hidden_pass(graphdef, rest, hidden_dtype=jnp.bfloat16, mesh=None) -> Ca
     """Jitted (params, input_ids, attention_mask, response_len) -> hidden (trunk only)."""
     from flax import nnx
 
-    from delta_jax.sharding import constrain_batch
+    from delta_jax.sharding import constrain_batch, rows_over_batch
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def hidden_pass(params, input_ids, attention_mask, response_len):
         model = nnx.merge(graphdef, params, rest)
-        return constrain_batch(response_hidden(model, input_ids, attention_mask,
-                                               response_len).astype(hidden_dtype), mesh)
+        with rows_over_batch(mesh):
+            hidden = response_hidden(model, input_ids, attention_mask, response_len)
+        return constrain_batch(hidden.astype(hidden_dtype), mesh)
 
     return hidden_pass

@@ -68,7 +68,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         return loss_sum, (denom, dict(metrics))
 
     def grad_fn(params, mb):  # gradients of the trainable parameters (all, or LoRA's)
-        return state_lib.trainable_value_and_grad(micro_loss, params, mb)
+        with sharding_lib.rows_over_batch(mesh):  # the model's rows stay over the batch axes
+            return state_lib.trainable_value_and_grad(micro_loss, params, mb)
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
 
