@@ -335,8 +335,8 @@ def rows_over_batch(mesh: Optional[Mesh], rules: Mapping[str, Any] = DEFAULT_RUL
     Qwen3-1.7B train step over 4 devices (fsdp=4, micro-batches of 8 x 4,096), all-gathers of
     [8, 4,096, 2,048] hidden states and all-reduces of [8, 4,096, 6,144] MLP activations in
     every layer, where FSDP gathers each layer's weights (tests/test_sharding.py). No-op
-    without a mesh or batch axes."""
-    axes = batch_axes(mesh, rules) if mesh is not None else ()
+    without a mesh or with one batch shard (a one-device program is left as it was)."""
+    axes = () if mesh is None else tuple(a for a in batch_axes(mesh, rules) if mesh.shape[a] > 1)
     token = _ROWS.set((mesh, axes) if axes else None)
     try:
         yield

@@ -126,6 +126,24 @@ def test_explicit_batch_axes_and_unconstrained_others():
     assert out.sharding.spec == P(None, "fsdp")
 
 
+@pytest.mark.devices(4)
+def test_rows_over_batch_constrains_only_inside_with_several_batch_shards():
+    """constrain_rows is the identity outside rows_over_batch, inside it for a mesh of one batch
+    shard and for rows the batch shards do not divide; inside it on a 4-device mesh it puts
+    dim 0 over (data, fsdp) (read from the traced program's sharding annotation)."""
+    x = jnp.zeros((8, 3))
+    assert sharding.constrain_rows(x) is x
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    with sharding.rows_over_batch(one):
+        assert sharding.constrain_rows(x) is x
+    four = sharding.make_mesh(2, 2, 1, devices=jax.devices()[:4])
+    with sharding.rows_over_batch(four):
+        odd = jnp.zeros((6, 3))
+        assert sharding.constrain_rows(odd) is odd
+        text = jax.jit(sharding.constrain_rows).lower(x).as_text()
+    assert "sharding_constraint" in text and '"data", "fsdp"' in text, text
+
+
 def _fsdp_collectives(rows: int, micro: int, seq: int) -> set:
     """{(op, result shape)} of the collectives in the trainer's train step and old-policy pass
     of the tiny model (full remat) over a 4-device fsdp mesh, rows of `seq` tokens in
