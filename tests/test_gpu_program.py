@@ -219,21 +219,13 @@ def test_a_decode_program_compiled_for_a_tpu(tmp_path):
     decode of Qwen3-0.6B's widths at 8 rows compiled for a v5p chip, its TPU memory analysis
     printed and recorded, its temporaries under two page pools' size (2026-11-28: 32.9 MB, one pool
     25.2 MB; 87.4 MB when the page writes made the TPU compiler relayout the pools)."""
-    import importlib.util
     import json
-    import os
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip("needs libtpu (scripts/test.sh places it in .tpu-compile)")
+    from tests.tpu_compile import run_compiling_for_a_tpu
     out = tmp_path / "tpu.json"
-    root = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "benchmarks/gpu_program.py", "--target", "v5p", "--num-layers", "2",
+    done = run_compiling_for_a_tpu(
+        ["benchmarks/gpu_program.py", "--target", "v5p", "--num-layers", "2",
          "--vocab-size", "1024", "--rows", "8", "--batch-invariant", "0", "--page-size", "16",
-         "--prompt-len", "512", "--new-tokens", "1024", "--output", str(out)],
-        cwd=root, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR="",
-                 PYTHONPATH=os.pathsep.join(sys.path)))
-    assert done.returncode == 0, done.stderr[-3000:]
+         "--prompt-len", "512", "--new-tokens", "1024", "--output", str(out)])
     assert "compiled memory [tpu (TPU v5, compile only)] decode_rows8_queue0_inv0" in done.stdout
     (row,) = json.loads(out.read_text())["results"]
     pool = 8 * (1 + 8 * 96) * 16 * 128 * 2   # one pool: K heads x pages x 16 x D, bf16

@@ -34,9 +34,9 @@ def tpu_model():
                              param_dtype=jnp.bfloat16)
 
 
-def compiled_for_a_tpu(tmp_path, *args) -> dict:
-    """{program name: optimized HLO text} of `python -m tests.tpu_compile tmp_path *args`, run
-    in a subprocess (module docstring); skips where libtpu is not installed."""
+def run_compiling_for_a_tpu(command: list) -> subprocess.CompletedProcess:
+    """`command` (python arguments) run in the repository by a subprocess that may load libtpu
+    (module docstring), asserted to succeed; skips where libtpu is not installed."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("compiling for a TPU without one needs libtpu: pip install 'jax[tpu]' "
                     "(scripts/test.sh places it in .tpu-compile)")
@@ -44,9 +44,16 @@ def compiled_for_a_tpu(tmp_path, *args) -> dict:
                # an executable compiled without its device cannot be read back from the cache
                JAX_COMPILATION_CACHE_DIR="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), *sys.path])))
-    done = subprocess.run([sys.executable, "-m", "tests.tpu_compile", str(tmp_path), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def compiled_for_a_tpu(tmp_path, *args) -> dict:
+    """{program name: optimized HLO text} of `python -m tests.tpu_compile tmp_path *args`
+    (run_compiling_for_a_tpu)."""
+    run_compiling_for_a_tpu(["-m", "tests.tpu_compile", str(tmp_path), *args])
     return {p.stem: p.read_text() for p in pathlib.Path(tmp_path).glob("*.hlo")}
 
 
@@ -86,6 +93,7 @@ def main(argv=None):
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from delta_jax import models
+    from delta_jax.kernels.timing import abstract_like
     from delta_jax.models import attention
     from delta_jax.sampling import programs
 
@@ -109,8 +117,8 @@ def main(argv=None):
         slots, num_pages = SLOTS, 1 + SLOTS * PAGES_PER_SEQ
         pools = placed = rows = jax.sharding.SingleDeviceSharding(chips[0])
         batch_spec = None
-    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pools),
-                         jax.eval_shape(lambda: models.init_paged_cache(cfg, num_pages, PAGE_SIZE)))
+    cache = abstract_like(jax.eval_shape(lambda: models.init_paged_cache(cfg, num_pages,
+                                                                         PAGE_SIZE)), pools)
 
     def ints(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=placed)
@@ -124,14 +132,12 @@ def main(argv=None):
             attention_impl=args.impl, pages_per_block=4, batch_spec=batch_spec).compile())
         if args.sharded:
             return 0
-        print(attention.resolve_decode_impl("auto", dtype=cfg.dtype, head_dim=cfg.head_dim,
-                                            page_size=PAGE_SIZE, group=cfg.num_heads // K),
-              file=(out / "auto.txt").open("w"))
-        layers = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
-                              jax.eval_shape(programs.decode_layers, graphdef, state))
-        abstract_state = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), state)
-        save("prefill", programs.prefill.lower(graphdef, abstract_state, layers, cache,
+        (out / "auto.txt").write_text(attention.resolve_decode_impl(
+            "auto", dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=PAGE_SIZE,
+            group=cfg.num_heads // K))
+        layers = abstract_like(jax.eval_shape(programs.decode_layers, graphdef, state), placed)
+        save("prefill", programs.prefill.lower(graphdef, abstract_like(state, placed), layers,
+                                               cache,
                                                ints(4, 64), ints(4, 64), ints(4, 64),
                                                ints(4, 64)).compile())
         save("copy_pages", programs.copy_pages.lower(cache, ints(4), ints(4)).compile())
