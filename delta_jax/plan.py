@@ -389,7 +389,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     optimizer step / per forward-backward (0 = the mini-batch). feature_cache: the
     delta.feature_cache mode ("device" | "host" | "recompute") whose on-device features the
     old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
-    AdamW as in train/state.py). kl_reference: a KL term's frozen reference policy is resident
+    train.state.make_optimizer's: AdamW, through a float32 master copy of bfloat16 parameters). kl_reference: a KL term's frozen reference policy is resident
     (rl.kl_coef > 0): a copy of the trainable parameters (all of them, or the LoRA adapters,
     whose base it shares). target: the backend planned for, "" = the one this runs on
     (TARGETS; it decides what model.attention="auto" runs). Nothing is allocated.
@@ -403,14 +403,16 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     mesh = abstract_mesh(data, fsdp, tensor)
     num_devices = data * fsdp * tensor
     params = abstract_params(model_cfg)
+    from delta_jax.train.state import make_optimizer, split_trainable
     if optimizer is None:
-        optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
+        optimizer = make_optimizer(optax.constant_schedule(1e-6))
     # Gradients and optimizer state cover the trainable parameters only (LoRA: the adapters).
-    from delta_jax.train.state import split_trainable
     trainable = split_trainable(params)[0]
     opt_state = jax.eval_shape(optimizer.init, trainable)
     param_bytes = tree_device_bytes(params, mesh, rules)
     trainable_bytes = tree_device_bytes(trainable, mesh, rules)
+    trainable_f32_bytes = tree_device_bytes(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable), mesh, rules)
     opt_bytes = tree_device_bytes(opt_state, mesh, rules)
     ref_bytes = trainable_bytes if kl_reference else 0
 
@@ -419,9 +421,10 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         return shard_shape((rows,), spec, mesh)[0]
 
     micro = micro_batch_rows if 0 < micro_batch_rows < mini_batch_rows else mini_batch_rows
-    # The step accumulates micro-batch gradients into a buffer: two gradient trees with
-    # micro-batching, one without.
-    grad_bytes = trainable_bytes * (2 if micro < mini_batch_rows else 1)
+    # The step sums micro-batch gradients into a float32 buffer (train.step): with
+    # micro-batching that buffer beside one micro-batch's gradients (in the parameters' dtype),
+    # without it the one float32 tree.
+    grad_bytes = trainable_f32_bytes + (trainable_bytes if micro < mini_batch_rows else 0)
 
     L, H, V = model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size
     a = jnp.dtype(model_cfg.dtype).itemsize

@@ -201,3 +201,37 @@ def test_replicated_arrays_are_sliced_per_replica_only_when_big(tmp_path, monkey
     for name in state:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(state[name]))
         assert got[name].sharding.is_equivalent_to(state[name].sharding, 2), name
+
+
+def _bf16_state(master_weights):
+    _, params, _ = split_model(nnx.Linear(4, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    opt = make_optimizer(optax.constant_schedule(1e-2), master_weights=master_weights)
+    state = init_train_state(params, opt)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.3, jnp.float32), params)
+    updates, opt_state = opt.update(grads, state.opt_state, params)
+    return state.replace(params=optax.apply_updates(params, updates), opt_state=opt_state)
+
+
+def test_a_bfloat16_state_round_trips_with_its_float32_master_copy(tmp_path):
+    saved = _bf16_state(True)
+    assert {x.dtype for x in jax.tree.leaves(saved.opt_state.master)} == {jnp.dtype(jnp.float32)}
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), save_every=1, keep=1)
+    ckpt.save(1, saved, {}, {}, force=True)
+    state, _, _ = ckpt.restore(1, _bf16_state(True))
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(state)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ckpt.close()
+
+
+def test_a_state_of_another_layout_names_the_settings(tmp_path):
+    """A bfloat16 run's checkpoint without the master copy (optim.master_weights=False, or
+    written before it existed) does not read into a state that has one: the error says which
+    settings change the layout."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), save_every=1, keep=1)
+    ckpt.save(1, _bf16_state(False), {}, {}, force=True)
+    with pytest.raises(CheckpointError, match=r"holds 9 arrays .* has 11: .*optim.master_weights"):
+        ckpt.restore(1, _bf16_state(True))
+    state, _, _ = ckpt.restore(1, _bf16_state(False))  # the setting it was written with
+    assert int(state.step) == 0
+    ckpt.close()

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from delta_jax import models, plan, sharding
-from delta_jax.train.state import init_train_state, split_model
+from delta_jax.train.state import init_train_state, make_optimizer, split_model
 from delta_jax.sampling.programs import abstract_decode_args
 from tests.rl_fixtures import device_bytes
 
@@ -51,7 +51,7 @@ def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype, lora_r
     adapters alone (the base is shared with the policy)."""
     mcfg = SMALL.replace(param_dtype=dtype, lora_rank=lora_rank,
                          lora_targets=models.LORA_TARGETS if lora_rank else ())
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    optimizer = make_optimizer(optax.constant_schedule(1e-3))  # a bf16 model's master copy too
     want_params, want_opt, adapters, reference = real_device0_bytes(mcfg, mesh_shape, optimizer)
     p, p_kl = (plan.plan_memory(mcfg, mesh_shape=mesh_shape, device_memory_gb=1.0,
                                 rollout_rows=16, prompt_len=8, response_len=8, sampler_rows=16,
@@ -60,8 +60,11 @@ def test_param_and_optimizer_bytes_match_placed_arrays(mesh_shape, dtype, lora_r
                                 kl_reference=kl) for kl in (False, True))
     assert p.params == want_params
     assert p.optimizer == want_opt
-    # No micro-batching: one gradient tree, of the whole model or of the adapters.
-    assert p.gradients == (adapters if lora_rank else p.params)
+    # No micro-batching: one float32 gradient tree, of the whole model or of the (float32)
+    # adapters.
+    assert p.gradients == (adapters if lora_rank else p.params * 4 // jnp.dtype(dtype).itemsize)
+    if dtype == jnp.bfloat16 and not lora_rank:  # master copy + AdamW's moments, all float32
+        assert want_opt == 6 * want_params + 8   # + the step and schedule counters
     assert (adapters > 0) == bool(lora_rank)
     assert p.kl_reference == 0 and p_kl.kl_reference == reference
     assert reference == (adapters if lora_rank else want_params)
@@ -84,10 +87,11 @@ def test_figures_follow_the_shapes():
     L, H, D = 36, 4096, 128
     norms = L * 2 * H + L * 2 * D + H
     assert p.params == 2 * ((mc.num_params() - norms) // 32 + norms)
-    # AdamW (constant lr): two moments like the parameters (in the parameter dtype) plus
-    # scale_by_adam's int32 step counter (replicated).
-    assert p.optimizer == 2 * p.params + 4
-    assert p.gradients == 2 * p.params  # micro-batches: accumulator + one micro-batch's grads
+    # AdamW through a float32 master copy: the copy and two moments, each twice the bf16
+    # parameters, plus scale_by_adam's and the schedule's int32 step counters (replicated).
+    assert p.optimizer == 6 * p.params + 8
+    # Micro-batches: a float32 accumulator + one micro-batch's bf16 gradients.
+    assert p.gradients == 3 * p.params
     # KV page pool (worst case, 32-token pages), split over the 1 x 8 batch shards: a device
     # holds its shard's pages: the shard's scratch page, per slot of its 256 / 8 = 32 the
     # prompt's 64 pages + the response's 640 + one partial, and the next prompt's 64; 8 kv

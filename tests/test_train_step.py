@@ -364,3 +364,44 @@ def test_run_sft_follows_model_logprob_impl(tmp_path, monkeypatch):
         assert tree_max_abs_diff(out["chunked"], fresh.initial_params) > 1e-4   # SFT moved it
     finally:
         fresh.close()
+
+
+def _gradient_recorder():
+    """An optax transformation that applies nothing and keeps, as its state, the gradients the
+    step hands it (float32)."""
+    def init(params):
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def update(grads, state, params=None):
+        return jax.tree.map(jnp.zeros_like, grads), jax.tree.map(
+            lambda g: g.astype(jnp.float32), grads)
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_micro_batch_gradients_are_summed_in_float32(setup):
+    """A bfloat16 model, micro-batches of one row, every row the same: the step's gradient of 2
+    rows and of 64 rows must be the same. A micro-batch's gradient g holds 8 significant bits;
+    k * g (k <= 64) is exact in float32, and so is the division by the 2x / 64x larger token
+    count, but a bfloat16 running sum rounds 3g, 5g, ... to 8 bits."""
+    batch = setup[3]
+    cfg = models.get_preset("tiny").replace(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_layers=2, num_heads=2, num_kv_heads=1,
+                                            head_dim=16, dtype=jnp.bfloat16,
+                                            param_dtype=jnp.bfloat16)
+    graphdef, params, rest = state_lib.split_model(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    row = {k: v[2:3] for k, v in batch.items()}
+    row["old_logp"] = jnp.zeros_like(row["response_mask"]) - 1.0
+    opt = _gradient_recorder()
+    step = make_train_step(graphdef, rest, opt, _loss_fn, temperature=T, chunk_size=4,
+                           micro_batch_size=1)
+    got = {}
+    for rows in (2, 64):
+        rep = jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), row)
+        st = state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt)
+        new, metrics = step(st, rep)
+        assert int(metrics["skipped"]) == 0
+        got[rows] = jax.device_get(new.opt_state)
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(got[64])):
+        assert a.dtype == np.float32 and np.any(a != 0)
+        np.testing.assert_array_equal(a, b)

@@ -89,12 +89,29 @@ class Checkpointer:
             state, data, meta = out["state"], out["data"], out["meta"]
         except Exception as e:  # noqa: BLE001 -- orbax / tensorstore / json raise many kinds
             raise CheckpointError(f"{os.path.join(self.directory, str(step))}: does not read "
-                                  f"back ({first_line(e)})") from e
+                                  f"back ({first_line(e)}){self._layout_hint(step, abstract)}"
+                                  ) from e
         for name, value in (("data", data), ("meta", meta)):
             if not isinstance(value, dict):
                 raise CheckpointError(f"{os.path.join(self.directory, str(step), name)}: expected "
                                       f"a JSON object, got {type(value).__name__}")
         return state, data, meta
+
+    def _layout_hint(self, step: int, abstract) -> str:
+        """Where the saved state holds another number of arrays than this run's: which settings
+        change the state's layout."""
+        try:
+            saved = len(jax.tree.leaves(self._manager.item_metadata(step)["state"]))
+        except Exception:  # noqa: BLE001 -- no readable metadata: the error above says enough
+            return ""
+        wanted = len(jax.tree.leaves(abstract))
+        if saved == wanted:
+            return ""
+        return (f"; it holds {saved} arrays of train state where this run's has {wanted}: it was "
+                "written by a run with other settings among optim.master_weights (bfloat16 "
+                "parameters' float32 master copy; checkpoints of bfloat16 runs from before "
+                "2026-11-28 have none: resume them with optim.master_weights=False) and "
+                "model.lora_rank / lora_targets")
 
     def restore_latest(self, target_state: Any):
         """(step, state, data_state, meta) of the newest checkpoint that reads back, or None when

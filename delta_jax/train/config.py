@@ -289,6 +289,11 @@ def default_config() -> config_dict.ConfigDict:
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
     c.optim.max_grad_norm = 1.0
+    # bfloat16 parameters (model.param_dtype) are updated through a float32 master copy held in
+    # the optimizer state, AdamW's moments in float32 (train.state.with_master_weights: +10 bytes
+    # a parameter); False updates them in bfloat16, where a small step (the paper's lr 1e-6)
+    # rounds away. No effect on float32 parameters.
+    c.optim.master_weights = True
 
     c.train = config_dict.ConfigDict()
     c.train.steps = 220

@@ -56,7 +56,8 @@ def run_sft(run: Run, params, log_every: int = 10,
     schedule = learning_rate_schedule(cfg.sft.lr, "cosine", cfg.sft.warmup_steps, cfg.sft.steps,
                                       0.1)
     optimizer = make_optimizer(schedule, weight_decay=cfg.sft.weight_decay,
-                               max_grad_norm=cfg.optim.max_grad_norm)
+                               max_grad_norm=cfg.optim.max_grad_norm,
+                               master_weights=cfg.optim.master_weights)
     step_fn = sft_lib.make_sft_step(run.graphdef, run.rest, optimizer, schedule,
                                     chunk_size=cfg.model.logprob_chunk_tokens,
                                     logprob_impl=cfg.model.logprob_impl)

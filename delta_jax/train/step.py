@@ -1,8 +1,8 @@
 """The pure, jitted policy-update step: (TrainState, mini-batch) -> (TrainState, metrics).
 
 The mini-batch is split into micro-batches scanned with lax.scan; each contributes the gradient of
-its loss SUM, and the sum of gradients is divided by the mini-batch's total denominator, so the
-result is exactly the gradient of the global (sum / denominator) loss. A non-finite loss or
+its loss SUM, summed in float32, and the sum of gradients is divided by the mini-batch's total
+denominator, so the result is exactly the gradient of the global (sum / denominator) loss. A non-finite loss or
 gradient norm leaves parameters and optimizer state unchanged (state.apply_if_finite) and is
 reported in metrics["skipped"]; the caller counts consecutive skips.
 
@@ -84,10 +84,13 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         def body(carry, mb):
             grads, loss_sum, denom, msum = carry
             (l, (d, m)), g = grad_fn(state.params, mb)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, denom + d,
-                    jax.tree.map(jnp.add, msum, m)), None
+            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g),
+                    loss_sum + l, denom + d, jax.tree.map(jnp.add, msum, m)), None
 
-        init = (jax.tree.map(jnp.zeros_like, state_lib.split_trainable(state.params)[0]),
+        # Micro-batch gradients are summed in float32 whatever the parameters' dtype: a
+        # bfloat16 sum of many micro-batches would round each addition to 8 significant bits.
+        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                             state_lib.split_trainable(state.params)[0]),
                 zeros(l_shape), zeros(d_shape), zeros(m_shape))
         (grads, loss_sum, denom, msum), _ = jax.lax.scan(body, init, micro)
 
