@@ -338,7 +338,9 @@ class MemoryPlan:
             "per device:",
             f"  parameters                     {g(self.params)}",
             f"  gradients                      {g(self.gradients)}",
-            f"  optimizer state                {g(self.optimizer)}",
+            f"  optimizer state                {g(self.optimizer)}"
+            + ("  (in host memory outside the updates: optim.offload)"
+               if s.get("optimizer_offload") else ""),
             *([f"  KL reference policy            {g(self.kl_reference)}"
                + ("  (the adapters; the base is shared)" if s.get("lora") else "")]
               if self.kl_reference else []),
@@ -380,6 +382,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8, kl_reference: bool = False,
+                optimizer_offload: bool = False,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
@@ -391,7 +394,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
     train.state.make_optimizer's: AdamW, through a float32 master copy of bfloat16 parameters). kl_reference: a KL term's frozen reference policy is resident
     (rl.kl_coef > 0): a copy of the trainable parameters (all of them, or the LoRA adapters,
-    whose base it shares). target: the backend planned for, "" = the one this runs on
+    whose base it shares). optimizer_offload: the optimizer state rests in host memory outside
+    the update phase (optim.offload). target: the backend planned for, "" = the one this runs on
     (TARGETS; it decides what model.attention="auto" runs). Nothing is allocated.
     """
     import optax
@@ -536,7 +540,10 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # What each cache mode holds on the device while DelTA runs (host: one chunk brought back).
     features_on_device = {"device": f_device, "host": f_host_chunk, "recompute": f_recompute}
 
-    resident = param_bytes + opt_bytes + ref_bytes
+    # What stays on the device through every phase; the update phase adds the optimizer state
+    # where it rests in host memory otherwise (optimizer_offload).
+    resident = param_bytes + ref_bytes + (0 if optimizer_offload else opt_bytes)
+    in_update = resident + (opt_bytes if optimizer_offload else 0)
     mem = device_memory_gb * GB
     host_ok = host_memory_gb <= 0 or f_host_ram * devices_per_host <= host_memory_gb * GB
 
@@ -544,7 +551,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         phases = {
             "rollout": resident + kv + decode_copy + max(prefill, s_rows * V * 4),
             "old-policy pass + DelTA": resident + old_pass + features_on_device[feature_cache],
-            "update": resident + grad_bytes + act[0] + max(act[1], lp_chunk),
+            "update": in_update + grad_bytes + act[0] + max(act[1], lp_chunk),
         }
         base = resident + old_pass
         fits = {m: base + features_on_device[m] <= mem and (host_ok or m != "host")
@@ -568,6 +575,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
+        "optimizer_offload": bool(optimizer_offload),
         "lora": model_cfg.lora_rank > 0,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
         "attention_prefill": prefill_kind, "attention_backend": target or jax.default_backend(),
@@ -754,17 +762,19 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
         kv_budget_bytes=budget, kl_reference=cfg.rl.kl_coef > 0,
-        devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path, target=target)
+        optimizer_offload=cfg.optim.offload, devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path, target=target)
 
 
 # The config fields that shrink each phase's planned peak (named by `check_fits`).
 PHASE_KNOBS = {
     "rollout": ("rollout.max_batch_size (sampler slots)", "rollout.kv_budget_gb (KV page pool)",
                 "data.max_prompt_len / rollout.max_new_tokens",
-                "model.attention=blockwise (prefill scores)"),
+                "model.attention=blockwise (prefill scores)",
+                "optim.offload=True (optimizer state in host memory)"),
     "old-policy pass + DelTA": ("delta.feature_cache=host or recompute",
                                 "rollout.max_batch_size (rows per old-policy chunk)",
-                                "model.logprob_chunk_tokens", "delta.recompute_chunk"),
+                                "model.logprob_chunk_tokens", "delta.recompute_chunk",
+                                "optim.offload=True (optimizer state in host memory)"),
     "update": ("rl.micro_batch_size", "model.remat=full", "model.logprob_chunk_tokens",
                "model.attention=blockwise"),
 }
@@ -802,8 +812,10 @@ def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,
         return
     lines = []
     for name, need in over:
-        knobs = [k for k in PHASE_KNOBS.get(name, ())
-                 if k != f"model.remat={memory_plan.settings.get('remat')}"]  # not what it is
+        already = {f"model.remat={memory_plan.settings.get('remat')}"}  # not what it is
+        if memory_plan.settings.get("optimizer_offload"):
+            already.add("optim.offload=True")
+        knobs = [k for k in PHASE_KNOBS.get(name, ()) if k.split(" (")[0] not in already]
         if name == "old-policy pass + DelTA" and memory_plan.recommended_feature_cache not in (
                 "", "none", memory_plan.settings.get("feature_cache")):
             knobs.insert(0, f"delta.feature_cache={memory_plan.recommended_feature_cache} "

@@ -225,6 +225,21 @@ def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES):
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
+def host_memory_kind_available(device=None) -> bool:
+    """Whether `device` (default: the first local one) has a "pinned_host" memory space, where
+    arrays can rest off the accelerator (GPUs, TPUs and the CPU backend of jax >= 0.4.36)."""
+    device = jax.local_devices()[0] if device is None else device
+    try:
+        return "pinned_host" in {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001  (a backend without memory spaces)
+        return False
+
+
+def in_memory(shardings, kind: str):
+    """The same shardings in memory space `kind` ("device" or "pinned_host")."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
 def put_global(x, sharding: NamedSharding):
     """Place `x` with `sharding`. On one process this is jax.device_put; when the mesh spans
     processes, every process must hold the same global value of x (a host array or a fully

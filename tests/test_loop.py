@@ -278,3 +278,38 @@ def test_a_lora_run_trains_the_adapters_resumes_and_exports_them_merged(tmp_path
                                    atol=2e-5)
     finally:
         run.close()
+
+
+def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, monkeypatch):
+    """optim.offload=True on bfloat16 parameters (so the float32 master copy moves too): the
+    optimizer state rests in pinned host memory between steps, the updates get it on the device,
+    and a run resumed in between ends with the parameters and optimizer state of a run that kept
+    it on the device throughout."""
+    import jax
+
+    from delta_jax.train import phases
+
+    def config(steps, offload):
+        return tiny_rl_config("dapo", model=dict(param_dtype="bfloat16"),
+                              optim=dict(offload=offload),
+                              train=dict(LOOP_WITHOUT_EVAL, steps=steps, keep=10, save_every=1))
+
+    ref = jax.device_get(_train(config(3, False), tmp_path / "ref"))
+    seen = []
+    update = phases.update_policy
+
+    def recording_update(train_step, state, *args, **kwargs):
+        seen.append({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
+        return update(train_step, state, *args, **kwargs)
+
+    monkeypatch.setattr(phases, "update_policy", recording_update)
+    _train(config(2, True), tmp_path / "off")
+    state = _train(config(3, True), tmp_path / "off")  # resumes from checkpoint 2
+    assert _rl_steps(tmp_path / "off") == [1, 2, 3]
+    assert seen == [{"device"}] * 3
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
+    assert jax.tree.leaves(state.opt_state.master), "bfloat16 parameters have a master copy"
+    got = jax.device_get(state)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, b)

@@ -374,6 +374,33 @@ def test_plan_from_config_counts_a_kl_reference():
     assert on.phases["update"] - off.phases["update"] == on.params
 
 
+def test_plan_from_config_counts_an_offloaded_optimizer_state_in_the_update_only(tmp_path,
+                                                                                 monkeypatch):
+    """optim.offload: the optimizer state leaves the rollout and old-policy phases and stays in
+    the update; the text says where it rests, and check_fits stops offering it once it is on. A
+    backend without a pinned_host memory space refuses it at start-up, naming the field."""
+    from delta_jax import sharding
+    from delta_jax.train import run as run_lib
+    from delta_jax.train.config import ConfigError
+    from tests.rl_fixtures import tiny_rl_config
+
+    off, on = (plan.plan_from_config(tiny_rl_config("delta", optim=dict(offload=o)),
+                                     mesh_shape=(1, 1, 1)) for o in (False, True))
+    assert on.optimizer == off.optimizer > 0
+    assert {k: off.phases[k] - on.phases[k] for k in off.phases} == {
+        "rollout": off.optimizer, "old-policy pass + DelTA": off.optimizer, "update": 0}
+    assert "optim.offload" in on.to_text() and "optim.offload" not in off.to_text()
+    with pytest.raises(ConfigError, match=r"optim\.offload=True") as err:
+        plan.check_fits(off, 0, phases=["rollout"])
+    with pytest.raises(ConfigError) as err:
+        plan.check_fits(on, 0, phases=["rollout", "old-policy pass + DelTA"])
+    assert "optim.offload" not in str(err.value)
+    monkeypatch.setattr(sharding, "host_memory_kind_available", lambda device=None: False)
+    with pytest.raises(ConfigError, match=r"^optim\.offload: the \w+ backend has no pinned_host"):
+        run_lib.build_run(tiny_rl_config("dapo", optim=dict(offload=True)), str(tmp_path),
+                          need_scorer=False)
+
+
 def test_a_kv_budget_that_cannot_hold_one_sample_fails_before_anything_runs(tmp_path):
     """rollout.kv_budget_gb below one sample's pages: plan mode and build_run both stop with a
     ConfigError naming the field (the sampler would otherwise fail at its first call)."""

@@ -260,3 +260,22 @@ def test_a_pod_slice_or_slurm_job_starts_jax_distributed_with_its_own_settings(
     assert sharding.initialize_distributed(env=env) == (0, 1)  # the patched call starts nothing
     assert calls == ([{"local_device_ids": None, "heartbeat_timeout_seconds": 100}] if started
                      else [])
+
+
+def test_host_memory_kind_is_found_where_a_device_has_one():
+    """The CPU backend has a pinned_host memory space (as GPUs and TPUs do); a device without
+    memory spaces, or one that raises when asked, has none."""
+    class NoSpaces:
+        def addressable_memories(self):
+            raise NotImplementedError
+
+    class DeviceOnly:
+        def addressable_memories(self):
+            return [type("M", (), {"kind": "device"})()]
+
+    assert sharding.host_memory_kind_available()
+    assert not sharding.host_memory_kind_available(NoSpaces())
+    assert not sharding.host_memory_kind_available(DeviceOnly())
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    tree = {"a": sharding.replicated(mesh)}
+    assert sharding.in_memory(tree, "pinned_host")["a"].memory_kind == "pinned_host"

@@ -294,6 +294,11 @@ def default_config() -> config_dict.ConfigDict:
     # a parameter); False updates them in bfloat16, where a small step (the paper's lr 1e-6)
     # rounds away. No effect on float32 parameters.
     c.optim.master_weights = True
+    # True: the optimizer state (master copy and moments) rests in the host's pinned memory and is
+    # on the device only for a step's updates (brought over before the first, returned after the
+    # last: two transfers of its size per RL step), so the rollout and the old-policy pass run
+    # without it. Needs a backend with a pinned_host memory space (GPU, TPU).
+    c.optim.offload = False
 
     c.train = config_dict.ConfigDict()
     c.train.steps = 220

@@ -31,7 +31,7 @@ from delta_jax.rl.advantages import compute_advantages
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.config import method_settings
-from delta_jax.train.run import Run, feature_cache_mode, reference_params
+from delta_jax.train.run import Run, feature_cache_mode, optimizer_state_to, reference_params
 from delta_jax.train.state import TrainState
 
 _SHUFFLE_SALT, _ROLLOUT_SALT = 13, 17
@@ -243,11 +243,13 @@ def rl_step(run: Run, state: TrainState, step: int,
     metrics.update(credit_report(run, prep))  # the synthetic task's ground-truth credit/*
 
     t0 = time.perf_counter()
+    state = optimizer_state_to(run, state, "device")  # optim.offload: in for the updates
     state, sums, updates = phases.update_policy(
         run.train_step, state, prep.batch, num_prompts=cfg.rollout.batch_prompts,
         group_size=cfg.rollout.group_size, mini_batch_prompts=cfg.rl.mini_batch_prompts,
         epochs=cfg.rl.epochs, seed=rollout_lib.step_seed(cfg.seed, step, _SHUFFLE_SALT))
-    jax.block_until_ready(state.params)
+    state = optimizer_state_to(run, state, "host")    # and out again
+    jax.block_until_ready(state)
     metrics["time/update_s"] = time.perf_counter() - t0
     for k, v in finish_metrics(sums, updates).items():
         metrics[("optim/" if k == "learning_rate" else "policy/") + k] = v

@@ -200,6 +200,9 @@ class Run:
     initial_params: Any = None
     mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
     state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
+    # optim.offload: the same with the optimizer state in pinned host memory (where it rests
+    # between a step's updates); None keeps it on the device throughout.
+    resting_shardings: Any = None
     topk_proxy_pass: Any = None  # delta.proxy = "hidden_topk": (params, labels, ids, probs) -> v
     ref_pass: Any = None         # rl.kl_coef > 0: log-probs of the reference policy
     # rl.kl_coef > 0: the reference policy's own part (reference_part; reference_params
@@ -265,6 +268,14 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
     state_shardings = sharding_lib.tree_shardings(
         jax.eval_shape(lambda p: init_train_state(p, optimizer), params), mesh)
+    resting_shardings = None
+    if cfg.optim.offload:
+        if not sharding_lib.host_memory_kind_available():
+            raise config_lib.ConfigError(
+                f"optim.offload: the {jax.default_backend()} backend has no pinned_host memory "
+                "space to keep the optimizer state in; set optim.offload=False")
+        resting_shardings = state_shardings.replace(
+            opt_state=sharding_lib.in_memory(state_shardings.opt_state, "pinned_host"))
     try:
         sampler = Sampler(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
                           max_prompt_len=cfg.data.max_prompt_len, truncate_prompts="left",
@@ -286,7 +297,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         ckpt=Checkpointer(os.path.join(workdir, "checkpoints"), save_every=cfg.train.save_every,
                           keep=cfg.train.keep),
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
-        initial_params=params, mesh=mesh, state_shardings=state_shardings, data_iter=data_iter,
+        initial_params=params, mesh=mesh, state_shardings=state_shardings,
+        resting_shardings=resting_shardings, data_iter=data_iter,
         benchmarks=benchmarks, eval_prompts=prompts,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
     if cfg.mode == "train":
@@ -516,10 +528,21 @@ class _NullWriter:
 
 
 def place_state(run: Run, state: TrainState) -> TrainState:
-    """The train state on the run's mesh, by its logical-axis shardings."""
+    """The train state on the run's mesh, by its logical-axis shardings, where it rests between
+    updates (optim.offload: the optimizer state in pinned host memory)."""
     if run.state_shardings is None:
         return state
-    return sharding_lib.shard_tree(state, run.state_shardings)
+    return sharding_lib.shard_tree(state, run.resting_shardings or run.state_shardings)
+
+
+def optimizer_state_to(run: Run, state: TrainState, where: str) -> TrainState:
+    """optim.offload: the state with its optimizer state moved to "device" (before a step's
+    updates, where the train step takes it) or back to "host" (after them); unchanged without
+    offload. The copy it leaves behind is freed once nothing refers to it."""
+    if run.resting_shardings is None:
+        return state
+    target = run.state_shardings if where == "device" else run.resting_shardings
+    return state.replace(opt_state=sharding_lib.shard_tree(state.opt_state, target.opt_state))
 
 
 def feature_cache_mode(cfg, with_delta: bool) -> str:
