@@ -118,6 +118,7 @@ def make_config(args, variant: str):
     c.rl.micro_batch_size = args.micro_batch_size or math.gcd(64, sequences)
     c.rl.dynamic_sampling = False
     c.rewards.overlong = False  # the stand-in scorer's reward only
+    c.optim.offload = args.offload
     c.delta.pass_impl = args.pass_impl
     c.delta.num_refine = args.num_refine
     if variant == "delta-recompute":
@@ -170,6 +171,9 @@ def run_variant(args, variant: str, workdir: str) -> dict:
             state, metrics = out.state, out.metrics
             del out
             row = {k: float(metrics[f"time/{k}"]) for k in PHASES}
+            for k in ("offload_in_s", "offload_out_s"):  # --offload: the state's transfers
+                if f"time/{k}" in metrics:
+                    row[k] = float(metrics[f"time/{k}"])
             row["warmup"] = step < args.warmup_steps
             row["reward_mean"] = float(metrics.get("rollout/reward_mean",
                                                    metrics.get("rollout/accuracy", np.nan)))
@@ -182,12 +186,15 @@ def run_variant(args, variant: str, workdir: str) -> dict:
             steps.append(row)
             print(f"  {variant} step {step}{' (warm-up)' if row['warmup'] else ''}: "
                   + " ".join(f"{k}={row[k]:.3f}" for k in PHASES)
-                  + " " + " ".join(f"{k}={row[k]:.3g}" for k in MISMATCH), flush=True)
+                  + " " + " ".join(f"{k}={row[k]:.3g}" for k in MISMATCH)
+                  + "".join(f" {k}={row[k]:.3f}" for k in ("offload_in_s", "offload_out_s")
+                            if k in row), flush=True)
         jax.block_until_ready(state.params)
     finally:
         run.close()
     timed = [s for s in steps if not s["warmup"]]
-    median = {k: statistics.median(s[k] for s in timed) for k in PHASES}
+    median = {k: statistics.median(s[k] for s in timed) for k in PHASES
+              + ("offload_in_s", "offload_out_s") if all(k in s for s in timed)}
     return {"variant": variant, "remat": cfg.model.remat, "median": median, "steps": steps,
             "counters": counters, "compiled_memory": compiled_memory(cfg, vocab, variant, first_calls)}
 
@@ -241,6 +248,10 @@ def main(argv=None):
     parser.add_argument("--tokenizer", default="",
                         help="tokenizer dir (default: ../shared/tokenizers/qwen3 if present, "
                              "else the synthetic tiny tokenizer)")
+    parser.add_argument("--offload", action="store_true",
+                        help="optim.offload=True: the optimizer state in host memory outside the "
+                             "updates (update_s then includes its two transfers, also timed "
+                             "alone as offload_in_s / offload_out_s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="")
     parser.add_argument("--out", default="benchmarks/results/step_overhead.json")

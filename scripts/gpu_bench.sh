@@ -9,6 +9,7 @@
 #   bash scripts/gpu_bench.sh lmhead train       # kernels, MFU (#16)
 #   bash scripts/gpu_bench.sh step_dapo step_delta   # step_overhead at full defaults, per variant
 #   bash scripts/gpu_bench.sh step_delta-recompute   #   (one call each pair: ~4 min a variant)
+#   bash scripts/gpu_bench.sh step step_offload  # step's shape without / with optim.offload
 #   bash scripts/gpu_bench.sh train_full         # train_throughput at its defaults (#16)
 #   bash scripts/gpu_bench.sh train_auto         # MFU at 1.7B with model.remat=auto's pick (#16)
 #   bash scripts/gpu_bench.sh train_profile      # the 1.7B train step's device time by kernel (#16)
@@ -483,6 +484,12 @@ for s in "$@"; do
            # question is the shape's, and the full default sweep takes ~10 minutes)
       stage step 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
         ${TOK:+--tokenizer "$TOK"} --out "$OUT/step_overhead.json" ;;
+    step_offload)  # optim.offload: step's shape and variant with the optimizer state in host
+                   # memory outside the updates (update_s includes its two transfers, also
+                   # printed alone as offload_in_s / offload_out_s); run `step` in the same call
+                   # for the same shape without it
+      stage step_offload 230 python3 benchmarks/step_overhead.py --variants delta --steps 1 \
+        --offload ${TOK:+--tokenizer "$TOK"} --out "$OUT/step_overhead_offload.json" ;;
     step_dapo|step_delta|step_delta-recompute)  # issue 16: step_overhead at its full defaults
              # (3 timed steps after 1 warm-up), one variant a stage: all three take ~10 minutes,
              # more than one device call, so run them in separate calls

@@ -243,13 +243,19 @@ def rl_step(run: Run, state: TrainState, step: int,
     metrics.update(credit_report(run, prep))  # the synthetic task's ground-truth credit/*
 
     t0 = time.perf_counter()
-    state = optimizer_state_to(run, state, "device")  # optim.offload: in for the updates
+    offload = run.resting_shardings is not None
+    if offload:  # optim.offload: the optimizer state comes in for the updates
+        state = jax.block_until_ready(optimizer_state_to(run, state, "device"))
+        metrics["time/offload_in_s"] = time.perf_counter() - t0
     state, sums, updates = phases.update_policy(
         run.train_step, state, prep.batch, num_prompts=cfg.rollout.batch_prompts,
         group_size=cfg.rollout.group_size, mini_batch_prompts=cfg.rl.mini_batch_prompts,
         epochs=cfg.rl.epochs, seed=rollout_lib.step_seed(cfg.seed, step, _SHUFFLE_SALT))
-    state = optimizer_state_to(run, state, "host")    # and out again
     jax.block_until_ready(state)
+    if offload:  # and goes out again
+        t1 = time.perf_counter()
+        state = jax.block_until_ready(optimizer_state_to(run, state, "host"))
+        metrics["time/offload_out_s"] = time.perf_counter() - t1
     metrics["time/update_s"] = time.perf_counter() - t0
     for k, v in finish_metrics(sums, updates).items():
         metrics[("optim/" if k == "learning_rate" else "policy/") + k] = v
