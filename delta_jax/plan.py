@@ -392,11 +392,12 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     optimizer step / per forward-backward (0 = the mini-batch). feature_cache: the
     delta.feature_cache mode ("device" | "host" | "recompute") whose on-device features the
     old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
-    train.state.make_optimizer's: AdamW, through a float32 master copy of bfloat16 parameters). kl_reference: a KL term's frozen reference policy is resident
-    (rl.kl_coef > 0): a copy of the trainable parameters (all of them, or the LoRA adapters,
-    whose base it shares). optimizer_offload: the optimizer state rests in host memory outside
-    the update phase (optim.offload). target: the backend planned for, "" = the one this runs on
-    (TARGETS; it decides what model.attention="auto" runs). Nothing is allocated.
+    train.state.make_optimizer's: AdamW, through a float32 master copy of bfloat16 parameters).
+    kl_reference: a KL term's frozen reference policy is resident (rl.kl_coef > 0): a copy of
+    the trainable parameters (all of them, or the LoRA adapters, whose base it shares).
+    optimizer_offload: the optimizer state rests in host memory outside the update phase
+    (optim.offload). target: the backend planned for, "" = the one this runs on (TARGETS; it
+    decides what model.attention="auto" runs). Nothing is allocated.
     """
     import optax
     if feature_cache not in FEATURE_CACHE_MODES:
@@ -762,7 +763,8 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
         kv_budget_bytes=budget, kl_reference=cfg.rl.kl_coef > 0,
-        optimizer_offload=cfg.optim.offload, devices_per_host=min(n, 8), name=cfg.model.preset or cfg.model.path, target=target)
+        optimizer_offload=cfg.optim.offload, devices_per_host=min(n, 8),
+        name=cfg.model.preset or cfg.model.path, target=target)
 
 
 # The config fields that shrink each phase's planned peak (named by `check_fits`).

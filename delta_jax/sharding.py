@@ -227,7 +227,7 @@ def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, Any] = DEFAULT_RULES):
 
 def host_memory_kind_available(device=None) -> bool:
     """Whether `device` (default: the first local one) has a "pinned_host" memory space, where
-    arrays can rest off the accelerator (GPUs, TPUs and the CPU backend of jax >= 0.4.36)."""
+    arrays can rest off the accelerator (GPUs and TPUs have one, and so has jax 0.10's CPU)."""
     device = jax.local_devices()[0] if device is None else device
     try:
         return "pinned_host" in {m.kind for m in device.addressable_memories()}
