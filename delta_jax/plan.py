@@ -348,7 +348,9 @@ class MemoryPlan:
             f"  activations, remat full        {g(self.activations_remat_full)}  (estimate)",
             *([f"  activations, configured remat  {g(self.activations_configured)}  "
                f"(estimate; remat={s['remat']})"] if s["remat"] not in ("none", "full") else []),
-            f"  LM-head log-prob chunk         {g(self.logprob_chunk)}",
+            f"  LM-head log-prob chunk         {g(self.logprob_chunk)}"
+            + ("  (with the LM head gathered whole and its float32 gradient: fsdp)"
+               if s.get("lm_head_gathered") else ""),
             f"  rollout KV cache               {g(self.kv_cache)}",
             f"  rollout prefill                {g(self.prefill)}  (estimate: one layer's "
             f"forward)",
@@ -483,6 +485,16 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # tokens // rows, models.positions_per_chunk), their softmax and cotangent.
     lp_chunk = (m_rows * min(positions_per_chunk(logprob_chunk_tokens, micro), response_len)
                 * _div(V, tensor) * 4 * 3)
+    # With the LM head's hidden dimension split (fsdp over "embed"), its chunk loop runs on the
+    # weight gathered whole ([H, V / tensor] in the compute dtype; XLA's buffer assignment holds
+    # two such copies) and sums its gradient over the chunks whole in float32, reduce-scattered
+    # once after the loop: on a v5p's compile of Qwen3-1.7B's step over 4 / 8 chips, 1.16 GiB of
+    # float32 [2,048, 151,936] and 2 x 0.58 GiB of bf16 beside the chunk (BENCHMARKS.md); the
+    # old-policy pass holds one gathered copy.
+    head_split = sharding_lib.logical_to_spec(("embed", "vocab"), (H, V), mesh, rules)
+    lm_head_gathered = (H * _div(V, tensor) * (2 * a + 4)
+                        if len(head_split) and head_split[0] is not None else 0)
+    lm_head_peak = lp_chunk + lm_head_gathered
 
     # Rollout: the sampler's KV page pool (sampling.plan_kv: sampler_rows slots split over the
     # batch shards, each shard's pages sized for its own slots, worst case or the budget per
@@ -524,6 +536,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     o_rows = rows_per_device(o_global)
     lp_old = (o_rows * min(positions_per_chunk(logprob_chunk_tokens, o_global), response_len)
               * _div(V, tensor) * 4 * 2)
+    if lm_head_gathered:  # the forward's chunk loop on the LM head gathered whole (update's)
+        lp_old += H * _div(V, tensor) * a
 
     def old_pass_bytes(o_layer):  # one layer's forward at a time, or an LM-head chunk
         return max(forward_layer_peak(o_layer), lp_old)
@@ -552,7 +566,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         phases = {
             "rollout": resident + kv + decode_copy + max(prefill, s_rows * V * 4),
             "old-policy pass + DelTA": resident + old_pass + features_on_device[feature_cache],
-            "update": in_update + grad_bytes + act[0] + max(act[1], lp_chunk),
+            "update": in_update + grad_bytes + act[0] + max(act[1], lm_head_peak),
         }
         base = resident + old_pass
         fits = {m: base + features_on_device[m] <= mem and (host_ok or m != "host")
@@ -576,7 +590,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
-        "optimizer_offload": bool(optimizer_offload),
+        "optimizer_offload": bool(optimizer_offload), "lm_head_gathered": lm_head_gathered,
         "lora": model_cfg.lora_rank > 0,
         "attention": model_cfg.attention, "attention_train": layer["attention"],
         "attention_prefill": prefill_kind, "attention_backend": target or jax.default_backend(),
@@ -584,7 +598,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
                       optimizer=opt_bytes, activations_remat_none=act_none,
                       activations_remat_full=act_full, activations_configured=act_cfg,
-                      logprob_chunk=lp_chunk, kv_cache=kv, prefill=prefill,
+                      logprob_chunk=lm_head_peak, kv_cache=kv, prefill=prefill,
                       old_pass_activations=old_pass, features_device=f_device,
                       features_host_chunk=f_host_chunk, features_host_ram=f_host_ram,
                       features_recompute=f_recompute, phases=phases,

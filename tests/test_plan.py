@@ -98,6 +98,16 @@ def test_figures_follow_the_shapes():
     # heads over tensor=4; a page holds K and V of 32 tokens of every layer.
     pages = 1 + (256 // 8) * (2048 // 32 + 20480 // 32 + 1) + 2048 // 32
     assert p.kv_cache == pages * 2 * L * (8 // 4) * 32 * D * 2
+    # LM head: a micro-batch row a device (8 rows over 8 batch shards) x 512 positions a chunk
+    # (4,096 tokens / 8 rows) x V / tensor float32 logits, three such; and, its hidden dimension
+    # split over fsdp, the head gathered whole: two bf16 copies and a float32 gradient sum.
+    V = 151936
+    assert p.logprob_chunk == 1 * 512 * (V // 4) * 4 * 3 + H * (V // 4) * (2 * 2 + 4)
+    one = plan.plan_memory(mc, mesh_shape=(1, 1, 4), device_memory_gb=95.0, rollout_rows=2048,
+                           prompt_len=2048, response_len=20480, sampler_rows=256, group_size=16,
+                           mini_batch_rows=512, micro_batch_rows=8, logprob_chunk_tokens=4096,
+                           recompute_chunk=64)
+    assert one.logprob_chunk == 8 * 512 * (V // 4) * 4 * 3  # nothing gathered without fsdp
     # Device feature cache: 2048 rows over 8 batch shards x 20480 tokens x H, bf16.
     assert p.features_device == (2048 // 8) * 20480 * H * 2
     assert p.features_host_chunk == (64 // 8) * 20480 * H * 2
