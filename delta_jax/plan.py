@@ -693,16 +693,25 @@ def _config_mesh_shape(cfg, mesh_shape=None) -> tuple[int, int, int]:
 # measured faster than dots_with_no_batch_dims_saveable.
 AUTO_REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "full")
 AUTO_REMAT_ORDER_CUDA = ("dots_with_no_batch_dims_saveable", "full")
+# On a TPU "none" is left out for another reason: there the plan under-counts it by more than
+# AUTO_REMAT_FILL's margin. Compiled for a v5p chip without one (BENCHMARKS.md, 2026-11-28), the
+# Qwen3-1.7B step (8 x 4,096 tokens, micro-batch 2) is planned at 0.81-0.82 of the compiled peak
+# without remat (the TPU keeps some of the layer residuals in float32), at 0.86-0.88 with
+# dots_with_no_batch_dims_saveable and 0.95-0.98 with full remat: a "none" planned at 0.85 of the
+# chip's memory would need ~1.04 of it. Which policy runs fastest on a TPU is not measured.
+AUTO_REMAT_ORDER_TPU = AUTO_REMAT_ORDER_CUDA
 
 
 def auto_remat_order(target: str = "") -> tuple[str, ...]:
     """The policies model.remat="auto" tries, in order, for the `target` backend (plan.target;
-    "" = the one this runs on): AUTO_REMAT_ORDER_CUDA on an NVIDIA GPU, else AUTO_REMAT_ORDER."""
+    "" = the one this runs on): AUTO_REMAT_ORDER_CUDA on an NVIDIA GPU, AUTO_REMAT_ORDER_TPU on a
+    TPU, else AUTO_REMAT_ORDER."""
     from delta_jax.models import attention
     cuda = _target_cuda(target)
     if cuda is None:
         cuda = attention._cuda_backend()
-    return AUTO_REMAT_ORDER_CUDA if cuda else AUTO_REMAT_ORDER
+    tpu = target == "tpu" or (not target and jax.default_backend() == "tpu")
+    return AUTO_REMAT_ORDER_CUDA if cuda else AUTO_REMAT_ORDER_TPU if tpu else AUTO_REMAT_ORDER
 
 
 # The fraction of the device memory the planned update phase may fill for a policy to be chosen:

@@ -832,6 +832,25 @@ def test_choose_remat_on_cuda_starts_from_dots_with_no_batch_dims_saveable(monke
     assert plan.choose_remat(cfg, 1e15, mesh_shape=(1, 1, 1))[0] == dots
 
 
+def test_choose_remat_on_a_tpu_leaves_out_none(monkeypatch):
+    """On a TPU model.remat=auto never tries "none" (the plan under-counts it there by more than
+    AUTO_REMAT_FILL's margin, plan.AUTO_REMAT_ORDER_TPU): with room for everything it picks
+    dots_with_no_batch_dims_saveable; for plan.target "tpu" from this CPU, and for "" where the
+    backend is a TPU."""
+    from delta_jax.models import attention
+    from tests.rl_fixtures import tiny_rl_config
+    cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
+    dots = "dots_with_no_batch_dims_saveable"
+    assert plan.auto_remat_order("tpu") == (dots, "full")
+    got, tried = plan.choose_remat(cfg, 1e15, mesh_shape=(1, 1, 1), target="tpu")
+    assert got == dots and list(tried) == [dots]
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert plan.auto_remat_order("") == (dots, "full")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert plan.auto_remat_order("")[0] == "none"
+
+
 # ----------------------------------------------------------------------------- an H100's compile
 
 def test_prefill_cap_is_the_samplers():
