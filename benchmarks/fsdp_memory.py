@@ -48,10 +48,7 @@ def measure(preset: str, fsdp: int, remat: str, seq: int, response_len: int,
     graphdef, params, rest = state_lib.split_model(
         nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
     optimizer = state_lib.make_optimizer(lambda _: 1e-6)
-    state = jax.eval_shape(lambda p: state_lib.init_train_state(p, optimizer), params)
-    shardings = sharding.tree_shardings(state, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         state, shardings)
+    state, shardings = state_lib.abstract_train_state(params, optimizer, mesh)
     rows, micro = 4 * fsdp, 2 * fsdp
 
     def rows_of(shape, dtype):

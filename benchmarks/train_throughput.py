@@ -249,12 +249,13 @@ class StepPrograms:
         def forward(params, batch):
             return jax.lax.map(lambda mb: loss(params, mb), _split_micro(batch, micro_batch)).mean()
 
-        def fwd_bwd(params, batch):  # gradients of the trainable parameters (all, or LoRA's)
-            def body(grads, mb):
+        def fwd_bwd(params, batch):  # gradients of the trainable parameters (all, or LoRA's),
+            def body(grads, mb):     # summed in float32 as the trainer's step sums them
                 (value, _), g = state_lib.trainable_value_and_grad(
                     lambda p, m: (loss(p, m), None), params, mb)
-                return jax.tree.map(jnp.add, grads, g), value
-            zeros = jax.tree.map(jnp.zeros_like, state_lib.split_trainable(params)[0])
+                return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), value
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                                 state_lib.split_trainable(params)[0])
             grads, values = jax.lax.scan(body, zeros, _split_micro(batch, micro_batch))
             return values.mean(), grads
 

@@ -160,10 +160,7 @@ def _fsdp_collectives(rows: int, micro: int, seq: int) -> set:
     graphdef, params, rest = state_lib.split_model(
         nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))))
     optimizer = state_lib.make_optimizer(lambda _: 1e-6)
-    state = jax.eval_shape(lambda p: state_lib.init_train_state(p, optimizer), params)
-    shardings = sharding.tree_shardings(state, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         state, shardings)
+    state, shardings = state_lib.abstract_train_state(params, optimizer, mesh)
     step = make_train_step(graphdef, rest, optimizer, make_loss_fn(resolve_method(
         default_config())), temperature=1.0, chunk_size=4096, micro_batch_size=micro,
         mesh=mesh, state_shardings=shardings)

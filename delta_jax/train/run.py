@@ -21,7 +21,7 @@ from delta_jax.train import config as config_lib
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.metrics import MetricsWriter, to_scalars
-from delta_jax.train.state import (TrainState, init_train_state, merge_trainable,
+from delta_jax.train.state import (TrainState, abstract_train_state, merge_trainable,
                                    optimizer_from_config, split_model, split_trainable)
 from delta_jax.train.step import make_train_step
 
@@ -266,8 +266,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         check_memory_plan(cfg, model.cfg, mesh)
     graphdef, params, rest = split_model(model)
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
-    state_shardings = sharding_lib.tree_shardings(
-        jax.eval_shape(lambda p: init_train_state(p, optimizer), params), mesh)
+    state_shardings = abstract_train_state(params, optimizer, mesh)[1]
     resting_shardings = None
     if cfg.optim.offload:
         if not sharding_lib.host_memory_kind_available():

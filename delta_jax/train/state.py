@@ -181,3 +181,14 @@ def split_model(model: nnx.Module):
 def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(split_trainable(params)[0]))
+
+
+def abstract_train_state(params, optimizer: optax.GradientTransformation, mesh):
+    """(the TrainState init_train_state(params, optimizer) builds, as ShapeDtypeStructs placed on
+    `mesh` by the rules table; those NamedShardings): nothing is allocated. `params` may be
+    abstract (jax.eval_shape / nnx.eval_shape)."""
+    from delta_jax import sharding
+    state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
+    shardings = sharding.tree_shardings(state, mesh)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings), shardings
