@@ -145,14 +145,15 @@ def test_rows_over_batch_constrains_only_inside_with_several_batch_shards():
 
 
 def _fsdp_collectives(rows: int, micro: int, seq: int) -> set:
-    """{(op, result shape)} of the collectives in the trainer's train step and old-policy pass
-    of the tiny model (full remat) over a 4-device fsdp mesh, rows of `seq` tokens in
-    micro-batches of `micro`, compiled from abstract shapes."""
+    """{(op, result shape)} of the collectives in the trainer's train step, old-policy pass and
+    SFT step of the tiny model (full remat) over a 4-device fsdp mesh, rows of `seq` tokens
+    (the train step's in micro-batches of `micro`), compiled from abstract shapes."""
     from jax.sharding import Mesh
     from delta_jax.train import state as state_lib
     from delta_jax.train.config import default_config, resolve_method
     from delta_jax.train.features import make_old_policy_pass
     from delta_jax.train.run import make_loss_fn
+    from delta_jax.train.sft import make_sft_step
     from delta_jax.train.step import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
@@ -174,9 +175,14 @@ def _fsdp_collectives(rows: int, micro: int, seq: int) -> set:
              **{k: rows_of((rows, response), jnp.float32)
                 for k in ("old_logp", "response_mask", "token_weights")}}
     old_pass = make_old_policy_pass(graphdef, rest, temperature=1.0, chunk_size=4096, mesh=mesh)
+    sft_step = make_sft_step(graphdef, rest, optimizer, chunk_size=4096, mesh=mesh,
+                             state_shardings=shardings)
+    sft_batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                 "loss_mask": rows_of((rows, seq), jnp.float32)}
     texts = [step.lower(state, batch).compile().as_text(),
              old_pass.lower(state.params, batch["input_ids"], batch["attention_mask"],
-                            response).compile().as_text()]
+                            response).compile().as_text(),
+             sft_step.lower(state, sft_batch).compile().as_text()]
     ops = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
     return {(m.group(2), m.group(1)) for text in texts
             for m in re.finditer(rf"= (\w+\[[\d,]*\])\S* ({ops})(?:-start)?\(", text)}
@@ -184,8 +190,8 @@ def _fsdp_collectives(rows: int, micro: int, seq: int) -> set:
 
 @pytest.mark.devices(4)
 def test_fsdp_passes_gather_weights_not_activations(monkeypatch):
-    """Over a 4-device fsdp mesh the train step and the old-policy pass keep each row's
-    activations on its device and gather the layers' weights (FSDP): no collective moves a
+    """Over a 4-device fsdp mesh the train step, the old-policy pass and the SFT step keep each
+    row's activations on its device and gather the layers' weights (FSDP): no collective moves a
     [micro-batch rows, seq, ...] activation. Without sharding.rows_over_batch's constraints
     (constrain_rows made the identity) XLA's partitioner moves activations instead, which
     the same check sees."""

@@ -13,9 +13,9 @@ import os
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from delta_jax import models
+from delta_jax import sharding as sharding_lib
 from delta_jax.errors import naming
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
@@ -24,7 +24,7 @@ from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
 from delta_jax.train.run import (Run, build_run, place_state, reference_part,
                                  restore_reference, save_reference)
-from delta_jax.train.state import TrainState, init_train_state
+from delta_jax.train.state import TrainState, abstract_train_state, init_train_state
 
 log = logging.getLogger("delta_jax.train")
 
@@ -58,15 +58,20 @@ def run_sft(run: Run, params, log_every: int = 10,
     optimizer = make_optimizer(schedule, weight_decay=cfg.sft.weight_decay,
                                max_grad_norm=cfg.optim.max_grad_norm,
                                master_weights=cfg.optim.master_weights)
+    shardings = (None if run.mesh is None
+                 else abstract_train_state(params, optimizer, run.mesh)[1])
     step_fn = sft_lib.make_sft_step(run.graphdef, run.rest, optimizer, schedule,
                                     chunk_size=cfg.model.logprob_chunk_tokens,
-                                    logprob_impl=cfg.model.logprob_impl)
+                                    logprob_impl=cfg.model.logprob_impl, mesh=run.mesh,
+                                    state_shardings=shardings)
     state = init_train_state(params, optimizer)
+    if shardings is not None:
+        state = sharding_lib.shard_tree(state, shardings)
     bar = _progress(cfg, cfg.sft.steps, "sft")
     stopped = False
     for step in range(1, cfg.sft.steps + 1):
         batch = sft_lib.sft_batch(examples, cfg.sft.batch_size, cfg.seed, step)
-        state, m = step_fn(state, jax.tree.map(jnp.asarray, batch))
+        state, m = step_fn(state, sharding_lib.put_batch(batch, run.mesh))
         if step % log_every == 0 or step == cfg.sft.steps:
             scalars = run.writer.write(step, jax.device_get(m))
             _bar_update(bar, step, f"sft loss {scalars['sft/loss']:.3f}")

@@ -92,14 +92,22 @@ def sft_loss(model, batch, chunk_size: int = 256, logprob_impl: str = "chunked")
 
 def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
                   schedule: optax.Schedule | None = None, chunk_size: int = 256,
-                  logprob_impl: str = "chunked"):
-    """Jitted sft_step(state, batch) -> (state, metrics), state donated; non-finite skipped."""
+                  logprob_impl: str = "chunked", mesh=None, state_shardings=None):
+    """Jitted sft_step(state, batch) -> (state, metrics), state donated; non-finite skipped.
+    mesh / state_shardings (as train.step.make_train_step's): the batch's rows and the model's
+    residual stream stay over the batch axes (sharding.rows_over_batch: an fsdp-sharded layer's
+    weights are gathered, not the activations), and the new state keeps `state_shardings`."""
+    from delta_jax import sharding as sharding_lib
 
     def loss_fn(params, batch):
-        return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size, logprob_impl)
+        with sharding_lib.rows_over_batch(mesh):
+            return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size, logprob_impl)
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
+    out_shardings = None if state_shardings is None else (state_shardings, None)
+
+    @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=out_shardings)
     def sft_step(state: TrainState, batch):
+        batch = sharding_lib.constrain_batch(batch, mesh)
         (loss, count), grads = trainable_value_and_grad(loss_fn, state.params, batch)
         grad_norm = optax.tree.norm(grads)
         new_state, finite = apply_if_finite(state, grads, optimizer, loss=loss,
