@@ -56,6 +56,8 @@ from delta_jax import xla_env
 from delta_jax.models import REMAT_POLICIES
 
 PHASES = ("rollout_s", "reward_s", "old_policy_s", "delta_s", "update_s", "step_s")
+# --offload: the optimizer state's two transfers (rl_step's time/offload_in_s, _out_s)
+OFFLOAD = ("offload_in_s", "offload_out_s")
 MISMATCH = ("mismatch_k3", "sampler_logp_abs_diff_mean", "sampler_logp_abs_diff_max",
             "is_beyond_cap_fraction")
 VARIANTS = ("dapo", "delta", "delta-recompute")
@@ -171,7 +173,7 @@ def run_variant(args, variant: str, workdir: str) -> dict:
             state, metrics = out.state, out.metrics
             del out
             row = {k: float(metrics[f"time/{k}"]) for k in PHASES}
-            for k in ("offload_in_s", "offload_out_s"):  # --offload: the state's transfers
+            for k in OFFLOAD:
                 if f"time/{k}" in metrics:
                     row[k] = float(metrics[f"time/{k}"])
             row["warmup"] = step < args.warmup_steps
@@ -187,14 +189,13 @@ def run_variant(args, variant: str, workdir: str) -> dict:
             print(f"  {variant} step {step}{' (warm-up)' if row['warmup'] else ''}: "
                   + " ".join(f"{k}={row[k]:.3f}" for k in PHASES)
                   + " " + " ".join(f"{k}={row[k]:.3g}" for k in MISMATCH)
-                  + "".join(f" {k}={row[k]:.3f}" for k in ("offload_in_s", "offload_out_s")
-                            if k in row), flush=True)
+                  + "".join(f" {k}={row[k]:.3f}" for k in OFFLOAD if k in row), flush=True)
         jax.block_until_ready(state.params)
     finally:
         run.close()
     timed = [s for s in steps if not s["warmup"]]
-    median = {k: statistics.median(s[k] for s in timed) for k in PHASES
-              + ("offload_in_s", "offload_out_s") if all(k in s for s in timed)}
+    median = {k: statistics.median(s[k] for s in timed) for k in PHASES + OFFLOAD
+              if all(k in s for s in timed)}
     return {"variant": variant, "remat": cfg.model.remat, "median": median, "steps": steps,
             "counters": counters, "compiled_memory": compiled_memory(cfg, vocab, variant, first_calls)}
 

@@ -92,7 +92,7 @@ from delta_jax.train import state as state_lib
 from delta_jax.train.config import CHOICES, default_config, lora_targets, resolve_method
 from delta_jax.train.features import response_forward
 from delta_jax.train.run import make_loss_fn
-from delta_jax.train.step import _split_micro, make_train_step
+from delta_jax.train.step import _split_micro, add_grads, make_train_step, zero_grad_sum
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's data sheets.
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
@@ -253,10 +253,9 @@ class StepPrograms:
             def body(grads, mb):     # summed in float32 as the trainer's step sums them
                 (value, _), g = state_lib.trainable_value_and_grad(
                     lambda p, m: (loss(p, m), None), params, mb)
-                return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), value
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                                 state_lib.split_trainable(params)[0])
-            grads, values = jax.lax.scan(body, zeros, _split_micro(batch, micro_batch))
+                return add_grads(grads, g), value
+            grads, values = jax.lax.scan(body, zero_grad_sum(params),
+                                         _split_micro(batch, micro_batch))
             return values.mean(), grads
 
         self.forward = jax.jit(forward)

@@ -111,12 +111,12 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
     """`inner` applied to a float32 master copy of lower-precision (bfloat16) parameters.
 
     A bfloat16 parameter keeps 8 significant bits: an update below half its spacing (2^-9 to
-    2^-8 of its magnitude) rounds away. The paper's recipe (lr 1e-6, AdamW updates of ~lr) on Qwen3 weights
-    of magnitude ~0.02 moves a bfloat16 weight only if it is below ~5e-4 in magnitude: updated
-    in bfloat16, about 98% of the weights and every norm scale never change. Here the
-    optimizer's state holds the parameters in float32 (`master`, 4 bytes a parameter) and the
-    wrapped optimizer's state follows it (AdamW's moments in float32); the gradients are taken
-    to float32 first. The update moves `master` and returns, for each parameter, the step from
+    2^-8 of its magnitude) rounds away. The paper's recipe (lr 1e-6, AdamW updates of ~lr) on
+    Qwen3 weights of magnitude ~0.02 moves a bfloat16 weight only if it is below ~5e-4 in
+    magnitude: updated in bfloat16, about 98% of the weights and every norm scale never change.
+    Here the optimizer's state holds the parameters in float32 (`master`, 4 bytes a parameter)
+    and the wrapped optimizer's state follows it (AdamW's moments in float32); the gradients are
+    taken to float32 first. The update moves `master` and returns, for each parameter, the step from
     its current value to `master` rounded to the parameter's dtype (in float32, where that
     difference of two bfloat16 numbers is exact), so optax.apply_updates leaves every parameter
     equal to its master copy rounded. The forward, the sampler and every pass read the

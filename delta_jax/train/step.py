@@ -1,10 +1,11 @@
 """The pure, jitted policy-update step: (TrainState, mini-batch) -> (TrainState, metrics).
 
 The mini-batch is split into micro-batches scanned with lax.scan; each contributes the gradient of
-its loss SUM, summed in float32, and the sum of gradients is divided by the mini-batch's total
-denominator, so the result is exactly the gradient of the global (sum / denominator) loss. A non-finite loss or
-gradient norm leaves parameters and optimizer state unchanged (state.apply_if_finite) and is
-reported in metrics["skipped"]; the caller counts consecutive skips.
+its loss SUM, summed in float32 (zero_grad_sum, add_grads), and the sum of gradients is divided
+by the mini-batch's total denominator, so the result is exactly the gradient of the global
+(sum / denominator) loss. A non-finite loss or gradient norm leaves parameters and optimizer
+state unchanged (state.apply_if_finite) and is reported in metrics["skipped"]; the caller counts
+consecutive skips.
 
 Mini-batch arrays (N rows, T = P + R tokens):
   input_ids int32 [N, T], attention_mask int32 [N, T], response_mask fp32 [N, R],
@@ -37,6 +38,19 @@ def _split_micro(batch, micro):
     if n % micro:
         raise ValueError(f"rl.micro_batch_size={micro} does not divide the mini-batch of {n} rows")
     return jax.tree.map(lambda x: x.reshape((n // micro, micro) + x.shape[1:]), batch)
+
+
+def zero_grad_sum(params):
+    """The float32 zeros micro-batch gradients of the trainable part of `params` are summed into
+    (whatever the parameters' dtype: a bfloat16 sum of many micro-batches would round each
+    addition to 8 significant bits)."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                        state_lib.split_trainable(params)[0])
+
+
+def add_grads(total, grads):
+    """`total` (zero_grad_sum's) plus one micro-batch's gradients, in float32."""
+    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, grads)
 
 
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
@@ -84,14 +98,10 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
         def body(carry, mb):
             grads, loss_sum, denom, msum = carry
             (l, (d, m)), g = grad_fn(state.params, mb)
-            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g),
-                    loss_sum + l, denom + d, jax.tree.map(jnp.add, msum, m)), None
+            return (add_grads(grads, g), loss_sum + l, denom + d,
+                    jax.tree.map(jnp.add, msum, m)), None
 
-        # Micro-batch gradients are summed in float32 whatever the parameters' dtype: a
-        # bfloat16 sum of many micro-batches would round each addition to 8 significant bits.
-        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                             state_lib.split_trainable(state.params)[0]),
-                zeros(l_shape), zeros(d_shape), zeros(m_shape))
+        init = (zero_grad_sum(state.params), zeros(l_shape), zeros(d_shape), zeros(m_shape))
         (grads, loss_sum, denom, msum), _ = jax.lax.scan(body, init, micro)
 
         safe_denom = jnp.maximum(denom, 1e-8)
