@@ -75,7 +75,7 @@ def target_config(target: str, cudnn: str, cuda: str,
 
     Its memory is stated as the card's x memory_fraction / 0.8. XLA:GPU's scheduler and
     rematerialisation keep a program's temporaries under a limit: 95% of (the allocator limit
-    JAX passes when it compiles for a device, XLA_PYTHON_CLIENT_MEM_FRACTION x the card's memory,
+    JAX passes when it compiles for a device, XLA_CLIENT_MEM_FRACTION x the card's memory,
     less the program's arguments and outputs). A compile-only device has no allocator, and XLA
     then takes 80% of the described memory as that base; so described this way the base is the
     allocator limit of a run at memory_fraction (gpu_bench.sh runs at 0.95 of an 80 GB card)."""
@@ -256,7 +256,7 @@ def parse_args(argv=None):
     p.add_argument("--cuda", default=CUDA_VERSION, help="the CUDA runtime version XLA is told")
     p.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
                    help="the allocator's share of the card that XLA plans temporaries against "
-                        "(XLA_PYTHON_CLIENT_MEM_FRACTION of the run emulated)")
+                        "(XLA_CLIENT_MEM_FRACTION of the run emulated)")
     p.add_argument("--preset", default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--num-layers", type=int, default=0,

@@ -46,7 +46,13 @@ The "old-policy pass + DelTA" phase peak counts the feature cache the config cho
 (delta.feature_cache): "device" keeps every row's features on the device, "host" moves them to host
 memory chunk by chunk and brings back one recompute_chunk at a time, "recompute" holds one
 recompute chunk's hidden states plus the trunk pass that recomputes them. The "fits" line below
-the phases compares all three modes.
+the phases compares all three modes. A run that evaluates (data.eval) has an "eval" phase too:
+the rollout's, with the sampler's page pool sized for eval.max_new_tokens.
+
+Plan mode judges each phase against what XLA's allocator may use on the planned device
+(planned_capacity_bytes: plan.device_memory_gb x allocator_fraction, 0.75 on a CUDA GPU unless the
+environment or plan.memory_fraction says otherwise), the limit a run there is checked against at
+start-up (device_memory_bytes), so that what plan mode accepts, the run accepts.
 
 Attention follows model.attention (delta_jax/models/attention.py): "xla" materialises the
 [rows, heads, T, S] float32 scores per layer, a quadratic term that dominates at long contexts;
@@ -59,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Mapping, Optional
 
 import jax
@@ -128,6 +135,44 @@ def _target_cuda(target: str) -> Optional[bool]:
     if target not in TARGETS:
         raise ValueError(f"plan.target must be one of {TARGETS}, got {target!r}")
     return None if not target else target == "cuda"
+
+
+# What XLA's allocator may use of a device's memory where the user sets nothing: on a CUDA GPU
+# jax caps its pool at 0.75 of the memory unless the environment says otherwise (jax 0.10 / 0.11
+# read XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION, and refuse both
+# at once); a TPU's and the CPU's allocators are given the whole memory.
+DEFAULT_MEM_FRACTION_CUDA = 0.75
+MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def allocator_fraction(target: str = "", fraction: float = 0.0,
+                       env: Optional[Mapping[str, str]] = None) -> tuple[float, str]:
+    """The fraction of a device's memory XLA's allocator may use on the `target` backend
+    (plan.target; "" = this one), and where it comes from: `fraction` when > 0
+    (plan.memory_fraction); on a CUDA GPU the environment's MEM_FRACTION_ENV (env: default
+    os.environ), as jax reads it, else DEFAULT_MEM_FRACTION_CUDA; elsewhere 1."""
+    if fraction > 0:
+        return float(fraction), "plan.memory_fraction"
+    cuda = _target_cuda(target)
+    if cuda is None:
+        from delta_jax.models import attention
+        cuda = attention._cuda_backend()
+    if not cuda:
+        return 1.0, "the whole memory off CUDA GPUs"
+    env = os.environ if env is None else env
+    for name in MEM_FRACTION_ENV:
+        if env.get(name, "").strip():
+            try:
+                return float(env[name]), name
+            except ValueError:
+                raise ValueError(f"{name}={env[name]!r} is not a number") from None
+    return DEFAULT_MEM_FRACTION_CUDA, f"jax's default on CUDA GPUs; {MEM_FRACTION_ENV[0]} sets it"
+
+
+def planned_capacity_bytes(cfg, target: str = "") -> float:
+    """What plan mode plans a device's phases against: plan.device_memory_gb x the allocator
+    fraction of `target` (allocator_fraction, with plan.memory_fraction)."""
+    return cfg.plan.device_memory_gb * GB * allocator_fraction(target, cfg.plan.memory_fraction)[0]
 
 
 def attention_kind(mc: models.ModelConfig, seq: int, target: str = "") -> str:
@@ -313,6 +358,8 @@ class MemoryPlan:
     recommended_feature_cache_flash: str = ""
     # The decode program's copy of the layer weights (see plan_memory's rollout phase).
     decode_weight_copy: int = 0
+    # The sampler's KV page pool during evaluation (eval_response_len tokens; 0: not planned).
+    eval_kv_cache: int = 0
     # rl.kl_coef > 0: the frozen reference policy's own copy (train.run.reference_part).
     kl_reference: int = 0
 
@@ -323,7 +370,10 @@ class MemoryPlan:
             f"memory plan: {s['model']} ({s['num_params'] / 1e9:.2f} B params, "
             f"{s['param_dtype']} params, {s['dtype']} activations)",
             f"  mesh data={s['mesh'][0]} fsdp={s['mesh'][1]} tensor={s['mesh'][2]} "
-            f"({s['num_devices']} devices of {s['device_memory_gb']:g} GB)",
+            f"({s['num_devices']} devices of {s['device_memory_gb']:g} GB"
+            + (f"; the allocator may use {s['memory_fraction']:g} of it: "
+               f"{s['capacity_bytes'] / GB:.2f} GB ({s['memory_fraction_source']})"
+               if s.get("memory_fraction", 1.0) != 1.0 else "") + ")",
             f"  rollout {s['rollout_rows']} rows x (prompt {s['prompt_len']} + response "
             f"{s['response_len']}), sampler slots {s['sampler_rows']} (KV pages of "
             f"{s['page_size']} tokens); update micro-batch {s['micro_rows']} rows; "
@@ -331,7 +381,7 @@ class MemoryPlan:
             *([f"  remat=auto -> {s['remat']} (planned update per device: "
                + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in s["remat_auto"].items())
                + f"; the first of {', '.join(s['remat_auto_order'])} within {AUTO_REMAT_FILL:g} x "
-               f"{s['device_memory_gb']:g} GB)"] if s.get("remat_auto") else []),
+               f"{s['capacity_bytes'] / GB:.2f} GB)"] if s.get("remat_auto") else []),
             f"  attention={s['attention']} (update / old-policy pass: {s['attention_train']}, "
             f"rollout prefill: {s['attention_prefill']}; as resolved on the "
             f"{s.get('attention_backend', '?')} backend, blockwise standing for cudnn too)",
@@ -352,6 +402,8 @@ class MemoryPlan:
             + ("  (with the LM head gathered whole and its float32 gradient: fsdp)"
                if s.get("lm_head_gathered") else ""),
             f"  rollout KV cache               {g(self.kv_cache)}",
+            *([f"  eval KV cache                  {g(self.eval_kv_cache)}  "
+               f"(eval.max_new_tokens={s['eval_response_len']})"] if self.eval_kv_cache else []),
             f"  rollout prefill                {g(self.prefill)}  (estimate: one layer's "
             f"forward)",
             f"  rollout decode weight copy     {g(self.decode_weight_copy)}",
@@ -363,7 +415,7 @@ class MemoryPlan:
             f"(+ {s['num_refine'] + 3} trunk passes per step)",
             f"phase peaks per device (delta.feature_cache={s['feature_cache']}):",
         ]
-        mem = s["device_memory_gb"] * GB
+        mem = s["capacity_bytes"]
         for name, value in self.phases.items():
             flash = self.phases_flash[name]
             lines.append(f"  {name:30s} {g(value)}  {'fits' if value <= mem else 'DOES NOT FIT'}"
@@ -378,13 +430,16 @@ class MemoryPlan:
 
 
 def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, int],
-                device_memory_gb: float, rollout_rows: int, prompt_len: int, response_len: int,
+                device_memory_gb: float, memory_fraction: float = 1.0,
+                memory_fraction_source: str = "",
+                rollout_rows: int, prompt_len: int, response_len: int,
                 sampler_rows: int, group_size: int, mini_batch_rows: int, micro_batch_rows: int,
                 logprob_chunk_tokens: int, recompute_chunk: int, num_refine: int = 1,
                 feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8, kl_reference: bool = False,
-                optimizer_offload: bool = False,
+                optimizer_offload: bool = False, eval_response_len: int = 0,
+                eval_group_size: int = 0,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
@@ -399,7 +454,11 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     the trainable parameters (all of them, or the LoRA adapters, whose base it shares).
     optimizer_offload: the optimizer state rests in host memory outside the update phase
     (optim.offload). target: the backend planned for, "" = the one this runs on (TARGETS; it
-    decides what model.attention="auto" runs). Nothing is allocated.
+    decides what model.attention="auto" runs). A phase fits when its peak is within
+    device_memory_gb x memory_fraction (what the allocator may use: allocator_fraction;
+    memory_fraction_source says where that came from, for the text). eval_response_len > 0 adds
+    an "eval" phase: the rollout's with the sampler's pool sized for that many new tokens and
+    eval_group_size samples a prompt (default group_size). Nothing is allocated.
     """
     import optax
     if feature_cache not in FEATURE_CACHE_MODES:
@@ -504,11 +563,18 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     batch_shards = sharding_lib.axes_size(mesh, sharding_lib._as_tuple(rules.get("batch")))
     slots = (bucket_size(sampler_rows, 1, batch_shards) if sampler_rows % batch_shards
              else sampler_rows)
-    pool = plan_kv(model_cfg, slots=slots, shards=batch_shards,
-                   prompt_len=prompt_len, max_new_tokens=response_len, page_size=page_size,
-                   kv_budget_bytes=kv_budget_bytes)
     kv_split = tensor if model_cfg.num_kv_heads % tensor == 0 else 1
-    kv = pool.shard_bytes // kv_split
+
+    def kv_bytes(new_tokens):
+        pool = plan_kv(model_cfg, slots=slots, shards=batch_shards, prompt_len=prompt_len,
+                       max_new_tokens=new_tokens, page_size=page_size,
+                       kv_budget_bytes=kv_budget_bytes)
+        return pool.shard_bytes // kv_split
+
+    kv = kv_bytes(response_len)
+    # Evaluation runs the same sampler (same slots, prompts and budget) for eval_response_len
+    # tokens, eval_group_size samples a prompt, its pool sized for those.
+    kv_eval = kv_bytes(eval_response_len) if eval_response_len else 0
     # Decode takes each layer's weights as arrays of their own in the compute dtype
     # (sampling.programs.decode_layers): a copy of every layer's matmul weights, made once per
     # generate() and held until it returns, beside the prefill and the decode programs alike.
@@ -522,14 +588,15 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # layer's forward at a time (forward_layer_peak, as the old-policy pass); each layer writes
     # its keys and values into the pages as it computes them (Transformer.prefill_paged).
     P = bucket_size(max(1, prompt_len - 1), 16)
-    p_rows = prefill_rows_per_shard(slots, group_size, P, batch_shards)
 
-    def prefill_bytes(impl):
+    def prefill_bytes(impl, group=group_size):
+        p_rows = prefill_rows_per_shard(slots, group, P, batch_shards)
         return forward_layer_peak(
             _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False))
 
     prefill_kind = attention_kind(model_cfg, P, target)
     prefill = prefill_bytes(_resolved_attention(model_cfg, P, target))
+    eval_group = eval_group_size or group_size
 
     # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
     o_global = min(rollout_rows, sampler_rows)
@@ -559,34 +626,41 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # where it rests in host memory otherwise (optimizer_offload).
     resident = param_bytes + ref_bytes + (0 if optimizer_offload else opt_bytes)
     in_update = resident + (opt_bytes if optimizer_offload else 0)
-    mem = device_memory_gb * GB
+    mem = device_memory_gb * memory_fraction * GB
     host_ok = host_memory_gb <= 0 or f_host_ram * devices_per_host <= host_memory_gb * GB
 
-    def peaks(prefill, old_pass, act):
+    def peaks(prefill, old_pass, act, eval_prefill):
         phases = {
             "rollout": resident + kv + decode_copy + max(prefill, s_rows * V * 4),
             "old-policy pass + DelTA": resident + old_pass + features_on_device[feature_cache],
             "update": in_update + grad_bytes + act[0] + max(act[1], lm_head_peak),
         }
+        if eval_response_len:
+            phases["eval"] = resident + kv_eval + decode_copy + max(eval_prefill, s_rows * V * 4)
         base = resident + old_pass
         fits = {m: base + features_on_device[m] <= mem and (host_ok or m != "host")
                 for m in FEATURE_CACHE_MODES}
         return phases, fits, next((m for m in FEATURE_CACHE_MODES if fits[m]), "none")
 
-    phases, fits, recommended = peaks(prefill, old_pass, act["configured"])
+    phases, fits, recommended = peaks(
+        prefill, old_pass, act["configured"],
+        prefill_bytes(_resolved_attention(model_cfg, P, target), eval_group))
     act_cfg_flash = activations(_layer_activation_bytes(model_cfg, m_rows, seq, tensor,
                                                         "blockwise"))["configured"]
     phases_flash, fits_flash, rec_flash = peaks(
         prefill_bytes("blockwise"),
         old_pass_bytes(_layer_activation_bytes(model_cfg, o_rows, seq, tensor, "blockwise",
                                                backward=False)),
-        act_cfg_flash)
+        act_cfg_flash, prefill_bytes("blockwise", eval_group))
     settings = {
         "model": name or f"L={L} H={H}", "num_params": model_cfg.num_params(),
         "param_dtype": jnp.dtype(model_cfg.param_dtype).name,
         "dtype": jnp.dtype(model_cfg.dtype).name, "mesh": mesh_shape,
         "num_devices": num_devices, "device_memory_gb": device_memory_gb,
+        "memory_fraction": memory_fraction, "memory_fraction_source": memory_fraction_source,
+        "capacity_bytes": mem,
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
+        "eval_response_len": eval_response_len,
         "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
@@ -598,7 +672,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     return MemoryPlan(settings=settings, params=param_bytes, gradients=grad_bytes,
                       optimizer=opt_bytes, activations_remat_none=act_none,
                       activations_remat_full=act_full, activations_configured=act_cfg,
-                      logprob_chunk=lm_head_peak, kv_cache=kv, prefill=prefill,
+                      logprob_chunk=lm_head_peak, kv_cache=kv, eval_kv_cache=kv_eval,
+                      prefill=prefill,
                       old_pass_activations=old_pass, features_device=f_device,
                       features_host_chunk=f_host_chunk, features_host_ram=f_host_ram,
                       features_recompute=f_recompute, phases=phases,
@@ -612,11 +687,12 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
     """The ModelConfig a run would build, from config.json (model.path) or the preset, without
     reading weights or a tokenizer (a preset's own vocabulary unless model.vocab_size is set).
     remat: the policy to build it with (default model.remat; "auto" is what choose_remat picks
-    against plan.device_memory_gb on the config's mesh for plan.target, as plan mode does)."""
+    against planned_capacity_bytes on the config's mesh for plan.target, as plan mode does)."""
     dtype, param_dtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
     remat = cfg.model.remat if remat is None else remat
     if remat == "auto":
-        remat = choose_remat(cfg, cfg.plan.device_memory_gb * GB, target=cfg.plan.target)[0]
+        remat = choose_remat(cfg, planned_capacity_bytes(cfg, cfg.plan.target),
+                             target=cfg.plan.target)[0]
     from delta_jax.train.config import lora_targets
     lora = dict(lora_rank=cfg.model.lora_rank, lora_alpha=float(cfg.model.lora_alpha),
                 lora_targets=lora_targets(cfg) if cfg.model.lora_rank else ())
@@ -635,41 +711,57 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
                                      ).replace(attention=cfg.model.attention, **lora)
 
 
+def eval_new_tokens(cfg) -> int:
+    """The response length the run's evaluations generate (eval.max_new_tokens), or 0 where it
+    evaluates nothing (no data.eval)."""
+    return cfg.eval.max_new_tokens if cfg.data.eval else 0
+
+
 def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):
-    """The sampler's KV page pool for a run config (sampling.plan_kv); a rollout.kv_budget_gb
-    that cannot hold one sample is a ConfigError naming the field, before anything runs."""
-    try:
+    """The sampler's KV page pool for a run config's rollouts (sampling.plan_kv); a
+    rollout.kv_budget_gb that cannot hold one sample of a rollout or of an evaluation
+    (eval.max_new_tokens) is a ConfigError naming the fields, before anything runs."""
+    def pool(new_tokens):
         return plan_kv(model_cfg, slots=cfg.rollout.max_batch_size,
-                       prompt_len=cfg.data.max_prompt_len,
-                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       prompt_len=cfg.data.max_prompt_len, max_new_tokens=new_tokens,
                        page_size=cfg.rollout.page_size,
                        kv_budget_bytes=int(cfg.rollout.kv_budget_gb * 2**30) or None)
+
+    from delta_jax.train.config import ConfigError
+    try:
+        rollout = pool(cfg.rollout.max_new_tokens)
     except ValueError as e:
-        from delta_jax.train.config import ConfigError
         raise ConfigError(f"rollout.kv_budget_gb: {e}") from None
+    if eval_new_tokens(cfg):
+        try:
+            pool(eval_new_tokens(cfg))
+        except ValueError as e:
+            raise ConfigError(f"rollout.kv_budget_gb / eval.max_new_tokens: {e}") from None
+    return rollout
 
 
 def plan_from_config(cfg, *, mesh_shape: Optional[tuple[int, int, int]] = None,
                      model_cfg: Optional[models.ModelConfig] = None,
-                     target: str = "") -> MemoryPlan:
+                     target: str = "", capacity_bytes: Optional[float] = None) -> MemoryPlan:
     """plan_memory for a validated run config: the mesh from config.mesh over
     config.plan.num_devices devices (0 = the devices present), or `mesh_shape` (data, fsdp,
     tensor) when given; `model_cfg` overrides the model the config describes (e.g. the built
     model, whose vocabulary follows the tokenizer; its remat policy is the one planned).
-    Without `model_cfg`, model.remat="auto" is resolved by choose_remat against
-    plan.device_memory_gb, and the plan's settings record what it tried. `target`: the backend
-    planned for (plan_memory; "" = this one: start-up checks; plan mode passes plan.target)."""
+    Without `model_cfg`, model.remat="auto" is resolved by choose_remat against the capacity,
+    and the plan's settings record what it tried. `target`: the backend planned for
+    (plan_memory; "" = this one: start-up checks; plan mode passes plan.target).
+    `capacity_bytes`: what a device's allocator may use (start-up checks: the device's own
+    limit); default planned_capacity_bytes (plan.device_memory_gb x the allocator fraction)."""
     mesh_shape = _config_mesh_shape(cfg, mesh_shape)
     if model_cfg is None and cfg.model.remat == "auto":
-        policy, plans = _remat_plans(cfg, cfg.plan.device_memory_gb * GB, mesh_shape, None,
-                                     target)
+        policy, plans = _remat_plans(cfg, capacity_bytes, mesh_shape, None, target)
         result = plans[policy]
         result.settings["remat_auto"] = _updates(plans)
         result.settings["remat_auto_order"] = auto_remat_order(target)
         return result
     return _plan_from_config(cfg, mesh_shape,
                              model_config_from_run_config(cfg) if model_cfg is None else model_cfg,
-                             target)
+                             target, capacity_bytes)
 
 
 def _config_mesh_shape(cfg, mesh_shape=None) -> tuple[int, int, int]:
@@ -735,17 +827,20 @@ def choose_remat(cfg, capacity_bytes: float, *,
     return policy, _updates(plans)
 
 
-def _remat_plans(cfg, capacity_bytes: float, mesh_shape: tuple[int, int, int],
+def _remat_plans(cfg, capacity_bytes: Optional[float], mesh_shape: tuple[int, int, int],
                  model_cfg: Optional[models.ModelConfig], target: str) -> tuple[str, dict]:
-    """choose_remat's policy and the whole plan of each policy tried, in order."""
+    """choose_remat's policy and the whole plan of each policy tried, in order (capacity_bytes
+    None: planned_capacity_bytes)."""
     base = model_config_from_run_config(cfg, remat="full") if model_cfg is None else model_cfg
     plans = {}
 
     def update_bytes(policy):
-        plans[policy] = _plan_from_config(cfg, mesh_shape, base.replace(remat=policy), target)
+        plans[policy] = _plan_from_config(cfg, mesh_shape, base.replace(remat=policy), target,
+                                          capacity_bytes)
         return plans[policy].phases["update"]
 
-    policy, _ = pick_remat(update_bytes, capacity_bytes, auto_remat_order(target))
+    policy, _ = pick_remat(update_bytes, _capacity(cfg, target, capacity_bytes),
+                           auto_remat_order(target))
     return policy, plans
 
 
@@ -767,16 +862,27 @@ def pick_remat(update_bytes, capacity_bytes: float,
     return "full", tried
 
 
+def _capacity(cfg, target: str, capacity_bytes: Optional[float]) -> float:
+    """`capacity_bytes`, or planned_capacity_bytes(cfg, target) for None."""
+    return planned_capacity_bytes(cfg, target) if capacity_bytes is None else capacity_bytes
+
+
 def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelConfig,
-                      target: str) -> MemoryPlan:
+                      target: str, capacity_bytes: Optional[float] = None) -> MemoryPlan:
     from delta_jax.train.state import optimizer_from_config
     n = math.prod(mesh_shape)
     G = cfg.rollout.group_size
     optimizer, _ = optimizer_from_config(cfg.optim, max(cfg.train.steps, 1))
     kv_plan_from_config(cfg, mc)  # a budget that cannot hold one sample: ConfigError first
     budget = int(cfg.rollout.kv_budget_gb * 2**30) or None
+    if capacity_bytes is None:  # plan mode: the planned device, as its allocator is set
+        fraction, source = allocator_fraction(target, cfg.plan.memory_fraction)
+        memory_gb = cfg.plan.device_memory_gb
+    else:  # a start-up check: what this device's allocator reports
+        fraction, source, memory_gb = 1.0, "the device's allocator limit", capacity_bytes / GB
     return plan_memory(
-        mc, mesh_shape=mesh_shape, device_memory_gb=cfg.plan.device_memory_gb,
+        mc, mesh_shape=mesh_shape, device_memory_gb=memory_gb, memory_fraction=fraction,
+        memory_fraction_source=source,
         rollout_rows=cfg.rollout.batch_prompts * G, prompt_len=cfg.data.max_prompt_len,
         response_len=cfg.rollout.max_new_tokens, sampler_rows=cfg.rollout.max_batch_size,
         group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
@@ -786,7 +892,10 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
         kv_budget_bytes=budget, kl_reference=cfg.rl.kl_coef > 0,
-        optimizer_offload=cfg.optim.offload, devices_per_host=min(n, 8),
+        # eval mode restores the whole train state on the devices (loop.eval_only)
+        optimizer_offload=cfg.optim.offload and cfg.mode != "eval",
+        eval_response_len=eval_new_tokens(cfg), eval_group_size=cfg.eval.k,
+        devices_per_host=min(n, 8),
         name=cfg.model.preset or cfg.model.path, target=target)
 
 
@@ -802,8 +911,12 @@ PHASE_KNOBS = {
                                 "optim.offload=True (optimizer state in host memory)"),
     "update": ("rl.micro_batch_size", "model.remat=full", "model.logprob_chunk_tokens",
                "model.attention=blockwise"),
+    "eval": ("rollout.max_batch_size (sampler slots)", "rollout.kv_budget_gb (KV page pool)",
+             "eval.max_new_tokens / data.max_prompt_len",
+             "model.attention=blockwise (prefill scores)"),
 }
-PHASES_BY_MODE = {"train": tuple(PHASE_KNOBS), "eval": ("rollout",)}
+# The phases a mode runs (check_fits leaves out those a plan has not: "eval" without data.eval).
+PHASES_BY_MODE = {"train": tuple(PHASE_KNOBS), "eval": ("eval",)}
 
 
 def device_memory_bytes(device=None) -> Optional[int]:
@@ -831,7 +944,8 @@ def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,
     old-policy phase also names the feature-cache mode the plan recommends). `phases`: the
     phases to check (default all); `source`: where the capacity came from, for the message."""
     from delta_jax.train.config import ConfigError
-    names = tuple(memory_plan.phases) if phases is None else tuple(phases)
+    names = tuple(memory_plan.phases) if phases is None else tuple(
+        n for n in phases if n in memory_plan.phases)
     over = [(n, memory_plan.phases[n]) for n in names if memory_plan.phases[n] > capacity_bytes]
     if not over:
         return

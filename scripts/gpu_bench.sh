@@ -82,16 +82,21 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 # card larger than an H100 80 GB (81,559 MiB) the fraction is scaled down to an H100's 95% (an
 # H200's 143,771 MiB: 0.539, the 75.5 GiB limit of the fourth and fifth runs), so memory-driven
 # choices (model.remat=auto, the batch-256 page pool) are an 80 GB card's, which the issues target.
-# Set XLA_PYTHON_CLIENT_MEM_FRACTION to use the whole card.
-if [ -z "${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ]; then
+# Set XLA_CLIENT_MEM_FRACTION (or the older XLA_PYTHON_CLIENT_MEM_FRACTION; jax refuses both
+# at once) to use the whole card.
+if [ -n "${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ] && [ -z "${XLA_CLIENT_MEM_FRACTION:-}" ]; then
+  XLA_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION
+fi
+unset XLA_PYTHON_CLIENT_MEM_FRACTION
+if [ -z "${XLA_CLIENT_MEM_FRACTION:-}" ]; then
   total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+  XLA_CLIENT_MEM_FRACTION=0.95
   if [ -n "$total_mib" ] && [ "$total_mib" -gt 81559 ] 2>/dev/null; then
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$(awk -v t="$total_mib" 'BEGIN { printf "%.3f", 0.95 * 81559 / t }')
+    XLA_CLIENT_MEM_FRACTION=$(awk -v t="$total_mib" 'BEGIN { printf "%.3f", 0.95 * 81559 / t }')
   fi
 fi
-export XLA_PYTHON_CLIENT_MEM_FRACTION
-echo "XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION" | tee -a "$LOG"
+export XLA_CLIENT_MEM_FRACTION
+echo "XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION" | tee -a "$LOG"
 DECODE=${DECODE_ATTENTION:-auto}
 SUFFIX=$([ "$DECODE" = auto ] || echo "_$DECODE")
 TOK=.whl/qwen3

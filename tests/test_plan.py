@@ -117,7 +117,8 @@ def test_figures_follow_the_shapes():
     assert "optimizer state" in text and "DelTA features, device" in text
 
 
-def _plan_mode(*flags):
+def _plan_mode(*flags, env=None):
+    base = {k: v for k, v in __import__("os").environ.items() if k not in plan.MEM_FRACTION_ENV}
     return subprocess.run(
         [sys.executable, "-m", "delta_jax.main", "--config=experiments/qwen3_8b.py",
          "--config.mode=plan", "--config.mesh.data=1",
@@ -125,7 +126,7 @@ def _plan_mode(*flags):
          "--config.plan.device_memory_gb=80", *flags],
         capture_output=True, text=True, timeout=120,
         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
-        env={**__import__("os").environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+        env={**base, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", **(env or {})})
 
 
 def test_plan_mode_on_the_command_line():
@@ -140,6 +141,11 @@ def test_plan_mode_on_the_command_line():
     cuda = _plan_mode("--config.plan.target=cuda")
     assert cuda.returncode == 0, cuda.stderr[-2000:]
     assert "as resolved on the cuda backend" in cuda.stdout
+    # ... against what jax's allocator may use there by default, 0.75 of the card, as the
+    # start-up check of a run on such a GPU does; the recipe as shipped fits it.
+    assert ("(8 devices of 80 GB; the allocator may use 0.75 of it: 60.00 GB (jax's default on "
+            "CUDA GPUs; XLA_CLIENT_MEM_FRACTION sets it))") in cuda.stdout
+    assert "within 0.85 x 60.00 GB" in cuda.stdout and "DOES NOT FIT" not in cuda.stdout
     # remat=auto for a CUDA GPU does not try "none" (plan.AUTO_REMAT_ORDER_CUDA).
     assert "(planned update per device: dots_with_no_batch_dims_saveable " in cuda.stdout
     assert "the first of dots_with_no_batch_dims_saveable, full within" in cuda.stdout
@@ -150,6 +156,94 @@ def test_plan_mode_on_the_command_line():
     none = _plan_mode("--config.model.preset=")
     assert none.returncode != 0
     assert "model.path: plan mode needs the model's shapes" in none.stdout + none.stderr
+
+
+def test_plan_mode_plans_against_the_allocator_limit():
+    """Plan mode judges each phase against what XLA's allocator may use on the target: on a CUDA
+    GPU 0.75 of the card unless XLA_CLIENT_MEM_FRACTION (or the older name) or
+    plan.memory_fraction says otherwise. The 8B recipe with the device-resident feature cache
+    (65.41 GB old-policy phase) does not fit jax's default 60 GB of an 80 GB card, fits 72."""
+    device = ("--config.plan.target=cuda", "--config.delta.feature_cache=device")
+    line = "  old-policy pass + DelTA            65.41 GB  "
+    default = _plan_mode(*device)
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert line + "DOES NOT FIT" in default.stdout
+    assert "recommended: host" in default.stdout
+    for env, flags, source in (({"XLA_CLIENT_MEM_FRACTION": "0.9"}, (), "XLA_CLIENT_MEM_FRACTION"),
+                               ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}, (),
+                                "XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                               ({}, ("--config.plan.memory_fraction=0.9",),
+                                "plan.memory_fraction")):
+        out = _plan_mode(*device, *flags, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"the allocator may use 0.9 of it: 72.00 GB ({source})" in out.stdout
+        assert line + "fits" in out.stdout and "recommended: device" in out.stdout
+    # A TPU's allocator has the whole chip: no fraction is named.
+    tpu = _plan_mode("--config.plan.target=tpu", env={"XLA_CLIENT_MEM_FRACTION": "0.5"})
+    assert tpu.returncode == 0 and "(8 devices of 80 GB)" in tpu.stdout
+    # A run that evaluates (data.eval) plans its evaluation too: eval.max_new_tokens = 30000.
+    evals = _plan_mode("--config.plan.target=cuda", "--config.data.eval=aime25")
+    assert evals.returncode == 0, evals.stderr[-2000:]
+    assert "eval KV cache" in evals.stdout and "(eval.max_new_tokens=30000)" in evals.stdout
+    assert "\n  eval        " in evals.stdout and "DOES NOT FIT" not in evals.stdout
+
+
+def test_allocator_fraction(monkeypatch):
+    """plan.allocator_fraction: plan.memory_fraction when set; on CUDA the environment's
+    fraction under either of the names jax reads, else 0.75; the whole memory elsewhere; ""
+    follows the backend this runs on. A value that is not a number names the variable."""
+    from delta_jax.models import attention
+    assert plan.allocator_fraction("cuda", env={})[0] == 0.75
+    assert plan.allocator_fraction("cuda", env={"XLA_CLIENT_MEM_FRACTION": "0.9"}) == (
+        0.9, "XLA_CLIENT_MEM_FRACTION")
+    assert plan.allocator_fraction("cuda", env={"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == (
+        0.5, "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert plan.allocator_fraction("cuda", 0.6, env={"XLA_CLIENT_MEM_FRACTION": "0.9"}) == (
+        0.6, "plan.memory_fraction")
+    for target in ("tpu", "cpu"):
+        assert plan.allocator_fraction(target, env={"XLA_CLIENT_MEM_FRACTION": "0.9"})[0] == 1.0
+    with pytest.raises(ValueError, match="XLA_CLIENT_MEM_FRACTION='most' is not a number"):
+        plan.allocator_fraction("cuda", env={"XLA_CLIENT_MEM_FRACTION": "most"})
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: True)
+    assert plan.allocator_fraction("", env={})[0] == 0.75
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: False)
+    assert plan.allocator_fraction("", env={})[0] == 1.0
+
+
+def test_eval_phase_plans_the_evaluations_generation():
+    """A run with data.eval plans an "eval" phase: the sampler's pool sized for
+    eval.max_new_tokens and eval.k samples a prompt. At the rollout's length and group size it
+    is the rollout phase; longer, it grows by exactly the difference of the two pools as the
+    sampler sizes them (sampling.plan_kv). A KV budget too small for one evaluation sample is
+    refused naming eval.max_new_tokens; without data.eval there is no eval phase."""
+    from delta_jax.sampling.kv_cache import plan_kv
+    from delta_jax.train.config import ConfigError
+    from tests.rl_fixtures import tiny_rl_config
+    rollout = dict(batch_prompts=4, group_size=4, max_new_tokens=64, max_batch_size=16)
+    assert "eval" not in plan.plan_from_config(tiny_rl_config("dapo", rollout=rollout),
+                                               mesh_shape=(1, 1, 1)).phases
+    same = plan.plan_from_config(
+        tiny_rl_config("dapo", rollout=rollout, data=dict(eval="x"),
+                       eval=dict(max_new_tokens=64, k=4, pass_k="1")), mesh_shape=(1, 1, 1))
+    assert same.phases["eval"] == same.phases["rollout"]
+    cfg = tiny_rl_config("dapo", rollout=rollout, data=dict(eval="x"),
+                         eval=dict(max_new_tokens=1000, k=4, pass_k="1"))
+    longer = plan.plan_from_config(cfg, mesh_shape=(1, 1, 1))
+    mc = plan.model_config_from_run_config(cfg)
+
+    def pool(tokens, slots=16):
+        return plan_kv(mc, slots=slots, prompt_len=cfg.data.max_prompt_len,
+                       max_new_tokens=tokens, page_size=cfg.rollout.page_size).shard_bytes
+
+    assert longer.eval_kv_cache == pool(1000) > pool(64) == longer.kv_cache
+    assert longer.phases["eval"] - longer.phases["rollout"] == pool(1000) - pool(64)
+    # Room for one rollout sample, not for one evaluation sample.
+    budget = (pool(64, slots=1) + pool(1000, slots=1)) / 2 / 2**30
+    with pytest.raises(ConfigError, match=r"rollout\.kv_budget_gb / eval\.max_new_tokens"):
+        plan.plan_from_config(
+            tiny_rl_config("dapo", rollout=dict(rollout, kv_budget_gb=budget),
+                           data=dict(eval="x"), eval=dict(max_new_tokens=1000, k=4, pass_k="1")),
+            mesh_shape=(1, 1, 1))
 
 
 def _plan_for(mc, prompt_len, response_len, **kw):
@@ -461,7 +555,7 @@ def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
 
 def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
     """train / eval start-up: with the device's allocator limit below a phase's plan, build_run
-    raises before anything compiles (train: every phase; eval: the rollout only);
+    raises before anything compiles (train: every phase; eval: its evaluation);
     plan.check_memory=False skips the check. The CPU reports no limit, so nothing is checked
     there (the limit is monkeypatched to what a small GPU would say)."""
     from delta_jax.train import run as run_lib
@@ -480,11 +574,14 @@ def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
     model_cfg = plan.model_config_from_run_config(cfg)
     skip = tiny_rl_config("dapo", plan=dict(check_memory=False))
     run_lib.check_memory_plan(skip, model_cfg, mesh)
-    evaluate = tiny_rl_config("dapo")
+    # eval mode checks its evaluation's generation (eval.max_new_tokens), with the sampler.
+    evaluate = tiny_rl_config("dapo", data=dict(eval="x"))
     evaluate.mode = "eval"                  # (eval's own validation wants benchmark files)
+    eval_peak = plan.plan_from_config(evaluate, mesh_shape=(1, 1, 1)).phases["eval"]
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: eval_peak)
     run_lib.check_memory_plan(evaluate, model_cfg, mesh)
-    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: peaks["rollout"] - 1)
-    with pytest.raises(ConfigError, match=r"phase 'rollout' plans .* rollout\.max_batch_size"):
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: eval_peak - 1)
+    with pytest.raises(ConfigError, match=r"phase 'eval' plans .* eval\.max_new_tokens"):
         run_lib.check_memory_plan(evaluate, model_cfg, mesh)
 
 

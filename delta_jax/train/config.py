@@ -355,6 +355,10 @@ def default_config() -> config_dict.ConfigDict:
     # mode=plan (delta_jax/plan.py): per-device memory of this config on a planned machine.
     c.plan = config_dict.ConfigDict()
     c.plan.device_memory_gb = 80.0   # HBM per device (H100 80 GB; v5p 95 GB)
+    # The fraction of it XLA's allocator may use, which plan mode plans against: 0 = the target's
+    # default (CUDA: XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION where set, else
+    # jax's 0.75; TPU, CPU: 1). A train / eval start-up check uses the device's own limit.
+    c.plan.memory_fraction = 0.0
     c.plan.num_devices = 0           # 0 = the devices present
     c.plan.host_memory_gb = 0.0      # host RAM per process, for feature_cache=host (0 = unknown)
     # The backend plan mode plans for: "" = the one it runs on; "cuda" / "tpu" / "cpu" (decides
@@ -649,6 +653,9 @@ def _check_combinations(c):
     _require(c.distributed.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s",
              "must be >= 1")
     _require(c.plan.device_memory_gb > 0, "plan.device_memory_gb", "must be > 0")
+    _require(0 <= c.plan.memory_fraction <= 1, "plan.memory_fraction",
+             f"must be in [0, 1] (0 = the target's allocator default), got "
+             f"{c.plan.memory_fraction}")
     _require(c.plan.num_devices >= 0, "plan.num_devices", "must be >= 0 (0 = present devices)")
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",

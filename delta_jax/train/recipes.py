@@ -25,8 +25,8 @@ def paper_config(preset: str, steps: int):
     c.rollout.top_k = -1
     c.rollout.max_new_tokens = 20480
     # Sequences per sampler call and per old-policy chunk. 32 keeps the 22.5k-token KV cache and
-    # the old-policy pass of Qwen3-8B inside 8 x 80 GB (mesh fsdp=8; see --config.mode=plan: its
-    # 65.4 GB old-policy phase needs XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 on those GPUs).
+    # the old-policy pass of Qwen3-8B inside 8 x 80 GB (mesh fsdp=8; see --config.mode=plan
+    # --config.plan.target=cuda, which plans against jax's default allocator limit of 60 GB).
     c.rollout.max_batch_size = 32
     c.rewards.name = "math"
     c.rewards.num_workers = 8

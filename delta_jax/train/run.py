@@ -232,11 +232,13 @@ def check_memory_plan(cfg, model_cfg, mesh) -> None:
     capacity = plan.device_memory_bytes() if cfg.plan.check_memory else None
     if capacity is None:
         return
-    memory_plan = plan.plan_from_config(cfg, mesh_shape=_mesh_shape(mesh), model_cfg=model_cfg)
+    memory_plan = plan.plan_from_config(cfg, mesh_shape=_mesh_shape(mesh), model_cfg=model_cfg,
+                                        capacity_bytes=capacity)
     device = jax.local_devices()[0]
     plan.check_fits(memory_plan, capacity, phases=plan.PHASES_BY_MODE[cfg.mode],
                     source=f"the allocator limit of {device.platform}:{device.id}; on GPUs "
-                           "XLA_PYTHON_CLIENT_MEM_FRACTION sets it, default 0.75 of the memory")
+                           f"{plan.MEM_FRACTION_ENV[0]} sets it, default "
+                           f"{plan.DEFAULT_MEM_FRACTION_CUDA:g} of the memory")
 
 
 def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True,
