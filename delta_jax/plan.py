@@ -892,8 +892,8 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         feature_cache=cfg.delta.feature_cache, optimizer=optimizer,
         host_memory_gb=cfg.plan.host_memory_gb, page_size=cfg.rollout.page_size,
         kv_budget_bytes=budget, kl_reference=cfg.rl.kl_coef > 0,
-        # eval mode restores the whole train state on the devices (loop.eval_only)
-        optimizer_offload=cfg.optim.offload and cfg.mode != "eval",
+        # mode=eval holds no optimizer state (loop.eval_only reads the parameters alone)
+        optimizer_offload=cfg.optim.offload or cfg.mode == "eval",
         eval_response_len=eval_new_tokens(cfg), eval_group_size=cfg.eval.k,
         devices_per_host=min(n, 8),
         name=cfg.model.preset or cfg.model.path, target=target)

@@ -235,3 +235,26 @@ def test_a_state_of_another_layout_names_the_settings(tmp_path):
     state, _, _ = ckpt.restore(1, _bf16_state(False))  # the setting it was written with
     assert int(state.step) == 0
     ckpt.close()
+
+
+def test_a_partial_restore_reads_the_parameters_alone(tmp_path):
+    """restore(partial=True) with {"params": ...} (what mode=eval reads): the saved parameters
+    bit for bit, with the target's structure, dtypes and shardings, whichever optimizer layout
+    the checkpoint holds (here a bfloat16 one with its float32 master copy), and nothing else;
+    restore_latest passes it on."""
+    saved = _bf16_state(True)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), save_every=1, keep=1)
+    ckpt.save(3, saved, {"iter": 3}, {"seed": 1}, force=True)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = jax.tree.map(lambda p: jax.device_put(jnp.zeros_like(p), spec), saved.params)
+    for state, meta in (ckpt.restore(3, {"params": target}, partial=True)[::2],
+                        ckpt.restore_latest({"params": target}, partial=True)[1::2]):
+        assert set(state) == {"params"} and meta == {"seed": 1}
+        assert jax.tree.structure(state["params"]) == jax.tree.structure(saved.params)
+        for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(state["params"])):
+            assert a.dtype == b.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                          np.asarray(b.astype(jnp.float32)))
+            assert b.sharding.is_equivalent_to(spec, b.ndim)
+    ckpt.close()

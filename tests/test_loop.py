@@ -8,6 +8,7 @@ import shutil
 import signal
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -92,7 +93,7 @@ def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, c
     assert (tmp_path / "checkpoints" / "unreadable-2").is_dir()
 
 
-def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys):
+def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monkeypatch):
     cfg = tiny_rl_config("dapo", train=dict(steps=1, eval_before=False, eval_after=True,
                                             export_final=False),
                          data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=2,
@@ -104,11 +105,38 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys):
     eval_cfg = cfg.copy_and_resolve_references()
     with eval_cfg.unlocked():
         eval_cfg.mode = "eval"
+    evaluated = []
+
+    def evaluate_policy(run, params, step, **kw):
+        evaluated.append((run, params))
+        return real_evaluate_policy(run, params, step, **kw)
+
+    def no_optimizer_state(*args):
+        raise AssertionError("mode=eval built a train state")
+
+    real_evaluate_policy = loop.evaluate_policy
+    monkeypatch.setattr(loop, "evaluate_policy", evaluate_policy)
+    monkeypatch.setattr(loop, "init_train_state", no_optimizer_state)
     metrics = loop.eval_only(validate_config(eval_cfg), str(tmp_path))
     out = capsys.readouterr().out
     assert "eval of checkpoint 1 of" in out and "synthetic_test" in out
     assert (tmp_path / "eval" / "step_1.json").read_bytes() == trained
     assert json.loads((tmp_path / "eval" / "standalone_step_1.json").read_text())
+    # It evaluated the checkpoint's parameters, read alone (no optimizer state is built): those
+    # of the whole train state read back as a resumed run reads it, bit for bit, and unlike the
+    # model's initial ones.
+    run, params = evaluated[0]
+    from delta_jax.train.checkpoint import Checkpointer
+    from delta_jax.train.state import init_train_state
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+    whole = ckpt.restore(1, init_train_state(run.initial_params, run.optimizer))[0].params
+    ckpt.close()
+    initial = run.initial_params
+    assert jax.tree.structure(params) == jax.tree.structure(whole)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole)))
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial)))
     assert (tmp_path / "metrics.jsonl").read_bytes() == rows_before
     assert metrics and all(np.isfinite(v) for v in metrics.values())
     # A workdir without a checkpoint: the configured model itself (here a random init).

@@ -237,6 +237,11 @@ def test_eval_phase_plans_the_evaluations_generation():
 
     assert longer.eval_kv_cache == pool(1000) > pool(64) == longer.kv_cache
     assert longer.phases["eval"] - longer.phases["rollout"] == pool(1000) - pool(64)
+    # mode=eval holds the parameters alone (loop.eval_only): no optimizer state beside them.
+    evaluate = cfg.copy_and_resolve_references()
+    evaluate.mode = "eval"
+    alone = plan.plan_from_config(evaluate, mesh_shape=(1, 1, 1))
+    assert alone.phases["eval"] == longer.phases["eval"] - longer.optimizer > 0
     # Room for one rollout sample, not for one evaluation sample.
     budget = (pool(64, slots=1) + pool(1000, slots=1)) / 2 / 2**30
     with pytest.raises(ConfigError, match=r"rollout\.kv_budget_gb / eval\.max_new_tokens"):

@@ -77,19 +77,33 @@ class Checkpointer:
         self._manager.wait_until_finished()
         return True
 
-    def restore(self, step: int, target_state: Any):
+    def restore(self, step: int, target_state: Any, partial: bool = False):
         """Returns (state, data_state, meta); `target_state` gives the structure, shapes, dtypes
-        and shardings (real arrays or jax.ShapeDtypeStruct)."""
+        and shardings (real arrays or jax.ShapeDtypeStruct). partial: `target_state` names a
+        part of the saved state ({"params": params}: what evaluation needs), and only that part
+        is read (orbax's partial restore); the state returned has its structure."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         try:
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract),
-                data=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore()))
-            state, data, meta = out["state"], out["data"], out["meta"]
+            if partial:  # the manager's "state" handler is the one it saved with: read it apart
+                with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                    state = reader.restore(
+                        os.path.join(self.directory, str(step), "state"),
+                        args=ocp.args.PyTreeRestore(
+                            abstract, partial_restore=True,
+                            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)))
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+            else:
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract),
+                    data=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore()))
+                state = out["state"]
+            data, meta = out["data"], out["meta"]
         except Exception as e:  # noqa: BLE001 -- orbax / tensorstore / json raise many kinds
             raise CheckpointError(f"{os.path.join(self.directory, str(step))}: does not read "
-                                  f"back ({first_line(e)}){self._layout_hint(step, abstract)}"
+                                  f"back ({first_line(e)})"
+                                  f"{'' if partial else self._layout_hint(step, abstract)}"
                                   ) from e
         for name, value in (("data", data), ("meta", meta)):
             if not isinstance(value, dict):
@@ -113,9 +127,9 @@ class Checkpointer:
                 "2026-11-28 have none: resume them with optim.master_weights=False) and "
                 "model.lora_rank / lora_targets")
 
-    def restore_latest(self, target_state: Any):
-        """(step, state, data_state, meta) of the newest checkpoint that reads back, or None when
-        there is none. Newer ones that do not read back are skipped with a warning naming them
+    def restore_latest(self, target_state: Any, partial: bool = False):
+        """(step, state, data_state, meta) of the newest checkpoint that reads back (`partial`:
+        as restore), or None when there is none. Newer ones that do not read back are skipped with a warning naming them
         and why; if every checkpoint fails, CheckpointError lists them all.
 
         With several processes each reads its own shards, so one may fail where the others
@@ -124,7 +138,7 @@ class Checkpointer:
         failures = []
         for step in sorted(self.all_steps(), reverse=True):
             try:
-                state, data, meta = self.restore(step, target_state)
+                state, data, meta = self.restore(step, target_state, partial)
                 error = None
             except CheckpointError as e:
                 error = str(e)
