@@ -376,7 +376,8 @@ class MemoryPlan:
                if s.get("memory_fraction", 1.0) != 1.0 else "") + ")",
             f"  rollout {s['rollout_rows']} rows x (prompt {s['prompt_len']} + response "
             f"{s['response_len']}), sampler slots {s['sampler_rows']} (KV pages of "
-            f"{s['page_size']} tokens); update micro-batch {s['micro_rows']} rows; "
+            f"{s['page_size']} tokens); old-policy chunk {s['old_pass_rows']} rows; "
+            f"update micro-batch {s['micro_rows']} rows; "
             f"remat={s['remat']}",
             *([f"  remat=auto -> {s['remat']} (planned update per device: "
                + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in s["remat_auto"].items())
@@ -439,13 +440,15 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8, kl_reference: bool = False,
                 optimizer_offload: bool = False, eval_response_len: int = 0,
+                old_pass_rows: int = 0,
                 eval_group_size: int = 0,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
 
     rollout_rows: sequences per RL step (prompts x group size); prompt_len / response_len: the
-    padded lengths; sampler_rows: sequences per sampler call; mini/micro_batch_rows: rows per
+    padded lengths; sampler_rows: sequences per sampler call; old_pass_rows: per old-policy
+    pass chunk (0: sampler_rows); mini/micro_batch_rows: rows per
     optimizer step / per forward-backward (0 = the mini-batch). feature_cache: the
     delta.feature_cache mode ("device" | "host" | "recompute") whose on-device features the
     old-policy pass + DelTA peak counts. optimizer: an optax GradientTransformation (default
@@ -598,8 +601,9 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     prefill = prefill_bytes(_resolved_attention(model_cfg, P, target))
     eval_group = eval_group_size or group_size
 
-    # Old-policy pass: forward only over a chunk of sampler_rows rows, one layer live at a time.
-    o_global = min(rollout_rows, sampler_rows)
+    # Old-policy pass: forward only over a chunk of old_pass_rows rows (default sampler_rows),
+    # one layer live at a time.
+    o_global = min(rollout_rows, old_pass_rows or sampler_rows)
     o_rows = rows_per_device(o_global)
     lp_old = (o_rows * min(positions_per_chunk(logprob_chunk_tokens, o_global), response_len)
               * _div(V, tensor) * 4 * 2)
@@ -661,7 +665,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "capacity_bytes": mem,
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
         "eval_response_len": eval_response_len,
-        "sampler_rows": sampler_rows, "micro_rows": micro, "remat": policy,
+        "sampler_rows": sampler_rows, "old_pass_rows": o_global, "micro_rows": micro,
+        "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
         "feature_cache": feature_cache, "page_size": page_size,
         "optimizer_offload": bool(optimizer_offload), "lm_head_gathered": lm_head_gathered,
@@ -869,6 +874,7 @@ def _capacity(cfg, target: str, capacity_bytes: Optional[float]) -> float:
 
 def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelConfig,
                       target: str, capacity_bytes: Optional[float] = None) -> MemoryPlan:
+    from delta_jax.train.config import old_pass_rows
     from delta_jax.train.state import optimizer_from_config
     n = math.prod(mesh_shape)
     G = cfg.rollout.group_size
@@ -885,6 +891,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         memory_fraction_source=source,
         rollout_rows=cfg.rollout.batch_prompts * G, prompt_len=cfg.data.max_prompt_len,
         response_len=cfg.rollout.max_new_tokens, sampler_rows=cfg.rollout.max_batch_size,
+        old_pass_rows=old_pass_rows(cfg),
         group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
         micro_batch_rows=cfg.rl.micro_batch_size,
         logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
@@ -906,7 +913,7 @@ PHASE_KNOBS = {
                 "model.attention=blockwise (prefill scores)",
                 "optim.offload=True (optimizer state in host memory)"),
     "old-policy pass + DelTA": ("delta.feature_cache=host or recompute",
-                                "rollout.max_batch_size (rows per old-policy chunk)",
+                                "rl.old_pass_rows (rows per old-policy chunk)",
                                 "model.logprob_chunk_tokens", "delta.recompute_chunk",
                                 "optim.offload=True (optimizer state in host memory)"),
     "update": ("rl.micro_batch_size", "model.remat=full", "model.logprob_chunk_tokens",

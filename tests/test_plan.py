@@ -188,6 +188,24 @@ def test_plan_mode_plans_against_the_allocator_limit():
     assert "\n  eval        " in evals.stdout and "DOES NOT FIT" not in evals.stdout
 
 
+def test_old_pass_rows_sizes_the_old_policy_chunk_alone():
+    """rl.old_pass_rows sets the old-policy pass's chunk: planned as a config whose sampler has
+    that many slots (the default, 0, takes rollout.max_batch_size), and with the rollout's own
+    figures left to rollout.max_batch_size; the text names both."""
+    from tests.rl_fixtures import tiny_rl_config
+    rollout = dict(batch_prompts=8, group_size=4, max_new_tokens=64)
+    wide = plan.plan_from_config(tiny_rl_config("dapo", rollout=dict(rollout, max_batch_size=32),
+                                                rl=dict(old_pass_rows=4)), mesh_shape=(1, 1, 1))
+    narrow = plan.plan_from_config(tiny_rl_config("dapo", rollout=dict(rollout, max_batch_size=4)),
+                                   mesh_shape=(1, 1, 1))
+    tied = plan.plan_from_config(tiny_rl_config("dapo", rollout=dict(rollout, max_batch_size=32)),
+                                 mesh_shape=(1, 1, 1))
+    assert wide.old_pass_activations == narrow.old_pass_activations < tied.old_pass_activations
+    assert wide.phases["rollout"] == tied.phases["rollout"] > narrow.phases["rollout"]
+    assert "sampler slots 32 (KV pages of" in wide.to_text()
+    assert "old-policy chunk 4 rows" in wide.to_text()
+
+
 def test_allocator_fraction(monkeypatch):
     """plan.allocator_fraction: plan.memory_fraction when set; on CUDA the environment's
     fraction under either of the names jax reads, else 0.75; the whole memory elsewhere; ""

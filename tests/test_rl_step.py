@@ -81,3 +81,25 @@ def test_dynamic_sampling_settings_reach_the_rollout(tmp_path, monkeypatch):
     assert (m["rollout/padded_groups"], m["rollout/keep_rate"]) == (4, 0.0)
     assert m["rollout/dropped_mean_reward"] == 1.0
     assert len(prep.rollout.records) == 4 and not np.any(prep.packed.advantages)
+
+
+@pytest.mark.parametrize("old_pass_rows, want", [(0, 16), (5, 5)])
+def test_old_pass_chunks_follow_rl_old_pass_rows(tmp_path, monkeypatch, old_pass_rows, want):
+    """The old-policy pass runs over chunks of rl.old_pass_rows sequences, or of
+    rollout.max_batch_size (the fixture's 16 = the whole rollout of 4 x 4) where it is 0: the
+    rows its plan counts (plan.plan_memory's old_pass_rows)."""
+    chunks = []
+    features = phases.old_policy_features
+
+    def recording(*args, row_chunk, **kwargs):
+        chunks.append(row_chunk)
+        return features(*args, row_chunk=row_chunk, **kwargs)
+
+    monkeypatch.setattr(phases, "old_policy_features", recording)
+    cfg = tiny_rl_config("dapo", rl=dict(old_pass_rows=old_pass_rows))
+    run = build_scored_run(cfg, tmp_path)
+    try:
+        rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
+    finally:
+        run.close()
+    assert chunks == [want]

@@ -249,6 +249,9 @@ def default_config() -> config_dict.ConfigDict:
     c.rl.rollout_is_cap = 2.0
     c.rl.mini_batch_prompts = 32  # prompts per optimizer step (x group_size sequences)
     c.rl.micro_batch_size = 0     # sequences per forward/backward (0 = whole mini-batch)
+    # Sequences per chunk of the old-policy pass (and the reference-policy and top-k proxy
+    # passes), all devices together: 0 = rollout.max_batch_size. Its activations grow with it.
+    c.rl.old_pass_rows = 0
     c.rl.epochs = 1
     c.rl.dynamic_sampling = _P(bool)
     c.rl.dynamic_sampling_max_rounds = 8
@@ -576,6 +579,8 @@ def _check_combinations(c):
              "rollout.decode_splits", "0 (auto) splits a row's attention by the rows of its "
              "call, which rollout.batch_invariant holds fixed: set a fixed count (1) or turn "
              "rollout.batch_invariant off")
+    _require(c.rl.old_pass_rows >= 0, "rl.old_pass_rows",
+             f"must be >= 0 (0 = rollout.max_batch_size), got {c.rl.old_pass_rows}")
     _require(c.rollout.kv_budget_gb >= 0, "rollout.kv_budget_gb",
              f"must be >= 0 (0 = the worst case), got {c.rollout.kv_budget_gb}")
     _require(c.eval.temperature >= 0, "eval.temperature",
@@ -669,6 +674,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "train.export_final", "train.progress_bar", "train.allow_config_change",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
+                    "rl.old_pass_rows",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
                     "rollout.decode_attention", "rollout.shrink_batch",
                     "rollout.batch_invariant", "rollout.decode_splits")
@@ -710,6 +716,11 @@ class MethodSettings:
     advantage: str
     dynamic_sampling: bool
     overlong: bool
+
+
+def old_pass_rows(cfg) -> int:
+    """Sequences per chunk of the old-policy pass (rl.old_pass_rows; 0: rollout.max_batch_size)."""
+    return cfg.rl.old_pass_rows or cfg.rollout.max_batch_size
 
 
 def method_settings(cfg) -> MethodSettings:

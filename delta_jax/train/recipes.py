@@ -24,10 +24,19 @@ def paper_config(preset: str, steps: int):
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1
     c.rollout.max_new_tokens = 20480
-    # Sequences per sampler call and per old-policy chunk. 32 keeps the 22.5k-token KV cache and
-    # the old-policy pass of Qwen3-8B inside 8 x 80 GB (mesh fsdp=8; see --config.mode=plan
-    # --config.plan.target=cuda, which plans against jax's default allocator limit of 60 GB).
-    c.rollout.max_batch_size = 32
+    # Sized for Qwen3-8B on 8 x 80 GB (mesh fsdp=8; --config.mode=plan --config.plan.target=cuda
+    # plans it against jax's default allocator limit, 60 GB a GPU). Decode slots: 256, 32 a GPU.
+    # At 4 rows a GPU a decode step of an fsdp-sharded model is set by what does not grow with
+    # the rows (each GPU's read of its weight shard, each layer's collectives' latency), so more
+    # slots should raise rollout tokens/s; until 2026-11-28 the recipe had 32 slots, all that a
+    # worst-case pool of 22.5k-token sequences could hold. Their pages now come from a 32 GiB
+    # pool a GPU (233k tokens of Qwen3-8B, 7.3k a slot on average): samples take pages as they
+    # grow and, when the pool runs dry, the newest are preempted and restarted (same tokens).
+    # The old-policy pass keeps chunks of 32 rows (its activations grow with them). Rollout
+    # speed at these settings: not measured.
+    c.rollout.max_batch_size = 256
+    c.rollout.kv_budget_gb = 32.0
+    c.rl.old_pass_rows = 32
     c.rewards.name = "math"
     c.rewards.num_workers = 8
     c.rewards.overlong_buffer = 4096
@@ -70,5 +79,11 @@ def small_model_config(preset: str, steps: int = 200):
     c.rewards.overlong_buffer = 1024
     c.rl.mini_batch_prompts = 8
     c.rl.micro_batch_size = 8
+    # One device: 32 slots in a pool of 21.5 GiB (a rollout's worst case, 22.9 GB for either
+    # model, never preempts; evaluation's 8k-token samples share it) beside the optimizer state
+    # (Qwen3-1.7B's 20 GB with its float32 master copy) within an 80 GB GPU's 60 GB limit.
+    c.rollout.max_batch_size = 32
+    c.rollout.kv_budget_gb = 21.5
+    c.rl.old_pass_rows = 0
     c.eval.max_new_tokens = 8192
     return c

@@ -30,7 +30,7 @@ from delta_jax.rl import rewards as rewards_lib
 from delta_jax.rl.advantages import compute_advantages
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
-from delta_jax.train.config import method_settings
+from delta_jax.train.config import method_settings, old_pass_rows
 from delta_jax.train.run import Run, feature_cache_mode, optimizer_state_to, reference_params
 from delta_jax.train.state import TrainState
 
@@ -158,7 +158,7 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
 
     t0 = time.perf_counter()
     cache = feature_cache_mode(cfg, run.with_delta)
-    row_chunk = min(rb.num_rows, cfg.rollout.max_batch_size)
+    row_chunk = min(rb.num_rows, old_pass_rows(cfg))
     if cache == "host":  # host chunks come back one delta.recompute_chunk at a time
         row_chunk = min(row_chunk, cfg.delta.recompute_chunk)
     old = phases.old_policy_features(run.old_pass, params, ids, attn, rb.response_len,
@@ -186,7 +186,7 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
         source = phases.delta_feature_source(
             old, delta, params=params, input_ids=ids, attention_mask=attn,
             hidden_pass=run.hidden_pass, topk_proxy_pass=run.topk_proxy_pass,
-            proxy_row_chunk=min(rb.num_rows, cfg.rollout.max_batch_size))
+            proxy_row_chunk=min(rb.num_rows, old_pass_rows(cfg)))
         delta_w, diag = phases.delta_weights(
             source, batch["advantages"], mask, delta, mesh=run.mesh,
             batch_axes=sharding_lib.batch_axes(run.mesh) if run.mesh is not None else ("data",),
