@@ -439,9 +439,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 feature_cache: str = "device", optimizer=None, host_memory_gb: float = 0.0,
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8, kl_reference: bool = False,
-                optimizer_offload: bool = False, eval_response_len: int = 0,
-                old_pass_rows: int = 0,
-                eval_group_size: int = 0,
+                optimizer_offload: bool = False, old_pass_rows: int = 0,
+                eval_response_len: int = 0, eval_group_size: int = 0,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.

@@ -129,8 +129,9 @@ class Checkpointer:
 
     def restore_latest(self, target_state: Any, partial: bool = False):
         """(step, state, data_state, meta) of the newest checkpoint that reads back (`partial`:
-        as restore), or None when there is none. Newer ones that do not read back are skipped with a warning naming them
-        and why; if every checkpoint fails, CheckpointError lists them all.
+        as restore), or None when there is none. Newer ones that do not read back are skipped
+        with a warning naming them and why; if every checkpoint fails, CheckpointError lists
+        them all.
 
         With several processes each reads its own shards, so one may fail where the others
         succeed (a damaged file only it reads): they agree on every candidate (one all-gather
