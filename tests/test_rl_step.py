@@ -103,3 +103,42 @@ def test_old_pass_chunks_follow_rl_old_pass_rows(tmp_path, monkeypatch, old_pass
     finally:
         run.close()
     assert chunks == [want]
+
+
+def test_the_steps_sampler_metrics(tmp_path):
+    """prepare_batch reports the sampler's side of the rollout: the tokens it generated (the
+    packed batch's response tokens), decode steps (at least the longest response), slot
+    utilization (tokens / (steps x slots)) and preemptions: none with the default worst-case
+    pool; some in a page pool of little more than one sample (rollout.kv_budget_gb), whose
+    samples are the same token for token."""
+    from delta_jax import models
+    from delta_jax.sampling.kv_cache import sample_pages
+
+    def prepared(**rollout):
+        cfg = tiny_rl_config("dapo", rollout=dict(page_size=4, max_new_tokens=16, **rollout))
+        run = build_scored_run(cfg, tmp_path / str(len(list(tmp_path.iterdir()))))
+        try:
+            return rl_step_lib.prepare_batch(run, initial_state(run).params, 1), run
+        finally:
+            run.close()
+
+    wide, run = prepared()
+    m = wide.metrics
+    lengths = np.asarray(wide.packed.response_mask).sum(axis=1)
+    assert m["rollout/generated_tokens"] == lengths.sum()
+    assert m["rollout/decode_steps"] >= lengths.max()
+    slots = run.cfg.rollout.max_batch_size
+    assert m["rollout/slot_utilization"] == pytest.approx(
+        lengths.sum() / (m["rollout/decode_steps"] * slots))
+    assert 0 < m["rollout/slot_utilization"] <= 1 and m["rollout/preemptions"] == 0
+    assert m["rollout/tokens_per_s"] > 0 and m["time/decode_s"] > 0 and m["time/prefill_s"] > 0
+    # Room for one sample of the longest prompt at full length and 4 pages more.
+    prompt_len = run.cfg.data.max_prompt_len
+    shared, own = sample_pages(prompt_len, 16, 4)
+    page = models.page_bytes(run.model(initial_state(run).params).cfg, 4)
+    tight, _ = prepared(kv_budget_gb=(1 + shared + own + 4) * page / 2**30,
+                        decode_steps_per_call=2)  # samples grow between calls
+    assert tight.metrics["rollout/preemptions"] > 0
+    assert tight.metrics["rollout/generated_tokens"] == m["rollout/generated_tokens"]
+    np.testing.assert_array_equal(np.asarray(tight.packed.input_ids),
+                                  np.asarray(wide.packed.input_ids))

@@ -49,6 +49,14 @@ class Rollout:
 GenerateAndScore = Callable[[list, int], tuple[Any, np.ndarray, dict]]
 
 
+# The counters collect_rollout sums over a step's generation rounds: the scorer's, the wall time
+# of the sampler and the scorer, and the sampler's own (GenerationOutput.stats: generated_tokens,
+# decode_steps, slot_steps = decode steps x slots, preemptions, prefill / decode seconds).
+ROUND_COUNTERS = ("num_timeouts", "num_no_box", "time_generate", "time_reward",
+                  "generated_tokens", "decode_steps", "slot_steps", "preemptions",
+                  "prefill_seconds", "decode_seconds")
+
+
 def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterator[list], *,
                     num_prompts: int, group_size: int, dynamic_sampling: bool = False,
                     max_rounds: int = 1, prompts_per_round: int = 0,
@@ -57,7 +65,8 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
 
     generate_and_score(records, round) -> (GenerationOutput over the records x group_size,
       rewards fp32 [len(records) * G], info with "accuracy" [len(records) * G] and optional float
-      counters "num_timeouts", "num_no_box", "time_generate", "time_reward"); `round` counts the
+      counters (ROUND_COUNTERS: "num_timeouts", "num_no_box", "time_generate", "time_reward" and
+      the sampler's own, summed over the rounds); `round` counts the
       generation rounds of this step from 0 (each round draws its own seed).
     record_batches: iterator of lists of prompt records (the data pipeline's batches). Without
       dynamic sampling one batch is drawn and kept whole; with it, rounds of `prompts_per_round`
@@ -68,7 +77,7 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
       signal / groups generated), dropped_mean_reward.
     """
     G = group_size
-    stats = {"num_timeouts": 0.0, "num_no_box": 0.0, "time_generate": 0.0, "time_reward": 0.0}
+    stats = dict.fromkeys(ROUND_COUNTERS, 0.0)
     rounds = itertools.count()
 
     def one_round(records):
