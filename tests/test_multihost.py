@@ -358,7 +358,8 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     (rewards.score_across_processes); the gathered rewards are the one-process run's, row for row
     (the parameters below move 3e-3 when the halves are swapped). Process 0 alone writes the
     metrics, the DelTA weight histograms, the eval files and the report, each step once, and
-    prints the progress bar and the info log lines (process 1: warnings and errors only). The
+    prints the progress bar and the info log lines (process 1: warnings and errors only);
+    mode=eval in both processes then evaluates checkpoint 2 as training's last eval did. The
     final checkpoint reads back into this process and holds the parameters of the same run done
     here, without a stop, in one process on 4 of its devices (the same mesh)."""
     import json
@@ -411,6 +412,13 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     hist = [json.loads(line) for line in open(workdir / "delta_weights.jsonl")]
     assert [h["step"] for h in hist] == [1, 2]
     assert sorted(p.name for p in (workdir / "eval").iterdir()) == ["step_0.json", "step_2.json"]
+    # mode=eval in both processes reads checkpoint 2's parameters alone, each process its own
+    # shards (orbax's partial restore), and evaluates them as training's eval after step 2 did.
+    evaluate = launch_two(lambda pid: [*command(pid), "--config.mode=eval"])
+    assert "eval of checkpoint 2 of" in evaluate[0]
+    standalone = json.loads((workdir / "eval" / "standalone_step_2.json").read_text())
+    trained = json.loads((workdir / "eval" / "step_2.json").read_text())
+    assert standalone["benchmarks"] == trained["benchmarks"]
 
     cfg = validate_config(load_config(config_path, **settings))
     mesh = sharding.mesh_from_config(cfg.mesh, devices=jax.devices("cpu")[:4])  # as the workers
