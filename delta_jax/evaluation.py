@@ -18,6 +18,7 @@ question-count-weighted average over benchmarks, as the paper reports.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -446,8 +447,10 @@ def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: f
 
     Call i (from 0) samples with seed `seeds(i)` when given, else `seed + i`, so repeated calls
     draw fresh samples. stop_token_ids: as Sampler.generate (default: the tokenizer's EOS).
+    The function's `sampler_counters` sums the calls' GenerationOutput.counters().
     """
     calls = [0]
+    totals = collections.Counter()
 
     def generate_fn(prompts: list[str], n: int) -> list[list[str]]:
         call_seed = seeds(calls[0]) if seeds is not None else seed + calls[0]
@@ -455,9 +458,12 @@ def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: f
                                top_k=top_k, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids, seed=call_seed)
         calls[0] += 1
+        if hasattr(out, "counters"):
+            totals.update(out.counters())
         if out.texts is None:
             raise ValueError("sampler_generate_fn needs a Sampler built with a tokenizer "
                              "(it returns response texts)")
         return out.texts
 
+    generate_fn.sampler_counters = totals  # GenerationOutput.counters, summed over the calls
     return generate_fn

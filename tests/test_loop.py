@@ -139,6 +139,9 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
                    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial)))
     assert (tmp_path / "metrics.jsonl").read_bytes() == rows_before
     assert metrics and all(np.isfinite(v) for v in metrics.values())
+    # The sampler's side of the evaluation: 2 questions x k = 2 samples of at most 8 tokens.
+    assert 0 < metrics["eval/generated_tokens"] <= 2 * 2 * 8
+    assert 0 < metrics["eval/slot_utilization"] <= 1 and metrics["eval/preemptions"] == 0
     # A workdir without a checkpoint: the configured model itself (here a random init).
     fresh = tmp_path / "fresh"
     loop.eval_only(validate_config(eval_cfg), str(fresh))

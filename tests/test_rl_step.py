@@ -131,7 +131,8 @@ def test_the_steps_sampler_metrics(tmp_path):
     assert m["rollout/slot_utilization"] == pytest.approx(
         lengths.sum() / (m["rollout/decode_steps"] * slots))
     assert 0 < m["rollout/slot_utilization"] <= 1 and m["rollout/preemptions"] == 0
-    assert m["rollout/tokens_per_s"] > 0 and m["time/decode_s"] > 0 and m["time/prefill_s"] > 0
+    assert m["rollout/tokens_per_s"] > 0 and m["rollout/decode_s"] > 0
+    assert m["rollout/prefill_s"] > 0
     # Room for one sample of the longest prompt at full length and 4 pages more.
     prompt_len = run.cfg.data.max_prompt_len
     shared, own = sample_pages(prompt_len, 16, 4)

@@ -35,6 +35,11 @@ def fetch_global(tree):
     return jax.tree.map(one, tree)
 
 
+# GenerationOutput.counters(): the stats that add up over generate() calls.
+COUNTERS = ("generated_tokens", "decode_steps", "slot_steps", "preemptions", "prefill_seconds",
+            "decode_seconds", "seconds")
+
+
 @dataclasses.dataclass
 class GenerationOutput:
     """Per-sample results; lists are indexed [prompt i][sample j].
@@ -74,6 +79,20 @@ class GenerationOutput:
     @property
     def n(self) -> int:
         return len(self.response_ids[0]) if self.response_ids else 0
+
+    def counters(self) -> dict[str, float]:
+        """The stats that add up over several generate() calls (COUNTERS): generated_tokens,
+        decode_steps, slot_steps (decode steps x slots), preemptions, prefill_seconds,
+        decode_seconds, seconds; zeros for an output without stats."""
+        s = self.stats
+        if not s:
+            return dict.fromkeys(COUNTERS, 0.0)
+        return {"generated_tokens": float(s["generated_tokens"]),
+                "decode_steps": float(s["decode_steps"]),
+                "slot_steps": float(s["decode_steps"] * s["slots"]),
+                "preemptions": float(s["preemptions"]),
+                "prefill_seconds": float(s["prefill_seconds"]),
+                "decode_seconds": float(s["decode_seconds"]), "seconds": float(s["seconds"])}
 
     def padded(self, pad_id: int = 0, prompt_len: Optional[int] = None,
                response_len: Optional[int] = None) -> dict[str, np.ndarray]:

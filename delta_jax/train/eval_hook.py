@@ -44,6 +44,9 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
                   "max_new_tokens": cfg.eval.max_new_tokens})
     metrics = result.flat_metrics()
     metrics["time/eval_s"] = time.perf_counter() - t0
+    if generate_fn.sampler_counters:  # the sampler's side: tokens/s, preemptions, ...
+        from delta_jax.train.metrics import sampler_metrics
+        metrics.update(sampler_metrics(generate_fn.sampler_counters, "eval"))
     os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
     stem = file_stem or f"step_{step}"
     if jax.process_index() == 0:

@@ -24,6 +24,22 @@ SUMMARY_KEYS = (
 )
 
 
+def sampler_metrics(counters: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """A run's sampler counters (GenerationOutput.counters, summed over its generate() calls) as
+    metrics under `prefix` ("rollout", "eval"): tokens generated and their rate over the sampler's
+    wall time, decode steps, slot utilization (live samples per slot and decode step),
+    preemptions (samples restarted when the KV page pool, rollout.kv_budget_gb, ran dry) and the
+    seconds in the prefill and decode programs."""
+    tokens = counters["generated_tokens"]
+    return {f"{prefix}/generated_tokens": tokens,
+            f"{prefix}/tokens_per_s": tokens / max(counters["seconds"], 1e-9),
+            f"{prefix}/decode_steps": counters["decode_steps"],
+            f"{prefix}/slot_utilization": tokens / max(counters["slot_steps"], 1.0),
+            f"{prefix}/preemptions": counters["preemptions"],
+            f"{prefix}/prefill_s": counters["prefill_seconds"],
+            f"{prefix}/decode_s": counters["decode_seconds"]}
+
+
 def to_scalars(metrics: Mapping) -> dict[str, float]:
     """Flat dict of finite-or-not Python floats (arrays with one element become scalars)."""
     out = {}

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.sampling.output import COUNTERS
 from delta_jax.train import rollout as rollout_lib
 
 # ----------------------------------------------------------------------------- rollout
@@ -50,11 +51,8 @@ GenerateAndScore = Callable[[list, int], tuple[Any, np.ndarray, dict]]
 
 
 # The counters collect_rollout sums over a step's generation rounds: the scorer's, the wall time
-# of the sampler and the scorer, and the sampler's own (GenerationOutput.stats: generated_tokens,
-# decode_steps, slot_steps = decode steps x slots, preemptions, prefill / decode seconds).
-ROUND_COUNTERS = ("num_timeouts", "num_no_box", "time_generate", "time_reward",
-                  "generated_tokens", "decode_steps", "slot_steps", "preemptions",
-                  "prefill_seconds", "decode_seconds")
+# of the sampler and the scorer, and the sampler's own (GenerationOutput.counters).
+ROUND_COUNTERS = ("num_timeouts", "num_no_box", "time_generate", "time_reward") + COUNTERS
 
 
 def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterator[list], *,

@@ -28,6 +28,7 @@ from delta_jax import sharding as sharding_lib
 from delta_jax.rl import credit, losses, rollout_correction
 from delta_jax.rl import rewards as rewards_lib
 from delta_jax.rl.advantages import compute_advantages
+from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.config import method_settings, old_pass_rows
@@ -114,30 +115,11 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
             run.scorer.score, rollout_lib.flat(samples.texts), golds,
             np.asarray(rollout_lib.flat(samples.response_lengths)),
             np.asarray(rollout_lib.flat(samples.truncated)))
-        st = samples.stats
         info = dict(info, time_generate=t1 - t0, time_reward=time.perf_counter() - t1,
-                    generated_tokens=st["generated_tokens"], decode_steps=st["decode_steps"],
-                    slot_steps=st["decode_steps"] * st["slots"],
-                    preemptions=st["preemptions"], prefill_seconds=st["prefill_seconds"],
-                    decode_seconds=st["decode_seconds"])
+                    **samples.counters())
         return samples, rewards, info
 
     return generate_and_score
-
-
-def sampler_metrics(stats: dict) -> dict:
-    """The sampler's side of a step's rollout (collect_rollout's summed ROUND_COUNTERS): tokens
-    generated and their rate over the sampler's wall time, decode steps, slot utilization (live
-    samples per slot and decode step), preemptions (samples restarted when the KV page pool ran
-    dry: rollout.kv_budget_gb), and the time in the prefill and decode programs."""
-    tokens = stats["generated_tokens"]
-    return {"rollout/generated_tokens": tokens,
-            "rollout/tokens_per_s": tokens / max(stats["time_generate"], 1e-9),
-            "rollout/decode_steps": stats["decode_steps"],
-            "rollout/slot_utilization": tokens / max(stats["slot_steps"], 1.0),
-            "rollout/preemptions": stats["preemptions"],
-            "time/prefill_s": stats["prefill_seconds"],
-            "time/decode_s": stats["decode_seconds"]}
 
 
 def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
@@ -161,7 +143,7 @@ def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
                "rollout/num_no_box": roll.stats["num_no_box"],
                "rollout/sampling_rounds": roll.stats["rounds"],
                "rollout/dropped_groups": roll.stats["dropped_groups"],
-               **sampler_metrics(roll.stats)}
+               **metrics_lib.sampler_metrics(roll.stats, "rollout")}
     if cfg.rl.dynamic_sampling:
         metrics.update({"rollout/padded_groups": roll.stats["padded_groups"],
                         "rollout/keep_rate": roll.stats["keep_rate"],
