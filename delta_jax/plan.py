@@ -417,11 +417,12 @@ class MemoryPlan:
             f"phase peaks per device (delta.feature_cache={s['feature_cache']}):",
         ]
         mem = s["capacity_bytes"]
+        def verdict(b):  # with the share of the limit the phase plans
+            return f"{'fits' if b <= mem else 'DOES NOT FIT'} ({b / mem:.0%})"
         for name, value in self.phases.items():
             flash = self.phases_flash[name]
-            lines.append(f"  {name:30s} {g(value)}  {'fits' if value <= mem else 'DOES NOT FIT'}"
-                         f"   | blockwise attention {g(flash)}  "
-                         f"{'fits' if flash <= mem else 'DOES NOT FIT'}")
+            lines.append(f"  {name:30s} {g(value)}  {verdict(value)}"
+                         f"   | blockwise attention {g(flash)}  {verdict(flash)}")
         for label, fits, rec in (("", self.feature_cache_fits, self.recommended_feature_cache),
                                  (" (blockwise attention)", self.feature_cache_fits_flash,
                                   self.recommended_feature_cache_flash)):
@@ -941,6 +942,20 @@ def capacity_bytes(fallback_gb: float) -> float:
     """What remat auto plans against: the device's allocator limit (device_memory_bytes), or
     `fallback_gb` where the backend reports none (the CPU)."""
     return device_memory_bytes() or fallback_gb * GB
+
+
+# Past this share of the allocator's limit a phase's program may still compile and run, but
+# XLA:GPU then recomputes values to keep its temporaries under the limit (README, Known limits):
+# slower, not out of memory. The start-up check warns of such phases (tight_phases).
+TIGHT_FILL = 0.95
+
+
+def tight_phases(memory_plan: MemoryPlan, capacity_bytes: float, phases=None) -> list[str]:
+    """The phases (of `phases`, default all) planned within the last 1 - TIGHT_FILL of
+    `capacity_bytes` but not over it."""
+    names = tuple(memory_plan.phases) if phases is None else phases
+    return [n for n in names if n in memory_plan.phases
+            and TIGHT_FILL * capacity_bytes < memory_plan.phases[n] <= capacity_bytes]
 
 
 def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,

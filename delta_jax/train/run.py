@@ -235,10 +235,17 @@ def check_memory_plan(cfg, model_cfg, mesh) -> None:
     memory_plan = plan.plan_from_config(cfg, mesh_shape=_mesh_shape(mesh), model_cfg=model_cfg,
                                         capacity_bytes=capacity)
     device = jax.local_devices()[0]
-    plan.check_fits(memory_plan, capacity, phases=plan.PHASES_BY_MODE[cfg.mode],
+    phases = plan.PHASES_BY_MODE[cfg.mode]
+    plan.check_fits(memory_plan, capacity, phases=phases,
                     source=f"the allocator limit of {device.platform}:{device.id}; on GPUs "
                            f"{plan.MEM_FRACTION_ENV[0]} sets it, default "
                            f"{plan.DEFAULT_MEM_FRACTION_CUDA:g} of the memory")
+    for name in plan.tight_phases(memory_plan, capacity, phases):
+        log.warning("plan.check_memory: phase '%s' plans %.2f GB of the %.2f GB the allocator may "
+                    "use (over %.0f%%): it should fit, but XLA may recompute values to stay "
+                    "within the limit, which is slower; turn: %s", name,
+                    memory_plan.phases[name] / plan.GB, capacity / plan.GB,
+                    100 * plan.TIGHT_FILL, ", ".join(plan.PHASE_KNOBS[name]))
 
 
 def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = True,
