@@ -23,6 +23,10 @@
 #                                                # static (TAIL_MODES, SHRINK_BATCHES) (#15)
 #   bash scripts/gpu_bench.sh profile_longtail   # long tail at batch 64 (PROFILE_TAIL_BATCH), device time by kernel (#15)
 #   bash scripts/gpu_bench.sh synthetic          # experiments/synthetic_gpu.py wall time (#19)
+#   bash scripts/gpu_bench.sh recipe_paths       # the whole program on the GPU through the recipes'
+#                                                # memory settings: host feature cache, optimizer
+#                                                # offload, a page pool that preempts, old-policy
+#                                                # chunks, eval phase; then mode=eval (#16)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
@@ -550,6 +554,21 @@ for s in "$@"; do
     synthetic)  # issue 19: the GPU-scale config's wall time (target <= 8 minutes)
       stage synthetic 540 python3 -m delta_jax.main --config=experiments/synthetic_gpu.py \
         --workdir=/tmp/synthetic_gpu ;;
+    recipe_paths)  # issue 16: the paths the 8B / 14B recipes take, none yet run on a GPU:
+                   # bfloat16 parameters with their float32 master copy, DelTA's features in
+                   # pinned host memory, the optimizer state offloaded between updates, a
+                   # 0.25 GiB page pool (preempts: rollout/preemptions),
+                   # old-policy chunks of 64 rows, an eval phase; 2 RL steps, a checkpoint,
+                   # then mode=eval reading its parameters alone. metrics.jsonl goes to $OUT.
+      RP=(--config=experiments/synthetic_gpu.py --workdir=/tmp/recipe_paths --config.sft.steps=0
+          --config.train.steps=2 --config.train.save_every=2 --config.train.eval_before=False
+          --config.eval.limit=64 --config.delta.feature_cache=host --config.optim.offload=True
+          --config.rollout.kv_budget_gb=0.25 --config.rl.old_pass_rows=64
+          --config.model.param_dtype=bfloat16)
+      stage recipe_paths 300 python3 -m delta_jax.main "${RP[@]}"
+      stage recipe_paths_eval 120 python3 -m delta_jax.main "${RP[@]}" --config.mode=eval
+      [ -n "${DRY_RUN:-}" ] || cp /tmp/recipe_paths/metrics.jsonl "$OUT/recipe_paths_metrics.jsonl" \
+        2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done

@@ -76,6 +76,13 @@ def check_command(argv, monkeypatch):
     if argv[1] == "-m" and argv[2] == "delta_jax.main":
         configs = [a.split("=", 1)[1] for a in argv[3:] if a.startswith("--config=")]
         assert configs and (ROOT / configs[0]).is_file(), argv
+        # Its flags against the config: the same command in plan mode (shapes only, no device),
+        # which validates the config and plans it for one CUDA GPU.
+        plan_argv = [sys.executable, *argv[1:], "--config.mode=plan", "--config.plan.target=cuda",
+                     "--config.plan.num_devices=1", "--config.mesh.data=1"]
+        out = subprocess.run(plan_argv, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+        assert out.returncode == 0, f"{' '.join(argv)}:\n{out.stdout[-1500:]}{out.stderr[-1500:]}"
         return "main"
     script = pathlib.Path(argv[1])
     if script.parts[0] == ".whl":  # the peer's script from ../shared/bench, not in the repository
@@ -161,7 +168,8 @@ def test_stage_variables_change_the_commands(monkeypatch):
 
 def test_a_stale_flag_is_caught(monkeypatch):
     """Positive control: a flag no parser knows, in a script with parse_args and in one that
-    parses inside main, fails the check; so does a missing test file or script."""
+    parses inside main, fails the check; so does a missing test file or script, and a
+    delta_jax.main config field that does not exist or whose value it refuses."""
     with pytest.raises(pytest.fail.Exception, match="refused"):
         check_command(["python3", "benchmarks/sampler_ab.py", "--batch", "64", "--no-such-flag"],
                       monkeypatch)
@@ -173,6 +181,12 @@ def test_a_stale_flag_is_caught(monkeypatch):
                        "tests/test_no_such_file.py"], monkeypatch)
     with pytest.raises(AssertionError):
         check_command(["python3", "benchmarks/no_such_benchmark.py"], monkeypatch)
+    # delta_jax.main: a config field that does not exist, or a value its validation refuses.
+    main = ["python3", "-m", "delta_jax.main", "--config=experiments/synthetic_gpu.py"]
+    for bad in ("--config.rl.old_pass_rowz=64", "--config.rl.old_pass_rows=-1"):
+        with pytest.raises(AssertionError, match="old_pass_row"):
+            check_command(main + [bad], monkeypatch)
+    assert check_command(main + ["--config.rl.old_pass_rows=64"], monkeypatch) == "main"
     # and the real arguments pass
     assert check_command(["python3", "benchmarks/lm_head_logprob.py", "--tokens", "8"],
                          monkeypatch) == "benchmark"
