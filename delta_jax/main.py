@@ -191,10 +191,14 @@ def main(argv):
     except TrainingInterrupted as e:  # every process stops at the same step (agreed)
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
-    except Exception:  # noqa: BLE001 - reported, then the process leaves at once
+    except Exception as e:  # noqa: BLE001 - reported, then the process leaves at once
         if not _distributed_started():
             raise
-        traceback.print_exc()
+        from delta_jax.sharding import PartnerGone
+        if isinstance(e, PartnerGone):  # another process stopped: its own log says why
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         exit_alone(1)
 
 

@@ -417,6 +417,7 @@ class MemoryPlan:
             f"phase peaks per device (delta.feature_cache={s['feature_cache']}):",
         ]
         mem = s["capacity_bytes"]
+
         def verdict(b):  # with the share of the limit the phase plans
             return f"{'fits' if b <= mem else 'DOES NOT FIT'} ({b / mem:.0%})"
         for name, value in self.phases.items():

@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from delta_jax.errors import first_line
+
 log = logging.getLogger("delta_jax.sharding")
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -433,12 +435,27 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
     return jax.process_index(), jax.process_count()
 
 
+class PartnerGone(RuntimeError):
+    """The coordination service (process 0's) went away while this process started: another
+    process of the run stopped (its own log says why)."""
+
+
 def _backends_up_barrier(timeout_s: int = 300) -> None:
     """Waits until every process has created its backend. Creating it takes more than one
     exchange with the coordination service (process 0's), so without this a process that fails
     at once after its own (its workdir held by another run, a bad file) can take the service
     down while another is still mid-way, which then dies of a gRPC error in start-up ("Socket
-    closed") instead of being stopped by the distributed runtime as a partner's failure."""
+    closed") instead of being stopped by the distributed runtime as a partner's failure.
+    Process 0 can still leave right after the barrier, before another's reply from it arrives:
+    that reply's UNAVAILABLE is raised as PartnerGone (delta_jax.main: one line, no
+    traceback), as the distributed runtime would stop this process anyway."""
     from jax._src import distributed as _dist
-    _dist.global_state.client.wait_at_barrier("delta_jax_backends_up",
-                                              timeout_in_ms=timeout_s * 1000)
+    try:
+        _dist.global_state.client.wait_at_barrier("delta_jax_backends_up",
+                                                  timeout_in_ms=timeout_s * 1000)
+    except jax.errors.JaxRuntimeError as e:
+        if "UNAVAILABLE" not in str(e):
+            raise
+        raise PartnerGone("jax.distributed: the coordination service (process 0's) went away "
+                          "while this process started: another process of the run stopped; "
+                          f"its log says why ({first_line(e)})") from None

@@ -245,6 +245,29 @@ def test_distributed_settings():
     assert sharding.initialize_distributed(env={}) == (0, 1)
 
 
+def test_a_partner_gone_at_start_up_is_one_clear_error(monkeypatch):
+    """The start-up barrier's reply lost because process 0 (the coordination service) left right
+    after it (gRPC UNAVAILABLE) is PartnerGone, which delta_jax.main reports in one line; any
+    other failure of the barrier (a timeout: DEADLINE_EXCEEDED) stays what it is."""
+    import jax
+    from jax._src import distributed as _dist
+
+    class Client:
+        def __init__(self, message):
+            self.message = message
+
+        def wait_at_barrier(self, name, timeout_in_ms):
+            raise jax.errors.JaxRuntimeError(self.message)
+
+    monkeypatch.setattr(_dist.global_state, "client", Client(
+        "UNAVAILABLE: Failed to send RPC to coordination service. Socket closed"))
+    with pytest.raises(sharding.PartnerGone, match="another process of the run stopped"):
+        sharding._backends_up_barrier()
+    monkeypatch.setattr(_dist.global_state, "client", Client("DEADLINE_EXCEEDED: barrier"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):
+        sharding._backends_up_barrier()
+
+
 @pytest.mark.parametrize("env,started", [
     ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, True),        # a multi-host TPU pod slice
     ({"TPU_WORKER_HOSTNAMES": "t0"}, False),                # one TPU host

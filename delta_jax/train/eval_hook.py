@@ -10,6 +10,7 @@ import time
 import jax
 
 from delta_jax.train import rollout as rollout_lib
+from delta_jax.train.metrics import sampler_metrics
 from delta_jax.train.run import Run
 
 log = logging.getLogger("delta_jax.train")
@@ -45,7 +46,6 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     metrics = result.flat_metrics()
     metrics["time/eval_s"] = time.perf_counter() - t0
     if generate_fn.sampler_counters:  # the sampler's side: tokens/s, preemptions, ...
-        from delta_jax.train.metrics import sampler_metrics
         metrics.update(sampler_metrics(generate_fn.sampler_counters, "eval"))
     os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
     stem = file_stem or f"step_{step}"
