@@ -37,8 +37,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from delta_jax.errors import first_line
-
 log = logging.getLogger("delta_jax.sharding")
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -456,6 +454,7 @@ def _backends_up_barrier(timeout_s: int = 300) -> None:
     except jax.errors.JaxRuntimeError as e:
         if "UNAVAILABLE" not in str(e):
             raise
+        cause = (str(e).strip().splitlines() or [""])[0][:300]
         raise PartnerGone("jax.distributed: the coordination service (process 0's) went away "
                           "while this process started: another process of the run stopped; "
-                          f"its log says why ({first_line(e)})") from None
+                          f"its log says why ({cause})") from None
