@@ -845,8 +845,8 @@ def _remat_plans(cfg, capacity_bytes: Optional[float], mesh_shape: tuple[int, in
                                           capacity_bytes)
         return plans[policy].phases["update"]
 
-    policy, _ = pick_remat(update_bytes, _capacity(cfg, target, capacity_bytes),
-                           auto_remat_order(target))
+    limit = planned_capacity_bytes(cfg, target) if capacity_bytes is None else capacity_bytes
+    policy, _ = pick_remat(update_bytes, limit, auto_remat_order(target))
     return policy, plans
 
 
@@ -866,11 +866,6 @@ def pick_remat(update_bytes, capacity_bytes: float,
         if tried[policy] <= AUTO_REMAT_FILL * capacity_bytes:
             return policy, tried
     return "full", tried
-
-
-def _capacity(cfg, target: str, capacity_bytes: Optional[float]) -> float:
-    """`capacity_bytes`, or planned_capacity_bytes(cfg, target) for None."""
-    return planned_capacity_bytes(cfg, target) if capacity_bytes is None else capacity_bytes
 
 
 def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelConfig,
