@@ -49,13 +49,13 @@ def run(cfg, workdir: str):
         result = plan.plan_from_config(cfg, target=cfg.plan.target)
         print(result.to_text())
         return result
-    xla_env.enable_compilation_cache(cfg.train.compilation_cache_dir)
     from delta_jax import sharding
     sharding.initialize_distributed(cfg.distributed.coordinator_address,
                                     cfg.distributed.num_processes, cfg.distributed.process_id,
                                     heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
-    os.makedirs(workdir, exist_ok=True)
     import jax
+    xla_env.enable_compilation_cache(cfg.train.compilation_cache_dir, jax.default_backend())
+    os.makedirs(workdir, exist_ok=True)
     if jax.process_index() != 0:  # one console: the other hosts log only warnings and errors
         logging.getLogger("delta_jax").setLevel(logging.WARNING)
 

@@ -46,9 +46,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" \
     "flax==$FLAX_VERSION" pytest pytest-xdist "${EXTRA[@]}" -e .
-# A compile cache of this venv's own (the suite's default, .jax_cache/tests, is the project venv's;
-# sharing it, jax 0.11.2 once segfaulted reading an entry, 2026-11-27); set it to override.
-export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR-$PWD/.jax_cache/$VENV}"
+# No persistent compile cache unless JAX_COMPILATION_CACHE_DIR names one (tests/conftest.py says
+# why; with a directory shared with the project venv, jax 0.11.2 once segfaulted reading an entry,
+# 2026-11-27: give each venv its own).
 if [ ${#EXTRA[@]} -gt 0 ]; then
   [ $# -gt 0 ] || { echo "gpu_jax_check --compile: name the script to run" >&2; exit 2; }
   JAX_PLATFORMS=cpu exec "$VENV/bin/python" "$@"

@@ -57,15 +57,15 @@ in a subprocess. Put `--xla_cpu_use_fusion_emitters=true` in XLA_FLAGS to test t
 test_default_run.py runs the README's main job with neither flag (rl_fixtures.default_codegen_env),
 so the product is also tested end to end as a user's CPU run compiles it.
 
-Compilation cache. Most of the suite's time is XLA compiles, and many tests compile the same
-programs: the tests that run `python -m delta_jax.main` in subprocesses (each one compiles the
-whole run), the two pytest workers, fixtures that rebuild a step per module. JAX's persistent
-compilation cache (JAX_COMPILATION_CACHE_DIR, default `.jax_cache/tests` in the checkout, shared by
-the workers and every subprocess a test starts) compiles each of them once per run. Its key is the
+Compilation cache: off. JAX's persistent compilation cache would compile each program once per
+run for the two workers and the subprocesses tests start, but every cache write runs XLA:CPU's
+executable serialization, which crashed a pytest worker (SIGSEGV in `executable.serialize()`,
+jax 0.10.2) in 2 of about 10 full runs, and pytest-xdist then hung until CI's time limit. The
+suite took 9 min 5 s without it against ~8 min 40 s with it from an empty cache (a clean clone),
+both on the 2-core VM (2026-11-28). A developer may still point JAX_COMPILATION_CACHE_DIR at a
+directory for warm reruns of a checkout (e.g. `.jax_cache/tests`, git-ignored); its key is the
 program, the compile options, the devices and the jax/jaxlib versions, so a hit runs the same
-executable a compile would have built (only source-line metadata in `as_text()` differs). A clean
-clone starts empty; later runs in the same checkout start warm. JAX_COMPILATION_CACHE_DIR="" turns
-it off.
+executable a compile would have built.
 """
 import os
 import pathlib
@@ -101,11 +101,11 @@ if any(name in os.environ["JAX_PLATFORMS"] for name in ("cuda", "gpu")):
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".jax_cache" / "tests"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")  # "" = off, here and in subprocesses
 if not os.environ["JAX_COMPILATION_CACHE_DIR"]:
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-# Cache compiles from 0.1 s (JAX's default is 1 s; most of the suite's compiles are shorter but
-# repeat) and keep the directory under 2 GiB, least recently used first.
+# Where a developer turns it on: cache compiles from 0.1 s (JAX's default is 1 s; most of the
+# suite's compiles are shorter but repeat) and keep the directory under 2 GiB, LRU first.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 

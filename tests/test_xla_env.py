@@ -85,11 +85,12 @@ def test_the_users_jax_compilation_cache_dir_wins(tmp_path, monkeypatch):
     so is a train.compilation_cache_dir of "": then nothing is configured or created."""
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/u")
-    assert xla_env.enable_compilation_cache(str(tmp_path / "c")) == "/u"
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c"), "gpu") == "/u"
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c"), "cpu") == "/u"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
-    assert xla_env.enable_compilation_cache(str(tmp_path / "c")) is None
+    assert xla_env.enable_compilation_cache(str(tmp_path / "c"), "gpu") is None
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
-    assert xla_env.enable_compilation_cache("") is None
+    assert xla_env.enable_compilation_cache("", "gpu") is None
     assert not (tmp_path / "c").exists() and jax.config.jax_compilation_cache_dir == before
 
 
@@ -97,28 +98,38 @@ CACHED_RUN = (
     "import logging, sys\n"
     "logging.basicConfig(level=logging.DEBUG)\n"
     "from delta_jax import xla_env\n"
-    "print('DIR', xla_env.enable_compilation_cache(sys.argv[1]))\n"
+    "print('DIR', xla_env.enable_compilation_cache(sys.argv[1], sys.argv[2]))\n"
     "import jax, jax.numpy as jnp\n"
     "print('SUM', float(jax.jit(lambda x: jnp.sin(x).sum())(jnp.arange(8.0))))\n")
 
 
 def test_a_second_process_loads_what_the_first_compiled(tmp_path):
-    """Fresh processes without JAX_COMPILATION_CACHE_DIR: the first compiles a program into the
-    configured directory ("~" expanded against HOME), the second loads it from there (JAX's log
-    says "cache hit") and computes the same."""
+    """Fresh processes without JAX_COMPILATION_CACHE_DIR, for an accelerator backend: the first
+    compiles a program into the configured directory ("~" expanded against HOME), the second
+    loads it from there (JAX's log says "cache hit") and computes the same. (What is exercised
+    is JAX's cache on the platform the test runs on, here the CPU, which stands in for the
+    accelerator `enable_compilation_cache` is told of.) For the CPU backend nothing is cached."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_ENABLE_COMPILATION_CACHE"))}
     env.update(HOME=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # cache even a tiny program
     cache = tmp_path / ".cache" / "delta_jax" / "jax"
-    runs = [subprocess.run([sys.executable, "-c", CACHED_RUN, "~/.cache/delta_jax/jax"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]
-    for out in runs:
+
+    def run(backend):
+        out = subprocess.run([sys.executable, "-c", CACHED_RUN, "~/.cache/delta_jax/jax",
+                              backend], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert f"DIR {cache}" in out.stdout and "SUM " in out.stdout
-    assert [l for l in runs[0].stdout.splitlines() if l.startswith("SUM")] == [
-        l for l in runs[1].stdout.splitlines() if l.startswith("SUM")]
+        assert "SUM " in out.stdout
+        return out
+
+    cpu = run("cpu")
+    assert "DIR None" in cpu.stdout and not cache.exists()
+    runs = [run("gpu") for _ in range(2)]
+    for out in runs:
+        assert f"DIR {cache}" in out.stdout
+    assert len({l for out in (cpu, *runs) for l in out.stdout.splitlines()
+                if l.startswith("SUM")}) == 1
     assert any(cache.iterdir())
     assert "cache hit" not in runs[0].stderr.lower()
     assert "cache hit" in runs[1].stderr.lower(), runs[1].stderr[-3000:]
@@ -140,7 +151,8 @@ def test_main_run_configures_the_cache_before_it_builds_anything(tmp_path, monke
     def stopped(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(xla_env, "enable_compilation_cache", lambda d: calls.append(d))
+    monkeypatch.setattr(xla_env, "enable_compilation_cache",
+                        lambda d, backend: calls.append((d, backend)))
     monkeypatch.setattr(loop, "train", stopped)
     spec = importlib.util.spec_from_file_location("tiny", REPO / "experiments" / "tiny.py")
     tiny = importlib.util.module_from_spec(spec)
@@ -149,7 +161,7 @@ def test_main_run_configures_the_cache_before_it_builds_anything(tmp_path, monke
     cfg.train.compilation_cache_dir = str(tmp_path / "cache")
     with pytest.raises(Stop):
         main.run(cfg, str(tmp_path / "run"))
-    assert calls == [str(tmp_path / "cache")]
+    assert calls == [(str(tmp_path / "cache"), jax.default_backend())]
     cfg.mode = "plan"
     main.run(cfg, "")
-    assert calls == [str(tmp_path / "cache")]
+    assert calls == [(str(tmp_path / "cache"), jax.default_backend())]

@@ -315,7 +315,7 @@ def default_config() -> config_dict.ConfigDict:
     c.train.progress_bar = True
     # JAX's persistent compilation cache: a rerun of the same shapes (a sweep, a resume) loads
     # its compiled programs instead of compiling them again. "" = off; JAX_COMPILATION_CACHE_DIR,
-    # where set, wins.
+    # where set, wins. Off on the CPU backend (xla_env.enable_compilation_cache says why).
     c.train.compilation_cache_dir = "~/.cache/delta_jax/jax"
     # Resuming a run whose results-changing fields differ from its config.json is refused
     # (the differences are listed) unless this is True.
