@@ -147,6 +147,10 @@ def parse_args(argv=None):
     p.add_argument("--no-prefill-ahead", action="store_true",
                    help="continuous batching prefills only the prompts it admits (one prefill "
                         "call per refill; Sampler(prefill_ahead=False))")
+    p.add_argument("--restart-preempted", action="store_true",
+                   help="Sampler(resume_preempted=False): a sample preempted when the page pool "
+                        "(--kv-budget-gb) runs dry restarts from its first token instead of "
+                        "resuming after a prefill of its prompt and tokens")
     p.add_argument("--batch-invariant", action="store_true",
                    help="Sampler(batch_invariant=True): the prefill and decode programs compiled "
                         "with XLA's GEMMs held to one summation order at every row count")
@@ -324,6 +328,7 @@ def make_sampler(model, batch: int, impl: str, args, continuous: bool = True,
                    kv_budget_bytes=budget, continuous=continuous, shrink_batch=shrink,
                    batch_invariant=args.batch_invariant, decode_splits=args.decode_splits,
                    prefill_ahead=not args.no_prefill_ahead,
+                   resume_preempted=not args.restart_preempted,
                    refill_after=args.refill_after or None,
                    refill_queue=None if args.refill_queue < 0 else args.refill_queue)
 
@@ -595,7 +600,9 @@ def print_table(results):
             m, st = t[mode], t[mode]["stats"]
             print(f"    tail {mode}: {m['useful_tokens_per_s']:.1f} tok/s, x static "
                   f"{m['useful_tokens_per_s'] / t['static']['useful_tokens_per_s']:.2f}, "
-                  f"{st['decode_rows']:.1f} rows a step; decode {st['decode_seconds']:.3f} s = "
+                  f"{st['decode_rows']:.1f} rows a step, {st['decode_steps']} steps, "
+                  f"{st['preemptions']} preemptions ({st['resumed']} resumed); "
+                  f"decode {st['decode_seconds']:.3f} s = "
                   f"{100 * m['decode_fraction_of_limit']:.1f}% of its read limit "
                   f"({m['decode_read_ideal_gb']:.3g} GB); prefill {st['prefill_seconds']:.3f} s "
                   f"at {m['prefill_tflop_s']:.3g} TFLOP/s; outside calls "

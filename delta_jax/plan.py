@@ -76,7 +76,7 @@ from delta_jax import models
 from delta_jax import sharding as sharding_lib
 from delta_jax.errors import naming
 from delta_jax.models.logprobs import positions_per_chunk
-from delta_jax.sampling import bucket_size, plan_kv, prefill_rows_per_shard
+from delta_jax.sampling import bucket_size, plan_kv, prefill_rows_per_shard, widest_resume_prefill
 
 GB = 1e9
 FEATURE_CACHE_MODES = ("device", "host", "recompute")  # config.delta.feature_cache
@@ -442,6 +442,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 page_size: int = 32, kv_budget_bytes: Optional[int] = None,
                 devices_per_host: int = 8, kl_reference: bool = False,
                 optimizer_offload: bool = False, old_pass_rows: int = 0,
+                resume_preempted: bool = True,
                 eval_response_len: int = 0, eval_group_size: int = 0,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
@@ -462,7 +463,9 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     device_memory_gb x memory_fraction (what the allocator may use: allocator_fraction;
     memory_fraction_source says where that came from, for the text). eval_response_len > 0 adds
     an "eval" phase: the rollout's with the sampler's pool sized for that many new tokens and
-    eval_group_size samples a prompt (default group_size). Nothing is allocated.
+    eval_group_size samples a prompt (default group_size). resume_preempted: with a pool below
+    the worst case (kv_budget_bytes), the sampler's prefill of preempted samples' prompts and
+    tokens (rollout.resume_preempted) counts beside the prompts'. Nothing is allocated.
     """
     import optax
     if feature_cache not in FEATURE_CACHE_MODES:
@@ -569,11 +572,13 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
              else sampler_rows)
     kv_split = tensor if model_cfg.num_kv_heads % tensor == 0 else 1
 
-    def kv_bytes(new_tokens):
-        pool = plan_kv(model_cfg, slots=slots, shards=batch_shards, prompt_len=prompt_len,
+    def kv_pool(new_tokens):
+        return plan_kv(model_cfg, slots=slots, shards=batch_shards, prompt_len=prompt_len,
                        max_new_tokens=new_tokens, page_size=page_size,
                        kv_budget_bytes=kv_budget_bytes)
-        return pool.shard_bytes // kv_split
+
+    def kv_bytes(new_tokens):
+        return kv_pool(new_tokens).shard_bytes // kv_split
 
     kv = kv_bytes(response_len)
     # Evaluation runs the same sampler (same slots, prompts and budget) for eval_response_len
@@ -590,16 +595,24 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # One prefill call of the sampler (scheduler.prefill_rows_per_shard: slots / n prompts of
     # all but their last token, bucketed, at most ~MAX_PREFILL_TOKENS tokens) on a device: one
     # layer's forward at a time (forward_layer_peak, as the old-policy pass); each layer writes
-    # its keys and values into the pages as it computes them (Transformer.prefill_paged).
+    # its keys and values into the pages as it computes them (Transformer.prefill_paged). Where
+    # the pool can run dry (a budget below the worst case) and preempted samples resume, a call
+    # may instead prefill their prompts and tokens: rows up to widest_resume_prefill wide.
     P = bucket_size(max(1, prompt_len - 1), 16)
 
-    def prefill_bytes(impl, group=group_size):
-        p_rows = prefill_rows_per_shard(slots, group, P, batch_shards)
-        return forward_layer_peak(
-            _layer_activation_bytes(model_cfg, p_rows, P, tensor, impl, backward=False))
+    def prefill_bytes(flash, group=group_size, new_tokens=response_len):
+        shapes = [(prefill_rows_per_shard(slots, group, P, batch_shards), P)]
+        pool = kv_pool(new_tokens)
+        if resume_preempted and pool.num_pages < pool.worst_case_pages:
+            width = widest_resume_prefill(prompt_len - 1 + new_tokens - 1)
+            shapes.append((prefill_rows_per_shard(slots, 1, width, batch_shards), width))
+        return max(forward_layer_peak(_layer_activation_bytes(
+            model_cfg, rows, width, tensor,
+            "blockwise" if flash else _resolved_attention(model_cfg, width, target),
+            backward=False)) for rows, width in shapes)
 
     prefill_kind = attention_kind(model_cfg, P, target)
-    prefill = prefill_bytes(_resolved_attention(model_cfg, P, target))
+    prefill = prefill_bytes(False)
     eval_group = eval_group_size or group_size
 
     # Old-policy pass: forward only over a chunk of old_pass_rows rows (default sampler_rows),
@@ -649,14 +662,14 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
 
     phases, fits, recommended = peaks(
         prefill, old_pass, act["configured"],
-        prefill_bytes(_resolved_attention(model_cfg, P, target), eval_group))
+        prefill_bytes(False, eval_group, eval_response_len or response_len))
     act_cfg_flash = activations(_layer_activation_bytes(model_cfg, m_rows, seq, tensor,
                                                         "blockwise"))["configured"]
     phases_flash, fits_flash, rec_flash = peaks(
-        prefill_bytes("blockwise"),
+        prefill_bytes(True),
         old_pass_bytes(_layer_activation_bytes(model_cfg, o_rows, seq, tensor, "blockwise",
                                                backward=False)),
-        act_cfg_flash, prefill_bytes("blockwise", eval_group))
+        act_cfg_flash, prefill_bytes(True, eval_group, eval_response_len or response_len))
     settings = {
         "model": name or f"L={L} H={H}", "num_params": model_cfg.num_params(),
         "param_dtype": jnp.dtype(model_cfg.param_dtype).name,
@@ -887,7 +900,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         memory_fraction_source=source,
         rollout_rows=cfg.rollout.batch_prompts * G, prompt_len=cfg.data.max_prompt_len,
         response_len=cfg.rollout.max_new_tokens, sampler_rows=cfg.rollout.max_batch_size,
-        old_pass_rows=old_pass_rows(cfg),
+        old_pass_rows=old_pass_rows(cfg), resume_preempted=cfg.rollout.resume_preempted,
         group_size=G, mini_batch_rows=cfg.rl.mini_batch_prompts * G,
         micro_batch_rows=cfg.rl.micro_batch_size,
         logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,

@@ -12,7 +12,7 @@ def get_config():
     # (--config.mode=plan); host memory does. Use "device" on larger-memory accelerators.
     c.delta.feature_cache = "host"
     # Beside Qwen3-14B's larger optimizer state a smaller page pool (16 GiB a GPU, 105k tokens)
-    # for fewer slots (128, 16 a GPU): rollout and eval phases plan 47 GB of the 60 GB limit.
+    # for fewer slots (128, 16 a GPU): rollout and eval phases plan 50 GB of the 60 GB limit.
     c.rollout.max_batch_size = 128
     c.rollout.kv_budget_gb = 16.0
     return c

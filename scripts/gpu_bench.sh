@@ -52,6 +52,7 @@
 #                                                # GEMM splits, kernels a step, 8-256 rows (#15)
 #   bash scripts/gpu_bench.sh fused_tail         # batch 64, 256: long tail, mosaic / mosaic_fused interleaved (#15)
 #   bash scripts/gpu_bench.sh longtail_steps     # batch 64, staging: 32 / 64 steps a call, 16 / 32 staged (#15)
+#   bash scripts/gpu_bench.sh longtail_pool      # batch 64 in a 0.3 page pool: preempted samples resumed / restarted (#15)
 #   DECODE_ATTENTION=reference bash scripts/gpu_bench.sh profile longtail   # decode with the jnp
 #                                                # page reader (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
@@ -287,6 +288,17 @@ for s in "$@"; do
           --dtype bfloat16 --batch "$b" --prompt-len 512 --new-tokens 1024 \
           --decode-attention mosaic mosaic_fused --refill-queue -1 --repeats 2 \
           --out "$OUT/sampler_ab_fused_tail_$b.json"
+      done ;;
+    longtail_pool)  # issue 15: the batch-64 long tail (lengths of mean 341) in a page pool of
+                    # 3.2 GiB, 0.3 of the worst case (10.8 GiB): preempted samples resumed after
+                    # a prefill of their tokens (the default) and restarted. CPU counts at the 8B
+                    # recipe's proportions: BENCHMARKS.md "Preemption in a bounded page pool"
+      for mode in resume restart; do
+        stage "longtail_pool_$mode" 300 python3 benchmarks/decode_throughput.py \
+          --preset qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --new-tokens 1024 \
+          --decode-attention "$DECODE" --workload longtail --tail-mean-div 3 --hf never \
+          --repeats 2 --kv-budget-gb 3.2 $([ $mode = restart ] && echo --restart-preempted) \
+          --output "$OUT/decode_throughput_pool_$mode$SUFFIX.json"
       done ;;
     longtail_steps)  # issue 15: the batch-64 long tail (256 and 768 samples) with samples staged
                      # at 32 (the default) and 64 decode steps a call, 16 (the default, slots //

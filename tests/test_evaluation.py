@@ -405,19 +405,21 @@ def test_sampler_generate_fn_sums_the_samplers_counters():
                 response_lengths=[[1] * n] * k, truncated=[[False] * n] * k,
                 texts=[["x"] * n] * k,
                 stats={"generated_tokens": 10 * k, "decode_steps": 4, "slots": 8, "preemptions": k,
-                       "prefill_seconds": 0.5, "decode_seconds": 1.5, "seconds": 2.5})
+                       "resumed": k - 1, "prefill_seconds": 0.5, "decode_seconds": 1.5,
+                       "seconds": 2.5})
 
     gen = ev.sampler_generate_fn(CountingSampler())
     gen(["a", "b"], 2)
     gen(["c"], 2)
     assert dict(gen.sampler_counters) == {
         "generated_tokens": 30.0, "decode_steps": 8.0, "slot_steps": 64.0, "preemptions": 3.0,
-        "prefill_seconds": 1.0, "decode_seconds": 3.0, "seconds": 5.0}
+        "resumed": 1.0, "prefill_seconds": 1.0, "decode_seconds": 3.0, "seconds": 5.0}
     assert set(gen.sampler_counters) == set(COUNTERS)
     from delta_jax.train.metrics import sampler_metrics
     m = sampler_metrics(gen.sampler_counters, "eval")
     assert m["eval/tokens_per_s"] == 6.0 and m["eval/slot_utilization"] == 30 / 64
     assert m["eval/preemptions"] == 3.0 and m["eval/decode_s"] == 3.0
+    assert m["eval/resumed"] == 1.0
 
 
 # --- code benchmarks -----------------------------------------------------------------------

@@ -1036,6 +1036,42 @@ def test_rollout_prefill_is_one_layers_forward():
     assert prefill(mc.replace(num_layers=14)) == prefill(mc)
 
 
+def test_rollout_prefill_counts_resumed_samples_where_the_pool_can_run_dry():
+    """With a KV budget below the worst case, preempted samples resume after a prefill of their
+    prompt and tokens (rollout.resume_preempted): the prefill term is the larger of the prompts'
+    call and such a call (scheduler.widest_resume_prefill wide, prefill_rows_per_shard rows of
+    one sample). Known answers for Qwen3-0.6B on a CUDA target (cuDNN attention): 16 slots
+    of 4 samples a prompt, prompts of 512 + 1 tokens (4 rows x 512 a call), 1,024 new tokens:
+    resumed rows up to 2,048 wide, 16 a call; 40,000 new tokens: one row of 32,768
+    (MAX_PREFILL_TOKENS; longer samples restart). Without a budget, or with resumes off: the
+    prompts' call."""
+    from delta_jax.sampling import prefill_rows_per_shard, widest_resume_prefill
+    mc = models.get_preset("qwen3-0.6b", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    def budget(response_len):  # room for about two samples; the worst case is 16
+        return 2 * (-(-(513 + response_len) // 32) + 1) * models.page_bytes(mc, 32)
+
+    def prefill(response_len=1024, **kw):
+        return plan.plan_memory(
+            mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=16, prompt_len=513,
+            response_len=response_len, sampler_rows=16, group_size=4, mini_batch_rows=16,
+            micro_batch_rows=0, logprob_chunk_tokens=256, recompute_chunk=16,
+            target="cuda", **kw).prefill
+
+    def peak(rows, width):
+        return plan.forward_layer_peak(
+            plan._layer_activation_bytes(mc, rows, width, 1, "cudnn", backward=False))
+
+    assert prefill_rows_per_shard(16, 4, 512) == 4
+    assert widest_resume_prefill(512 + 1024 - 1) == 2048 and prefill_rows_per_shard(16, 1, 2048) == 16
+    assert widest_resume_prefill(512 + 40000 - 1) == 32768
+    assert prefill_rows_per_shard(16, 1, 32768) == 1
+    prompts = peak(4, 512)
+    assert prefill() == prefill(kv_budget_bytes=budget(1024), resume_preempted=False) == prompts
+    assert prefill(kv_budget_bytes=budget(1024)) == peak(16, 2048) > 10 * prompts
+    assert prefill(40000, kv_budget_bytes=budget(40000)) == peak(1, 32768) > 10 * prompts
+    assert prefill(40000) == prompts
+
+
 def test_prefill_and_old_pass_plans_agree_with_an_h100_compile():
     """With the CUDA plugin and cuDNN (`COMPILE_CUDNN=1 bash scripts/gpu_jax_check.sh --compile
     -m pytest tests/test_plan.py -k h100`; skipped elsewhere): the sampler's prefill and the

@@ -110,7 +110,8 @@ def test_the_steps_sampler_metrics(tmp_path):
     packed batch's response tokens), decode steps (at least the longest response), slot
     utilization (tokens / (steps x slots)) and preemptions: none with the default worst-case
     pool; some in a page pool of little more than one sample (rollout.kv_budget_gb), whose
-    samples are the same token for token."""
+    samples are the same token for token, resumed with their tokens (rollout.resume_preempted)
+    or, with that off, restarted."""
     from delta_jax import models
     from delta_jax.sampling.kv_cache import sample_pages
 
@@ -139,7 +140,13 @@ def test_the_steps_sampler_metrics(tmp_path):
     page = models.page_bytes(run.model(initial_state(run).params).cfg, 4)
     tight, _ = prepared(kv_budget_gb=(1 + shared + own + 4) * page / 2**30,
                         decode_steps_per_call=2)  # samples grow between calls
-    assert tight.metrics["rollout/preemptions"] > 0
+    assert 0 < tight.metrics["rollout/resumed"] <= tight.metrics["rollout/preemptions"]
     assert tight.metrics["rollout/generated_tokens"] == m["rollout/generated_tokens"]
     np.testing.assert_array_equal(np.asarray(tight.packed.input_ids),
+                                  np.asarray(wide.packed.input_ids))
+    restarted, _ = prepared(kv_budget_gb=(1 + shared + own + 4) * page / 2**30,
+                            decode_steps_per_call=2, resume_preempted=False)
+    assert restarted.metrics["rollout/preemptions"] > 0
+    assert restarted.metrics["rollout/resumed"] == 0
+    np.testing.assert_array_equal(np.asarray(restarted.packed.input_ids),
                                   np.asarray(wide.packed.input_ids))

@@ -136,6 +136,7 @@ def test_results_do_not_depend_on_scheduling(tiny_model, sampler):
     tight = Sampler(tiny_model, max_batch_size=8, page_size=4, decode_steps_per_call=2,
                     kv_budget_bytes=12 * page).generate(PROMPTS, **kwargs)
     assert tight.stats["kv_pages"] == 12 and tight.stats["preemptions"] > 0
+    assert tight.stats["resumed"] > 0  # with the tokens they had (resume_preempted)
     assert tight.response_ids == ref.response_ids
     static = Sampler(tiny_model, max_batch_size=4, continuous=False).generate(PROMPTS, **kwargs)
     assert static.response_ids == ref.response_ids
@@ -172,6 +173,59 @@ def test_slot_page_needs_agree_with_each_samples(tiny_model, monkeypatch):
                   kv_budget_bytes=12 * page).generate(
         PROMPTS, n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(7,), seed=11)
     assert out.stats["preemptions"] > 0 and len(seen) > 3 and max(seen) > 1
+
+
+def test_preempted_samples_resume_where_they_stopped(tiny_model, monkeypatch):
+    """A page pool of 40 four-token pages for 16 slots of long-tailed samples: preempted samples
+    resume with the tokens they had (resume_preempted, the default) after one prefill of their
+    prompt and those tokens into pages of their own (widths at most MAX_PREFILL_TOKENS; longer
+    ones restart); the same tokens and log-probs as the worst-case pool, which preempts nothing,
+    and as restarting every preempted sample, in fewer decode steps than restarting."""
+    from delta_jax.sampling import scheduler
+    assert Sampler.__init__.__kwdefaults__["resume_preempted"] is True
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(12)]
+    kwargs = dict(n=4, temperature=1.0, max_new_tokens=64, stop_token_ids=tuple(range(1, 21)),
+                  seed=3)
+    ref = Sampler(tiny_model, max_batch_size=16).generate(prompts, **kwargs)
+    assert ref.stats["preemptions"] == 0
+    resumed_lengths = []
+    resume = scheduler._Run._resume
+
+    def recorded(run, jobs):
+        for shard, sample in jobs:
+            assert sample.private and len(sample.pages) == len(sample.own) > 0
+            assert sample.length == len(run.prompts[sample.prompt].ids) - 1 + len(sample.tokens)
+            resumed_lengths.append(sample.length)
+        return resume(run, jobs)
+
+    monkeypatch.setattr(scheduler._Run, "_resume", recorded)
+    page = models.page_bytes(tiny_model.cfg, 4)
+
+    def tight(**kw):
+        return Sampler(tiny_model, max_batch_size=16, page_size=4, decode_steps_per_call=3,
+                       kv_budget_bytes=40 * page, **kw).generate(prompts, **kwargs)
+
+    runs = {"resume": tight(), "restart": tight(resume_preempted=False)}
+    monkeypatch.setattr(scheduler, "MAX_PREFILL_TOKENS", 32)
+    resumed_lengths.clear()
+    runs["capped"] = tight()
+    capped_lengths = list(resumed_lengths)
+    for name, out in runs.items():
+        assert out.response_ids == ref.response_ids, name
+        np.testing.assert_allclose(np.concatenate(sum(out.logprobs, [])),
+                                   np.concatenate(sum(ref.logprobs, [])), atol=1e-5)
+        np.testing.assert_allclose(np.concatenate(sum(out.tempered_logprobs, [])),
+                                   np.concatenate(sum(ref.tempered_logprobs, [])), atol=1e-5)
+    st = runs["resume"].stats
+    assert st["preemptions"] > 0 and 0 < st["resumed"] <= st["preemptions"], st
+    assert st["resumed_tokens"] >= st["resumed"]
+    assert runs["restart"].stats["preemptions"] > 0 and runs["restart"].stats["resumed"] == 0
+    assert st["decode_steps"] < runs["restart"].stats["decode_steps"]
+    # Capped at 32 tokens a row: only samples whose prompt and tokens fit resume.
+    capped = runs["capped"].stats
+    assert 0 < capped["resumed"] == len(capped_lengths) and max(capped_lengths) <= 32
+    assert capped["resumed"] < capped["preemptions"]
 
 
 def test_continuous_batching_keeps_slots_full(tiny_model):
@@ -613,7 +667,7 @@ def test_sharded_batch_matches_single_device(tiny_model, sampler):
     assert invariant.stats["shrunk_calls"] > 0
     assert invariant.response_ids == ragged_ref.response_ids
     # One slot per shard (a prompt's samples on several shards: prefilled on each), 4-token
-    # pages, 2 steps per call and 6 pages per shard (samples preempted and restarted), KV heads
+    # pages, 2 steps per call and 6 pages per shard (samples preempted and resumed), KV heads
     # over tensor=2: the same tokens.
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
@@ -622,6 +676,7 @@ def test_sharded_batch_matches_single_device(tiny_model, sampler):
                     decode_steps_per_call=2, kv_budget_bytes=6 * page).generate(PROMPTS, **kwargs)
     assert tight.stats["kv_shards"] == 4 and tight.stats["kv_pages"] == 4 * 6
     assert tight.stats["preemptions"] > 0 and tight.stats["prefilled_prompts"] > 3
+    assert tight.stats["resumed"] > 0
     assert tight.response_ids == ref.response_ids
     np.testing.assert_allclose(np.concatenate(sum(tight.logprobs, [])),
                                np.concatenate(sum(ref.logprobs, [])), atol=1e-5)

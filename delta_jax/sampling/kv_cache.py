@@ -86,8 +86,9 @@ def plan_kv(cfg: models.ModelConfig, *, slots: int, prompt_len: int, max_new_tok
     With kv_budget_bytes (the bytes of ONE shard's pages, i.e. the KV memory of each device
     before any split of the KV heads over "tensor"; with shards=1 the whole pool) each shard's
     pages are min(its worst case, budget): samples then take pages as they
-    grow, and when the pool runs dry the newest samples are preempted and restarted later (same
-    tokens: the randomness is per sample and token position). Raises ValueError when the budget
+    grow, and when the pool runs dry the newest samples are preempted and resume or restart
+    later (Sampler resume_preempted; the same tokens: the randomness is per sample and token
+    position). Raises ValueError when the budget
     cannot hold one sample of the longest prompt at max_new_tokens (the call could never end).
     """
     if page_size < 1:

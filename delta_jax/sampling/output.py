@@ -36,8 +36,8 @@ def fetch_global(tree):
 
 
 # GenerationOutput.counters(): the stats that add up over generate() calls.
-COUNTERS = ("generated_tokens", "decode_steps", "slot_steps", "preemptions", "prefill_seconds",
-            "decode_seconds", "seconds")
+COUNTERS = ("generated_tokens", "decode_steps", "slot_steps", "preemptions", "resumed",
+            "prefill_seconds", "decode_seconds", "seconds")
 
 
 @dataclasses.dataclass
@@ -57,7 +57,9 @@ class GenerationOutput:
       slots holding a live sample per decode step = generated_tokens / (decode_steps * slots)),
       slots, decode_rows (mean rows a decode step ran: slots unless calls were shrunk),
       shrunk_calls (decode calls that ran fewer rows than slots: Sampler shrink_batch), decode_calls,
-      prefill_calls, prefilled_prompts, preemptions, kv_pages / kv_page_size / kv_bytes (the page
+      prefill_calls, prefilled_prompts, preemptions, resumed (preempted samples that resumed
+      with their tokens: Sampler resume_preempted) and resumed_tokens (tokens they had, not
+      decoded again), queue_refills, kv_pages / kv_page_size / kv_bytes (the page
       pool), prefill_seconds / decode_seconds (wall time in those programs, synchronised; a
       refill's page copies run unsynchronised before the next decode call and count in its
       decode_seconds: until 2026-11-24 a synchronised copy counted as prefill), seconds.
@@ -82,7 +84,7 @@ class GenerationOutput:
 
     def counters(self) -> dict[str, float]:
         """The stats that add up over several generate() calls (COUNTERS): generated_tokens,
-        decode_steps, slot_steps (decode steps x slots), preemptions, prefill_seconds,
+        decode_steps, slot_steps (decode steps x slots), preemptions, resumed, prefill_seconds,
         decode_seconds, seconds; zeros for an output without stats."""
         s = self.stats
         if not s:
@@ -90,7 +92,7 @@ class GenerationOutput:
         return {"generated_tokens": float(s["generated_tokens"]),
                 "decode_steps": float(s["decode_steps"]),
                 "slot_steps": float(s["decode_steps"] * s["slots"]),
-                "preemptions": float(s["preemptions"]),
+                "preemptions": float(s["preemptions"]), "resumed": float(s["resumed"]),
                 "prefill_seconds": float(s["prefill_seconds"]),
                 "decode_seconds": float(s["decode_seconds"]), "seconds": float(s["seconds"])}
 

@@ -27,7 +27,10 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   static batch draining and slots left free for want of pages do not pay for empty slots.
 * KV memory: a page pool (delta_jax.sampling.kv_cache) sized by kv_budget_bytes (default: the
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
-  samples are preempted and restarted later.
+  samples are preempted. A preempted sample resumes later where it stopped (resume_preempted):
+  one prefill of its prompt and the tokens it had generated writes their KV into pages of its
+  own, and it decodes on; one whose prompt and tokens exceed MAX_PREFILL_TOKENS, or any with
+  resume_preempted=False, restarts from its first token.
 * On a mesh the slots and the pool are split over the S batch shards: slot s belongs to shard
   s // (slots / S), which owns a contiguous range of the pool's pages (its own scratch page
   included) and a free list of its own; a sample's pages (and its prompt's shared pages) come
@@ -37,7 +40,9 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   prefilled there too). kv_budget_bytes is one shard's pool: the KV bytes each device holds.
 * Results do not depend on scheduling: response token r of sample j of prompt i is drawn with
   fold_in(fold_in(fold_in(key(seed), i), j), r), so max_batch_size, refill order, preemption and
-  the mesh change nothing.
+  the mesh change nothing. (A resumed sample continues from keys and values its prefill computed
+  rather than the decode steps that first did: the same up to rounding, so a draw that falls
+  within rounding of a token's boundary could go the other way.)
 * Shapes are bucketed (slots, pages per sequence, prefill batch and length, pages copied), so a
   run compiles a handful of programs. Multi-host: every process runs the same host loop on the
   same all-gathered results (fetch_global).
@@ -84,6 +89,15 @@ def prefill_rows_per_shard(slots: int, n: int, width: int, shards: int = 1) -> i
     return max(1, max(shards, 1 << int(math.floor(math.log2(rows)))) // shards)
 
 
+def widest_resume_prefill(max_length: int, min_bucket: int = 16) -> int:
+    """The widest row (bucketed tokens) of a prefill that resumes a preempted sample
+    (Sampler resume_preempted), for samples of up to max_length KV tokens (prompt and response
+    but the last token): samples longer than MAX_PREFILL_TOKENS restart instead. A call holds
+    prefill_rows_per_shard(slots, 1, width, shards) such rows a shard. Plan mode sizes the
+    prefill's memory by this too."""
+    return min(bucket_size(max(1, max_length), min_bucket), MAX_PREFILL_TOKENS)
+
+
 @dataclasses.dataclass
 class _Prompt:
     ids: list
@@ -107,6 +121,9 @@ class _Sample:
     logprobs: list = dataclasses.field(default_factory=list)
     tempered: list = dataclasses.field(default_factory=list)
     stopped: bool = False
+    # Resumed after a preemption: its table holds only pages of its own, prefilled with its
+    # prompt and the tokens it had generated (the prompt's shared pages are not used).
+    private: bool = False
 
 
 class Sampler:
@@ -169,6 +186,12 @@ class Sampler:
       differ (89 of 1,024 long-tailed samples on an H100, 2026-11-27: BENCHMARKS.md "Ninth GPU
       run"; presumably the matmuls rounding a row differently at another row count), and False
       keeps them independent of the refill order.
+    resume_preempted: a sample preempted when the page pool runs dry keeps its tokens and later
+      resumes where it stopped, after one prefill of its prompt and those tokens into pages of
+      its own (rows of at most MAX_PREFILL_TOKENS tokens a call, like the prompts'); False, or a
+      sample whose prompt and tokens would exceed MAX_PREFILL_TOKENS, restarts from its first
+      token (its decode steps run again). Default True: a long sample preempted late otherwise
+      runs thousands of decode steps twice, at the tail of the rollout.
     batch_invariant: compile the prefill and decode programs with
       programs.BATCH_INVARIANT_OPTIONS (XLA's GEMMs without split-K, never cuBLAS; no excess
       precision), so that a GPU sums each row's matmuls in one order and rounds where the
@@ -188,7 +211,8 @@ class Sampler:
                  decode_attention: str = "auto", continuous: bool = True,
                  prefill_ahead: bool = True, refill_after: Optional[int] = None,
                  refill_queue: Optional[int] = None, shrink_batch: bool = True,
-                 batch_invariant: bool = False, decode_splits: int = 1):
+                 batch_invariant: bool = False, decode_splits: int = 1,
+                 resume_preempted: bool = True):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if truncate_prompts not in ("error", "left"):
@@ -278,6 +302,7 @@ class Sampler:
         self.shrink_batch = bool(shrink_batch)
         self.batch_invariant = bool(batch_invariant)
         self.decode_splits = decode_splits
+        self.resume_preempted = bool(resume_preempted)
 
     # ---------------------------------------------------------------------------------------
     def update_params(self, model_or_state) -> None:
@@ -433,7 +458,8 @@ class Sampler:
                    "decode_rows": run.row_steps / max(1, run.decode_steps),
                    "shrunk_calls": run.shrunk_calls, "decode_calls": run.decode_calls,
                    "prefill_calls": run.prefill_calls, "prefilled_prompts": run.prefilled,
-                   "preemptions": run.preemptions, "queue_refills": run.queue_refills,
+                   "preemptions": run.preemptions, "resumed": run.resumed_count,
+                   "resumed_tokens": run.resumed_tokens, "queue_refills": run.queue_refills,
                    "kv_pages": plan.num_pages,
                    "kv_page_size": plan.page_size, "kv_bytes": plan.bytes,
                    "kv_shards": plan.shards, "kv_bytes_per_shard": plan.shard_bytes,
@@ -476,6 +502,8 @@ class _Run:
         self.ps = plan.page_size
         self.prompts = [_Prompt(ids=p, kv_len=len(p) - 1, unfinished=n) for p in prompt_ids]
         self.waiting = collections.deque((i, j) for i in range(len(prompt_ids)) for j in range(n))
+        # (i, j) -> a preempted sample waiting to resume with its tokens (resume_preempted)
+        self.resumable: dict[tuple, _Sample] = {}
         self.slots: list[Optional[_Sample]] = [None] * sampler.num_slots
         # Per batch shard: samples staged on the device to take its slots as they free up
         # during a decode call (admitted, pages taken, prompt prefilled; not started).
@@ -493,6 +521,7 @@ class _Run:
         self.admissions = 0
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = self.queue_refills = 0
+        self.resumed_count = self.resumed_tokens = 0  # resumes; their tokens not decoded again
         self.row_steps = self.shrunk_calls = 0  # decode steps x the rows each ran; calls shrunk
         self.prefill_seconds = self.decode_seconds = 0.0
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
@@ -512,6 +541,11 @@ class _Run:
         while self.waiting or any(self.slots) or any(self.staged):
             self.admit()
             self.reserve()
+            if self.waiting and not (self.active.any() or any(self.staged)):  # never spin
+                i, j = self.waiting[0]
+                raise RuntimeError(f"rollout KV pool: sample {j} of prompt {i} cannot take its "
+                                   f"pages with nothing else live (the budget check of plan_kv "
+                                   f"should have caught this)")
             self.decode()
 
     def _pages_to_take(self, length, kv_len, limit, held):
@@ -525,8 +559,9 @@ class _Run:
     def _need(self, sample: _Sample) -> int:
         """Own pages the sample needs to run one more decode call."""
         prompt = self.prompts[sample.prompt]
+        shared = 0 if sample.private else prompt.kv_len // self.ps
         return int(self._pages_to_take(sample.length, prompt.kv_len, self.limits[sample.prompt],
-                                       prompt.kv_len // self.ps + len(sample.own)))
+                                       shared + len(sample.own)))
 
     def _slot_needs(self) -> np.ndarray:
         """_need of every slot's sample at once from the slot arrays (0 for a free slot)."""
@@ -548,7 +583,7 @@ class _Run:
         """Free slots take staged samples of their shard, then waiting samples in order, while
         their pages fit; then (continuous batching) waiting samples are staged on the device
         for the next decode call, up to refill_queue, while their pages fit."""
-        to_prefill, copies = [], []
+        to_prefill, copies, resumes = [], [], []
         if not self.s.continuous and any(self.slots):
             return  # static batching: the batch runs until its last sample stops
         free = [collections.deque(k for k in self._shard_slots(sh) if self.slots[k] is None)
@@ -557,14 +592,14 @@ class _Run:
             while staged and free[shard]:
                 self._enter(free[shard].popleft(), staged.popleft())
         while self.waiting and any(free):
-            shard, sample = self._take_next(list(map(len, free)), to_prefill, copies)
+            shard, sample = self._take_next(list(map(len, free)), to_prefill, copies, resumes)
             if sample is None:
                 break
             self._enter(free[shard].popleft(), sample)
         if self.s.continuous:
             room = [self.s.queue_per_shard - len(q) for q in self.staged]
             while self.waiting and any(room):
-                shard, sample = self._take_next(room, to_prefill, copies)
+                shard, sample = self._take_next(room, to_prefill, copies, resumes)
                 if sample is None:
                     break
                 self.staged[shard].append(sample)
@@ -573,17 +608,32 @@ class _Run:
             to_prefill += self._ahead(to_prefill)
         start = time.perf_counter()
         self._prefill(to_prefill)
+        self._resume(resumes)
         self._copy(copies)
-        if to_prefill:  # timed (the copies alone are left to run beside the host's work)
+        if to_prefill or resumes:  # timed (the copies alone run beside the host's work)
             jax.block_until_ready(self.cache)
             self.prefill_seconds += time.perf_counter() - start
 
-    def _take_next(self, room: list, to_prefill: list, copies: list):
+    def _take_next(self, room: list, to_prefill: list, copies: list, resumes: list):
         """The first waiting sample, given its pages on the shard _place picks among those with
         room (> 0): (shard, the sample), its prompt's prefill and partial-page copy added to the
-        jobs; (None, None) when no shard has its pages."""
+        jobs (a preempted sample that resumes: its own prefill, to `resumes`); (None, None) when
+        no shard has its pages."""
         i, j = self.waiting[0]
         prompt = self.prompts[i]
+        sample = self.resumable.get((i, j))
+        if sample is not None:  # its tokens kept, its admission order too (preempted last)
+            sample.own = []
+            own = self._need(sample)
+            shard = self._place(i, own, room, private=True)
+            if shard is None:
+                return None, None
+            self.waiting.popleft()
+            del self.resumable[i, j]
+            sample.own = self.allocs[shard].take(own)
+            sample.pages = list(sample.own)
+            resumes.append((shard, sample))
+            return shard, sample
         sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len)
         own = self._need(sample)
         shard = self._place(i, own, room)
@@ -616,64 +666,93 @@ class _Run:
         self.kv_len[slot] = self.prompts[sample.prompt].kv_len
 
     def _start_row(self, sample: _Sample) -> tuple:
-        """A not-yet-started sample's decode inputs besides its pages: (token, length,
-        generated, prompt index, sample index, limit), in programs.Rows' order."""
-        return (self.prompts[sample.prompt].ids[-1], sample.length, len(sample.tokens),
-                sample.prompt, sample.index, self.limits[sample.prompt])
+        """A not-yet-started (or resumed) sample's decode inputs besides its pages: (token,
+        length, generated, prompt index, sample index, limit), in programs.Rows' order; its
+        first input is its last token (the prompt's, before it generated any)."""
+        token = sample.tokens[-1] if sample.tokens else self.prompts[sample.prompt].ids[-1]
+        return (token, sample.length, len(sample.tokens), sample.prompt, sample.index,
+                self.limits[sample.prompt])
 
-    def _place(self, i: int, own: int, room: list) -> Optional[int]:
+    def _place(self, i: int, own: int, room: list, private: bool = False) -> Optional[int]:
         """The shard that takes a sample of prompt i needing `own` pages, among those with
         room[shard] > 0 (free slots, or free queue entries): the shards holding the prompt's
-        pages first, then those with the most room (lowest index on ties); None when none has
-        the pages."""
+        pages first (unless the sample is `private`: it uses none of them), then those with
+        the most room (lowest index on ties); None when none has the pages."""
         prompt = self.prompts[i]
         order = sorted((sh for sh in range(self.num_shards) if room[sh]),
-                       key=lambda sh: (sh not in prompt.pages, -room[sh], sh))
+                       key=lambda sh: (sh not in prompt.pages and not private, -room[sh], sh))
         for shard in order:
             alloc = self.allocs[shard]
-            shared = 0 if shard in prompt.pages else pages_for(prompt.kv_len, self.ps)
+            shared = (0 if private or shard in prompt.pages
+                      else pages_for(prompt.kv_len, self.ps))
             if not self._live_on(shard):  # nothing will free pages: drop idle prompts' pages
-                while alloc.num_free < shared + own and self._evict_prompt(shard, keep=i):
+                keep = -1 if private else i  # (its own prompt's too when it uses none of them)
+                while alloc.num_free < shared + own and self._evict_prompt(shard, keep=keep):
                     pass
             if alloc.num_free >= shared + own:
                 return shard
         return None
 
     def _prefill(self, jobs):
-        """Prefill prompt i's shared pages on shard sh for every (i, sh) in jobs: rows of a call
-        are split evenly over the shards (row r on shard r // (rows / S)), each shard's rows
-        writing its own pages."""
+        """Prefill prompt i's shared pages on shard sh for every (i, sh) in jobs (all its
+        tokens but the last)."""
+        if jobs:
+            self._prefill_rows([(sh, self.prompts[i].ids[:-1], self.prompts[i].pages[sh])
+                                for i, sh in jobs], self._prefill_cap(self._prefill_width(jobs)))
+            self.prefilled += len(jobs)
+
+    def _resume(self, jobs):
+        """Prefill each resumed (shard, sample) of jobs: its prompt and every token it generated
+        but the last (its next decode input), into its own pages; longest first, each call at
+        most MAX_PREFILL_TOKENS tokens a shard (prefill_rows_per_shard with one sample a row)."""
+        jobs = sorted(jobs, key=lambda job: -job[1].length)
+        while jobs:
+            width = bucket_size(jobs[0][1].length, self.s.min_prompt_bucket)
+            cap = prefill_rows_per_shard(self.s.num_slots, 1, width, self.num_shards)
+            fit = [job for job in jobs if job[1].length <= width]
+            call, shards = [], collections.Counter()
+            for shard, sample in fit:
+                if shards[shard] < cap:
+                    shards[shard] += 1
+                    call.append((shard, sample))
+            self._prefill_rows([(sh, self.prompts[x.prompt].ids + x.tokens[:-1], x.own)
+                                for sh, x in call], cap)
+            self.resumed_count += len(call)
+            self.resumed_tokens += sum(len(x.tokens) for _, x in call)
+            taken = {id(x) for _, x in call}
+            jobs = [job for job in jobs if id(job[1]) not in taken]
+
+    def _prefill_rows(self, jobs, cap: int):
+        """Write the KV of each (shard, token ids, pages) of jobs: ids[t] at position t, in page
+        pages[t // page_size] of that shard. Rows of a call are split evenly over the shards
+        (row r on shard r // (rows / S)), at most `cap` a shard, each shard's rows writing its
+        own pages."""
         s = self.s
-        if not jobs:
-            return
         S = self.num_shards
-        cap = self._prefill_cap(self._prefill_width(jobs))  # rows per shard per call
-        queues = [[i for i, sh in jobs if sh == shard] for shard in range(S)]
+        queues = [[(ids, pages) for sh, ids, pages in jobs if sh == shard] for shard in range(S)]
         while any(queues):
             groups = [q[:cap] for q in queues]
             queues = [q[cap:] for q in queues]
             per = bucket_size(max(len(g) for g in groups), 1)
             rows = S * per
-            width = bucket_size(max(self.prompts[i].kv_len for g in groups for i in g),
+            width = bucket_size(max(len(ids) for g in groups for ids, _ in g),
                                 s.min_prompt_bucket)
             ids = np.full((rows, width), s.pad_id, np.int32)
             mask = np.zeros((rows, width), np.int32)
             page = np.full((rows, width), -1, np.int32)  # padding: not written
             offset = np.zeros((rows, width), np.int32)
             for shard, group in enumerate(groups):
-                for r, i in enumerate(group, start=shard * per):
-                    prompt = self.prompts[i]
-                    t = np.arange(prompt.kv_len)
-                    ids[r, :prompt.kv_len] = prompt.ids[:-1]
-                    mask[r, :prompt.kv_len] = 1
-                    page[r, :prompt.kv_len] = np.asarray(prompt.pages[shard])[t // self.ps]
-                    offset[r, :prompt.kv_len] = t % self.ps
+                for r, (tokens, pages) in enumerate(group, start=shard * per):
+                    t = np.arange(len(tokens))
+                    ids[r, :len(tokens)] = tokens
+                    mask[r, :len(tokens)] = 1
+                    page[r, :len(tokens)] = np.asarray(pages)[t // self.ps]
+                    offset[r, :len(tokens)] = t % self.ps
             program = programs.batch_invariant_prefill if s.batch_invariant else programs.prefill
             self.cache = program(
                 s.graphdef, self.state, self.layers, self.cache,
                 *(s._put(x) for x in (ids, mask, page, offset)), batch_spec=s._batch_spec)
             self.prefill_calls += 1
-            self.prefilled += sum(map(len, groups))
 
     def _prefill_width(self, jobs) -> int:
         return bucket_size(max(self.prompts[i].kv_len for i, _ in jobs), self.s.min_prompt_bucket)
@@ -700,8 +779,8 @@ class _Run:
             if sample is not None:
                 prompt = self.prompts[sample.prompt]
                 top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
-                spare[self.shard_of(k)] -= max(
-                    0, top - prompt.kv_len // self.ps - len(sample.own))
+                shared = 0 if sample.private else prompt.kv_len // self.ps
+                spare[self.shard_of(k)] -= max(0, top - shared - len(sample.own))
         out, seen = [], {i for i, _ in jobs}
         for i, _ in self.waiting:
             if not any(room.values()):
@@ -739,9 +818,10 @@ class _Run:
 
     def reserve(self):
         """Pages for the next decode call of every live sample, oldest first; when the pool runs
-        dry, the newest live samples go back to the front of the queue (restarted later: the
-        same tokens, since randomness is per sample and position) and prompts with no live
-        sample give back their shared pages (prefilled again when needed)."""
+        dry, the newest live samples go back to the front of the queue (_preempt: to resume or
+        restart later, the same tokens, since randomness is per sample and position) and
+        prompts with no live sample give back their shared pages (prefilled again when
+        needed)."""
         needs = self._slot_needs()  # a slot needing none has nothing to do here
         for slot in sorted(np.flatnonzero(needs > 0).tolist(),
                            key=lambda k: self.slots[k].admitted):
@@ -779,10 +859,13 @@ class _Run:
             return False
         sample = self.staged[shard].pop()
         self.allocs[shard].give(sample.own)
-        prompt = self.prompts[sample.prompt]
-        prompt.live[shard] -= 1
-        if prompt.live[shard] == 0 and shard in prompt.pages:
-            self.allocs[shard].give(prompt.pages.pop(shard))
+        if sample.private:  # prefilled again when it next enters
+            self.resumable[sample.prompt, sample.index] = sample
+        else:
+            prompt = self.prompts[sample.prompt]
+            prompt.live[shard] -= 1
+            if prompt.live[shard] == 0 and shard in prompt.pages:
+                self.allocs[shard].give(prompt.pages.pop(shard))
         self.waiting.appendleft((sample.prompt, sample.index))
         return True
 
@@ -795,11 +878,18 @@ class _Run:
         return True
 
     def _preempt(self, slot):
+        """Back to the front of the queue: to resume with its tokens (resume_preempted, when
+        its prompt and tokens fit one prefill row of MAX_PREFILL_TOKENS) or to restart."""
         sample = self.slots[slot]
         shard = self.shard_of(slot)
         self._vacate(slot)
         self.allocs[shard].give(sample.own)
-        self.prompts[sample.prompt].live[shard] -= 1
+        if not sample.private:
+            self.prompts[sample.prompt].live[shard] -= 1
+        if (self.s.resume_preempted and sample.tokens
+                and bucket_size(sample.length, self.s.min_prompt_bucket) <= MAX_PREFILL_TOKENS):
+            sample.private, sample.own, sample.pages = True, [], []
+            self.resumable[sample.prompt, sample.index] = sample
         self.waiting.appendleft((sample.prompt, sample.index))
         self.preemptions += 1
 
@@ -965,7 +1055,8 @@ class _Run:
         self.results[sample.prompt][sample.index] = sample
         self.allocs[shard].give(sample.own)
         prompt = self.prompts[sample.prompt]
-        prompt.live[shard] -= 1
+        if not sample.private:
+            prompt.live[shard] -= 1
         prompt.unfinished -= 1
         if prompt.unfinished == sum(prompt.live.values()):  # none of its samples waits:
             for sh in [sh for sh in prompt.pages if prompt.live[sh] == 0]:  # idle copies go

@@ -158,7 +158,7 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.max_batch_size = 256  # decode slots of the sampler (continuous batching)
     # The sampler's paged KV cache (delta_jax/sampling): tokens per page; the page pool's size
     # in GiB (0 = the worst case of max_batch_size slots at full length, so nothing ever waits;
-    # a smaller budget preempts and later restarts the newest samples, same tokens); decode
+    # a smaller budget preempts the newest samples, which resume later, see resume_preempted); decode
     # steps per jitted call; decode attention (auto = the project's Mosaic GPU kernel on Hopper
     # GPUs, the jnp page reader elsewhere; mosaic_fused = that kernel with the layer's q / k
     # norms, RoPE and K / V writes inside, no gain on an H100; models.attention.resolve_decode_impl).
@@ -180,6 +180,10 @@ def default_config() -> config_dict.ConfigDict:
     # rollout's draining tail read their long pages with the whole GPU; Sampler decode_splits).
     # Not measured on a GPU yet; 0 is refused with rollout.batch_invariant.
     c.rollout.decode_splits = 1
+    # A sample preempted when the page pool (kv_budget_gb) runs dry keeps its tokens and resumes
+    # where it stopped after one prefill of its prompt and those tokens (Sampler
+    # resume_preempted); False restarts it from its first token. The same tokens up to rounding.
+    c.rollout.resume_preempted = True
 
     c.rewards = config_dict.ConfigDict()
     c.rewards.name = "math"
@@ -677,7 +681,8 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "rl.old_pass_rows",
                     "rollout.page_size", "rollout.kv_budget_gb", "rollout.decode_steps_per_call",
                     "rollout.decode_attention", "rollout.shrink_batch",
-                    "rollout.batch_invariant", "rollout.decode_splits")
+                    "rollout.batch_invariant", "rollout.decode_splits",
+                    "rollout.resume_preempted")
 RESUMABLE_SECTIONS = ("eval.", "plan.", "distributed.", "mesh.")
 
 

@@ -28,7 +28,8 @@ def sampler_metrics(counters: Mapping[str, float], prefix: str) -> dict[str, flo
     """A run's sampler counters (GenerationOutput.counters, summed over its generate() calls) as
     metrics under `prefix` ("rollout", "eval"): tokens generated and their rate over the sampler's
     wall time, decode steps, slot utilization (live samples per slot and decode step),
-    preemptions (samples restarted when the KV page pool, rollout.kv_budget_gb, ran dry) and the
+    preemptions (samples set back when the KV page pool, rollout.kv_budget_gb, ran dry), how many
+    of them resumed with their tokens (rollout.resume_preempted; the others restarted) and the
     seconds in the prefill and decode programs."""
     tokens = counters["generated_tokens"]
     return {f"{prefix}/generated_tokens": tokens,
@@ -36,6 +37,7 @@ def sampler_metrics(counters: Mapping[str, float], prefix: str) -> dict[str, flo
             f"{prefix}/decode_steps": counters["decode_steps"],
             f"{prefix}/slot_utilization": tokens / max(counters["slot_steps"], 1.0),
             f"{prefix}/preemptions": counters["preemptions"],
+            f"{prefix}/resumed": counters["resumed"],
             f"{prefix}/prefill_s": counters["prefill_seconds"],
             f"{prefix}/decode_s": counters["decode_seconds"]}
 

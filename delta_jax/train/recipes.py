@@ -31,7 +31,8 @@ def paper_config(preset: str, steps: int):
     # slots should raise rollout tokens/s; until 2026-11-28 the recipe had 32 slots, all that a
     # worst-case pool of 22.5k-token sequences could hold. Their pages now come from a 32 GiB
     # pool a GPU (233k tokens of Qwen3-8B, 7.3k a slot on average): samples take pages as they
-    # grow and, when the pool runs dry, the newest are preempted and restarted (same tokens).
+    # grow and, when the pool runs dry, the newest are preempted and later resume where they
+    # stopped (rollout.resume_preempted: one prefill of their prompt and tokens).
     # The old-policy pass keeps chunks of 32 rows (its activations grow with them). Rollout
     # speed at these settings: not measured.
     c.rollout.max_batch_size = 256

@@ -295,7 +295,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                           decode_attention=cfg.rollout.decode_attention,
                           shrink_batch=cfg.rollout.shrink_batch,
                           batch_invariant=cfg.rollout.batch_invariant,
-                          decode_splits=cfg.rollout.decode_splits)
+                          decode_splits=cfg.rollout.decode_splits,
+                          resume_preempted=cfg.rollout.resume_preempted)
     except ValueError as e:  # a rollout.* setting this model or device cannot run (e names it)
         raise config_lib.ConfigError(f"rollout: {e}") from e
     run = Run(
