@@ -228,6 +228,27 @@ def test_preempted_samples_resume_where_they_stopped(tiny_model, monkeypatch):
     assert capped["resumed"] < capped["preemptions"]
 
 
+def test_a_sample_that_can_never_take_its_pages_is_an_error_not_a_spin(tiny_model,
+                                                                       monkeypatch):
+    """If no sample can be placed while nothing is live (the budget check of plan_kv is meant
+    to rule it out), generate() raises naming the sample instead of looping on empty decode
+    calls."""
+    from delta_jax.sampling import scheduler
+    idle = []
+    decode = scheduler._Run.decode
+
+    def counted(run):
+        if not run.active.any():
+            idle.append(1)
+            assert len(idle) < 100, "the host loop spins with nothing to run"
+        return decode(run)
+
+    monkeypatch.setattr(scheduler._Run, "decode", counted)
+    monkeypatch.setattr(scheduler._Run, "_place", lambda run, *a, **k: None)
+    with pytest.raises(RuntimeError, match="sample 0 of prompt 0 cannot take its pages"):
+        Sampler(tiny_model, max_batch_size=4).generate(PROMPTS, max_new_tokens=4)
+
+
 def test_continuous_batching_keeps_slots_full(tiny_model):
     """The issue's case: 48 prompts x 4 samples, stop ids 1..20 (long-tailed lengths), 96 new
     tokens at most, 16 slots: at most 1.25 x generated / 16 + 96 decode steps (static batches
