@@ -178,9 +178,11 @@ def test_slot_page_needs_agree_with_each_samples(tiny_model, monkeypatch):
 def test_preempted_samples_resume_where_they_stopped(tiny_model, monkeypatch):
     """A page pool of 40 four-token pages for 16 slots of long-tailed samples: preempted samples
     resume with the tokens they had (resume_preempted, the default) after one prefill of their
-    prompt and those tokens into pages of their own (widths at most MAX_PREFILL_TOKENS; longer
-    ones restart); the same tokens and log-probs as the worst-case pool, which preempts nothing,
-    and as restarting every preempted sample, in fewer decode steps than restarting."""
+    prompt and those tokens (widths at most MAX_PREFILL_TOKENS; longer ones restart), written
+    into pages of their own after their prompt's shared pages where a shard holds those, all of
+    it into their own pages elsewhere; the same tokens and log-probs as the worst-case pool,
+    which preempts nothing, and as restarting every preempted sample, in fewer decode steps
+    than restarting."""
     from delta_jax.sampling import scheduler
     assert Sampler.__init__.__kwdefaults__["resume_preempted"] is True
     rng = np.random.RandomState(0)
@@ -192,10 +194,19 @@ def test_preempted_samples_resume_where_they_stopped(tiny_model, monkeypatch):
     resumed_lengths = []
     resume = scheduler._Run._resume
 
+    kinds = collections.Counter()
+
     def recorded(run, jobs):
         for shard, sample in jobs:
-            assert sample.private and len(sample.pages) == len(sample.own) > 0
-            assert sample.length == len(run.prompts[sample.prompt].ids) - 1 + len(sample.tokens)
+            prompt = run.prompts[sample.prompt]
+            assert sample.length == prompt.kv_len + len(sample.tokens) and sample.own
+            if sample.private:  # its prompt's keys and values in pages of its own too
+                assert sample.pages == sample.own
+            else:  # on a shard holding its prompt's pages, which it reads
+                full = prompt.kv_len // run.ps
+                assert sample.pages == prompt.pages[shard][:full] + sample.own
+                assert prompt.live[shard] > 0
+            kinds[sample.private] += 1
             resumed_lengths.append(sample.length)
         return resume(run, jobs)
 
@@ -222,6 +233,7 @@ def test_preempted_samples_resume_where_they_stopped(tiny_model, monkeypatch):
     assert st["resumed_tokens"] >= st["resumed"]
     assert runs["restart"].stats["preemptions"] > 0 and runs["restart"].stats["resumed"] == 0
     assert st["decode_steps"] < runs["restart"].stats["decode_steps"]
+    assert kinds[False] > 0 and kinds[True] > 0  # both kinds of resume were exercised
     # Capped at 32 tokens a row: only samples whose prompt and tokens fit resume.
     capped = runs["capped"].stats
     assert 0 < capped["resumed"] == len(capped_lengths) and max(capped_lengths) <= 32

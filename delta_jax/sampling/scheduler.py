@@ -29,8 +29,9 @@ How a call runs (a host loop over three jitted programs, delta_jax.sampling.prog
   worst case, so nothing waits). Samples take pages as they grow; if the pool runs dry the newest
   samples are preempted. A preempted sample resumes later where it stopped (resume_preempted):
   one prefill of its prompt and the tokens it had generated writes their KV into pages of its
-  own, and it decodes on; one whose prompt and tokens exceed MAX_PREFILL_TOKENS, or any with
-  resume_preempted=False, restarts from its first token.
+  own (after its prompt's shared pages when its shard holds them, which it then reads as its
+  prompt's other samples do), and it decodes on; one whose prompt and tokens exceed
+  MAX_PREFILL_TOKENS, or any with resume_preempted=False, restarts from its first token.
 * On a mesh the slots and the pool are split over the S batch shards: slot s belongs to shard
   s // (slots / S), which owns a contiguous range of the pool's pages (its own scratch page
   included) and a free list of its own; a sample's pages (and its prompt's shared pages) come
@@ -121,8 +122,8 @@ class _Sample:
     logprobs: list = dataclasses.field(default_factory=list)
     tempered: list = dataclasses.field(default_factory=list)
     stopped: bool = False
-    # Resumed after a preemption: its table holds only pages of its own, prefilled with its
-    # prompt and the tokens it had generated (the prompt's shared pages are not used).
+    # Resumed after a preemption on a shard without its prompt's pages: its table holds only
+    # pages of its own, prefilled with its prompt and the tokens it had generated.
     private: bool = False
 
 
@@ -188,7 +189,8 @@ class Sampler:
       keeps them independent of the refill order.
     resume_preempted: a sample preempted when the page pool runs dry keeps its tokens and later
       resumes where it stopped, after one prefill of its prompt and those tokens into pages of
-      its own (rows of at most MAX_PREFILL_TOKENS tokens a call, like the prompts'); False, or a
+      its own (those after its prompt's shared full pages, where its shard holds them; rows of
+      at most MAX_PREFILL_TOKENS tokens a call, like the prompts'); False, or a
       sample whose prompt and tokens would exceed MAX_PREFILL_TOKENS, restarts from its first
       token (its decode steps run again). Default True: a long sample preempted late otherwise
       runs thousands of decode steps twice, at the tail of the rollout.
@@ -623,15 +625,17 @@ class _Run:
         prompt = self.prompts[i]
         sample = self.resumable.get((i, j))
         if sample is not None:  # its tokens kept, its admission order too (preempted last)
-            sample.own = []
-            own = self._need(sample)
-            shard = self._place(i, own, room, private=True)
+            shard = self._place_resumed(sample, room)
             if shard is None:
                 return None, None
             self.waiting.popleft()
             del self.resumable[i, j]
-            sample.own = self.allocs[shard].take(own)
-            sample.pages = list(sample.own)
+            sample.own = self.allocs[shard].take(self._need(sample))
+            if sample.private:
+                sample.pages = list(sample.own)
+            else:
+                prompt.live[shard] += 1
+                sample.pages = prompt.pages[shard][:prompt.kv_len // self.ps] + sample.own
             resumes.append((shard, sample))
             return shard, sample
         sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len)
@@ -664,6 +668,25 @@ class _Run:
          self.sample_index[slot], self.limit[slot]) = self._start_row(sample)
         self.active[slot] = True
         self.kv_len[slot] = self.prompts[sample.prompt].kv_len
+
+    def _place_resumed(self, sample: _Sample, room: list) -> Optional[int]:
+        """The shard for a preempted sample that resumes: one holding its prompt's shared pages
+        (it then reads them, as its prompt's other samples do, and its prefill writes only the
+        positions after them), else any (private: its prefill writes its prompt's keys and
+        values into pages of its own too); None when no shard has its pages. Sets
+        sample.private."""
+        prompt = self.prompts[sample.prompt]
+        sample.own = []
+        shard = None
+        if any(room[sh] for sh in prompt.pages):
+            sample.private = False
+            shard = self._place(sample.prompt, self._need(sample),
+                                [room[sh] if sh in prompt.pages else 0
+                                 for sh in range(self.num_shards)])
+        if shard is None:
+            sample.private = True
+            shard = self._place(sample.prompt, self._need(sample), room, private=True)
+        return shard
 
     def _start_row(self, sample: _Sample) -> tuple:
         """A not-yet-started (or resumed) sample's decode inputs besides its pages: (token,
@@ -703,8 +726,10 @@ class _Run:
 
     def _resume(self, jobs):
         """Prefill each resumed (shard, sample) of jobs: its prompt and every token it generated
-        but the last (its next decode input), into its own pages; longest first, each call at
-        most MAX_PREFILL_TOKENS tokens a shard (prefill_rows_per_shard with one sample a row)."""
+        but the last (its next decode input), writing the positions its own pages hold (all of
+        them for a private sample; those after the prompt's shared full pages otherwise, which
+        it reads as they are); longest first, each call at most MAX_PREFILL_TOKENS tokens a
+        shard (prefill_rows_per_shard with one sample a row)."""
         jobs = sorted(jobs, key=lambda job: -job[1].length)
         while jobs:
             width = bucket_size(jobs[0][1].length, self.s.min_prompt_bucket)
@@ -715,7 +740,8 @@ class _Run:
                 if shards[shard] < cap:
                     shards[shard] += 1
                     call.append((shard, sample))
-            self._prefill_rows([(sh, self.prompts[x.prompt].ids + x.tokens[:-1], x.own)
+            self._prefill_rows([(sh, self.prompts[x.prompt].ids + x.tokens[:-1],
+                                 [-1] * (len(x.pages) - len(x.own)) + x.own)
                                 for sh, x in call], cap)
             self.resumed_count += len(call)
             self.resumed_tokens += sum(len(x.tokens) for _, x in call)
@@ -724,7 +750,7 @@ class _Run:
 
     def _prefill_rows(self, jobs, cap: int):
         """Write the KV of each (shard, token ids, pages) of jobs: ids[t] at position t, in page
-        pages[t // page_size] of that shard. Rows of a call are split evenly over the shards
+        pages[t // page_size] of that shard (-1: not written; every token is still attended). Rows of a call are split evenly over the shards
         (row r on shard r // (rows / S)), at most `cap` a shard, each shard's rows writing its
         own pages."""
         s = self.s
@@ -859,13 +885,14 @@ class _Run:
             return False
         sample = self.staged[shard].pop()
         self.allocs[shard].give(sample.own)
-        if sample.private:  # prefilled again when it next enters
-            self.resumable[sample.prompt, sample.index] = sample
-        else:
+        if not sample.private:
             prompt = self.prompts[sample.prompt]
             prompt.live[shard] -= 1
             if prompt.live[shard] == 0 and shard in prompt.pages:
                 self.allocs[shard].give(prompt.pages.pop(shard))
+        if sample.tokens:  # a resumed sample: prefilled again when it next enters
+            sample.own, sample.pages = [], []
+            self.resumable[sample.prompt, sample.index] = sample
         self.waiting.appendleft((sample.prompt, sample.index))
         return True
 
@@ -888,7 +915,7 @@ class _Run:
             self.prompts[sample.prompt].live[shard] -= 1
         if (self.s.resume_preempted and sample.tokens
                 and bucket_size(sample.length, self.s.min_prompt_bucket) <= MAX_PREFILL_TOKENS):
-            sample.private, sample.own, sample.pages = True, [], []
+            sample.own, sample.pages = [], []
             self.resumable[sample.prompt, sample.index] = sample
         self.waiting.appendleft((sample.prompt, sample.index))
         self.preemptions += 1
