@@ -1062,7 +1062,8 @@ def test_rollout_prefill_counts_resumed_samples_where_the_pool_can_run_dry():
             plan._layer_activation_bytes(mc, rows, width, 1, "cudnn", backward=False))
 
     assert prefill_rows_per_shard(16, 4, 512) == 4
-    assert widest_resume_prefill(512 + 1024 - 1) == 2048 and prefill_rows_per_shard(16, 1, 2048) == 16
+    assert widest_resume_prefill(512 + 1024 - 1) == 2048
+    assert prefill_rows_per_shard(16, 1, 2048) == 16
     assert widest_resume_prefill(512 + 40000 - 1) == 32768
     assert prefill_rows_per_shard(16, 1, 32768) == 1
     prompts = peak(4, 512)

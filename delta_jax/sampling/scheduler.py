@@ -750,9 +750,9 @@ class _Run:
 
     def _prefill_rows(self, jobs, cap: int):
         """Write the KV of each (shard, token ids, pages) of jobs: ids[t] at position t, in page
-        pages[t // page_size] of that shard (-1: not written; every token is still attended). Rows of a call are split evenly over the shards
-        (row r on shard r // (rows / S)), at most `cap` a shard, each shard's rows writing its
-        own pages."""
+        pages[t // page_size] of that shard (-1: not written; every token is still attended).
+        Rows of a call are split evenly over the shards (row r on shard r // (rows / S)), at
+        most `cap` a shard, each shard's rows writing its own pages."""
         s = self.s
         S = self.num_shards
         queues = [[(ids, pages) for sh, ids, pages in jobs if sh == shard] for shard in range(S)]

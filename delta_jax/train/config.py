@@ -158,10 +158,11 @@ def default_config() -> config_dict.ConfigDict:
     c.rollout.max_batch_size = 256  # decode slots of the sampler (continuous batching)
     # The sampler's paged KV cache (delta_jax/sampling): tokens per page; the page pool's size
     # in GiB (0 = the worst case of max_batch_size slots at full length, so nothing ever waits;
-    # a smaller budget preempts the newest samples, which resume later, see resume_preempted); decode
-    # steps per jitted call; decode attention (auto = the project's Mosaic GPU kernel on Hopper
-    # GPUs, the jnp page reader elsewhere; mosaic_fused = that kernel with the layer's q / k
-    # norms, RoPE and K / V writes inside, no gain on an H100; models.attention.resolve_decode_impl).
+    # a smaller budget preempts the newest samples, which resume later: resume_preempted);
+    # decode steps per jitted call; decode attention (auto = the project's Mosaic GPU kernel
+    # on Hopper GPUs, the jnp page reader elsewhere; mosaic_fused = that kernel with the
+    # layer's q / k norms, RoPE and K / V writes inside, no gain on an H100;
+    # models.attention.resolve_decode_impl).
     c.rollout.page_size = 32
     c.rollout.kv_budget_gb = 0.0
     c.rollout.decode_steps_per_call = 32
