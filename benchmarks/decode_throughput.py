@@ -454,6 +454,15 @@ def prefill_flops(cfg: models.ModelConfig, prompts: int, prompt_len: int) -> flo
     return (flops["dense"] + flops["attention"]) / 3
 
 
+def resume_prefill_flops(cfg: models.ModelConfig, stats: dict, prompt_len: int) -> float:
+    """FLOPs of the prefills that resumed preempted samples (their prompt and the tokens they
+    had), taken as rows of the mean resumed length; 0 without resumes."""
+    if not stats["resumed"]:
+        return 0.0
+    mean_tokens = round(stats["resumed_tokens"] / stats["resumed"])
+    return prefill_flops(cfg, stats["resumed"], prompt_len + mean_tokens)
+
+
 def longtail_lengths(args, count: int) -> list:
     """Geometric lengths of mean new_tokens / tail_mean_div, clipped to [1, new_tokens]."""
     rng = np.random.default_rng(1)
@@ -485,8 +494,10 @@ def longtail_workload(model, batch: int, impl: str, args, bandwidth: float) -> d
                      "continuous": sampler.continuous, "shrink_batch": sampler.shrink_batch,
                      "decode_read_ideal_gb": ideal / 1e9,
                      "decode_fraction_of_limit": ideal / bandwidth / stats["decode_seconds"],
-                     "prefill_tflop_s": prefill_flops(model.cfg, stats["prefilled_prompts"],
-                                                      args.prompt_len)
+                     "prefill_tflop_s": (prefill_flops(model.cfg, stats["prefilled_prompts"],
+                                                       args.prompt_len)
+                                         + resume_prefill_flops(model.cfg, stats,
+                                                                args.prompt_len))
                      / stats["prefill_seconds"] / 1e12,
                      "stats": stats}
         if continuous:

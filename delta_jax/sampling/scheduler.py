@@ -732,11 +732,10 @@ class _Run:
         shard (prefill_rows_per_shard with one sample a row)."""
         jobs = sorted(jobs, key=lambda job: -job[1].length)
         while jobs:
-            width = bucket_size(jobs[0][1].length, self.s.min_prompt_bucket)
+            width = bucket_size(jobs[0][1].length, self.s.min_prompt_bucket)  # the longest
             cap = prefill_rows_per_shard(self.s.num_slots, 1, width, self.num_shards)
-            fit = [job for job in jobs if job[1].length <= width]
             call, shards = [], collections.Counter()
-            for shard, sample in fit:
+            for shard, sample in jobs:
                 if shards[shard] < cap:
                     shards[shard] += 1
                     call.append((shard, sample))
