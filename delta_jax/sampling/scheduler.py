@@ -90,13 +90,20 @@ def prefill_rows_per_shard(slots: int, n: int, width: int, shards: int = 1) -> i
     return max(1, max(shards, 1 << int(math.floor(math.log2(rows)))) // shards)
 
 
+def resume_width(length: int, min_bucket: int = 16) -> Optional[int]:
+    """The row width (bucketed tokens) of the prefill that resumes a preempted sample of
+    `length` KV tokens (its prompt and every token it generated but the last; Sampler
+    resume_preempted), or None where that is wider than MAX_PREFILL_TOKENS: such a sample
+    restarts from its first token instead. A call holds prefill_rows_per_shard(slots, 1, width,
+    shards) such rows a shard."""
+    width = bucket_size(max(1, length), min_bucket)
+    return width if width <= MAX_PREFILL_TOKENS else None
+
+
 def widest_resume_prefill(max_length: int, min_bucket: int = 16) -> int:
-    """The widest row (bucketed tokens) of a prefill that resumes a preempted sample
-    (Sampler resume_preempted), for samples of up to max_length KV tokens (prompt and response
-    but the last token): samples longer than MAX_PREFILL_TOKENS restart instead. A call holds
-    prefill_rows_per_shard(slots, 1, width, shards) such rows a shard. Plan mode sizes the
-    prefill's memory by this too."""
-    return min(bucket_size(max(1, max_length), min_bucket), MAX_PREFILL_TOKENS)
+    """The widest resume_width of samples of up to max_length KV tokens: longer ones restart.
+    Plan mode sizes the prefill's memory by it."""
+    return resume_width(min(max_length, MAX_PREFILL_TOKENS), min_bucket)
 
 
 @dataclasses.dataclass
@@ -732,7 +739,7 @@ class _Run:
         shard (prefill_rows_per_shard with one sample a row)."""
         jobs = sorted(jobs, key=lambda job: -job[1].length)
         while jobs:
-            width = bucket_size(jobs[0][1].length, self.s.min_prompt_bucket)  # the longest
+            width = resume_width(jobs[0][1].length, self.s.min_prompt_bucket)  # the longest
             cap = prefill_rows_per_shard(self.s.num_slots, 1, width, self.num_shards)
             call, shards = [], collections.Counter()
             for shard, sample in jobs:
@@ -913,7 +920,7 @@ class _Run:
         if not sample.private:
             self.prompts[sample.prompt].live[shard] -= 1
         if (self.s.resume_preempted and sample.tokens
-                and bucket_size(sample.length, self.s.min_prompt_bucket) <= MAX_PREFILL_TOKENS):
+                and resume_width(sample.length, self.s.min_prompt_bucket) is not None):
             sample.own, sample.pages = [], []
             self.resumable[sample.prompt, sample.index] = sample
         self.waiting.appendleft((sample.prompt, sample.index))
