@@ -203,9 +203,11 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
     assignment of the compiled train step (tests/test_plan.py checks the sum against XLA:CPU's
     memory analysis on a grid of float32 shapes):
       linear: 6 H (layer input, the two norms' normalised and scaled outputs, the residual after
-              attention) + 4 N D (q: projected, q-normed, rotated; the attention output) + 4 K D
-              (k: projected, k-normed, rotated; v) + 6 I (gate, up and the SiLU product's
-              intermediates), in the activation dtype;
+              attention) + 3 N D (q: projected, i.e. its norm's input, and rotated; the
+              attention output) + 3 K D (k: projected and rotated; v) + 6 I (gate, up and the
+              SiLU product's intermediates), in the activation dtype (the norms keep their
+              inputs and recompute the rest, models.norm; until 2026-11-28 XLA kept each
+              norm's float32 upcast and normalised value, and this counted 4 N D + 4 K D);
       scores (xla): the float32 scores and probabilities, N T per token each, plus the
               probabilities cast to the activation dtype when that is narrower than float32;
       attn_transient (xla, one layer at a time): the attention backward's 4 float32 [N, T, S]
@@ -272,7 +274,7 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
     n_loc, k_loc, i_loc = _div(N, tensor), _div(K, tensor), _div(I, tensor)
     tokens = rows * seq
     if backward:
-        linear = tokens * a * (6 * H + 4 * n_loc * D + 4 * k_loc * D + 6 * i_loc)
+        linear = tokens * a * (6 * H + 3 * n_loc * D + 3 * k_loc * D + 6 * i_loc)
     else:
         linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
     impl = attention or _resolved_attention(mc, seq, target)

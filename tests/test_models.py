@@ -345,6 +345,33 @@ def test_remat_gives_same_gradients(model):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_layer_residuals_without_remat_are_in_the_activation_dtype(monkeypatch):
+  """remat="none" in bfloat16: what the layer scan keeps for the backward (its layer-stacked
+  residuals, [L, B, T, ...]) is all bfloat16: the norms keep their inputs and recompute their
+  float32 internals (models.norm). With the norm's formula differentiated as it stands, the scan
+  keeps float32 copies of the hidden states and of q and k (the check sees them)."""
+  from delta_jax.models import transformer
+  from tests.test_norm import formula
+
+  cfg = CFG.replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="none")
+  graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  B, T = 2, 8
+  ids = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (B, T)), jnp.int32)
+
+  def stacked_residuals():
+    _, pullback = jax.vjp(lambda s: nnx.merge(graphdef, s)(ids).logits, state)
+    return [r for r in jax.tree_util.tree_leaves(pullback)
+            if r.ndim >= 4 and r.shape[:3] == (cfg.num_layers, B, T)]
+
+  kept = stacked_residuals()
+  assert kept and all(r.dtype == jnp.bfloat16 for r in kept), \
+      sorted({(r.dtype.name, r.shape[3:]) for r in kept})
+  monkeypatch.setattr(transformer, "rms_norm", formula)
+  widths = {r.shape[3:] for r in stacked_residuals() if r.dtype == jnp.float32}
+  assert {(cfg.hidden_size,), (cfg.num_heads, cfg.head_dim),
+          (cfg.num_kv_heads, cfg.head_dim)} <= widths, widths
+
+
 def test_return_logits_false(model):
   ids = jnp.zeros((1, 3), jnp.int32)
   out = model(ids, return_logits=False)
