@@ -202,12 +202,16 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
     backward=True (the update): what XLA keeps for the backward pass, counted from the buffer
     assignment of the compiled train step (tests/test_plan.py checks the sum against XLA:CPU's
     memory analysis on a grid of float32 shapes):
-      linear: 6 H (layer input, the two norms' normalised and scaled outputs, the residual after
-              attention) + 3 N D (q: projected, i.e. its norm's input, and rotated; the
-              attention output) + 3 K D (k: projected and rotated; v) + 6 I (gate, up and the
-              SiLU product's intermediates), in the activation dtype (the norms keep their
-              inputs and recompute the rest, models.norm; until 2026-11-28 XLA kept each
-              norm's float32 upcast and normalised value, and this counted 4 N D + 4 K D);
+      linear: what each layer keeps for its backward without remat: 6 H (layer input, the two
+              norms' normalised and scaled outputs, the residual after attention) + 3 N D (q:
+              projected, i.e. its norm's input, and rotated; the attention output) + 3 K D (k:
+              projected and rotated; v) + 3 I (gate, up, silu(gate) * up), in the activation
+              dtype. The norms and the SwiGLU product keep their inputs and recompute the rest
+              (models.norm, transformer._swiglu); until 2026-11-28 XLA kept each norm's float32
+              upcast and normalised value and SiLU's intermediates, 4 N D + 4 K D + 6 I here;
+      linear_work: that former set, 6 H + 4 N D + 4 K D + 6 I: what a layer's backward works
+              through one layer at a time (the recomputed ones included), the base of its
+              transient peak (1.2x, activations() in plan_memory);
       scores (xla): the float32 scores and probabilities, N T per token each, plus the
               probabilities cast to the activation dtype when that is narrower than float32;
       attn_transient (xla, one layer at a time): the attention backward's 4 float32 [N, T, S]
@@ -273,8 +277,9 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
                      mc.intermediate_size)
     n_loc, k_loc, i_loc = _div(N, tensor), _div(K, tensor), _div(I, tensor)
     tokens = rows * seq
+    linear_work = tokens * a * (6 * H + 4 * n_loc * D + 4 * k_loc * D + 6 * i_loc)
     if backward:
-        linear = tokens * a * (6 * H + 3 * n_loc * D + 3 * k_loc * D + 6 * i_loc)
+        linear = tokens * a * (6 * H + 3 * n_loc * D + 3 * k_loc * D + 3 * i_loc)
     else:
         linear = tokens * a * (4 * H + 3 * (n_loc * D + 2 * k_loc * D) + n_loc * D + 4 * i_loc)
     impl = attention or _resolved_attention(mc, seq, target)
@@ -311,7 +316,7 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
     weights = a * H * (2 * n_loc * D + 2 * k_loc * D + 3 * i_loc)
     rope = tokens * a * (3 * n_loc * D + 3 * k_loc * D)
     mlp = tokens * a * (3 * i_loc + 2 * H)
-    return {"linear": linear, "scores": scores, "attn_transient": transient, "mlp": mlp,
+    return {"linear": linear, "linear_work": linear_work, "scores": scores, "attn_transient": transient, "mlp": mlp,
             "recomputed_scores": recomputed_scores, "held_scores": held_scores, "mask": mask,
             "input": tokens * H * a, "dots_saved": dots_saved, "batched_dots": batched_dots,
             "weights": weights, "rope": rope, "attention": kind}
@@ -512,9 +517,9 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         backward pass, `transient` the peak of one layer's backward (the LM head's chunk peaks
         at another time: the update phase takes the larger of the two)."""
         # Each layer's backward peaks either in its attention or in its projections / MLP (the
-        # linear intermediates and their cotangents: 1.2x the residual set), as measured in
-        # XLA's buffer assignment.
-        linear_peak = 6 * layer["linear"] // 5
+        # linear intermediates and their cotangents: 1.2x linear_work), as measured in XLA's
+        # buffer assignment.
+        linear_peak = 6 * layer["linear_work"] // 5
         # No remat: every layer's backward residuals; the attention backward's transients.
         none = (L * (layer["linear"] + layer["scores"]),
                 max(layer["attn_transient"], linear_peak))
@@ -524,7 +529,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         # keeps for its own backward (held_scores) beside the linear peak: the larger of the two
         # where the MLP is wide against heads x length (intermediate 1536 against 8 heads x 512
         # tokens; at 384 against 4 or 8 heads the attention backward still peaks).
-        recompute = layer["attn_transient"] + layer["recomputed_scores"] + layer["linear"] // 4
+        recompute = (layer["attn_transient"] + layer["recomputed_scores"]
+                     + layer["linear_work"] // 4)
         full = (L * layer["input"], max(recompute, linear_peak + layer["held_scores"]))
         # dots_with_no_batch_dims_saveable keeps every layer's projection / MLP matmul outputs
         # and its input (dots_saved) and recomputes the rest one layer at a time, attention

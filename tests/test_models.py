@@ -345,15 +345,19 @@ def test_remat_gives_same_gradients(model):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_layer_residuals_without_remat_are_in_the_activation_dtype(monkeypatch):
+def test_layer_residuals_without_remat_are_the_inputs_of_norms_and_swiglu(monkeypatch):
   """remat="none" in bfloat16: what the layer scan keeps for the backward (its layer-stacked
-  residuals, [L, B, T, ...]) is all bfloat16: the norms keep their inputs and recompute their
-  float32 internals (models.norm). With the norm's formula differentiated as it stands, the scan
-  keeps float32 copies of the hidden states and of q and k (the check sees them)."""
+  residuals, [L, B, T, ...]) is all bfloat16, and of the MLP's width three arrays a layer
+  (gate, up and their SwiGLU product, down_proj's input): the norms and the SwiGLU product keep
+  their inputs and recompute the rest (models.norm, transformer._swiglu). With both written as
+  plain formulas (the check sees what they would keep) the scan keeps float32 copies of the
+  hidden states and of q and k, and six MLP-wide arrays a layer."""
   from delta_jax.models import transformer
   from tests.test_norm import formula
 
-  cfg = CFG.replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="none")
+  # intermediate_size apart from heads x head_dim (128), the o_proj input's width
+  cfg = CFG.replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="none",
+                    intermediate_size=160)
   graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
   B, T = 2, 8
   ids = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (B, T)), jnp.int32)
@@ -363,13 +367,20 @@ def test_layer_residuals_without_remat_are_in_the_activation_dtype(monkeypatch):
     return [r for r in jax.tree_util.tree_leaves(pullback)
             if r.ndim >= 4 and r.shape[:3] == (cfg.num_layers, B, T)]
 
+  def mlp_wide(kept):
+    return sum(r.shape[3:] == (cfg.intermediate_size,) for r in kept)
+
   kept = stacked_residuals()
   assert kept and all(r.dtype == jnp.bfloat16 for r in kept), \
       sorted({(r.dtype.name, r.shape[3:]) for r in kept})
+  assert mlp_wide(kept) == 3
   monkeypatch.setattr(transformer, "rms_norm", formula)
-  widths = {r.shape[3:] for r in stacked_residuals() if r.dtype == jnp.float32}
+  monkeypatch.setattr(transformer, "_swiglu", lambda gate, up: jax.nn.silu(gate) * up)
+  plain = stacked_residuals()
+  widths = {r.shape[3:] for r in plain if r.dtype == jnp.float32}
   assert {(cfg.hidden_size,), (cfg.num_heads, cfg.head_dim),
           (cfg.num_kv_heads, cfg.head_dim)} <= widths, widths
+  assert mlp_wide(plain) == 6
 
 
 def test_return_logits_false(model):

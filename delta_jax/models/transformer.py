@@ -183,6 +183,15 @@ def _project_qkv(cfg: ModelConfig, p: dict, x: jax.Array):
   return q, k, v
 
 
+@functools.partial(jax.checkpoint, prevent_cse=False)  # prevent_cse: as models.norm's
+def _swiglu(gate, up):
+  """silu(gate) * up. Differentiated, it keeps gate and up and recomputes the rest in the
+  backward: plain autodiff keeps three more [.., I] arrays (silu's sigmoid and output, the
+  product's other factor), the widest residuals of a layer; without them the Qwen3-1.7B train step
+  without remat compiles at 62.97 instead of 70.84 GiB for a v5p (BENCHMARKS.md, 2026-11-28)."""
+  return jax.nn.silu(gate) * up
+
+
 def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
   """Output projection + residual, then the SwiGLU MLP block + residual."""
   # One [B, T, N*D] x [N*D, H] matmul: both reshapes are free views, and XLA otherwise
@@ -194,7 +203,7 @@ def _finish_layer(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array) -> j
   h = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
   gate = _lora(cfg, p, "gate_proj", h, jnp.einsum("bth,hi->bti", h, p["gate_proj"]))
   up = _lora(cfg, p, "up_proj", h, jnp.einsum("bth,hi->bti", h, p["up_proj"]))
-  act = jax.nn.silu(gate) * up
+  act = _swiglu(gate, up)
   return x + _lora(cfg, p, "down_proj", act, jnp.einsum("bti,ih->bth", act, p["down_proj"]))
 
 
