@@ -316,7 +316,8 @@ def _layer_activation_bytes(mc: models.ModelConfig, rows: int, seq: int, tensor:
     weights = a * H * (2 * n_loc * D + 2 * k_loc * D + 3 * i_loc)
     rope = tokens * a * (3 * n_loc * D + 3 * k_loc * D)
     mlp = tokens * a * (3 * i_loc + 2 * H)
-    return {"linear": linear, "linear_work": linear_work, "scores": scores, "attn_transient": transient, "mlp": mlp,
+    return {"linear": linear, "linear_work": linear_work, "scores": scores,
+            "attn_transient": transient, "mlp": mlp,
             "recomputed_scores": recomputed_scores, "held_scores": held_scores, "mask": mask,
             "input": tokens * H * a, "dots_saved": dots_saved, "batched_dots": batched_dots,
             "weights": weights, "rope": rope, "attention": kind}
