@@ -565,12 +565,15 @@ class _Run:
                             np.asarray(kv_len, np.int64) + limit)
         return -(-tokens // self.ps) - held
 
+    def _shared(self, sample: _Sample) -> int:
+        """The prompt's full pages the sample reads in place (0 for a private one)."""
+        return 0 if sample.private else self.prompts[sample.prompt].kv_len // self.ps
+
     def _need(self, sample: _Sample) -> int:
         """Own pages the sample needs to run one more decode call."""
         prompt = self.prompts[sample.prompt]
-        shared = 0 if sample.private else prompt.kv_len // self.ps
         return int(self._pages_to_take(sample.length, prompt.kv_len, self.limits[sample.prompt],
-                                       shared + len(sample.own)))
+                                       self._shared(sample) + len(sample.own)))
 
     def _slot_needs(self) -> np.ndarray:
         """_need of every slot's sample at once from the slot arrays (0 for a free slot)."""
@@ -642,7 +645,7 @@ class _Run:
                 sample.pages = list(sample.own)
             else:
                 prompt.live[shard] += 1
-                sample.pages = prompt.pages[shard][:prompt.kv_len // self.ps] + sample.own
+                sample.pages = prompt.pages[shard][:self._shared(sample)] + sample.own
             resumes.append((shard, sample))
             return shard, sample
         sample = _Sample(prompt=i, index=j, admitted=self.admissions, length=prompt.kv_len)
@@ -662,7 +665,7 @@ class _Run:
         if prompt.kv_len % self.ps:  # a private copy of the partial last prompt page
             copies.append((shard, prompt.pages[shard][-1], sample.own[0]))
         prompt.live[shard] += 1
-        sample.pages = prompt.pages[shard][:prompt.kv_len // self.ps] + sample.own
+        sample.pages = prompt.pages[shard][:self._shared(sample)] + sample.own
         return shard, sample
 
     def _enter(self, slot: int, sample: _Sample):
@@ -811,8 +814,7 @@ class _Run:
             if sample is not None:
                 prompt = self.prompts[sample.prompt]
                 top = pages_for(prompt.kv_len + self.limits[sample.prompt], self.ps)
-                shared = 0 if sample.private else prompt.kv_len // self.ps
-                spare[self.shard_of(k)] -= max(0, top - shared - len(sample.own))
+                spare[self.shard_of(k)] -= max(0, top - self._shared(sample) - len(sample.own))
         out, seen = [], {i for i, _ in jobs}
         for i, _ in self.waiting:
             if not any(room.values()):
