@@ -722,8 +722,10 @@ def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, 
   cfg = models.get_preset("tiny", head_dim=head_dim, dtype=jnp.bfloat16)
   model = models.Transformer(cfg, rngs=nnx.Rngs(1))
   prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99]]
-  kwargs = dict(n=2, max_new_tokens=12, seed=0)
-  common = dict(max_batch_size=4, page_size=32, decode_steps_per_call=4)
+  # 6 new tokens, 3 decode steps a call: 12 steps in 4 calls, two of them after the refill
+  # (the interpreter takes ~1 s a decode step on a 2-core CPU)
+  kwargs = dict(n=2, max_new_tokens=6, seed=0)
+  common = dict(max_batch_size=4, page_size=32, decode_steps_per_call=3)
   ref = Sampler(model, decode_attention="reference", **common).generate(prompts, **kwargs)
   traced = []
   for name in ("paged_decode_mosaic", "paged_write_decode_mosaic"):
@@ -739,6 +741,7 @@ def test_sampler_with_it_generates_what_the_reference_does(monkeypatch, on_cpu, 
           else ("paged_decode_mosaic", (N, head_dim)))
   assert traced and set(traced) == {want}  # it ran, in every layer
   assert got.response_ids == ref.response_ids
-  assert sum(map(len, sum(got.response_ids, []))) == 6 * 12
+  assert sum(map(len, sum(got.response_ids, []))) == 6 * 6
+  assert got.stats["decode_calls"] == 4  # two calls for the first four samples, two after
   for a, b in zip(sum(got.logprobs, []), sum(ref.logprobs, [])):
     np.testing.assert_allclose(a, b, atol=2e-2)
