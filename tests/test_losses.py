@@ -192,8 +192,11 @@ def test_sapo_soft_gate_value_gradient_and_metrics():
                                   cfg=cfg)
             return s / d
         value, grad = jax.value_and_grad(loss)(f64(logp))
-        fm = finalize_metrics(policy_loss(f64(logp), f64(old), f64(adv), f64(mask), cfg=cfg)[2])
-        clipped = finalize_metrics(policy_loss(f64(logp), f64(old), f64(adv), f64(mask))[2])
+        # as numpy float64: jnp comparisons of float64 arrays after the x64 context warn
+        fm = jax.device_get(finalize_metrics(policy_loss(f64(logp), f64(old), f64(adv),
+                                                         f64(mask), cfg=cfg)[2]))
+        clipped = jax.device_get(finalize_metrics(policy_loss(f64(logp), f64(old), f64(adv),
+                                                              f64(mask))[2]))
     np.testing.assert_allclose(value, (w * per_token)[valid].sum() / n, rtol=1e-10)
     want_grad = np.where(valid, -w * gate * ratio * adv / n, 0.0)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-9, atol=1e-15)
