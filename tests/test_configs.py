@@ -90,7 +90,7 @@ def test_method_switch_is_one_flag(method):
     assert c.rl.dynamic_sampling is True  # tiny.py sets it: an explicit value beats the method's
     base = default_config()
     base.method, base.model.random_init, base.model.preset = method, True, "tiny"
-    base.data.train = "synthetic"
+    base.data.train = base.tokenizer.path = "synthetic"
     assert validate_config(base).rl.dynamic_sampling is False  # the methods' default (paper)
 
 
@@ -200,6 +200,28 @@ def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
     cfg = parse([f"--config={EXPERIMENTS / 'tiny.py'}", override])
     with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.")):
         validate_config(cfg)
+
+
+def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
+    """A checkpoint path given to a random-init config (tiny.py with --config.model.path=...) was
+    dropped without a word: the run trained, and mode=eval evaluated, random weights (eval even
+    printed "eval of <path>"). It is refused naming model.random_init and the path, in every mode;
+    with random_init=False the same path validates. A random-init run with no tokenizer at all
+    (tokenizer.path and model.path empty) passed validation and failed at load time naming
+    model.path ('.: no tokenizer.json'); it is refused naming tokenizer.path."""
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    for mode in ("train", "eval", "sft", "plan"):
+        with pytest.raises(ConfigError, match=r"^model\.random_init: True builds "
+                           r"model\.preset='tiny' .*ignores model\.path='/ckpt/qwen3'"):
+            validate_config(parse([base, "--config.model.path=/ckpt/qwen3",
+                                   f"--config.mode={mode}"]))
+    out = validate_config(parse([base, "--config.model.path=/ckpt/qwen3",
+                                 "--config.model.random_init=False"]))
+    assert out.model.path == "/ckpt/qwen3" and not out.model.random_init
+    with pytest.raises(ConfigError, match=r"^tokenizer\.path: no tokenizer"):
+        validate_config(parse([base, "--config.tokenizer.path="]))
+    # plan mode reads shapes only: no tokenizer needed there
+    assert validate_config(parse([base, "--config.tokenizer.path=", "--config.mode=plan"]))
 
 
 def test_decode_splits_field():

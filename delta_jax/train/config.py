@@ -533,10 +533,18 @@ def _check_combinations(c):
         _require(c.model.random_init or c.model.path, "model.path",
                  "a Hugging Face model directory is required (or set model.random_init=True "
                  "with model.preset)")
-        _require(c.model.random_init or c.tokenizer.path or c.model.path, "tokenizer.path",
-                 "no tokenizer: set tokenizer.path or model.path")
+        # A random-init model's vocabulary comes from its tokenizer too: it needs one as well.
+        _require(c.tokenizer.path or c.model.path, "tokenizer.path",
+                 "no tokenizer: set tokenizer.path (a Hugging Face tokenizer directory, or "
+                 "'synthetic') or model.path")
     _require(not c.model.random_init or c.model.preset, "model.preset",
              "random init needs a preset name (e.g. 'tiny')")
+    # Random init builds model.preset and never reads model.path's weights: a path given with it
+    # would be silently dropped (a run, or an eval that says "eval of <path>", of random weights).
+    _require(not (c.model.random_init and c.model.path), "model.random_init",
+             f"True builds model.preset={c.model.preset!r} with random weights and ignores "
+             f"model.path={c.model.path!r}: pass --config.model.random_init=False to load that "
+             f"checkpoint, or leave model.path empty (tokenizer.path names a tokenizer alone)")
     if c.mode in ("train", "sft"):
         _require(c.data.train, "data.train", "training data is required (file path(s) or "
                  "'synthetic')")
