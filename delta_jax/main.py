@@ -32,7 +32,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from delta_jax.errors import InputError
-from delta_jax.train.config import ConfigError, field_names, resume_changes, validate_config
+from delta_jax.train.config import (ConfigError, field_names, resume_changes, unused_delta_fields,
+                                    validate_config)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (get_config())",
                                           lock_config=True)
@@ -42,6 +43,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, met
 def run(cfg, workdir: str):
     """Validates `cfg` and runs its mode in `workdir`; returns the mode's result."""
     cfg = validate_config(cfg)
+    unused = unused_delta_fields(cfg)
+    if unused:
+        logging.getLogger("delta_jax").warning(
+            "method=%r trains without DelTA weights: %s change nothing it trains (method=delta "
+            "uses them)", cfg.method, ", ".join(unused))
     from delta_jax import xla_env
     xla_env.apply_default_flags()  # before anything starts a backend
     if cfg.mode == "plan":

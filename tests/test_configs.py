@@ -8,7 +8,7 @@ from ml_collections import config_dict, config_flags
 
 from delta_jax import models
 from delta_jax.train.config import (ConfigError, default_config, lora_targets, method_settings,
-                                    validate_config)
+                                    unused_delta_fields, validate_config)
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 CONFIG_FILES = sorted(EXPERIMENTS.glob("*.py"))
@@ -222,6 +222,24 @@ def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
         validate_config(parse([base, "--config.tokenizer.path="]))
     # plan mode reads shapes only: no tokenizer needed there
     assert validate_config(parse([base, "--config.tokenizer.path=", "--config.mode=plan"]))
+
+
+def test_delta_fields_of_another_method_are_named():
+    """unused_delta_fields: a train run of grpo / dapo with DelTA's hyperparameters changed
+    (a lam_max sweep of the baseline by mistake) names each one and its value; the memory
+    settings the recipes set for every method, the defaults, method=delta and the other modes
+    name none."""
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    swept = ["--config.delta.lam_max=1.5", "--config.delta.assignment=hard"]
+    for method in ("grpo", "dapo"):
+        cfg = validate_config(parse([base, f"--config.method={method}", *swept,
+                                     "--config.delta.feature_cache=host"]))
+        assert unused_delta_fields(cfg) == ["delta.lam_max=1.5", "delta.assignment='hard'"]
+        assert unused_delta_fields(validate_config(parse([base, f"--config.method={method}"]))
+                                   ) == []
+    assert unused_delta_fields(validate_config(parse([base, *swept]))) == []  # tiny.py: delta
+    assert unused_delta_fields(validate_config(parse(
+        [base, "--config.method=dapo", "--config.mode=eval", *swept]))) == []
 
 
 def test_decode_splits_field():

@@ -303,3 +303,28 @@ def test_config_json_is_replaced_whole(tmp_path, monkeypatch):
         main_lib.write_config(cfg, str(tmp_path))
     assert (tmp_path / "config.json").read_text() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_a_baseline_with_delta_hyperparameters_warns_at_start(monkeypatch, caplog):
+    """main.run of a dapo train run with delta.lam_max changed logs, before anything starts, that
+    the field changes nothing it trains (config.unused_delta_fields); the delta run of the same
+    config does not. The run is stopped right after (at xla_env's flags) by the test."""
+    from delta_jax import main as main_lib
+    from delta_jax import xla_env
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    monkeypatch.setattr(xla_env, "apply_default_flags", stop)
+    for method, warned in (("dapo", True), ("delta", False)):
+        caplog.clear()
+        cfg = load_config(REPO / "experiments" / "tiny.py", method=method,
+                          delta__lam_max=1.5)
+        with caplog.at_level("WARNING", logger="delta_jax"), pytest.raises(Stop):
+            main_lib.run(cfg, "/nonexistent-workdir")
+        text = caplog.text
+        assert ("method='dapo' trains without DelTA weights: delta.lam_max=1.5 change nothing"
+                in text) == warned, text

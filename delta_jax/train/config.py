@@ -483,6 +483,26 @@ def _require(ok, name, message):
         raise ConfigError(f"{name}: {message}")
 
 
+# DelTA's own hyperparameters (the coefficients and the paper's ablations), which only
+# method="delta" trains with; delta.feature_cache / recompute_chunk / pass_impl are memory and
+# speed settings that the recipes set for every method.
+DELTA_METHOD_FIELDS = ("delta.num_refine", "delta.lam_min", "delta.lam_max", "delta.proxy",
+                       "delta.topk", "delta.stats_mode", "delta.fixed_gamma", "delta.assignment",
+                       "delta.normalize", "delta.weight", "delta.random_lambda")
+
+
+def unused_delta_fields(cfg) -> list[str]:
+    """The DELTA_METHOD_FIELDS that a train run of another method sets away from their defaults:
+    they change nothing it trains (a `--config.delta.lam_max` sweep of a dapo run gives the
+    same run every time; only the token view reads them then). Not an error, as rl.surrogate's
+    unused fields are: `--config.method=` switches a config that sets them with one flag."""
+    if cfg.method == "delta" or cfg.mode != "train":
+        return []
+    defaults = default_config()
+    return [f"{name}={_get(cfg, name)!r}" for name in DELTA_METHOD_FIELDS
+            if _get(cfg, name) != _get(defaults, name)]
+
+
 def _require_defaults(c, names, why: str):
     """Each field of `names` left at its default_config() value: settings that only another
     option reads (`why`, then "leave <field> at <default>", is the message)."""
