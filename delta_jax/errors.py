@@ -6,6 +6,12 @@ traceback, like the config's own errors (train/config.ConfigError, exit code 2).
 
 Both classes keep the built-in types callers catch: an InputError is a ValueError, a
 MissingInputError also a FileNotFoundError.
+
+RunHalted is the run's own: training cannot go on as configured (a dynamic-sampling batch that
+cannot be filled, too many non-finite updates); the loop saved a checkpoint of the last finished
+step first, and the message names the config fields that decide it. `delta_jax.main` prints it as
+one line (exit code 1). Every process of a multi-host run reaches it at the same step (the
+rewards and the loss it follows are global).
 """
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ class InputError(ValueError):
 
 class MissingInputError(InputError, FileNotFoundError):
     """A data, benchmark, tokenizer or checkpoint path that names nothing usable."""
+
+
+class RunHalted(RuntimeError):
+    """Training stopped because it cannot go on as configured; a checkpoint of the last finished
+    step is saved, and the message says which fields to change and how to resume."""
 
 
 def first_line(e: BaseException, limit: int = 400) -> str:

@@ -31,7 +31,7 @@ import traceback
 from absl import app, flags
 from ml_collections import config_flags
 
-from delta_jax.errors import InputError
+from delta_jax.errors import InputError, RunHalted
 from delta_jax.train.config import (ConfigError, field_names, resume_changes, unused_delta_fields,
                                     validate_config)
 
@@ -197,6 +197,9 @@ def main(argv):
     except TrainingInterrupted as e:  # every process stops at the same step (agreed)
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except RunHalted as e:  # a checkpoint is saved; every process halts at this step (global)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception as e:  # noqa: BLE001 - reported, then the process leaves at once
         if not _distributed_started():
             raise

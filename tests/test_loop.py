@@ -344,3 +344,53 @@ def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, mo
     got = jax.device_get(state)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_array_equal(a, b)
+
+
+class _EqualRewards:
+    """A scorer under which every sample of a group gets reward 0: no group has signal."""
+
+    def score(self, texts, golds, response_lengths=None, truncated=None):
+        rewards = np.zeros(len(texts), np.float32)
+        return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts),
+                         "num_errors": 0}
+
+    def close(self):
+        pass
+
+
+def test_a_batch_dynamic_sampling_cannot_fill_halts_with_a_checkpoint(tmp_path):
+    """Dynamic sampling that cannot fill step 2's batch (every group's rewards equal from then
+    on) halts the run with RunHalted, naming the step and the fields that decide it, after
+    saving checkpoint 1 (train.save_every=10 would have kept only checkpoint 0: step 1 was lost
+    before); the same run resumed with rl.dynamic_sampling_on_max_rounds=pad trains steps 2 and
+    3 from it, their batches padded with zero-signal groups."""
+    from delta_jax.errors import RunHalted
+    from delta_jax.train.checkpoint import Checkpointer
+
+    sections = dict(model=dict(num_layers=1),
+                    rl=dict(dynamic_sampling=True, dynamic_sampling_max_rounds=2),
+                    train=dict(steps=3, save_every=10, keep=5, **LOOP_WITHOUT_EVAL))
+    cfg = tiny_rl_config("dapo", **sections)
+    run = build_scored_run(cfg, tmp_path)
+
+    def equal_rewards_after_step_1(run, step, out):
+        run.scorer = _EqualRewards()
+
+    with pytest.raises(RunHalted, match=r"^step 2: dynamic sampling: only 0 of 4 groups with "
+                       r"reward signal after 2 rounds .*rl\.dynamic_sampling_max_rounds=2 .*"
+                       r"rl\.dynamic_sampling_on_max_rounds=pad .*checkpoint 1 saved in "):
+        loop.train(cfg, str(tmp_path), run=run, step_hooks=[equal_rewards_after_step_1])
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+    assert ckpt.all_steps() == [0, 1]
+    ckpt.close()
+
+    sections["rl"]["dynamic_sampling_on_max_rounds"] = "pad"
+    padded = tiny_rl_config("dapo", **sections)
+    resumed = build_scored_run(padded, tmp_path)
+    resumed.scorer = _EqualRewards()
+    _, resumed = loop.train(padded, str(tmp_path), run=resumed)
+    resumed.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rl_rows = [r for r in rows if "policy/loss" in r]
+    assert [r["step"] for r in rl_rows] == [1, 2, 3]
+    assert [r["rollout/padded_groups"] for r in rl_rows] == [0.0, 4.0, 4.0]

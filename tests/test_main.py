@@ -251,6 +251,26 @@ def test_a_bad_input_is_one_line_naming_field_and_file(tmp_path):
         f"error: data.train: {missing}: no such file, directory or glob")
 
 
+def test_a_halted_run_is_one_line_with_exit_1(tmp_path):
+    """A run that cannot go on as configured (errors.RunHalted: here tiny.py's dynamic sampling
+    with no SFT warm start, whose random-init policy solves nothing, so no group has reward
+    signal) prints one error line naming the fields and the checkpoint, not a traceback, and
+    exits 1."""
+    out = _main([f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={tmp_path / 'w'}",
+                 "--config.sft.steps=0", "--config.train.eval_before=False",
+                 "--config.rl.dynamic_sampling_max_rounds=1", "--config.rollout.batch_prompts=4",
+                 "--config.rollout.group_size=2", "--config.rl.mini_batch_prompts=4",
+                 "--config.rollout.max_new_tokens=8", "--config.rewards.overlong=False",
+                 "--config.train.progress_bar=False"])
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith("error: step 1: dynamic sampling: only 0 of 4 groups"), errors
+    assert "rl.dynamic_sampling_on_max_rounds=pad" in errors[0]
+    assert "checkpoint 0 saved in" in errors[0]
+
+
 def test_a_second_process_on_the_same_workdir_is_refused(tmp_path):
     from delta_jax.train.workdir_lock import WorkdirLock
 

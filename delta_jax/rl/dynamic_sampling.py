@@ -19,6 +19,10 @@ import numpy as np
 ON_MAX_ROUNDS = ("raise", "pad")  # config rl.dynamic_sampling_on_max_rounds
 
 
+class BatchNotFilled(RuntimeError):
+    """fill_batch_with_signal could not fill the batch with groups that carry reward signal."""
+
+
 def group_has_signal(rewards, atol: float = 0.0):
     """True for groups whose rewards are not all equal: max - min > atol.
 
@@ -66,10 +70,10 @@ def fill_batch_with_signal(
         default num_groups.
       max_rounds: cap on generation rounds.
       on_max_rounds: what to do when max_rounds rounds (or the prompt iterator) run out first:
-        "raise" a RuntimeError; "pad": warn and fill the batch with the latest dropped
-        (zero-signal) groups, which carry zero GRPO advantage, so the batch keeps its fixed
-        shape (a RuntimeError still when too few groups were dropped to pad with: the prompt
-        iterator ran out).
+        "raise" a BatchNotFilled (a RuntimeError); "pad": warn and fill the batch with the
+        latest dropped (zero-signal) groups, which carry zero GRPO advantage, so the batch keeps
+        its fixed shape (a BatchNotFilled still when too few groups were dropped to pad with:
+        the prompt iterator ran out).
       atol: reward spread at or below which a group counts as having no signal.
     Returns:
       FilledBatch. stats: rounds, prompts_generated, groups_kept, groups_dropped (no signal),
@@ -137,10 +141,10 @@ def fill_batch_with_signal(
                f"for equal rewards): {why}. Raise max_rounds / prompts_per_round, or check the "
                f"rewards (all groups solved or all failed?).")
         if on_max_rounds == "raise":
-            raise RuntimeError(msg)
+            raise BatchNotFilled(msg)
         if len(dropped) < missing:
-            raise RuntimeError(f"{msg} Too few groups were dropped ({len(dropped)}) to pad the "
-                               f"batch with.")
+            raise BatchNotFilled(f"{msg} Too few groups were dropped ({len(dropped)}) to pad "
+                                 f"the batch with.")
         for prompt, group, r in dropped[-missing:]:
             kept_prompts.append(prompt)
             kept_groups.append(group)

@@ -16,7 +16,8 @@ import jax
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
-from delta_jax.errors import naming
+from delta_jax.errors import RunHalted, naming
+from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
@@ -29,7 +30,7 @@ from delta_jax.train.state import TrainState, abstract_train_state, init_train_s
 log = logging.getLogger("delta_jax.train")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunHalted):
     """Too many consecutive non-finite updates; the last checkpoint is usable."""
 
 
@@ -179,6 +180,12 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
         except StepAbandoned:  # the state is still that of step - 1
             save(step - 1, state, data_before, force=True)
             raise interrupted(step - 1) from None
+        except BatchNotFilled as e:  # so is it here; the step's prompts are drawn again on resume
+            save(step - 1, state, data_before, force=True)
+            raise RunHalted(
+                f"step {step}: {e} The run stopped with checkpoint {step - 1} saved in "
+                f"{run.ckpt.directory}: the same command with a changed field and "
+                "--config.train.allow_config_change=True resumes from it") from e
         state, metrics = out.state, out.metrics
         skipped = metrics.get("policy/skipped_updates", 0.0)
         nonfinite_streak = nonfinite_streak + 1 if skipped > 0 else 0

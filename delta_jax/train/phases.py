@@ -69,7 +69,7 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
     record_batches: iterator of lists of prompt records (the data pipeline's batches). Without
       dynamic sampling one batch is drawn and kept whole; with it, rounds of `prompts_per_round`
       records (0: num_prompts) are drawn until `num_prompts` groups with reward variance are kept
-      (rl.dynamic_sampling.fill_batch_with_signal); after `max_rounds` rounds a RuntimeError, or
+      (rl.dynamic_sampling.fill_batch_with_signal); after `max_rounds` rounds a BatchNotFilled, or
       with on_max_rounds "pad" the batch filled up with zero-signal groups (and a warning).
     stats (with dynamic sampling): rounds, dropped_groups, padded_groups, keep_rate (groups with
       signal / groups generated), dropped_mean_reward.
@@ -90,7 +90,7 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
         samples, rewards, accuracy = one_round(records)
         stats.update(rounds=1.0, dropped_groups=0.0)
     else:
-        from delta_jax.rl.dynamic_sampling import fill_batch_with_signal
+        from delta_jax.rl.dynamic_sampling import BatchNotFilled, fill_batch_with_signal
 
         def split_round(records):  # one group per prompt: (its samples, its accuracy [G])
             samples, rewards, accuracy = one_round(records)
@@ -102,8 +102,8 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
                 split_round, (r for batch in record_batches for r in batch),
                 num_groups=num_prompts, prompts_per_round=prompts_per_round or num_prompts,
                 max_rounds=max_rounds, on_max_rounds=on_max_rounds)
-        except RuntimeError as e:  # name the config fields, not the function's arguments
-            raise RuntimeError(
+        except BatchNotFilled as e:  # name the config fields, not the function's arguments
+            raise BatchNotFilled(
                 f"{e} Config: rl.dynamic_sampling_max_rounds={max_rounds} caps the rounds of "
                 f"{prompts_per_round or num_prompts} prompts "
                 f"(rl.dynamic_sampling_prompts_per_round, 0 = rollout.batch_prompts="
