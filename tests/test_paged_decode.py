@@ -681,7 +681,9 @@ def test_sampler_with_auto_splits_generates_what_the_reference_does(monkeypatch,
   cfg = models.get_preset("tiny", head_dim=128, dtype=jnp.bfloat16)
   model = models.Transformer(cfg, rngs=nnx.Rngs(1))
   prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13], [99]]
-  kwargs = dict(n=2, max_new_tokens=6, seed=0)  # 6 samples in 4 slots: slots refill
+  # 6 samples in 4 slots: slots refill; 3 new tokens, one decode call before the refill and one
+  # after (the interpreter takes ~1 s a decode step, twice that at 2 splits, on a 2-core CPU)
+  kwargs = dict(n=2, max_new_tokens=3, seed=0)
   common = dict(max_batch_size=4, page_size=32, decode_steps_per_call=3)
   ref = Sampler(model, decode_attention="reference", **common).generate(prompts, **kwargs)
   splits = []
@@ -694,7 +696,9 @@ def test_sampler_with_auto_splits_generates_what_the_reference_does(monkeypatch,
     got = Sampler(model, decode_attention=impl, decode_splits=0, **common).generate(prompts,
                                                                                   **kwargs)
   assert set(splits) == {PD.auto_splits(4, cfg.num_kv_heads, 16)} == {2}
+  assert got.stats["decode_calls"] == 2
   assert got.response_ids == ref.response_ids
+  assert sum(map(len, sum(got.response_ids, []))) == 6 * 3
   for a, b in zip(sum(got.logprobs, []), sum(ref.logprobs, [])):
     np.testing.assert_allclose(a, b, atol=2e-2)
   with pytest.raises(ValueError, match="decode_splits=0.*batch_invariant"):
