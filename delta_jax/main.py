@@ -110,8 +110,9 @@ def check_resume_config(cfg, workdir: str):
     """A run directory with checkpoints resumes only with the config it was started with (fields
     that change no result aside, config.RESUMABLE_FIELDS) unless train.allow_config_change."""
     path = os.path.join(workdir, "config.json")
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    has_ckpt = any(os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
+                   for d in (os.path.join(workdir, "checkpoints"),
+                             os.path.join(workdir, "sft_checkpoints")))  # loop.SFT_CHECKPOINTS
     if not (has_ckpt and os.path.isfile(path)):
         return
     try:

@@ -149,6 +149,83 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     assert json.loads((fresh / "eval" / "standalone_step_0.json").read_text())
 
 
+def _sft_config(steps=12, save_every=5):
+    cfg = tiny_rl_config("dapo", sft=dict(steps=steps, batch_size=4, max_len=32, warmup_steps=0),
+                         train=dict(save_every=save_every, keep=5))
+    with cfg.unlocked():
+        cfg.mode = "sft"
+    return validate_config(cfg)
+
+
+def _signal_at_sft_step(monkeypatch, stop_step):
+    """SIGTERM to this process while SFT step `stop_step`'s batch is drawn."""
+    from delta_jax.train import sft as sft_lib
+    draw = sft_lib.sft_batch
+
+    def draw_then_signal(examples, batch_size, seed, step):
+        if step == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs at the next bytecode boundary
+        return draw(examples, batch_size, seed, step)
+
+    monkeypatch.setattr(sft_lib, "sft_batch", draw_then_signal)
+
+
+def test_a_stopped_sft_saves_its_state_and_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Mode sft stopped by SIGTERM at step 11 of 12 (train.save_every=3): checkpoints 3, 6, 9
+    (the interval) and 11 (the stop) in workdir/sft_checkpoints, and TrainingInterrupted naming
+    step 11 there (before, nothing was saved and every step was lost). With checkpoint 11 then
+    removed (a crash after the metrics row of step 10 and before the next checkpoint), the same
+    run resumes from 9, cuts metrics.jsonl back to it, ends with the parameters of an
+    uninterrupted warm start bit for bit (its batches follow (seed, step)), writes each metrics
+    row once, and removes its checkpoints after the export."""
+    import jax
+
+    ref = jax.device_get(loop.sft_only(_sft_config(save_every=3), str(tmp_path / "ref")))
+    assert not (tmp_path / "ref" / loop.SFT_CHECKPOINTS).exists()
+    cut = tmp_path / "cut"
+    _signal_at_sft_step(monkeypatch, 11)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        loop.sft_only(_sft_config(save_every=3), str(cut))
+    assert stopped.value.step == 11 and stopped.value.signum == signal.SIGTERM
+    assert stopped.value.checkpoint_dir == str(cut / loop.SFT_CHECKPOINTS)
+    assert sorted(int(p.name) for p in (cut / loop.SFT_CHECKPOINTS).iterdir()
+                  if p.name.isdigit()) == [3, 6, 9, 11]
+    assert not (cut / "sft").exists()  # no export of a half-done warm start
+    monkeypatch.undo()
+    shutil.rmtree(cut / loop.SFT_CHECKPOINTS / "11")
+    rows = [json.loads(line) for line in open(cut / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "sft/loss" in r] == [10]
+    resumed = jax.device_get(loop.sft_only(_sft_config(save_every=3), str(cut)))
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rows = [json.loads(line) for line in open(cut / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "sft/loss" in r] == [10, 12]
+    assert (cut / "sft" / "config.json").is_file()
+    assert not (cut / loop.SFT_CHECKPOINTS).exists()
+
+
+def test_a_warm_start_stopped_in_a_train_run_resumes_then_trains(tmp_path, monkeypatch):
+    """The train mode's SFT warm start stopped at step 3 of 4: the rerun resumes the warm start
+    from its checkpoint 3 (metrics.jsonl cut back to it) and goes on to RL step 1; the warm
+    start's checkpoints are gone once RL checkpoint 0 holds its result."""
+    sections = dict(sft=dict(steps=4, batch_size=4, max_len=32, warmup_steps=0),
+                    train=dict(steps=1, save_every=10, **LOOP_WITHOUT_EVAL))
+    workdir = tmp_path / "w"
+    _signal_at_sft_step(monkeypatch, 3)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(tiny_rl_config("dapo", **sections), workdir)
+    assert stopped.value.step == 3
+    assert stopped.value.checkpoint_dir == str(workdir / loop.SFT_CHECKPOINTS)
+    assert not (workdir / "checkpoints" / "0").exists()
+    monkeypatch.undo()
+    _train(tiny_rl_config("dapo", **sections), workdir)
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "sft/loss" in r] == [4]  # the last SFT step, once
+    assert _rl_steps(workdir) == [1]
+    assert not (workdir / loop.SFT_CHECKPOINTS).exists()
+
+
 def test_sft_mode_trains_the_warm_start_and_exports_it(tmp_path):
     """Mode sft: sft.steps steps of the warm start alone (a metrics row every 10 steps and at
     the last; no RL), exported as a Hugging Face directory (workdir/sft) that loads back to the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -179,6 +180,18 @@ class Checkpointer:
     def close(self):
         self._manager.wait_until_finished()
         self._manager.close()
+
+    def remove(self):
+        """Closes the manager and removes the whole directory, every step in it. Collective:
+        process 0 removes it once every process has closed; all return once it is gone."""
+        self.close()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"checkpoint remove {self.directory}")
+        if jax.process_index() == 0:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint removed {self.directory}")
 
 
 def readable_everywhere(ok: bool) -> bool:

@@ -19,6 +19,7 @@ from delta_jax import sharding as sharding_lib
 from delta_jax.errors import RunHalted, naming
 from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import sft as sft_lib
+from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
@@ -37,10 +38,33 @@ class NonFiniteError(RunHalted):
 # ----------------------------------------------------------------------------- drivers
 
 
+SFT_CHECKPOINTS = "sft_checkpoints"  # under the workdir: the warm start's own checkpoints
+
+
+def sft_checkpointer(run: Run) -> Checkpointer:
+    """The SFT warm start's checkpoints (workdir/sft_checkpoints), on train.save_every /
+    train.keep like the RL steps'."""
+    return Checkpointer(os.path.join(run.workdir, SFT_CHECKPOINTS),
+                        save_every=run.cfg.train.save_every, keep=run.cfg.train.keep)
+
+
+def sft_interrupted(stop: StopOnSignal, ckpt: Checkpointer) -> TrainingInterrupted:
+    """The TrainingInterrupted of a warm start that `stop` ended (its checkpoint saved in
+    `ckpt`, which is closed here)."""
+    saved = ckpt.latest_step()
+    ckpt.close()
+    return TrainingInterrupted(stop.signum, saved, ckpt.directory)
+
+
 def run_sft(run: Run, params, log_every: int = 10,
-            should_stop: Callable[[], bool] = lambda: False):
+            should_stop: Callable[[], bool] = lambda: False, ckpt: Checkpointer | None = None):
     """Supervised warm start; returns the new params (the RL optimizer starts fresh after), or
-    None when should_stop() turned true (checked after every step; nothing is saved)."""
+    None when should_stop() turned true (checked after every step).
+
+    ckpt: where the warm start saves its state every train.save_every steps and when stopped,
+    and resumes from (the newest that reads back; metrics.jsonl cut back to what that checkpoint
+    had written). Its batches follow (seed, step) alone, so a resumed warm start trains what an
+    uninterrupted one does. None: nothing is saved."""
     from delta_jax.data import records as records_lib
     from delta_jax.train.state import learning_rate_schedule, make_optimizer
 
@@ -68,15 +92,24 @@ def run_sft(run: Run, params, log_every: int = 10,
     state = init_train_state(params, optimizer)
     if shardings is not None:
         state = sharding_lib.shard_tree(state, shardings)
+    start = 0
+    found = ckpt.restore_latest(state) if ckpt is not None else None
+    if found is not None:
+        start, state, _, meta = found
+        run.writer.truncate(int(meta.get("metrics_offset", -1)))
+        log.info("sft: resumed from %s at step %d", ckpt.directory, start)
     bar = _progress(cfg, cfg.sft.steps, "sft")
     stopped = False
-    for step in range(1, cfg.sft.steps + 1):
+    for step in range(start + 1, cfg.sft.steps + 1):
         batch = sft_lib.sft_batch(examples, cfg.sft.batch_size, cfg.seed, step)
         state, m = step_fn(state, sharding_lib.put_batch(batch, run.mesh))
         if step % log_every == 0 or step == cfg.sft.steps:
             scalars = run.writer.write(step, jax.device_get(m))
             _bar_update(bar, step, f"sft loss {scalars['sft/loss']:.3f}")
-        stopped = should_stop()
+        stopped = should_stop()  # asked once: the save and the stop agree
+        if ckpt is not None and (step < cfg.sft.steps or stopped):
+            ckpt.save(step, state, None, _meta(cfg, step, metrics_offset=run.writer.position()),
+                      force=stopped)
         if stopped:
             break
     if bar is not None:
@@ -158,9 +191,10 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
     else:
         state = init_state
         if cfg.sft.steps > 0:
-            params = run_sft(run, state.params, should_stop=stop.requested)
+            sft_ckpt = sft_checkpointer(run)
+            params = run_sft(run, state.params, should_stop=stop.requested, ckpt=sft_ckpt)
             if params is None:
-                raise interrupted(None)
+                raise sft_interrupted(stop, sft_ckpt)
             state = place_state(run, init_train_state(params, run.optimizer))
             if run.ref_pass is not None:  # the KL reference is the policy after the warm start
                 run.ref_params = reference_part(state.params)
@@ -168,6 +202,8 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
         if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
             write_eval(run, state.params, 0)
         save(0, state, run.data_iter.get_state(), force=True)
+        if cfg.sft.steps > 0:  # checkpoint 0 holds the warm start's result
+            sft_ckpt.remove()  # each holds a whole optimizer state
         start = 0
     if stop.requested():
         raise interrupted(start)
@@ -245,11 +281,13 @@ def sft_only(cfg, workdir: str):
     """Mode sft: the warm start alone, exported as a HF directory (workdir/sft)."""
     run = build_run(cfg, workdir, need_scorer=False)
     try:
+        sft_ckpt = sft_checkpointer(run)
         with StopOnSignal() as stop:
-            params = run_sft(run, run.initial_params, should_stop=stop.requested)
+            params = run_sft(run, run.initial_params, should_stop=stop.requested, ckpt=sft_ckpt)
             if params is None:
-                raise TrainingInterrupted(stop.signum, None, run.ckpt.directory)
+                raise sft_interrupted(stop, sft_ckpt)
         export_policy(run, params, os.path.join(workdir, "sft"))
+        sft_ckpt.remove()
         return params
     finally:
         run.close()

@@ -25,8 +25,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class TrainingInterrupted(Exception):
-    """The run stopped on a signal after saving checkpoint `step` (None: nothing was saved,
-    e.g. during the SFT warm start, which is not checkpointed until it ends)."""
+    """The run stopped on a signal after saving checkpoint `step` in `checkpoint_dir` (the RL
+    steps' checkpoints, or the SFT warm start's own: loop.SFT_CHECKPOINTS; None: nothing was
+    saved)."""
 
     def __init__(self, signum: int, step: int | None, checkpoint_dir: str):
         self.signum, self.step, self.checkpoint_dir = signum, step, checkpoint_dir
