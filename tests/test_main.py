@@ -302,6 +302,17 @@ def test_resume_with_a_changed_config_lists_the_changes(tmp_path):
     with changed.unlocked():
         changed.train.allow_config_change = True
     main_lib.check_resume_config(changed, str(workdir))  # explicitly allowed
+    # A warm start stopped before RL checkpoint 0 leaves SFT checkpoints alone: they resume
+    # too, so they are checked the same way (sft.lr changed here).
+    sft_only_dir = tmp_path / "sft_only"
+    (sft_only_dir / "sft_checkpoints" / "5").mkdir(parents=True)
+    (sft_only_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+    main_lib.check_resume_config(cfg, str(sft_only_dir))
+    sft_changed = cfg.copy_and_resolve_references()
+    with sft_changed.unlocked():
+        sft_changed.sft.lr = 1.0
+    with pytest.raises(ConfigError, match=r"(?s)^train\.allow_config_change: .*sft\.lr: "):
+        main_lib.check_resume_config(sft_changed, str(sft_only_dir))
 
 
 def test_config_json_is_replaced_whole(tmp_path, monkeypatch):
