@@ -150,8 +150,8 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
 
 
 def _sft_config(steps=12, save_every=5):
-    cfg = tiny_rl_config("dapo", sft=dict(steps=steps, batch_size=4, max_len=32, warmup_steps=0),
-                         train=dict(save_every=save_every, keep=5))
+    cfg = tiny_rl_config("dapo", sft=dict(steps=steps, batch_size=4, max_len=32, warmup_steps=0,
+                                          save_every=save_every), train=dict(keep=5))
     with cfg.unlocked():
         cfg.mode = "sft"
     return validate_config(cfg)
@@ -172,7 +172,7 @@ def _signal_at_sft_step(monkeypatch, stop_step):
 
 
 def test_a_stopped_sft_saves_its_state_and_resumes_where_it_stopped(tmp_path, monkeypatch):
-    """Mode sft stopped by SIGTERM at step 11 of 12 (train.save_every=3): checkpoints 3, 6, 9
+    """Mode sft stopped by SIGTERM at step 11 of 12 (sft.save_every=3): checkpoints 3, 6, 9
     (the interval) and 11 (the stop) in workdir/sft_checkpoints, and TrainingInterrupted naming
     step 11 there (before, nothing was saved and every step was lost). With checkpoint 11 then
     removed (a crash after the metrics row of step 10 and before the next checkpoint), the same

@@ -333,6 +333,9 @@ def default_config() -> config_dict.ConfigDict:
     c.sft.warmup_steps = 10
     c.sft.weight_decay = 0.0
     c.sft.max_len = 128
+    # The warm start's own checkpoints (workdir/sft_checkpoints), every this many SFT steps and at
+    # a stop (0: at a stop only); each holds a whole optimizer state, and SFT steps are short.
+    c.sft.save_every = 100
 
     c.eval = config_dict.ConfigDict()
     c.eval.k = 16
@@ -576,7 +579,8 @@ def _check_combinations(c):
                  "data.max_prompt_len", "train.keep", "eval.k", "eval.max_new_tokens",
                  "sft.batch_size", "sft.max_len", "model.logprob_chunk_tokens", "delta.recompute_chunk"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
-    for name in ("train.steps", "sft.steps", "train.save_every", "train.eval_every",
+    for name in ("train.steps", "sft.steps", "train.save_every", "sft.save_every",
+                 "train.eval_every",
                  "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",
                  "delta.num_refine", "eval.limit", "sft.warmup_steps",
                  "rl.dynamic_sampling_prompts_per_round"):
@@ -703,6 +707,7 @@ def _check_combinations(c):
 # Fields that may change when a run resumes: how long it runs, how it logs, saves, evaluates and
 # where it runs; none of them changes what a step computes.
 RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every", "train.keep",
+                    "sft.save_every",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.allow_config_change",
                     "train.compilation_cache_dir",

@@ -42,10 +42,10 @@ SFT_CHECKPOINTS = "sft_checkpoints"  # under the workdir: the warm start's own c
 
 
 def sft_checkpointer(run: Run) -> Checkpointer:
-    """The SFT warm start's checkpoints (workdir/sft_checkpoints), on train.save_every /
-    train.keep like the RL steps'."""
+    """The SFT warm start's checkpoints (workdir/sft_checkpoints): every sft.save_every steps,
+    train.keep of them kept."""
     return Checkpointer(os.path.join(run.workdir, SFT_CHECKPOINTS),
-                        save_every=run.cfg.train.save_every, keep=run.cfg.train.keep)
+                        save_every=run.cfg.sft.save_every, keep=run.cfg.train.keep)
 
 
 def sft_interrupted(stop: StopOnSignal, ckpt: Checkpointer) -> TrainingInterrupted:
@@ -61,7 +61,7 @@ def run_sft(run: Run, params, log_every: int = 10,
     """Supervised warm start; returns the new params (the RL optimizer starts fresh after), or
     None when should_stop() turned true (checked after every step).
 
-    ckpt: where the warm start saves its state every train.save_every steps and when stopped,
+    ckpt: where the warm start saves its state every sft.save_every steps and when stopped,
     and resumes from (the newest that reads back; metrics.jsonl cut back to what that checkpoint
     had written). Its batches follow (seed, step) alone, so a resumed warm start trains what an
     uninterrupted one does. None: nothing is saved."""
