@@ -110,9 +110,9 @@ def check_resume_config(cfg, workdir: str):
     """A run directory with checkpoints resumes only with the config it was started with (fields
     that change no result aside, config.RESUMABLE_FIELDS) unless train.allow_config_change."""
     path = os.path.join(workdir, "config.json")
-    has_ckpt = any(os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
-                   for d in (os.path.join(workdir, "checkpoints"),
-                             os.path.join(workdir, "sft_checkpoints")))  # loop.SFT_CHECKPOINTS
+    from delta_jax.train import CHECKPOINTS, SFT_CHECKPOINTS
+    dirs = [os.path.join(workdir, name) for name in (CHECKPOINTS, SFT_CHECKPOINTS)]
+    has_ckpt = any(os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d)) for d in dirs)
     if not (has_ckpt and os.path.isfile(path)):
         return
     try:

@@ -18,6 +18,7 @@ from delta_jax import models
 from delta_jax import sharding as sharding_lib
 from delta_jax.errors import RunHalted, naming
 from delta_jax.rl.dynamic_sampling import BatchNotFilled
+from delta_jax.train import SFT_CHECKPOINTS
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.eval_hook import evaluate_policy, write_eval
@@ -36,9 +37,6 @@ class NonFiniteError(RunHalted):
 
 
 # ----------------------------------------------------------------------------- drivers
-
-
-SFT_CHECKPOINTS = "sft_checkpoints"  # under the workdir: the warm start's own checkpoints
 
 
 def sft_checkpointer(run: Run) -> Checkpointer:

@@ -17,6 +17,7 @@ from delta_jax import models
 from delta_jax import sharding as sharding_lib
 from delta_jax.errors import InputError, naming
 from delta_jax.sampling import Sampler
+from delta_jax.train import CHECKPOINTS
 from delta_jax.train import config as config_lib
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
@@ -303,7 +304,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         cfg=cfg, workdir=workdir, assets=assets, tokenizer=tokenizer, graphdef=graphdef,
         rest=rest, template=template, sampler=sampler, optimizer=optimizer, schedule=schedule,
         train_step=None, old_pass=None, hidden_pass=None,
-        ckpt=Checkpointer(os.path.join(workdir, "checkpoints"), save_every=cfg.train.save_every,
+        ckpt=Checkpointer(os.path.join(workdir, CHECKPOINTS), save_every=cfg.train.save_every,
                           keep=cfg.train.keep),
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
         initial_params=params, mesh=mesh, state_shardings=state_shardings,
