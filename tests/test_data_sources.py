@@ -221,6 +221,21 @@ def test_tfds_source_logs_no_custom_config_warning(tmp_path, caplog):
     assert not [m for m in messages if "custom data configuration" in m], messages
 
 
+def test_tfds_source_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+    """Preparing new content and opening it again leave the temp directory as they found it:
+    tfds' look-up of pre-computed info on GCS made an empty tmp*tfds directory there for every
+    builder made before its data existed, and never removed it (one per new file content)."""
+    import tempfile
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"id": "r0", "problem": "p", "answer": "1"}])
+    for _ in range(2):  # prepared, then from the cache
+        source = builders.build_tfds_source(jsonl, name="a", data_dir=tmp_path / "tfds")
+        assert len(source) == 1
+    assert sorted(p.name for p in scratch.iterdir()) == []
+
+
 def test_tfds_cache_is_per_content(tmp_path):
     rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(4)]
     path = write_jsonl(tmp_path / "a.jsonl", rows + ["oops"])

@@ -49,6 +49,19 @@ class MathRecordsConfig(tfds.core.BuilderConfig):
     split: str = "train"  # only for hub names
 
 
+class _LocalRecordsInfo(tfds.core.DatasetInfo):
+    """tfds' DatasetInfo without its look-up of pre-computed info in tfds' GCS bucket.
+
+    A builder made before its data is prepared calls `initialize_from_bucket()`, which makes a
+    `tempfile.mkdtemp("tfds")` directory for the files it would copy from GCS, then finds nothing
+    (tfds keeps GCS off unless asked) and returns without removing it: one empty /tmp/tmp*tfds
+    directory left behind for every new file content. These records are never on that bucket.
+    """
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
     """Math problems as {"id","problem","answer","solution","level","index"} in one "train" split."""
 
@@ -62,7 +75,7 @@ class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
         features = {key: tfds.features.Text() for key in _TEXT_KEYS}
         features["level"] = np.int32
         features["index"] = np.int64  # position in the concatenated input files
-        return tfds.core.DatasetInfo(
+        return _LocalRecordsInfo(
             builder=self,
             description="Math problems with reference answers (delta_jax local records).",
             features=tfds.features.FeaturesDict(features),
