@@ -271,6 +271,34 @@ def test_a_halted_run_is_one_line_with_exit_1(tmp_path):
     assert "checkpoint 0 saved in" in errors[0]
 
 
+def test_a_workdir_whose_checkpoints_do_not_read_back_is_one_error(tmp_path):
+    """A run directory whose only checkpoint holds another state (here a one-layer stand-in, as a
+    checkpoint of other settings would: another model.lora_rank, say) stops the run with one
+    error naming the checkpoint and what to do, exit 1, no traceback; the checkpoint is left as
+    it was (not set aside)."""
+    import flax.nnx as nnx
+    import optax
+
+    from delta_jax.train.checkpoint import Checkpointer
+    from delta_jax.train.state import init_train_state, make_optimizer, split_model
+
+    workdir = tmp_path / "w"
+    _, params, _ = split_model(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+    ckpt = Checkpointer(str(workdir / "checkpoints"))
+    ckpt.save(1, init_train_state(params, make_optimizer(optax.constant_schedule(1e-2))),
+              {"iter": 1}, {"step": 1}, force=True)
+    ckpt.close()
+    out = _main([f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={workdir}",
+                 "--config.sft.steps=0", "--config.train.progress_bar=False"])
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    text = out.stderr[out.stderr.index("error: "):]
+    assert text.startswith(f"error: no checkpoint in {workdir / 'checkpoints'} reads back:"), text
+    assert f"{workdir / 'checkpoints' / '1'}: does not read back" in text
+    assert "use another --workdir" in text
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+
+
 def test_a_second_process_on_the_same_workdir_is_refused(tmp_path):
     from delta_jax.train.workdir_lock import WorkdirLock
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from delta_jax.errors import first_line
+from delta_jax.errors import InputError, first_line
 from delta_jax.log_utils import absl_warning_held_back
 
 log = logging.getLogger("delta_jax.train")
@@ -39,8 +39,11 @@ def _use_array_handler():
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that does not read back; the message names its directory and the cause."""
+class CheckpointError(InputError):
+    """A checkpoint that does not read back; the message names its directory and the cause.
+
+    An input error (delta_jax.main prints it without a traceback, exit code 1): what a run
+    directory holds is the user's to fix (the settings that wrote it, or another --workdir)."""
 
 
 class Checkpointer:
@@ -157,7 +160,9 @@ class Checkpointer:
             return step, state, data, meta
         if failures:
             raise CheckpointError("no checkpoint in " + self.directory + " reads back:\n  "
-                                  + "\n  ".join(failures))
+                                  + "\n  ".join(failures) + "\nResume with the settings that "
+                                  "wrote them, or use another --workdir (they are left as "
+                                  "they are)")
         return None
 
     def _set_aside(self, steps):
