@@ -22,6 +22,7 @@ a one-line message and exit code 130 / 143; a second signal exits at once.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -70,17 +71,23 @@ def run(cfg, workdir: str):
     if lock is not None:
         lock.acquire()
     try:
-        if cfg.mode in ("train", "sft"):
-            check_resume_config(cfg, workdir)
+        changes = check_resume_config(cfg, workdir) if cfg.mode in ("train", "sft") else []
+        # A resume that changes results (train.allow_config_change) replaces config.json only
+        # once its checkpoint has read back: until then the file still describes what trained
+        # the checkpoints (a start that fails leaves it so), and the old one is kept after.
+        on_resumed = None
         if jax.process_index() == 0 and cfg.mode != "eval":
-            write_config(cfg, workdir)
+            if changes:
+                on_resumed = functools.partial(adopt_config, cfg, workdir, changes)
+            else:
+                write_config(cfg, workdir)
         from delta_jax.train import loop  # heavy imports only after the config is known good
 
         if cfg.mode == "sft":
-            return loop.sft_only(cfg, workdir)
+            return loop.sft_only(cfg, workdir, on_resumed=on_resumed)
         if cfg.mode == "eval":
             return loop.eval_only(cfg, workdir)
-        state, run_ = loop.train(cfg, workdir)
+        state, run_ = loop.train(cfg, workdir, on_resumed=on_resumed)
         run_.close()
         if jax.process_index() == 0:  # plots + held-out accuracy before / after RL
             from delta_jax.train import plots
@@ -106,15 +113,34 @@ def write_config(cfg, workdir: str) -> None:
             os.remove(tmp)
 
 
-def check_resume_config(cfg, workdir: str):
+def adopt_config(cfg, workdir: str, changes: list[str], resumed: str) -> None:
+    """After a resume with results-changing fields changed has read its checkpoint back
+    (`resumed`: "step_N" or "sft_step_N", 0 when nothing was restored): the config.json that
+    trained the run up to there is kept as config.until_<resumed>.json, and `cfg` replaces it."""
+    path = os.path.join(workdir, "config.json")
+    kept = os.path.join(workdir, f"config.until_{resumed}.json")
+    k = 1
+    while os.path.exists(kept):
+        k += 1
+        kept = os.path.join(workdir, f"config.until_{resumed}.{k}.json")
+    if os.path.isfile(path):
+        os.replace(path, kept)
+    write_config(cfg, workdir)
+    logging.getLogger("delta_jax").info(
+        "config.json: this run's config from %s on (%s); the one before is kept as %s",
+        resumed.replace("_", " "), "; ".join(changes), os.path.basename(kept))
+
+
+def check_resume_config(cfg, workdir: str) -> list[str]:
     """A run directory with checkpoints resumes only with the config it was started with (fields
-    that change no result aside, config.RESUMABLE_FIELDS) unless train.allow_config_change."""
+    that change no result aside, config.RESUMABLE_FIELDS) unless train.allow_config_change.
+    Returns the changes allowed that way ("field: old -> new"; [] when there are none)."""
     path = os.path.join(workdir, "config.json")
     from delta_jax.train import CHECKPOINTS, SFT_CHECKPOINTS
     dirs = [os.path.join(workdir, name) for name in (CHECKPOINTS, SFT_CHECKPOINTS)]
     has_ckpt = any(os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d)) for d in dirs)
     if not (has_ckpt and os.path.isfile(path)):
-        return
+        return []
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
@@ -131,6 +157,7 @@ def check_resume_config(cfg, workdir: str):
     if changes:
         logging.getLogger("delta_jax").warning("resuming with a changed config:\n  %s",
                                                "\n  ".join(changes))
+    return changes
 
 
 def parse_flags(argv):

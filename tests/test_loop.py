@@ -181,8 +181,11 @@ def test_a_stopped_sft_saves_its_state_and_resumes_where_it_stopped(tmp_path, mo
     row once, and removes its checkpoints after the export."""
     import jax
 
-    ref = jax.device_get(loop.sft_only(_sft_config(save_every=3), str(tmp_path / "ref")))
+    resumed_from = []
+    ref = jax.device_get(loop.sft_only(_sft_config(save_every=3), str(tmp_path / "ref"),
+                                       on_resumed=resumed_from.append))
     assert not (tmp_path / "ref" / loop.SFT_CHECKPOINTS).exists()
+    assert resumed_from == ["sft_step_0"]  # nothing to restore
     cut = tmp_path / "cut"
     _signal_at_sft_step(monkeypatch, 11)
     with pytest.raises(TrainingInterrupted) as stopped:
@@ -196,7 +199,9 @@ def test_a_stopped_sft_saves_its_state_and_resumes_where_it_stopped(tmp_path, mo
     shutil.rmtree(cut / loop.SFT_CHECKPOINTS / "11")
     rows = [json.loads(line) for line in open(cut / "metrics.jsonl")]
     assert [r["step"] for r in rows if "sft/loss" in r] == [10]
-    resumed = jax.device_get(loop.sft_only(_sft_config(save_every=3), str(cut)))
+    resumed = jax.device_get(loop.sft_only(_sft_config(save_every=3), str(cut),
+                                           on_resumed=resumed_from.append))
+    assert resumed_from == ["sft_step_0", "sft_step_9"]
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rows = [json.loads(line) for line in open(cut / "metrics.jsonl")]

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import signal
 import sys
@@ -341,6 +342,45 @@ def test_resume_with_a_changed_config_lists_the_changes(tmp_path):
         sft_changed.sft.lr = 1.0
     with pytest.raises(ConfigError, match=r"(?s)^train\.allow_config_change: .*sft\.lr: "):
         main_lib.check_resume_config(sft_changed, str(sft_only_dir))
+
+
+def test_a_resume_with_changed_fields_keeps_the_old_config(runs, tmp_path):
+    """Resuming with a results-changing field changed (train.allow_config_change): a start that
+    fails before its checkpoint reads back (here another model.lora_rank) leaves config.json as
+    it was, so a rerun with the old config is not refused; a resume that goes on replaces it once
+    the checkpoint has read back, keeping the old one as config.until_step_<N>.json. (Before,
+    config.json was replaced at start-up, even by a start that then failed.)"""
+    from delta_jax import main as main_lib
+    from delta_jax.train.checkpoint import CheckpointError
+
+    workdir = tmp_path / "w"
+    shutil.copytree(runs["base"] / "delta", workdir)  # checkpoints 0, 3 and 6 of 6 steps
+    cfg = runs["delta"][0]
+    main_lib.write_config(cfg, str(workdir))
+    before = (workdir / "config.json").read_text()
+
+    def changed(**fields):
+        new = cfg.copy_and_resolve_references()
+        with new.unlocked():
+            new.train.allow_config_change = True
+            new.train.eval_after = new.train.export_final = False
+            for dotted, value in fields.items():
+                section, field = dotted.split("__")
+                new[section][field] = value
+        return new
+
+    with pytest.raises(CheckpointError, match="does not read back"):
+        main_lib.run(changed(model__lora_rank=4), str(workdir))
+    assert (workdir / "config.json").read_text() == before
+    assert sorted(p.name for p in workdir.glob("config*")) == ["config.json"]
+    main_lib.check_resume_config(cfg, str(workdir))  # the old config still resumes
+
+    main_lib.run(changed(optim__lr=2e-3, train__steps=7), str(workdir))
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["optim"]["lr"] == 2e-3 and saved["train"]["steps"] == 7
+    assert (workdir / "config.until_step_6.json").read_text() == before
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "policy/approx_kl" in r][-2:] == [6, 7]
 
 
 def test_config_json_is_replaced_whole(tmp_path, monkeypatch):

@@ -55,14 +55,17 @@ def sft_interrupted(stop: StopOnSignal, ckpt: Checkpointer) -> TrainingInterrupt
 
 
 def run_sft(run: Run, params, log_every: int = 10,
-            should_stop: Callable[[], bool] = lambda: False, ckpt: Checkpointer | None = None):
+            should_stop: Callable[[], bool] = lambda: False, ckpt: Checkpointer | None = None,
+            on_resumed: Callable[[str], None] | None = None):
     """Supervised warm start; returns the new params (the RL optimizer starts fresh after), or
     None when should_stop() turned true (checked after every step).
 
     ckpt: where the warm start saves its state every sft.save_every steps and when stopped,
     and resumes from (the newest that reads back; metrics.jsonl cut back to what that checkpoint
     had written). Its batches follow (seed, step) alone, so a resumed warm start trains what an
-    uninterrupted one does. None: nothing is saved."""
+    uninterrupted one does. None: nothing is saved.
+
+    on_resumed: called once with "sft_step_<N>" after that restore (N = 0: none to restore)."""
     from delta_jax.data import records as records_lib
     from delta_jax.train.state import learning_rate_schedule, make_optimizer
 
@@ -96,6 +99,8 @@ def run_sft(run: Run, params, log_every: int = 10,
         start, state, _, meta = found
         run.writer.truncate(int(meta.get("metrics_offset", -1)))
         log.info("sft: resumed from %s at step %d", ckpt.directory, start)
+    if on_resumed is not None:
+        on_resumed(f"sft_step_{start}")
     bar = _progress(cfg, cfg.sft.steps, "sft")
     stopped = False
     for step in range(start + 1, cfg.sft.steps + 1):
@@ -146,8 +151,8 @@ def write_weight_histogram(run: Run, step: int, out: StepOutput):
 
 
 def train(cfg, workdir: str, *, run: Run | None = None,
-          step_hooks: Sequence[StepHook] = (write_weight_histogram,)
-          ) -> tuple[TrainState, Run]:
+          step_hooks: Sequence[StepHook] = (write_weight_histogram,),
+          on_resumed: Callable[[str], None] | None = None) -> tuple[TrainState, Run]:
     """RL training (mode train); returns the final state and the run (caller closes it).
 
     Resumes from the newest checkpoint that reads back (metrics.jsonl cut back to what that
@@ -156,17 +161,22 @@ def train(cfg, workdir: str, *, run: Run | None = None,
     the run closed and TrainingInterrupted raised (delta_jax.main exits 130 / 143).
 
     step_hooks: called as hook(run, step, StepOutput) after each RL step's metrics are written and
-    before its checkpoint (default: the DelTA weight histograms)."""
+    before its checkpoint (default: the DelTA weight histograms).
+
+    on_resumed: called once with what the run resumed from, "step_<N>" (an RL checkpoint;
+    "step_0" when there is none and no warm start) or "sft_step_<N>" (run_sft's), once it has
+    read back (delta_jax.main replaces config.json then, after a resume with changed fields)."""
     run = run or build_run(cfg, workdir)
     with StopOnSignal() as stop:
         try:
-            return _train(cfg, workdir, run, step_hooks, stop), run
+            return _train(cfg, workdir, run, step_hooks, stop, on_resumed), run
         except TrainingInterrupted:
             run.close()  # the reward workers go with the run
             raise
 
 
-def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> TrainState:
+def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
+           on_resumed: Callable[[str], None] | None) -> TrainState:
     init_state = place_state(run, init_train_state(run.initial_params, run.optimizer))
     found = run.ckpt.restore_latest(init_state)
     nonfinite_streak = 0
@@ -186,17 +196,22 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal) -> Train
         if run.ref_pass is not None and cfg.sft.steps > 0:
             run.ref_params = restore_reference(run, state.params)
         log.info("resumed from %s at step %d", run.ckpt.directory, start)
+        if on_resumed is not None:
+            on_resumed(f"step_{start}")
     else:
         state = init_state
         if cfg.sft.steps > 0:
             sft_ckpt = sft_checkpointer(run)
-            params = run_sft(run, state.params, should_stop=stop.requested, ckpt=sft_ckpt)
+            params = run_sft(run, state.params, should_stop=stop.requested, ckpt=sft_ckpt,
+                             on_resumed=on_resumed)
             if params is None:
                 raise sft_interrupted(stop, sft_ckpt)
             state = place_state(run, init_train_state(params, run.optimizer))
             if run.ref_pass is not None:  # the KL reference is the policy after the warm start
                 run.ref_params = reference_part(state.params)
                 save_reference(run, run.ref_params)
+        elif on_resumed is not None:
+            on_resumed("step_0")
         if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
             write_eval(run, state.params, 0)
         save(0, state, run.data_iter.get_state(), force=True)
@@ -275,13 +290,15 @@ def _meta(cfg, step, nonfinite_streak=0, metrics_offset=0) -> dict:
             "nonfinite_streak": int(nonfinite_streak), "metrics_offset": int(metrics_offset)}
 
 
-def sft_only(cfg, workdir: str):
-    """Mode sft: the warm start alone, exported as a HF directory (workdir/sft)."""
+def sft_only(cfg, workdir: str, on_resumed: Callable[[str], None] | None = None):
+    """Mode sft: the warm start alone, exported as a HF directory (workdir/sft); on_resumed as
+    run_sft's."""
     run = build_run(cfg, workdir, need_scorer=False)
     try:
         sft_ckpt = sft_checkpointer(run)
         with StopOnSignal() as stop:
-            params = run_sft(run, run.initial_params, should_stop=stop.requested, ckpt=sft_ckpt)
+            params = run_sft(run, run.initial_params, should_stop=stop.requested, ckpt=sft_ckpt,
+                             on_resumed=on_resumed)
             if params is None:
                 raise sft_interrupted(stop, sft_ckpt)
         export_policy(run, params, os.path.join(workdir, "sft"))
