@@ -40,6 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
+from delta_jax.errors import InputError, MissingInputError
 from delta_jax.rl import credit
 
 SIDES = ("pos", "neg")  # tokens of responses with A > 0 / A < 0 (A = 0 tokens get no gradient)
@@ -94,7 +95,7 @@ def load_run_config(workdir: str):
 
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: --workdir must be a run directory written by "
+        raise MissingInputError(f"{path} not found: --workdir must be a run directory written by "
                                 "python -m delta_jax.main")
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
@@ -134,10 +135,10 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
     try:
         steps = run.ckpt.all_steps()
         if not steps:
-            raise FileNotFoundError(f"no checkpoint in {run.ckpt.directory}")
+            raise MissingInputError(f"no checkpoint in {run.ckpt.directory}")
         step = max(steps) if step is None else int(step)
         if step not in steps:
-            raise ValueError(f"--step {step}: no such checkpoint in {run.ckpt.directory} "
+            raise InputError(f"--step {step}: no such checkpoint in {run.ckpt.directory} "
                              f"(have {sorted(steps)})")
         state, data_state, _ = run.ckpt.restore(
             step, run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer)))
@@ -505,7 +506,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="occurrences a token needs on a side to be ranked")
     args = parser.parse_args(argv)
 
-    view = compute_token_view(args.workdir, args.step)
+    from delta_jax.train.config import ConfigError
+    try:
+        view = compute_token_view(args.workdir, args.step)
+    except (InputError, ConfigError) as e:  # the run directory's, named in the message
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     ranking = rank_tokens(view.token_ids, view.weights, view.advantages, view.mask,
                           min_count=args.min_count, top=args.top)
     out = args.out or os.path.join(args.workdir, "token_view.html")

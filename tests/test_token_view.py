@@ -170,6 +170,18 @@ def test_bad_step_is_a_clear_error(tiny_run):
         token_view.compute_token_view(str(tiny_run[0]), step=7)
 
 
+def test_cli_input_errors_are_one_line(tiny_run, tmp_path, capsys):
+    """The CLI says what is wrong with its --workdir / --step in one line (exit code 1), not a
+    traceback: a directory delta_jax.main did not write, a step it has no checkpoint of."""
+    assert token_view.main([f"--workdir={tmp_path / 'nothing'}"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path / 'nothing' / 'config.json'} not found: --workdir must be a run "
+        "directory written by python -m delta_jax.main")
+    assert token_view.main([f"--workdir={tiny_run[0]}", "--step=7"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --step 7: no such checkpoint in "), err
+
+
 def test_a_run_config_with_retired_fields_loads_and_names_them(tiny_run, tmp_path, capsys):
     """A run written by an earlier version: its config.json holds fields since retired from the
     schema (a section, a renamed field, a removed rollout option). They are skipped and named;
