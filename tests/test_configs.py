@@ -69,6 +69,11 @@ def test_paper_settings():
         assert (c.delta.num_refine, c.delta.lam_min, c.delta.lam_max) == (1, 0.8, 1.2)
         assert c.rl.dynamic_sampling is False and c.rollout.temperature == 1.0
         assert (c.eval.k, c.eval.top_p, c.eval.max_new_tokens) == (16, 0.7, 30000)
+        # sized for 8 x 80 GB with the parameters and optimizer state sharded over every device
+        assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (1, -1, 1)
+    for name in ("qwen3_0_6b.py", "qwen3_1_7b.py"):  # a replica per device fits these
+        c = load(EXPERIMENTS / name)
+        assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (-1, 1, 1)
 
 
 # README's method table, written out here (independent of config.METHOD_DEFAULTS): advantage,

@@ -122,8 +122,7 @@ def _plan_mode(*flags, env=None):
     base = {k: v for k, v in __import__("os").environ.items() if k not in plan.MEM_FRACTION_ENV}
     return subprocess.run(
         [sys.executable, "-m", "delta_jax.main", "--config=experiments/qwen3_8b.py",
-         "--config.mode=plan", "--config.mesh.data=1",
-         "--config.mesh.fsdp=-1", "--config.plan.num_devices=8",
+         "--config.mode=plan", "--config.plan.num_devices=8",
          "--config.plan.device_memory_gb=80", *flags],
         capture_output=True, text=True, timeout=120,
         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
@@ -133,7 +132,7 @@ def _plan_mode(*flags, env=None):
 def test_plan_mode_on_the_command_line():
     out = _plan_mode()
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout
+    assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout  # the recipe's mesh
     assert "recommended:" in out.stdout
     assert "remat=auto -> full (planned update per device: none " in out.stdout
     assert "the first of none, dots_with_no_batch_dims_saveable, full within" in out.stdout
@@ -575,6 +574,21 @@ def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
     memory_plan.recommended_feature_cache = "recompute"
     with pytest.raises(ConfigError, match="delta.feature_cache=recompute .recommended"):
         plan.check_fits(memory_plan, 0, phases=["old-policy pass + DelTA"])
+    assert plan.REPLICA_KNOB not in str(err.value)  # one device: nothing to shard over
+    # A data-parallel mesh of several devices (a replica of the state on each): sharding the
+    # state is named first, for every phase; not once fsdp or tensor shards it.
+    for mesh_shape, named in (((4, 1, 1), True), ((2, 2, 1), False), ((2, 1, 2), False)):
+        p = plan.plan_from_config(tiny_rl_config("delta"), mesh_shape=mesh_shape)
+        with pytest.raises(ConfigError) as err:
+            plan.check_fits(p, 0)
+        text = str(err.value)
+        assert text.count(plan.REPLICA_KNOB) == (len(p.phases) if named else 0), text
+        if named:
+            assert "; turn: mesh.data=1 mesh.fsdp=-1 (each device" in text
+        hint = f"a phase does not fit: turn {plan.REPLICA_KNOB}"
+        assert hint not in p.to_text()  # every phase fits the planned 80 GB
+        p.settings["capacity_bytes"] = min(p.phases.values()) / 2  # none fits: plan mode says
+        assert (hint in p.to_text()) == named
 
 
 def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
