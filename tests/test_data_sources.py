@@ -236,6 +236,21 @@ def test_tfds_source_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
     assert sorted(p.name for p in scratch.iterdir()) == []
 
 
+def test_tfds_source_says_it_converts_not_downloads(tmp_path, capsys, caplog):
+    """A preparation logs one line naming the file and where its copy goes, not tfds' stdout
+    lines about downloading a dataset of "Unknown size" (nothing is downloaded); the cached open
+    says nothing."""
+    import logging
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"id": "r0", "problem": "p", "answer": "1"}])
+    with caplog.at_level(logging.INFO, logger="delta_jax.data"):
+        for _ in range(2):
+            builders.build_tfds_source(jsonl, name="a", data_dir=tmp_path / "tfds")
+    assert "ownload" not in capsys.readouterr().out
+    lines = [r.getMessage() for r in caplog.records if r.name == "delta_jax.data"]
+    assert len(lines) == 1 and lines[0].startswith(f"data: converting {jsonl} to ArrayRecord "
+                                                   f"once (this content's copy: {tmp_path}"), lines
+
+
 def test_tfds_cache_is_per_content(tmp_path):
     rows = [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i)} for i in range(4)]
     path = write_jsonl(tmp_path / "a.jsonl", rows + ["oops"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -27,6 +28,8 @@ from tensorflow_datasets.core.utils import tqdm_utils
 from delta_jax.data import records as records_lib
 from delta_jax.errors import InputError, MissingInputError
 from delta_jax.log_utils import absl_warning_held_back
+
+log = logging.getLogger("delta_jax.data")
 
 DEFAULT_DATA_DIR_ENV = "DELTA_JAX_DATA_DIR"
 _TEXT_KEYS = ("id", "problem", "answer", "solution")
@@ -82,6 +85,16 @@ class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
             disable_shuffling=True,
             metadata=tfds.core.MetadataDict(),
         )
+
+    # tfds prints "Downloading and preparing dataset Unknown size (download: Unknown size, ...)"
+    # and "Dataset ... downloaded and prepared" to stdout around a preparation; nothing is
+    # downloaded here, so one log line says what happens instead.
+    def _log_download_bytes(self) -> None:
+        log.info("data: converting %s to ArrayRecord once (this content's copy: %s)",
+                 self.builder_config.description.removeprefix("records from "), self.data_dir)
+
+    def _log_download_done(self) -> None:
+        return None
 
     def _split_generators(self, dl_manager):
         del dl_manager  # local files only
