@@ -132,8 +132,21 @@ def test_malformed_row_raises_with_file_and_line(tmp_path):
     with pytest.raises(records.MalformedRecordError, match=r"bad\.jsonl:line 4: invalid JSON"):
         records.load_records(path)
     path2 = write_jsonl(tmp_path / "bad2.jsonl", MALFORMED[:3] + MALFORMED[4:])
-    with pytest.raises(records.MalformedRecordError, match=r"bad2\.jsonl:line 4: missing field 'answer'"):
+    with pytest.raises(records.MalformedRecordError,
+                       match=r"bad2\.jsonl:line 4: missing field 'answer' \(the row's fields: id, "
+                             r"problem\)"):
         records.load_records(path2)
+
+
+def test_a_mapped_column_the_file_lacks_names_the_columns_it_has(tmp_path):
+    """data.fields naming a column that is not there (a typo): the error names the row, the
+    column asked for and the columns the row has."""
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"question": ["1+1"], "final": ["2"]}), path)
+    with pytest.raises(records.MalformedRecordError,
+                       match=r"c\.parquet:row 1: missing field 'questio' \(the row's fields: "
+                             r"final, question\)"):
+        records.load_records(path, fields={"problem": "questio", "answer": "final"})
 
 
 def test_malformed_rows_skipped_and_counted(tmp_path):

@@ -491,6 +491,15 @@ def iter_rows(path: str):
     raise InputError(f"{path}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}")
 
 
+def _fields_of(row, limit: int = 12) -> str:
+    """" (the row's fields: a, b, ...)" of a row dict, to put beside a field it lacks."""
+    if not isinstance(row, Mapping) or not row:
+        return ""
+    names = sorted(map(str, row))
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return f" (the row's fields: {', '.join(names[:limit])}{more})"
+
+
 def records_from_rows(
     rows: Iterable[tuple[str, Mapping[str, Any] | Exception]],
     *,
@@ -523,7 +532,8 @@ def records_from_rows(
                 raise row
             record = mapper(row)
         except (KeyError, ValueError, TypeError) as e:
-            reason = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
+            reason = (f"missing field {e.args[0]!r}{_fields_of(row)}" if isinstance(e, KeyError)
+                      else str(e))
             if on_error == "raise":
                 raise MalformedRecordError(f"{where}: {reason} ({ON_ERROR_ADVICE})") from e
             stats.add_skip(where, reason)
