@@ -441,12 +441,13 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
 
 def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: float = EVAL_TOP_P,
                         top_k: int = -1, max_new_tokens: int = 4096, seed: int = 0,
-                        stop_token_ids=None, seeds: Callable[[int], int] | None = None
-                        ) -> GenerateFn:
+                        stop_token_ids=None, seeds: Callable[[int], int] | None = None,
+                        progress: Callable[[dict], None] | None = None) -> GenerateFn:
     """Adapts a delta_jax.sampling.Sampler (built with a tokenizer) to the generate_fn protocol.
 
     Call i (from 0) samples with seed `seeds(i)` when given, else `seed + i`, so repeated calls
-    draw fresh samples. stop_token_ids: as Sampler.generate (default: the tokenizer's EOS).
+    draw fresh samples. stop_token_ids, progress: as Sampler.generate (default: the
+    tokenizer's EOS; progress is given every call).
     The function's `sampler_counters` sums the calls' GenerationOutput.counters().
     """
     calls = [0]
@@ -456,7 +457,8 @@ def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: f
         call_seed = seeds(calls[0]) if seeds is not None else seed + calls[0]
         out = sampler.generate(list(prompts), n=n, temperature=temperature, top_p=top_p,
                                top_k=top_k, max_new_tokens=max_new_tokens,
-                               stop_token_ids=stop_token_ids, seed=call_seed)
+                               stop_token_ids=stop_token_ids, seed=call_seed,
+                               progress=progress)
         calls[0] += 1
         if hasattr(out, "counters"):
             totals.update(out.counters())

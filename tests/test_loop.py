@@ -93,7 +93,7 @@ def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, c
     assert (tmp_path / "checkpoints" / "unreadable-2").is_dir()
 
 
-def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monkeypatch):
+def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monkeypatch, caplog):
     cfg = tiny_rl_config("dapo", train=dict(steps=1, eval_before=False, eval_after=True,
                                             export_final=False),
                          data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=2,
@@ -105,6 +105,7 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     eval_cfg = cfg.copy_and_resolve_references()
     with eval_cfg.unlocked():
         eval_cfg.mode = "eval"
+        eval_cfg.train.progress_every_s = 1e-9  # a progress line after each decode call
     evaluated = []
 
     def evaluate_policy(run, params, step, **kw):
@@ -117,7 +118,11 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     real_evaluate_policy = loop.evaluate_policy
     monkeypatch.setattr(loop, "evaluate_policy", evaluate_policy)
     monkeypatch.setattr(loop, "init_train_state", no_optimizer_state)
-    metrics = loop.eval_only(validate_config(eval_cfg), str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="delta_jax.sampling"):
+        metrics = loop.eval_only(validate_config(eval_cfg), str(tmp_path))
+    progress = [r.getMessage() for r in caplog.records if r.name == "delta_jax.sampling"]
+    assert progress and all(line.startswith("eval step 1: ") for line in progress), progress
+    assert progress[-1].startswith("eval step 1: 4 / 4 samples done, ")  # 2 questions x k = 2
     out = capsys.readouterr().out
     assert "eval of checkpoint 1 of" in out and "synthetic_test" in out
     assert (tmp_path / "eval" / "step_1.json").read_bytes() == trained

@@ -5,6 +5,8 @@ the same draws (a resumed run redoes a step exactly), the next step new ones. Ch
 prepare_batch hands to phases.delta_weights (phases' own tests show equal keys give equal
 weights).
 """
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -105,7 +107,7 @@ def test_old_pass_chunks_follow_rl_old_pass_rows(tmp_path, monkeypatch, old_pass
     assert chunks == [want]
 
 
-def test_the_steps_sampler_metrics(tmp_path):
+def test_the_steps_sampler_metrics(tmp_path, caplog):
     """prepare_batch reports the sampler's side of the rollout: the tokens it generated (the
     packed batch's response tokens), decode steps (at least the longest response), slot
     utilization (tokens / (steps x slots)) and preemptions: none with the default worst-case
@@ -115,16 +117,23 @@ def test_the_steps_sampler_metrics(tmp_path):
     from delta_jax import models
     from delta_jax.sampling.kv_cache import sample_pages
 
-    def prepared(**rollout):
-        cfg = tiny_rl_config("dapo", rollout=dict(page_size=4, max_new_tokens=16, **rollout))
+    def prepared(train=None, **rollout):
+        cfg = tiny_rl_config("dapo", rollout=dict(page_size=4, max_new_tokens=16, **rollout),
+                             **({"train": train} if train else {}))
         run = build_scored_run(cfg, tmp_path / str(len(list(tmp_path.iterdir()))))
         try:
             return rl_step_lib.prepare_batch(run, initial_state(run).params, 1), run
         finally:
             run.close()
 
-    wide, run = prepared()
+    # train.progress_every_s: here a progress line after every decode call of the rollout.
+    with caplog.at_level(logging.INFO, logger="delta_jax.sampling"):
+        wide, run = prepared(train=dict(progress_every_s=1e-9))
     m = wide.metrics
+    lines = [r.getMessage() for r in caplog.records if r.name == "delta_jax.sampling"]
+    assert lines and all(line.startswith("rollout step 1: ") for line in lines), lines
+    samples = run.cfg.rollout.batch_prompts * run.cfg.rollout.group_size
+    assert lines[-1].startswith(f"rollout step 1: {samples} / {samples} samples done, ")
     lengths = np.asarray(wide.packed.response_mask).sum(axis=1)
     assert m["rollout/generated_tokens"] == lengths.sum()
     assert m["rollout/decode_steps"] >= lengths.max()

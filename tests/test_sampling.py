@@ -269,10 +269,18 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
     prompts = [rng.randint(21, 256, rng.randint(4, 40)).tolist() for _ in range(48)]
     kwargs = dict(n=4, temperature=1.0, max_new_tokens=96, stop_token_ids=tuple(range(1, 21)),
                   seed=0)
-    out = Sampler(tiny_model, max_batch_size=16).generate(prompts, **kwargs)
+    infos = []  # generate(progress=): one report a decode call, counts only growing
+    out = Sampler(tiny_model, max_batch_size=16).generate(prompts, progress=infos.append,
+                                                          **kwargs)
     stats = out.stats
     generated = stats["generated_tokens"]
     assert generated == sum(map(sum, out.response_lengths))
+    assert len(infos) == stats["decode_calls"]
+    for key in ("finished", "generated_tokens", "decode_steps", "seconds"):
+        assert all(a[key] <= b[key] for a, b in zip(infos, infos[1:])), key
+    assert 0 < infos[0]["finished"] < 192 and {i["samples"] for i in infos} == {192}
+    assert (infos[-1]["finished"], infos[-1]["generated_tokens"],
+            infos[-1]["decode_steps"]) == (192, generated, stats["decode_steps"])
     assert max(map(max, out.response_lengths)) > 3 * generated / 192  # long-tailed
     assert stats["decode_steps"] <= 1.25 * generated / 16 + 96, stats
     assert stats["slot_utilization"] == pytest.approx(generated / (16 * stats["decode_steps"]))

@@ -57,7 +57,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -402,7 +402,8 @@ class Sampler:
     def generate(self, prompts, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = -1, max_new_tokens: int = 32,
                  stop_token_ids: Optional[Sequence[int]] = None, seed: int = 0,
-                 state: Any = None) -> GenerationOutput:
+                 state: Any = None,
+                 progress: Optional[Callable[[dict], None]] = None) -> GenerationOutput:
         """Generate n samples for each prompt.
 
         prompts: list of prompts, each a list of token ids (ragged) or a string (needs a
@@ -413,6 +414,10 @@ class Sampler:
           response). Default: the tokenizer's eos_token_id when there is a tokenizer, else none.
         seed: int; results are reproducible for a given seed whatever the batching.
         state: optional nnx state to use instead of the sampler's current parameters.
+        progress: called after every decode call with {"finished": samples done, "samples":
+          len(prompts) * n, "generated_tokens": tokens of the finished and the live samples,
+          "decode_steps", "seconds": since generate() began} (sampling.progress.ProgressLog
+          turns these into log lines). Every process of a multi-host run calls it alike.
         Raises ValueError before any work when the KV budget cannot hold one sample.
         """
         start_time = time.perf_counter()
@@ -439,7 +444,7 @@ class Sampler:
         plan = self.kv_plan(max(len(p) for p in prompt_ids), max_new_tokens)
         limits = limits or [max_new_tokens] * len(prompt_ids)
         run = _Run(self, state, plan, prompt_ids, n, limits, params, stop_ids, seed)
-        run.loop()
+        run.loop(progress, start_time)
 
         lengths = [[len(run.results[i][j].tokens) for j in range(n)]
                    for i in range(len(prompt_ids))]
@@ -531,6 +536,7 @@ class _Run:
         self.decode_steps = self.decode_calls = self.prefill_calls = 0
         self.prefilled = self.preemptions = self.queue_refills = 0
         self.resumed_count = self.resumed_tokens = 0  # resumes; their tokens not decoded again
+        self.finished = self.finished_tokens = 0  # samples done and their tokens (progress)
         self.row_steps = self.shrunk_calls = 0  # decode steps x the rows each ran; calls shrunk
         self.prefill_seconds = self.decode_seconds = 0.0
         # The decode program's per-slot inputs, kept up to date as samples are admitted, given
@@ -546,7 +552,7 @@ class _Run:
         self.kv_len = np.zeros(S, np.int64)  # the prompt's KV tokens (its length - 1)
 
     # ---------------------------------------------------------------------------------------
-    def loop(self):
+    def loop(self, progress=None, start_time: float = 0.0):
         while self.waiting or any(self.slots) or any(self.staged):
             self.admit()
             self.reserve()
@@ -555,7 +561,14 @@ class _Run:
                 raise RuntimeError(f"rollout KV pool: sample {j} of prompt {i} cannot take its "
                                    f"pages with nothing else live (the budget check of plan_kv "
                                    f"should have caught this)")
+            calls = self.decode_calls
             self.decode()
+            if progress is not None and self.decode_calls > calls:
+                progress({"finished": self.finished, "samples": len(self.prompts) * self.n,
+                          "generated_tokens": self.finished_tokens
+                          + int(self.generated[self.active].sum()),
+                          "decode_steps": self.decode_steps,
+                          "seconds": time.perf_counter() - start_time})
 
     def _pages_to_take(self, length, kv_len, limit, held):
         """Own pages still to take so that a sample with `length` KV tokens (of which kv_len are
@@ -1088,6 +1101,8 @@ class _Run:
         shard = self.shard_of(slot)
         self._vacate(slot)
         self.results[sample.prompt][sample.index] = sample
+        self.finished += 1
+        self.finished_tokens += len(sample.tokens)
         self.allocs[shard].give(sample.own)
         prompt = self.prompts[sample.prompt]
         if not sample.private:

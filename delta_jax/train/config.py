@@ -318,6 +318,9 @@ def default_config() -> config_dict.ConfigDict:
     c.train.eval_after = True
     c.train.export_final = True   # write the final policy as a HF directory in workdir/final
     c.train.progress_bar = True
+    # A rollout or evaluation generate() call running longer than this logs a progress line
+    # (samples done, tokens, tok/s) every this many seconds (sampling.progress; 0 = never).
+    c.train.progress_every_s = 60.0
     # JAX's persistent compilation cache: a rerun of the same shapes (a sweep, a resume) loads
     # its compiled programs instead of compiling them again. "" = off; JAX_COMPILATION_CACHE_DIR,
     # where set, wins. Off on the CPU backend (xla_env.enable_compilation_cache says why).
@@ -580,7 +583,7 @@ def _check_combinations(c):
                  "sft.batch_size", "sft.max_len", "model.logprob_chunk_tokens", "delta.recompute_chunk"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     for name in ("train.steps", "sft.steps", "train.save_every", "sft.save_every",
-                 "train.eval_every",
+                 "train.eval_every", "train.progress_every_s",
                  "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",
                  "delta.num_refine", "eval.limit", "sft.warmup_steps",
                  "rl.dynamic_sampling_prompts_per_round"):
@@ -709,7 +712,8 @@ def _check_combinations(c):
 RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every", "train.keep",
                     "sft.save_every",
                     "train.eval_every", "train.eval_before", "train.eval_after",
-                    "train.export_final", "train.progress_bar", "train.allow_config_change",
+                    "train.export_final", "train.progress_bar", "train.progress_every_s",
+                    "train.allow_config_change",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rl.old_pass_rows",

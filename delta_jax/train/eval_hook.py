@@ -9,6 +9,7 @@ import time
 
 import jax
 
+from delta_jax.sampling.progress import ProgressLog
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.metrics import sampler_metrics
 from delta_jax.train.run import Run
@@ -34,7 +35,8 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     generate_fn = evaluation.sampler_generate_fn(
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
         max_new_tokens=cfg.eval.max_new_tokens, stop_token_ids=(run.tokenizer.eos_token_id,),
-        seeds=lambda i: rollout_lib.step_seed(cfg.seed, step, _EVAL_SALT + 1 + i))
+        seeds=lambda i: rollout_lib.step_seed(cfg.seed, step, _EVAL_SALT + 1 + i),
+        progress=ProgressLog(f"eval step {step}", cfg.train.progress_every_s))
 
     t0 = time.perf_counter()
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]

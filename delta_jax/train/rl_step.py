@@ -28,6 +28,7 @@ from delta_jax import sharding as sharding_lib
 from delta_jax.rl import credit, losses, rollout_correction
 from delta_jax.rl import rewards as rewards_lib
 from delta_jax.rl.advantages import compute_advantages
+from delta_jax.sampling.progress import ProgressLog
 from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import phases
 from delta_jax.train import rollout as rollout_lib
@@ -108,7 +109,10 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
             stop_token_ids=(run.tokenizer.eos_token_id,),
-            seed=rollout_lib.step_seed(cfg.seed, step, _ROLLOUT_SALT + round_index))
+            seed=rollout_lib.step_seed(cfg.seed, step, _ROLLOUT_SALT + round_index),
+            progress=ProgressLog(f"rollout step {step}"
+                                 + (f" round {round_index + 1}" if round_index else ""),
+                                 cfg.train.progress_every_s))
         t1 = time.perf_counter()
         golds = [str(r["answer"]) for r in records for _ in range(cfg.rollout.group_size)]
         rewards, info = rewards_lib.score_across_processes(

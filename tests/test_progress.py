@@ -1,0 +1,28 @@
+"""sampling.progress: the throttled progress lines of long generate() calls."""
+from delta_jax.sampling.progress import ProgressLog, format_progress
+
+
+def _info(seconds, finished=3, tokens=1_500_000, steps=400):
+    return {"finished": finished, "samples": 2048, "generated_tokens": tokens,
+            "decode_steps": steps, "seconds": seconds}
+
+
+def test_format_progress():
+    assert format_progress("rollout step 3", _info(120.0, 812, 4_116_000, 3840)) == (
+        "rollout step 3: 812 / 2,048 samples done, 4.12 M tokens in 120 s (34,300 tok/s), "
+        "3,840 decode steps")
+
+
+def test_lines_every_interval_none_in_the_first_and_again_per_call():
+    lines = []
+    progress = ProgressLog("eval step 0", 60.0, emit=lines.append)
+    for seconds in (1, 30, 59.9, 60.0, 61, 119, 130, 250):  # one call's decode calls
+        progress(_info(seconds))
+    assert [line.split(" in ")[1].split(" s ")[0] for line in lines] == ["60", "130", "250"]
+    lines.clear()
+    for seconds in (2, 50, 70):  # the next generate() call: its clock starts again
+        progress(_info(seconds))
+    assert len(lines) == 1 and " in 70 s " in lines[0]
+    off = ProgressLog("x", 0.0, emit=lines.append)
+    off(_info(1e6))
+    assert len(lines) == 1
