@@ -442,12 +442,13 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
 def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: float = EVAL_TOP_P,
                         top_k: int = -1, max_new_tokens: int = 4096, seed: int = 0,
                         stop_token_ids=None, seeds: Callable[[int], int] | None = None,
-                        progress: Callable[[dict], None] | None = None) -> GenerateFn:
+                        progress: Callable[[dict], None] | None = None,
+                        should_stop: Callable[[], bool] | None = None) -> GenerateFn:
     """Adapts a delta_jax.sampling.Sampler (built with a tokenizer) to the generate_fn protocol.
 
     Call i (from 0) samples with seed `seeds(i)` when given, else `seed + i`, so repeated calls
-    draw fresh samples. stop_token_ids, progress: as Sampler.generate (default: the
-    tokenizer's EOS; progress is given every call).
+    draw fresh samples. stop_token_ids, progress, should_stop: as Sampler.generate (default:
+    the tokenizer's EOS; progress and should_stop are given to every call).
     The function's `sampler_counters` sums the calls' GenerationOutput.counters().
     """
     calls = [0]
@@ -458,7 +459,7 @@ def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: f
         out = sampler.generate(list(prompts), n=n, temperature=temperature, top_p=top_p,
                                top_k=top_k, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids, seed=call_seed,
-                               progress=progress)
+                               progress=progress, should_stop=should_stop)
         calls[0] += 1
         if hasattr(out, "counters"):
             totals.update(out.counters())

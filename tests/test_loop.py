@@ -60,8 +60,8 @@ def test_a_stop_before_the_updates_abandons_the_step_and_the_resume_redoes_it(tm
     ref = jax.device_get(_train(_config(3, save_every=10), tmp_path / "ref").params)
     prepare = rl_step_lib.prepare_batch
 
-    def prepare_then_signal(run, params, step):
-        out = prepare(run, params, step)
+    def prepare_then_signal(run, params, step, should_stop=None):
+        out = prepare(run, params, step, should_stop)
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)  # the handler runs at the next bytecode boundary
@@ -79,6 +79,90 @@ def test_a_stop_before_the_updates_abandons_the_step_and_the_resume_redoes_it(tm
     assert _rl_steps(tmp_path / "cut") == [1, 2, 3]
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ref, resumed))
     assert max(moved) <= 1e-6, max(moved)
+
+
+def _signal_in_generate(monkeypatch, when):
+    """SIGTERM to this process at the first should_stop check (after the first decode call) of
+    the sampler's generate() calls for which when(call number from 1) is true; returns the
+    list of how each generate() call ended ("done" or "stopped")."""
+    from delta_jax.sampling import GenerationStopped, Sampler
+    real, ended = Sampler.generate, []
+
+    def generate(self, *args, should_stop=None, **kwargs):
+        number = len(ended) + 1
+
+        def check():
+            if when(number) and not getattr(check, "sent", False):
+                check.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)  # the handler runs at the next bytecode boundary
+            return should_stop() if should_stop is not None else False
+
+        try:
+            out = real(self, *args, should_stop=check, **kwargs)
+        except GenerationStopped:
+            ended.append("stopped")
+            raise
+        ended.append("done")
+        return out
+
+    monkeypatch.setattr(Sampler, "generate", generate)
+    return ended
+
+
+def test_a_stop_during_a_rollout_ends_it_within_a_decode_call(tmp_path, monkeypatch):
+    """SIGTERM during step 2's rollout (after its first decode call of 4 steps; the responses
+    take up to 16): the rollout stops there (sampling.GenerationStopped) instead of running to
+    its end, step 2 is abandoned with checkpoint 1 saved, and the resumed run trains step 2 from
+    scratch to the parameters of an uninterrupted run."""
+    import jax
+
+    cfg = lambda: tiny_rl_config("dapo", train=dict(LOOP_WITHOUT_EVAL, steps=2, keep=10,
+                                                    save_every=10),
+                                 rollout=dict(decode_steps_per_call=4))
+    ref = jax.device_get(_train(cfg(), tmp_path / "ref").params)
+    ended = _signal_in_generate(monkeypatch, lambda number: number == 2)  # step 2's rollout
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(cfg(), tmp_path / "cut")
+    assert ended == ["done", "stopped"]
+    assert stopped.value.step == 1 and _rl_steps(tmp_path / "cut") == [1]
+    monkeypatch.undo()
+    resumed = jax.device_get(_train(cfg(), tmp_path / "cut").params)
+    assert _rl_steps(tmp_path / "cut") == [1, 2]
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ref, resumed))
+    assert max(moved) <= 1e-6, max(moved)
+
+
+def _eval_steps(workdir):
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    return [r["step"] for r in rows if "eval/average/avg@2" in r]
+
+
+def test_a_stopped_eval_is_evaluated_again_on_resume(tmp_path, monkeypatch):
+    """An eval cut short by SIGTERM is done again by the resumed run: the periodic eval of step 1
+    (stopped after its first decode call; checkpoint 1 saved, no eval rows) is evaluated when
+    the run resumes from checkpoint 1, before step 2; and a finished run run again, whose
+    after-training eval is not in its last checkpoint's metrics, evaluates step 2 again instead
+    of losing it (it was left out of metrics.jsonl before)."""
+    cfg = lambda: tiny_rl_config(
+        "dapo", train=dict(steps=2, keep=10, save_every=10, eval_every=1, eval_before=True,
+                           eval_after=True, export_final=False),
+        data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+        rollout=dict(decode_steps_per_call=4), rewards=dict(num_workers=1))
+    workdir = tmp_path / "w"
+    # generate() calls: 1 eval step 0, 2 step 1's rollout, 3 the eval of step 1
+    ended = _signal_in_generate(monkeypatch, lambda number: number == 3)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(cfg(), workdir)
+    assert ended == ["done", "done", "stopped"]
+    assert stopped.value.step == 1 and _rl_steps(workdir) == [1]
+    assert _eval_steps(workdir) == [0] and not (workdir / "eval" / "step_1.json").exists()
+    monkeypatch.undo()
+    _train(cfg(), workdir)
+    assert _rl_steps(workdir) == [1, 2] and _eval_steps(workdir) == [0, 1, 2]
+    assert (workdir / "eval" / "step_1.json").is_file()
+    _train(cfg(), workdir)  # finished: resumed at checkpoint 2, its after-training eval again
+    assert _rl_steps(workdir) == [1, 2] and _eval_steps(workdir) == [0, 1, 2]
 
 
 def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, caplog):

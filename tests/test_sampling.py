@@ -152,6 +152,25 @@ def test_results_do_not_depend_on_scheduling(tiny_model, sampler):
     assert sampler.generate(PROMPTS, **{**kwargs, "seed": 12}).response_ids != ref.response_ids
 
 
+def test_should_stop_ends_generate_after_a_decode_call_and_the_sampler_goes_on(tiny_model):
+    """generate(should_stop=) is asked after every decode call: true at the second ask ends the
+    call with GenerationStopped after 2 decode calls of 3 steps (the samples need up to 8), and
+    the sampler's next call gives the tokens of an uninterrupted one."""
+    from delta_jax.sampling import GenerationStopped
+    kwargs = dict(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+    stopping = Sampler(tiny_model, max_batch_size=8, decode_steps_per_call=3)
+    asked = []
+    with pytest.raises(GenerationStopped, match=r"after 6 decode steps, \d+ of 8 samples done"):
+        stopping.generate(PROMPTS, should_stop=lambda: asked.append(1) or len(asked) == 2,
+                          **kwargs)
+    assert len(asked) == 2
+    ref = Sampler(tiny_model, max_batch_size=8, decode_steps_per_call=3).generate(PROMPTS,
+                                                                                  **kwargs)
+    assert ref.stats["decode_steps"] > 6  # the stop came before the end
+    assert stopping.generate(PROMPTS, should_stop=lambda: False, **kwargs).response_ids == (
+        ref.response_ids)
+
+
 def test_slot_page_needs_agree_with_each_samples(tiny_model, monkeypatch):
     """reserve() reads every slot's page need from the slot arrays at once (_slot_needs); at each
     reserve of a run with refills and preemptions (a 12-page pool) it equals _need of the slot's

@@ -15,9 +15,10 @@ delta_jax.sampling_utils. Decode attention over pages: delta_jax.models.attentio
 """
 from delta_jax.sampling.kv_cache import KVPlan, PageAllocator, plan_kv
 from delta_jax.sampling.output import GenerationOutput, bucket_size, fetch_global
-from delta_jax.sampling.scheduler import (DEFAULT_BATCH_AXES, Sampler, prefill_rows_per_shard,
-                                          widest_resume_prefill)
+from delta_jax.sampling.scheduler import (DEFAULT_BATCH_AXES, GenerationStopped, Sampler,
+                                          prefill_rows_per_shard, widest_resume_prefill)
 
-__all__ = ["DEFAULT_BATCH_AXES", "GenerationOutput", "KVPlan", "PageAllocator", "Sampler",
+__all__ = ["DEFAULT_BATCH_AXES", "GenerationOutput", "GenerationStopped", "KVPlan",
+           "PageAllocator", "Sampler",
            "bucket_size", "fetch_global", "plan_kv", "prefill_rows_per_shard",
            "widest_resume_prefill"]

@@ -134,6 +134,10 @@ class _Sample:
     private: bool = False
 
 
+class GenerationStopped(Exception):
+    """Sampler.generate(should_stop=) was told to stop; its samples are dropped."""
+
+
 class Sampler:
     """Continuous-batching generation for a delta_jax.models.Transformer.
 
@@ -403,7 +407,8 @@ class Sampler:
                  top_k: int = -1, max_new_tokens: int = 32,
                  stop_token_ids: Optional[Sequence[int]] = None, seed: int = 0,
                  state: Any = None,
-                 progress: Optional[Callable[[dict], None]] = None) -> GenerationOutput:
+                 progress: Optional[Callable[[dict], None]] = None,
+                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationOutput:
         """Generate n samples for each prompt.
 
         prompts: list of prompts, each a list of token ids (ragged) or a string (needs a
@@ -418,6 +423,10 @@ class Sampler:
           len(prompts) * n, "generated_tokens": tokens of the finished and the live samples,
           "decode_steps", "seconds": since generate() began} (sampling.progress.ProgressLog
           turns these into log lines). Every process of a multi-host run calls it alike.
+        should_stop: asked after every decode call (on every process at the same calls, so it may
+          be collective: train.preemption.StopOnSignal.requested); when it is true generate()
+          raises GenerationStopped, leaving the sampler as it was (a trainer stopped by SIGTERM
+          abandons a long rollout within one decode call instead of at its end).
         Raises ValueError before any work when the KV budget cannot hold one sample.
         """
         start_time = time.perf_counter()
@@ -444,7 +453,7 @@ class Sampler:
         plan = self.kv_plan(max(len(p) for p in prompt_ids), max_new_tokens)
         limits = limits or [max_new_tokens] * len(prompt_ids)
         run = _Run(self, state, plan, prompt_ids, n, limits, params, stop_ids, seed)
-        run.loop(progress, start_time)
+        run.loop(progress, start_time, should_stop)
 
         lengths = [[len(run.results[i][j].tokens) for j in range(n)]
                    for i in range(len(prompt_ids))]
@@ -552,7 +561,7 @@ class _Run:
         self.kv_len = np.zeros(S, np.int64)  # the prompt's KV tokens (its length - 1)
 
     # ---------------------------------------------------------------------------------------
-    def loop(self, progress=None, start_time: float = 0.0):
+    def loop(self, progress=None, start_time: float = 0.0, should_stop=None):
         while self.waiting or any(self.slots) or any(self.staged):
             self.admit()
             self.reserve()
@@ -569,6 +578,10 @@ class _Run:
                           + int(self.generated[self.active].sum()),
                           "decode_steps": self.decode_steps,
                           "seconds": time.perf_counter() - start_time})
+            if should_stop is not None and self.decode_calls > calls and should_stop():
+                raise GenerationStopped(
+                    f"generation stopped after {self.decode_steps} decode steps, "
+                    f"{self.finished} of {len(self.prompts) * self.n} samples done")
 
     def _pages_to_take(self, length, kv_len, limit, held):
         """Own pages still to take so that a sample with `length` KV tokens (of which kv_len are

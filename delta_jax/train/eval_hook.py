@@ -11,17 +11,19 @@ import jax
 
 from delta_jax.sampling.progress import ProgressLog
 from delta_jax.train import rollout as rollout_lib
-from delta_jax.train.metrics import sampler_metrics
+from delta_jax.train.metrics import read_jsonl, sampler_metrics
 from delta_jax.train.run import Run
 
 log = logging.getLogger("delta_jax.train")
 
 _EVAL_SALT = 11
 
-def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None):
+def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None,
+                    should_stop=None):
     """avg@k / pass@k on the eval benchmarks with the eval sampling settings; writes
     eval/<file_stem>.json (default step_<step>) and returns (flat metrics, the evaluation
-    result), ({}, None) without eval benchmarks."""
+    result), ({}, None) without eval benchmarks. should_stop: asked after every decode call
+    (sampling.GenerationStopped when it turns true; nothing is written then)."""
     cfg = run.cfg
     if not run.benchmarks:
         return {}, None
@@ -36,7 +38,8 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
         run.sampler, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
         max_new_tokens=cfg.eval.max_new_tokens, stop_token_ids=(run.tokenizer.eos_token_id,),
         seeds=lambda i: rollout_lib.step_seed(cfg.seed, step, _EVAL_SALT + 1 + i),
-        progress=ProgressLog(f"eval step {step}", cfg.train.progress_every_s))
+        progress=ProgressLog(f"eval step {step}", cfg.train.progress_every_s),
+        should_stop=should_stop)
 
     t0 = time.perf_counter()
     pass_k = [int(x) for x in str(cfg.eval.pass_k).split(",")]
@@ -60,8 +63,41 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
 
 
 
-def write_eval(run: Run, params, step: int):
-    metrics, _ = evaluate_policy(run, params, step)
+def write_eval(run: Run, params, step: int, should_stop=None) -> bool:
+    """evaluate_policy at `step`, its metrics written and logged; False when should_stop ended
+    it (nothing written: the training loop then stops)."""
+    from delta_jax.sampling import GenerationStopped
+    try:
+        metrics, _ = evaluate_policy(run, params, step, should_stop=should_stop)
+    except GenerationStopped:
+        log.warning("eval step %d: stopped by the signal before it finished (not recorded)", step)
+        return False
     if metrics:
         run.writer.write(step, metrics)
         log.info("eval step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return True
+
+
+def eval_due(cfg, step: int) -> bool:
+    """Whether the training loop evaluates at `step`: train.eval_before at 0, every
+    train.eval_every steps between, train.eval_after at train.steps."""
+    if step == 0:
+        return bool(cfg.train.eval_before)
+    if step >= cfg.train.steps:
+        return bool(cfg.train.eval_after)
+    return bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
+
+
+def eval_recorded(run: Run, step: int) -> bool:
+    """Whether metrics.jsonl holds eval rows of `step` (process 0 reads it; every process of a
+    multi-host run gets its answer: a collective)."""
+    recorded = False
+    path = os.path.join(run.workdir, "metrics.jsonl")
+    if jax.process_index() == 0 and os.path.isfile(path):
+        recorded = any(row.get("step") == step and any(k.startswith("eval/") for k in row)
+                       for row in read_jsonl(path))
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        recorded = bool(multihost_utils.broadcast_one_to_all(np.int32(recorded)))
+    return recorded

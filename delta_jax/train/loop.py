@@ -21,7 +21,7 @@ from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import SFT_CHECKPOINTS
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.checkpoint import Checkpointer
-from delta_jax.train.eval_hook import evaluate_policy, write_eval
+from delta_jax.train.eval_hook import eval_due, eval_recorded, evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
@@ -198,6 +198,13 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         log.info("resumed from %s at step %d", run.ckpt.directory, start)
         if on_resumed is not None:
             on_resumed(f"step_{start}")
+        # The eval due at the checkpoint's step (before it was saved) that a stop cut short: its
+        # rows are not in metrics.jsonl. (The eval after the last step follows the loop.)
+        if (run.benchmarks and start < cfg.train.steps and eval_due(cfg, start)
+                and not eval_recorded(run, start)):
+            log.info("eval step %d: not recorded before the stop; evaluating it now", start)
+            if not write_eval(run, state.params, start, should_stop=stop.requested):
+                raise interrupted(start)
     else:
         state = init_state
         if cfg.sft.steps > 0:
@@ -213,7 +220,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         elif on_resumed is not None:
             on_resumed("step_0")
         if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
-            write_eval(run, state.params, 0)
+            write_eval(run, state.params, 0, should_stop=stop.requested)  # (a stop: below)
         save(0, state, run.data_iter.get_state(), force=True)
         if cfg.sft.steps > 0:  # checkpoint 0 holds the warm start's result
             sft_ckpt.remove()  # each holds a whole optimizer state
@@ -257,15 +264,19 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
                 "is usable")
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps
                 and not stop.requested()):  # before the checkpoint, whose offset includes it
-            write_eval(run, state.params, step)
+            write_eval(run, state.params, step, should_stop=stop.requested)
         stopping = stop.requested()  # asked once: the save and the stop agree
         save(step, state, run.data_iter.get_state(), force=step == cfg.train.steps or stopping)
         if stopping:
             raise interrupted(step)
     if bar is not None:
         bar.close()
-    if cfg.train.eval_after and start < cfg.train.steps:
-        write_eval(run, state.params, cfg.train.steps)
+    # After the last checkpoint, so not in its metrics offset: a rerun of a finished run (its
+    # rows cut back to that checkpoint) or one stopped during it evaluates again.
+    if cfg.train.eval_after and (start < cfg.train.steps
+                                 or (run.benchmarks and not eval_recorded(run, start))):
+        if not write_eval(run, state.params, cfg.train.steps, should_stop=stop.requested):
+            raise interrupted(cfg.train.steps)
     if cfg.train.export_final:
         export_policy(run, state.params, os.path.join(workdir, "final"))
     return state

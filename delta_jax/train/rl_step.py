@@ -28,6 +28,7 @@ from delta_jax import sharding as sharding_lib
 from delta_jax.rl import credit, losses, rollout_correction
 from delta_jax.rl import rewards as rewards_lib
 from delta_jax.rl.advantages import compute_advantages
+from delta_jax.sampling import GenerationStopped
 from delta_jax.sampling.progress import ProgressLog
 from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import phases
@@ -96,9 +97,12 @@ class StepOutput:
         return self.prepared.batch
 
 
-def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScore:
+def generate_and_score_fn(run: Run, params, step: int,
+                          should_stop: Callable[[], bool] | None = None
+                          ) -> phases.GenerateAndScore:
     """collect_rollout's generate_and_score for the run's sampler and scorer at `step`:
-    round r samples with the seed (seed, step, r), timed."""
+    round r samples with the seed (seed, step, r), timed; should_stop is asked after every
+    decode call (sampling.GenerationStopped when true)."""
     cfg = run.cfg
     run.sampler.update_params(run.model(params))
 
@@ -112,7 +116,8 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
             seed=rollout_lib.step_seed(cfg.seed, step, _ROLLOUT_SALT + round_index),
             progress=ProgressLog(f"rollout step {step}"
                                  + (f" round {round_index + 1}" if round_index else ""),
-                                 cfg.train.progress_every_s))
+                                 cfg.train.progress_every_s),
+            should_stop=should_stop)
         t1 = time.perf_counter()
         golds = [str(r["answer"]) for r in records for _ in range(cfg.rollout.group_size)]
         rewards, info = rewards_lib.score_across_processes(
@@ -126,16 +131,18 @@ def generate_and_score_fn(run: Run, params, step: int) -> phases.GenerateAndScor
     return generate_and_score
 
 
-def prepare_batch(run: Run, params, step: int) -> PreparedBatch:
+def prepare_batch(run: Run, params, step: int,
+                  should_stop: Callable[[], bool] | None = None) -> PreparedBatch:
     """Rollout, rewards, advantages, the old-policy (and reference) pass and, when the run
     computes them (run.with_delta), the DelTA weights of RL step `step`; token_weights are the
     DelTA weights for method delta and the response mask otherwise, times the sampler-vs-trainer
-    importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py)."""
+    importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py).
+    should_stop: as generate_and_score_fn's (sampling.GenerationStopped ends the rollout)."""
     cfg = run.cfg
     settings = method_settings(cfg)
     G = cfg.rollout.group_size
     roll = phases.collect_rollout(
-        generate_and_score_fn(run, params, step), run.data_iter,
+        generate_and_score_fn(run, params, step, should_stop), run.data_iter,
         num_prompts=cfg.rollout.batch_prompts, group_size=G,
         dynamic_sampling=cfg.rl.dynamic_sampling,
         max_rounds=cfg.rl.dynamic_sampling_max_rounds,
@@ -239,11 +246,15 @@ class StepAbandoned(Exception):
 def rl_step(run: Run, state: TrainState, step: int,
             should_stop: Callable[[], bool] = lambda: False) -> StepOutput:
     """One RL step: prepare_batch, then the mini-batch updates over permuted prompt groups.
-    If should_stop() is true once the batch is prepared, the step is abandoned (StepAbandoned)
-    before any update, so the caller can save the unchanged state."""
+    If should_stop() turns true during the rollout (asked after every decode call) or is true
+    once the batch is prepared, the step is abandoned (StepAbandoned) before any update, so the
+    caller can save the unchanged state."""
     cfg = run.cfg
     t_start = time.perf_counter()
-    prep = prepare_batch(run, state.params, step)
+    try:
+        prep = prepare_batch(run, state.params, step, should_stop)
+    except GenerationStopped:
+        raise StepAbandoned(f"step {step} abandoned during its rollout") from None
     if should_stop():
         raise StepAbandoned(f"step {step} abandoned before its updates")
     metrics = prep.metrics
