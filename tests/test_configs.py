@@ -229,6 +229,40 @@ def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
     assert validate_config(parse([base, "--config.tokenizer.path=", "--config.mode=plan"]))
 
 
+def test_best_metric_names_a_metric_the_evaluations_log():
+    """train.best_metric must be one of the accuracy metrics the training evals log (avg@eval.k
+    and pass@p of each data.eval benchmark, by file stem, and of their average); it needs
+    data.eval and an evaluation during training. The paper's choice validates."""
+    base = f"--config={EXPERIMENTS / 'qwen3_8b.py'}"
+    paper = ["--config.model.path=/m", "--config.data.train=/d.jsonl",
+             "--config.data.eval=/b/aime25.jsonl,/b/hmmt_feb25.jsonl", "--config.eval.k=8",
+             "--config.eval.pass_k=1,8"]
+    cfg = validate_config(parse([base, *paper,
+                                 "--config.train.best_metric=eval/benchmarks/aime25/avg@8"]))
+    assert cfg.train.best_mode == "max"
+    validate_config(parse([base, *paper, "--config.train.best_metric=eval/average/pass@8",
+                           "--config.train.best_mode=min"]))
+    with pytest.raises(ConfigError, match=r"^train\.best_metric: 'eval/benchmarks/aime24/avg@8' "
+                                          r"is not a metric .* eval/benchmarks/aime25/avg@8, "
+                                          r"eval/benchmarks/aime25/pass@1, "):
+        validate_config(parse([base, *paper,
+                               "--config.train.best_metric=eval/benchmarks/aime24/avg@8"]))
+    with pytest.raises(ConfigError, match=r"^train\.best_metric: .*avg@16"):  # eval.k is 8
+        validate_config(parse([base, *paper, "--config.train.best_metric=eval/average/avg@16"]))
+    with pytest.raises(ConfigError, match=r"^train\.best_metric: needs evaluations: set data"):
+        validate_config(parse([base, *paper[:2],
+                               "--config.train.best_metric=eval/average/avg@16"]))
+    with pytest.raises(ConfigError, match=r"^train\.best_metric: needs evaluations during"):
+        validate_config(parse([base, *paper, "--config.train.best_metric=eval/average/avg@8",
+                               "--config.train.eval_every=0", "--config.train.eval_before=False",
+                               "--config.train.eval_after=False"]))
+    with pytest.raises(ConfigError, match=r"^train\.best_mode"):
+        validate_config(parse([base, *paper, "--config.train.best_mode=largest"]))
+    tiny = validate_config(parse([f"--config={EXPERIMENTS / 'tiny.py'}",
+                                  "--config.train.best_metric=eval/benchmarks/synthetic_test/avg@16"]))
+    assert tiny.train.best_metric.endswith("synthetic_test/avg@16")
+
+
 def test_delta_fields_of_another_method_are_named():
     """unused_delta_fields: a train run of grpo / dapo with DelTA's hyperparameters changed
     (a lam_max sweep of the baseline by mistake) names each one and its value; the memory

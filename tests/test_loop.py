@@ -165,6 +165,52 @@ def test_a_stopped_eval_is_evaluated_again_on_resume(tmp_path, monkeypatch):
     assert _rl_steps(workdir) == [1, 2] and _eval_steps(workdir) == [0, 1, 2]
 
 
+def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
+    """train.best_metric: the loop offers every eval (before, periodic, after) to the best
+    policy; with the metric's values made 0.1, 0.5, 0.3 at steps 0, 1, 2, workdir/best holds
+    step 1's policy (its parameters as checkpoint 1 holds them) with best.json naming step 1,
+    and the end-of-run report says so. The real evaluation logs the metric (the values are only
+    replaced)."""
+    from flax import nnx
+
+    from delta_jax import main as main_lib
+    from delta_jax import models
+    from delta_jax.train.checkpoint import Checkpointer
+    from delta_jax.train.state import init_train_state
+
+    metric = "eval/average/avg@2"
+    made = {0: 0.1, 1: 0.5, 2: 0.3}
+    real = loop.write_eval
+
+    def write_eval(run, params, step, should_stop=None):
+        metrics = real(run, params, step, should_stop=should_stop)
+        assert metric in metrics
+        return {**metrics, metric: made[step]}
+
+    monkeypatch.setattr(loop, "write_eval", write_eval)
+    cfg = tiny_rl_config(
+        "dapo", train=dict(steps=2, keep=10, save_every=1, eval_every=1, eval_before=True,
+                           eval_after=True, export_final=False, best_metric=metric),
+        data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+        rewards=dict(num_workers=1))
+    main_lib.run(cfg, str(tmp_path))
+    record = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert record == {"metric": metric, "value": 0.5, "step": 1, "mode": "max"}
+    assert "best eval/average/avg@2 (max): 50.0% at step 1; that policy: " in capsys.readouterr().out
+    run = run_lib.build_run(cfg, str(tmp_path / "shapes"), need_scorer=False)
+    try:
+        ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+        want = ckpt.restore(1, init_train_state(run.initial_params, run.optimizer))[0].params
+        ckpt.close()
+    finally:
+        run.close()
+    got = nnx.state(models.from_pretrained(str(tmp_path / "best")), nnx.Param)
+    got, want = jax.tree.leaves(got), jax.tree.leaves(jax.device_get(want))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, caplog):
     _train(_config(2, save_every=1), tmp_path)
     state_dir = tmp_path / "checkpoints" / "2" / "state"

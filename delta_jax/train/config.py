@@ -18,6 +18,7 @@ Methods (one flag, `--config.method=...`; any single field can still be overridd
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ml_collections import config_dict
 
@@ -60,6 +61,7 @@ CHOICES = {
     "data.overlong_prompts": ("drop", "error", "truncate"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
     "rl.dynamic_sampling_on_max_rounds": ("raise", "pad"),  # rl.dynamic_sampling.ON_MAX_ROUNDS
+    "train.best_mode": ("max", "min"),
     # models.attention.DECODE_IMPLS
     "rollout.decode_attention": ("auto", "reference", "mosaic", "mosaic_fused", "tpu"),
 }
@@ -325,6 +327,12 @@ def default_config() -> config_dict.ConfigDict:
     # its compiled programs instead of compiling them again. "" = off; JAX_COMPILATION_CACHE_DIR,
     # where set, wins. Off on the CPU backend (xla_env.enable_compilation_cache says why).
     c.train.compilation_cache_dir = "~/.cache/delta_jax/jax"
+    # The best policy by an eval metric, as the paper picks its checkpoint (AIME25 avg@8,
+    # validated every 4 steps): "" = off, else a metric the training evals log, e.g.
+    # "eval/benchmarks/aime25/avg@8" or "eval/average/pass@16"; each eval whose value beats the
+    # best so far (best_mode: max | min) exports the policy to workdir/best (train/best.py).
+    c.train.best_metric = ""
+    c.train.best_mode = "max"
     # Resuming a run whose results-changing fields differ from its config.json is refused
     # (the differences are listed) unless this is True.
     c.train.allow_config_change = False
@@ -705,6 +713,32 @@ def _check_combinations(c):
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
+    if c.train.best_metric and c.mode == "train":
+        known = eval_metric_names(c)
+        _require(known, "train.best_metric", "needs evaluations: set data.eval")
+        _require(c.train.eval_every or c.train.eval_after or c.train.eval_before,
+                 "train.best_metric", "needs evaluations during training: train.eval_every > 0 "
+                 "(or train.eval_before / eval_after)")
+        _require(c.train.best_metric in known, "train.best_metric",
+                 f"{c.train.best_metric!r} is not a metric the evaluations log; they log "
+                 f"{', '.join(known)}")
+
+
+def benchmark_name(path: str) -> str:
+    """A data.eval benchmark's name (its metrics' "eval/benchmarks/<name>/"): the file's stem."""
+    return os.path.splitext(os.path.basename(path.strip()))[0]
+
+
+def eval_metric_names(cfg) -> list[str]:
+    """The accuracy metrics the evaluations of `cfg` log: avg@eval.k and pass@p (eval.pass_k)
+    of each data.eval benchmark and of their question-weighted average ([] without data.eval)."""
+    if not cfg.data.eval:
+        return []
+    names = (["synthetic_test"] if cfg.data.eval == "synthetic"
+             else [benchmark_name(p) for p in str(cfg.data.eval).split(",") if p.strip()])
+    values = [f"avg@{cfg.eval.k}"] + [f"pass@{int(p)}" for p in str(cfg.eval.pass_k).split(",")]
+    return [f"eval/{where}/{value}" for where in [f"benchmarks/{n}" for n in names] + ["average"]
+            for value in values]
 
 
 # Fields that may change when a run resumes: how long it runs, how it logs, saves, evaluates and
@@ -713,7 +747,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "sft.save_every",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.progress_every_s",
-                    "train.allow_config_change",
+                    "train.allow_config_change", "train.best_metric", "train.best_mode",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rl.old_pass_rows",

@@ -63,19 +63,19 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
 
 
 
-def write_eval(run: Run, params, step: int, should_stop=None) -> bool:
-    """evaluate_policy at `step`, its metrics written and logged; False when should_stop ended
-    it (nothing written: the training loop then stops)."""
+def write_eval(run: Run, params, step: int, should_stop=None) -> dict | None:
+    """evaluate_policy at `step`, its metrics written and logged and returned ({} without eval
+    benchmarks); None when should_stop ended it (nothing written: the training loop stops)."""
     from delta_jax.sampling import GenerationStopped
     try:
         metrics, _ = evaluate_policy(run, params, step, should_stop=should_stop)
     except GenerationStopped:
         log.warning("eval step %d: stopped by the signal before it finished (not recorded)", step)
-        return False
+        return None
     if metrics:
         run.writer.write(step, metrics)
         log.info("eval step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    return True
+    return metrics
 
 
 def eval_due(cfg, step: int) -> bool:

@@ -20,6 +20,7 @@ from delta_jax.errors import RunHalted, naming
 from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import SFT_CHECKPOINTS
 from delta_jax.train import sft as sft_lib
+from delta_jax.train.best import BestPolicy
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.eval_hook import eval_due, eval_recorded, evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
@@ -188,6 +189,18 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
     def interrupted(step):
         return TrainingInterrupted(stop.signum, step, run.ckpt.directory)
 
+    best = (BestPolicy(workdir, cfg.train.best_metric, cfg.train.best_mode)
+            if cfg.train.best_metric else None)
+
+    def evaluate(step, params) -> bool:
+        """write_eval at `step`, then the best policy's turn; False when a stop cut it short."""
+        metrics = write_eval(run, params, step, should_stop=stop.requested)
+        if metrics is None:
+            return False
+        if best is not None:
+            best.offer(step, metrics, lambda path: export_policy(run, params, path))
+        return True
+
     if found is not None:
         start, state, data_state, meta = found
         run.data_iter.set_state(data_state)
@@ -203,7 +216,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         if (run.benchmarks and start < cfg.train.steps and eval_due(cfg, start)
                 and not eval_recorded(run, start)):
             log.info("eval step %d: not recorded before the stop; evaluating it now", start)
-            if not write_eval(run, state.params, start, should_stop=stop.requested):
+            if not evaluate(start, state.params):
                 raise interrupted(start)
     else:
         state = init_state
@@ -220,7 +233,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         elif on_resumed is not None:
             on_resumed("step_0")
         if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
-            write_eval(run, state.params, 0, should_stop=stop.requested)  # (a stop: below)
+            evaluate(0, state.params)  # (cut short by a stop: raised below)
         save(0, state, run.data_iter.get_state(), force=True)
         if cfg.sft.steps > 0:  # checkpoint 0 holds the warm start's result
             sft_ckpt.remove()  # each holds a whole optimizer state
@@ -264,7 +277,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
                 "is usable")
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps
                 and not stop.requested()):  # before the checkpoint, whose offset includes it
-            write_eval(run, state.params, step, should_stop=stop.requested)
+            evaluate(step, state.params)
         stopping = stop.requested()  # asked once: the save and the stop agree
         save(step, state, run.data_iter.get_state(), force=step == cfg.train.steps or stopping)
         if stopping:
@@ -275,7 +288,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
     # rows cut back to that checkpoint) or one stopped during it evaluates again.
     if cfg.train.eval_after and (start < cfg.train.steps
                                  or (run.benchmarks and not eval_recorded(run, start))):
-        if not write_eval(run, state.params, cfg.train.steps, should_stop=stop.requested):
+        if not evaluate(cfg.train.steps, state.params):
             raise interrupted(cfg.train.steps)
     if cfg.train.export_final:
         export_policy(run, state.params, os.path.join(workdir, "final"))

@@ -368,6 +368,11 @@ def write_report(workdir: str, rl_steps: int | None = None) -> str:
             lines.append("(95% intervals: Student t over the per-problem changes, paired by "
                          "problem; they cover which problems and samples were drawn, not the "
                          "spread between training runs)")
+    from delta_jax.train.best import BEST, read_best
+    record = read_best(workdir)
+    if record is not None:  # train.best_metric
+        lines.append(f"best {record['metric']} ({record['mode']}): {100 * record['value']:.1f}% "
+                     f"at step {record['step']}; that policy: {os.path.join(workdir, BEST)}")
     if has_credit(rows):
         lines += credit_report_lines(rows, _run_method(workdir))
     lines.append("plots: " + ", ".join(paths))

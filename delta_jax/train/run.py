@@ -56,8 +56,7 @@ def prepare_assets(cfg, workdir: str) -> dict:
         for path in str(cfg.data.eval).split(","):
             path = path.strip()
             if path:
-                name = os.path.splitext(os.path.basename(path))[0]
-                out["eval"][name] = path
+                out["eval"][config_lib.benchmark_name(path)] = path
     if cfg.tokenizer.path == "synthetic":
         from delta_jax.data import tiny_task
         out["tokenizer"] = tiny_task.prepare_tiny_tokenizer(os.path.join(workdir, "tokenizer"))
