@@ -23,6 +23,12 @@ def test_lines_every_interval_none_in_the_first_and_again_per_call():
     for seconds in (2, 50, 70):  # the next generate() call: its clock starts again
         progress(_info(seconds))
     assert len(lines) == 1 and " in 70 s " in lines[0]
+    # A tiny interval (a line at every decode call) costs nothing either (the next due time
+    # came from a loop of 1e-9 steps: 0.8 s a call at 10^8 of them).
+    tiny = ProgressLog("x", 1e-9, emit=lines.append)
+    for seconds in (1e8 * 1e-9 * 1e3, 200.0, 300.0):
+        tiny(_info(seconds))
+    assert len(lines) == 4
     off = ProgressLog("x", 0.0, emit=lines.append)
     off(_info(1e6))
-    assert len(lines) == 1
+    assert len(lines) == 4

@@ -13,6 +13,7 @@ again.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Optional
 
 log = logging.getLogger("delta_jax.sampling")
@@ -47,5 +48,4 @@ class ProgressLog:
         self._last_seconds = seconds
         if seconds >= self._next:
             self.emit(format_progress(self.label, info))
-            while self._next <= seconds:
-                self._next += self.every_s
+            self._next = (math.floor(seconds / self.every_s) + 1) * self.every_s
