@@ -159,3 +159,46 @@ def test_the_steps_sampler_metrics(tmp_path, caplog):
     assert restarted.metrics["rollout/resumed"] == 0
     np.testing.assert_array_equal(np.asarray(restarted.packed.input_ids),
                                   np.asarray(wide.packed.input_ids))
+
+
+def test_mask_truncated_takes_truncated_responses_out_of_the_loss(tmp_path, monkeypatch):
+    """rl.mask_truncated (DAPO's overlong filtering), on the same rollout (same seed) with and
+    without it: the loss mask and the DelTA token weights are 0 on every token of a truncated
+    response and as without the option elsewhere in the mask; the advantages (the groups'
+    rewards) are the same; rollout/masked_truncated counts them. (The tiny random policy never
+    stops within its limit, so every other response is marked as stopped there.)"""
+    import dataclasses
+
+    pack = rl_step_lib.rollout_lib.pack_rollout
+
+    def pack_half_stopped(*args, **kwargs):
+        rb = pack(*args, **kwargs)
+        return dataclasses.replace(rb, truncated=rb.truncated & (np.arange(rb.num_rows) % 2 == 0))
+
+    monkeypatch.setattr(rl_step_lib.rollout_lib, "pack_rollout", pack_half_stopped)
+
+    def prepared(mask_truncated):
+        cfg = tiny_rl_config("delta", rl=dict(mask_truncated=mask_truncated))
+        run = build_scored_run(cfg, tmp_path / str(mask_truncated))
+        try:
+            return rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
+        finally:
+            run.close()
+
+    off, on = prepared(False), prepared(True)
+    truncated = on.packed.truncated
+    assert 0 < truncated.sum() < truncated.size
+    np.testing.assert_array_equal(on.packed.response_mask, off.packed.response_mask)
+    mask_off = np.asarray(off.batch["response_mask"])
+    mask_on = np.asarray(on.batch["response_mask"])
+    np.testing.assert_array_equal(mask_off, off.packed.response_mask)
+    np.testing.assert_array_equal(mask_on[truncated], 0.0)
+    np.testing.assert_array_equal(mask_on[~truncated], mask_off[~truncated])
+    assert mask_on[~truncated].sum() > 0
+    weights = np.asarray(on.batch["token_weights"])
+    assert np.all(weights[truncated] == 0) and np.all(weights[mask_on > 0] > 0)
+    assert np.all(np.asarray(off.batch["token_weights"])[truncated][mask_off[truncated] > 0] > 0)
+    np.testing.assert_array_equal(np.asarray(on.batch["advantages"]),
+                                  np.asarray(off.batch["advantages"]))
+    assert on.metrics["rollout/masked_truncated"] == truncated.sum()
+    assert "rollout/masked_truncated" not in off.metrics

@@ -269,6 +269,11 @@ def default_config() -> config_dict.ConfigDict:
     # groups (zero advantage, no gradient) and warn; rollout/padded_groups counts them.
     c.rl.dynamic_sampling_on_max_rounds = "raise"
     c.rl.max_nonfinite = 3        # consecutive skipped (non-finite) updates before the run stops
+    # DAPO's overlong filtering (TRL's mask_truncated_completions): responses cut at
+    # rollout.max_new_tokens leave the loss (their tokens out of the surrogate, its token counts,
+    # the KL / entropy terms and DelTA's statistics); they still count in their group's
+    # advantages. Off in the paper's runs (the overlong penalty, rewards.overlong, shapes them).
+    c.rl.mask_truncated = False
 
     c.delta = config_dict.ConfigDict()
     c.delta.num_refine = 1

@@ -164,9 +164,13 @@ def prepare_batch(run: Run, params, step: int,
                                         group_size=G))
     rb = rollout_lib.pack_rollout(roll.samples, adv, roll.rewards, run.tokenizer.pad_token_id)
     metrics.update(rollout_lib.rollout_metrics(rb, roll.accuracy, cfg.rollout.max_new_tokens))
+    response_mask = rb.response_mask
+    if cfg.rl.mask_truncated:  # DAPO's overlong filtering: truncated responses leave the loss
+        response_mask = response_mask * (~rb.truncated)[:, None].astype(response_mask.dtype)
+        metrics["rollout/masked_truncated"] = float(rb.truncated.sum())
     batch = sharding_lib.put_batch({"input_ids": rb.input_ids,
                                     "attention_mask": rb.attention_mask,
-                                    "response_mask": rb.response_mask,
+                                    "response_mask": response_mask,
                                     "advantages": rb.advantages}, run.mesh)
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
 
@@ -233,7 +237,8 @@ def credit_report(run: Run, prep: PreparedBatch) -> dict:
     classes = run.credit_labeller(prep.rollout.records, rb.input_ids[:, rb.prompt_len:],
                                   rb.response_mask)
     weights = np.asarray(fetch_global(prep.batch["token_weights"]), np.float32)
-    out = credit.credit_metrics(classes, weights, rb.advantages, rb.response_mask)
+    loss_mask = np.asarray(fetch_global(prep.batch["response_mask"]), np.float32)  # mask_truncated
+    out = credit.credit_metrics(classes, weights, rb.advantages, loss_mask)
     prep.credit_classes = classes
     out["time/credit_s"] = time.perf_counter() - t0
     return out
