@@ -133,6 +133,36 @@ def test_a_stop_during_a_rollout_ends_it_within_a_decode_call(tmp_path, monkeypa
     assert max(moved) <= 1e-6, max(moved)
 
 
+def test_a_stop_during_the_scoring_skips_the_old_policy_pass(tmp_path, monkeypatch):
+    """SIGTERM while step 2's responses are scored (the rollout done): the step is abandoned
+    before its old-policy pass starts (that pass, over every response token, takes minutes at
+    the 8B recipe's lengths), checkpoint 1 saved."""
+    from delta_jax.train import phases
+
+    score, passes = rl_step_lib.rewards_lib.score_across_processes, []
+
+    def score_then_signal(*args, **kwargs):
+        out = score(*args, **kwargs)
+        if len(passes) == 1:  # step 1 had its old-policy pass: this is step 2's scoring
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs at the next bytecode boundary
+        return out
+
+    old_pass = phases.old_policy_features
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return old_pass(*args, **kwargs)
+
+    monkeypatch.setattr(rl_step_lib.rewards_lib, "score_across_processes", score_then_signal)
+    monkeypatch.setattr(phases, "old_policy_features", counted)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(tiny_rl_config("dapo", train=dict(LOOP_WITHOUT_EVAL, steps=2, save_every=10)),
+               tmp_path)
+    assert stopped.value.step == 1 and _rl_steps(tmp_path) == [1]
+    assert len(passes) == 1  # step 2's old-policy pass never started
+
+
 def _eval_steps(workdir):
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return [r["step"] for r in rows if "eval/average/avg@2" in r]

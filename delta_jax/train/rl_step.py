@@ -137,7 +137,8 @@ def prepare_batch(run: Run, params, step: int,
     computes them (run.with_delta), the DelTA weights of RL step `step`; token_weights are the
     DelTA weights for method delta and the response mask otherwise, times the sampler-vs-trainer
     importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py).
-    should_stop: as generate_and_score_fn's (sampling.GenerationStopped ends the rollout)."""
+    should_stop: as generate_and_score_fn's (sampling.GenerationStopped ends the rollout), and
+    asked again once the rollout is scored (StepAbandoned: the old-policy pass does not start)."""
     cfg = run.cfg
     settings = method_settings(cfg)
     G = cfg.rollout.group_size
@@ -148,6 +149,8 @@ def prepare_batch(run: Run, params, step: int,
         max_rounds=cfg.rl.dynamic_sampling_max_rounds,
         prompts_per_round=cfg.rl.dynamic_sampling_prompts_per_round,
         on_max_rounds=cfg.rl.dynamic_sampling_on_max_rounds)
+    if should_stop is not None and should_stop():  # before the old-policy pass (minutes at 20k
+        raise StepAbandoned(f"step {step} abandoned after its rollout")  # tokens a response)
     metrics = {"time/rollout_s": roll.stats["time_generate"],
                "time/reward_s": roll.stats["time_reward"],
                "rollout/num_timeouts": roll.stats["num_timeouts"],
