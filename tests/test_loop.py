@@ -163,6 +163,31 @@ def test_a_stop_during_the_scoring_skips_the_old_policy_pass(tmp_path, monkeypat
     assert len(passes) == 1  # step 2's old-policy pass never started
 
 
+def test_a_stop_during_the_old_policy_pass_ends_it_between_chunks(tmp_path, monkeypatch):
+    """SIGTERM during the first of step 2's four old-policy chunks (rl.old_pass_rows=4 of 16
+    rows): the pass stops after that chunk (phases.PassStopped), the step is abandoned with
+    checkpoint 1 saved."""
+    from delta_jax.train import phases
+
+    real, chunks = phases.old_policy_features, []
+
+    def signalling(old_pass, *args, **kwargs):
+        def one_chunk(*a, **k):
+            chunks.append(1)
+            if len(chunks) == 5:  # step 1 ran 4 chunks: the first of step 2
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)  # the handler runs at the next bytecode boundary
+            return old_pass(*a, **k)
+        return real(one_chunk, *args, **kwargs)
+
+    monkeypatch.setattr(phases, "old_policy_features", signalling)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(tiny_rl_config("dapo", train=dict(LOOP_WITHOUT_EVAL, steps=2, save_every=10),
+                              rl=dict(old_pass_rows=4)), tmp_path)
+    assert stopped.value.step == 1 and _rl_steps(tmp_path) == [1]
+    assert len(chunks) == 5  # step 2's pass stopped after its first chunk
+
+
 def _eval_steps(workdir):
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return [r["step"] for r in rows if "eval/average/avg@2" in r]

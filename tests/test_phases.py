@@ -302,3 +302,31 @@ def test_update_policy_visits_every_group_once_per_epoch_in_whole_groups():
                          0, batch, num_prompts=num_prompts, group_size=group,
                          mini_batch_prompts=mini, epochs=epochs, seed=7)
     assert again == seen
+
+
+def test_old_policy_features_stops_between_chunks_when_told():
+    """should_stop is asked after every chunk but the last: true after the first of three
+    raises PassStopped with the second never run; never true, the features are those of a pass
+    without it."""
+    import jax.numpy as jnp
+    calls = []
+
+    def old_pass(params, ids, attn, response_len):
+        calls.append(ids.shape[0])
+        x = ids.astype(jnp.float32)[:, -response_len:]
+        return x, -x, None
+
+    ids = jnp.arange(6 * 5, dtype=jnp.int32).reshape(6, 5)
+    attn = jnp.ones_like(ids)
+    with pytest.raises(phases.PassStopped, match="after 2 of 6 rows"):
+        phases.old_policy_features(old_pass, None, ids, attn, 3, row_chunk=2, keep_hidden="drop",
+                                   should_stop=lambda: True)
+    assert calls == [2]
+    asked = []
+    full = phases.old_policy_features(old_pass, None, ids, attn, 3, row_chunk=2,
+                                      keep_hidden="drop",
+                                      should_stop=lambda: asked.append(1) or False)
+    plain = phases.old_policy_features(old_pass, None, ids, attn, 3, row_chunk=2,
+                                       keep_hidden="drop")
+    assert len(asked) == 2  # after chunks 1 and 2 of 3
+    np.testing.assert_array_equal(np.asarray(full.logp), np.asarray(plain.logp))

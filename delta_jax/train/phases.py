@@ -161,14 +161,21 @@ class HostChunks:
         return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
 
+class PassStopped(Exception):
+    """old_policy_features(should_stop=) was told to stop between its chunks."""
+
+
 def old_policy_features(old_pass: Callable, params, input_ids, attention_mask,
                         response_len: int, *, row_chunk: int,
-                        keep_hidden: str = "device") -> OldPolicyFeatures:
+                        keep_hidden: str = "device",
+                        should_stop: Callable[[], bool] | None = None) -> OldPolicyFeatures:
     """Runs old_pass(params, ids, attn, response_len) -> (logp, entropy, hidden | None[, topk_ids,
     topk_probs]) over row chunks of at most `row_chunk` rows.
 
     keep_hidden: "device" (h concatenated on device), "host" (each chunk's h moved to host memory:
     HostChunks, brought back chunk by chunk by delta_feature_source), "drop" (not kept).
+    should_stop: asked after each chunk but the last has run (each is then waited for); when true,
+    PassStopped is raised and the rest is not run.
     """
     if keep_hidden not in ("device", "host", "drop"):
         raise ValueError(f"keep_hidden must be device | host | drop, got {keep_hidden!r}")
@@ -184,6 +191,10 @@ def old_policy_features(old_pass: Callable, params, input_ids, attention_mask,
             hid = None
         outs.append((logp, ent, hid, *topk))
         bounds.append((s, e))
+        if should_stop is not None and e < n:
+            jax.block_until_ready(logp)
+            if should_stop():
+                raise PassStopped(f"old-policy pass stopped after {e} of {n} rows")
 
     def cat(i):
         parts = [o[i] for o in outs]

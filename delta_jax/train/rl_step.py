@@ -137,8 +137,9 @@ def prepare_batch(run: Run, params, step: int,
     computes them (run.with_delta), the DelTA weights of RL step `step`; token_weights are the
     DelTA weights for method delta and the response mask otherwise, times the sampler-vs-trainer
     importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py).
-    should_stop: as generate_and_score_fn's (sampling.GenerationStopped ends the rollout), and
-    asked again once the rollout is scored (StepAbandoned: the old-policy pass does not start)."""
+    should_stop: as generate_and_score_fn's (sampling.GenerationStopped ends the rollout), then
+    asked once the rollout is scored and between the old-policy pass's chunks (StepAbandoned:
+    the rest of the step does not run)."""
     cfg = run.cfg
     settings = method_settings(cfg)
     G = cfg.rollout.group_size
@@ -182,8 +183,12 @@ def prepare_batch(run: Run, params, step: int,
     row_chunk = min(rb.num_rows, old_pass_rows(cfg))
     if cache == "host":  # host chunks come back one delta.recompute_chunk at a time
         row_chunk = min(row_chunk, cfg.delta.recompute_chunk)
-    old = phases.old_policy_features(run.old_pass, params, ids, attn, rb.response_len,
-                                     row_chunk=row_chunk, keep_hidden=cache)
+    try:
+        old = phases.old_policy_features(run.old_pass, params, ids, attn, rb.response_len,
+                                         row_chunk=row_chunk, keep_hidden=cache,
+                                         should_stop=should_stop)
+    except phases.PassStopped:
+        raise StepAbandoned(f"step {step} abandoned during its old-policy pass") from None
     batch["old_logp"] = jax.block_until_ready(old.logp)
     metrics["time/old_policy_s"] = time.perf_counter() - t0
     if run.ref_pass is not None:  # KL term: the frozen reference policy's log-probs
