@@ -437,8 +437,7 @@ class MemoryPlan:
                                   self.recommended_feature_cache_flash)):
             text = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in fits.items())
             lines.append(f"delta.feature_cache fits{label} -> {text}; recommended: {rec}")
-        data, fsdp, tensor = s["mesh"]
-        if data > 1 and fsdp == tensor == 1 and any(v > mem for v in self.phases.values()):
+        if replicated_state(s["mesh"]) and any(v > mem for v in self.phases.values()):
             lines.append(f"a phase does not fit: turn {REPLICA_KNOB}")
         return "\n".join(lines)
 
@@ -943,6 +942,13 @@ PHASE_KNOBS = {
              "eval.max_new_tokens / data.max_prompt_len",
              "model.attention=blockwise (prefill scores)"),
 }
+def replicated_state(mesh_shape) -> bool:
+    """Whether a (data, fsdp, tensor) mesh puts a whole replica of the parameters, gradients and
+    optimizer state on each of several devices (data parallelism alone)."""
+    data, fsdp, tensor = mesh_shape
+    return data > 1 and fsdp == tensor == 1
+
+
 # Named first for every phase over the device when the mesh is data-parallel alone.
 REPLICA_KNOB = ("mesh.data=1 mesh.fsdp=-1 (each device now holds whole parameters, gradients and "
                 "optimizer state; this shards them over the devices)")
@@ -1000,8 +1006,7 @@ def check_fits(memory_plan: MemoryPlan, capacity_bytes: int, phases=None,
         if memory_plan.settings.get("optimizer_offload"):
             already.add("optim.offload=True")
         knobs = [k for k in PHASE_KNOBS.get(name, ()) if k.split(" (")[0] not in already]
-        data, fsdp, tensor = memory_plan.settings.get("mesh", (1, 1, 1))
-        if data > 1 and fsdp == tensor == 1:  # every device a whole replica of the state
+        if replicated_state(memory_plan.settings.get("mesh", (1, 1, 1))):
             knobs.insert(0, REPLICA_KNOB)
         if name == "old-policy pass + DelTA" and memory_plan.recommended_feature_cache not in (
                 "", "none", memory_plan.settings.get("feature_cache")):

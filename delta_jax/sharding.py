@@ -408,6 +408,16 @@ def distributed_started() -> bool:
     return getattr(_dist.global_state, "client", None) is not None
 
 
+def from_process_0(value):
+    """Process 0's `value` (a numpy scalar) on every process of a multi-process run: what process
+    0 alone read (a file of the run directory) becomes every process's answer. A collective;
+    with one process the value itself."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.broadcast_one_to_all(value)).item()
+
+
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
                            process_id: int = -1, *, local_device_ids=None,
                            heartbeat_timeout_s: int = 100,

@@ -572,16 +572,19 @@ class _Run:
                                    f"should have caught this)")
             calls = self.decode_calls
             self.decode()
-            if progress is not None and self.decode_calls > calls:
-                progress({"finished": self.finished, "samples": len(self.prompts) * self.n,
+            if self.decode_calls == calls:
+                continue
+            samples = len(self.prompts) * self.n
+            if progress is not None:
+                progress({"finished": self.finished, "samples": samples,
                           "generated_tokens": self.finished_tokens
                           + int(self.generated[self.active].sum()),
                           "decode_steps": self.decode_steps,
                           "seconds": time.perf_counter() - start_time})
-            if should_stop is not None and self.decode_calls > calls and should_stop():
+            if should_stop is not None and should_stop():
                 raise GenerationStopped(
                     f"generation stopped after {self.decode_steps} decode steps, "
-                    f"{self.finished} of {len(self.prompts) * self.n} samples done")
+                    f"{self.finished} of {samples} samples done")
 
     def _pages_to_take(self, length, kv_len, limit, held):
         """Own pages still to take so that a sample with `length` KV tokens (of which kv_len are

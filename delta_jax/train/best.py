@@ -21,6 +21,9 @@ import shutil
 from typing import Callable, Mapping, Optional
 
 import jax
+import numpy as np
+
+from delta_jax import sharding as sharding_lib
 
 BEST = "best"
 RECORD = "best.json"
@@ -50,10 +53,7 @@ class BestPolicy:
             record = read_best(workdir)
             if record is not None and record.get("metric") == metric and record.get("mode") == mode:
                 value = float(record["value"])
-        if jax.process_count() > 1:
-            import numpy as np
-            from jax.experimental import multihost_utils
-            value = float(multihost_utils.broadcast_one_to_all(np.float64(value)))
+        value = float(sharding_lib.from_process_0(np.float64(value)))
         self.value: Optional[float] = None if math.isnan(value) else value
 
     def better(self, value: float) -> bool:

@@ -729,6 +729,10 @@ def _check_combinations(c):
                  f"{', '.join(known)}")
 
 
+# The name data.eval="synthetic"'s held-out split is evaluated under (train/run.py).
+SYNTHETIC_BENCHMARK = "synthetic_test"
+
+
 def benchmark_name(path: str) -> str:
     """A data.eval benchmark's name (its metrics' "eval/benchmarks/<name>/"): the file's stem."""
     return os.path.splitext(os.path.basename(path.strip()))[0]
@@ -739,7 +743,7 @@ def eval_metric_names(cfg) -> list[str]:
     of each data.eval benchmark and of their question-weighted average ([] without data.eval)."""
     if not cfg.data.eval:
         return []
-    names = (["synthetic_test"] if cfg.data.eval == "synthetic"
+    names = ([SYNTHETIC_BENCHMARK] if cfg.data.eval == "synthetic"
              else [benchmark_name(p) for p in str(cfg.data.eval).split(",") if p.strip()])
     values = [f"avg@{cfg.eval.k}"] + [f"pass@{int(p)}" for p in str(cfg.eval.pass_k).split(",")]
     return [f"eval/{where}/{value}" for where in [f"benchmarks/{n}" for n in names] + ["average"]

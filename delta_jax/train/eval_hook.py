@@ -8,7 +8,9 @@ import os
 import time
 
 import jax
+import numpy as np
 
+from delta_jax import sharding as sharding_lib
 from delta_jax.sampling.progress import ProgressLog
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.metrics import read_jsonl, sampler_metrics
@@ -96,8 +98,4 @@ def eval_recorded(run: Run, step: int) -> bool:
     if jax.process_index() == 0 and os.path.isfile(path):
         recorded = any(row.get("step") == step and any(k.startswith("eval/") for k in row)
                        for row in read_jsonl(path))
-    if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-        recorded = bool(multihost_utils.broadcast_one_to_all(np.int32(recorded)))
-    return recorded
+    return bool(sharding_lib.from_process_0(np.int32(recorded)))

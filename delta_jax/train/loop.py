@@ -275,7 +275,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
                 f"gradients (rl.max_nonfinite={cfg.rl.max_nonfinite}); parameters were left "
                 f"unchanged by those updates; the last checkpoint in {run.ckpt.directory} "
                 "is usable")
-        if (cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps
+        if (step < cfg.train.steps and eval_due(cfg, step)
                 and not stop.requested()):  # before the checkpoint, whose offset includes it
             evaluate(step, state.params)
         stopping = stop.requested()  # asked once: the save and the stop agree

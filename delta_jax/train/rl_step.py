@@ -131,25 +131,35 @@ def generate_and_score_fn(run: Run, params, step: int,
     return generate_and_score
 
 
+def loss_mask(cfg, rb) -> np.ndarray:
+    """The response tokens the loss takes [N, R] (host): the packed batch's response mask, less
+    the truncated responses' tokens with rl.mask_truncated (DAPO's overlong filtering)."""
+    if not cfg.rl.mask_truncated:
+        return rb.response_mask
+    return rb.response_mask * (~rb.truncated)[:, None].astype(rb.response_mask.dtype)
+
+
 def prepare_batch(run: Run, params, step: int,
                   should_stop: Callable[[], bool] | None = None) -> PreparedBatch:
     """Rollout, rewards, advantages, the old-policy (and reference) pass and, when the run
     computes them (run.with_delta), the DelTA weights of RL step `step`; token_weights are the
     DelTA weights for method delta and the response mask otherwise, times the sampler-vs-trainer
     importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py).
-    should_stop: as generate_and_score_fn's (sampling.GenerationStopped ends the rollout), then
-    asked once the rollout is scored and between the old-policy pass's chunks (StepAbandoned:
-    the rest of the step does not run)."""
+    should_stop: asked after every decode call of the rollout, once it is scored and between the
+    old-policy pass's chunks; when true, StepAbandoned (the rest of the step does not run)."""
     cfg = run.cfg
     settings = method_settings(cfg)
     G = cfg.rollout.group_size
-    roll = phases.collect_rollout(
-        generate_and_score_fn(run, params, step, should_stop), run.data_iter,
-        num_prompts=cfg.rollout.batch_prompts, group_size=G,
-        dynamic_sampling=cfg.rl.dynamic_sampling,
-        max_rounds=cfg.rl.dynamic_sampling_max_rounds,
-        prompts_per_round=cfg.rl.dynamic_sampling_prompts_per_round,
-        on_max_rounds=cfg.rl.dynamic_sampling_on_max_rounds)
+    try:
+        roll = phases.collect_rollout(
+            generate_and_score_fn(run, params, step, should_stop), run.data_iter,
+            num_prompts=cfg.rollout.batch_prompts, group_size=G,
+            dynamic_sampling=cfg.rl.dynamic_sampling,
+            max_rounds=cfg.rl.dynamic_sampling_max_rounds,
+            prompts_per_round=cfg.rl.dynamic_sampling_prompts_per_round,
+            on_max_rounds=cfg.rl.dynamic_sampling_on_max_rounds)
+    except GenerationStopped:
+        raise StepAbandoned(f"step {step} abandoned during its rollout") from None
     if should_stop is not None and should_stop():  # before the old-policy pass (minutes at 20k
         raise StepAbandoned(f"step {step} abandoned after its rollout")  # tokens a response)
     metrics = {"time/rollout_s": roll.stats["time_generate"],
@@ -168,13 +178,11 @@ def prepare_batch(run: Run, params, step: int,
                                         group_size=G))
     rb = rollout_lib.pack_rollout(roll.samples, adv, roll.rewards, run.tokenizer.pad_token_id)
     metrics.update(rollout_lib.rollout_metrics(rb, roll.accuracy, cfg.rollout.max_new_tokens))
-    response_mask = rb.response_mask
-    if cfg.rl.mask_truncated:  # DAPO's overlong filtering: truncated responses leave the loss
-        response_mask = response_mask * (~rb.truncated)[:, None].astype(response_mask.dtype)
+    if cfg.rl.mask_truncated:
         metrics["rollout/masked_truncated"] = float(rb.truncated.sum())
     batch = sharding_lib.put_batch({"input_ids": rb.input_ids,
                                     "attention_mask": rb.attention_mask,
-                                    "response_mask": response_mask,
+                                    "response_mask": loss_mask(cfg, rb),
                                     "advantages": rb.advantages}, run.mesh)
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
 
@@ -245,8 +253,7 @@ def credit_report(run: Run, prep: PreparedBatch) -> dict:
     classes = run.credit_labeller(prep.rollout.records, rb.input_ids[:, rb.prompt_len:],
                                   rb.response_mask)
     weights = np.asarray(fetch_global(prep.batch["token_weights"]), np.float32)
-    loss_mask = np.asarray(fetch_global(prep.batch["response_mask"]), np.float32)  # mask_truncated
-    out = credit.credit_metrics(classes, weights, rb.advantages, loss_mask)
+    out = credit.credit_metrics(classes, weights, rb.advantages, loss_mask(run.cfg, rb))
     prep.credit_classes = classes
     out["time/credit_s"] = time.perf_counter() - t0
     return out
@@ -264,10 +271,7 @@ def rl_step(run: Run, state: TrainState, step: int,
     caller can save the unchanged state."""
     cfg = run.cfg
     t_start = time.perf_counter()
-    try:
-        prep = prepare_batch(run, state.params, step, should_stop)
-    except GenerationStopped:
-        raise StepAbandoned(f"step {step} abandoned during its rollout") from None
+    prep = prepare_batch(run, state.params, step, should_stop)
     if should_stop():
         raise StepAbandoned(f"step {step} abandoned before its updates")
     metrics = prep.metrics

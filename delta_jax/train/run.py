@@ -51,7 +51,7 @@ def prepare_assets(cfg, workdir: str) -> dict:
         if cfg.data.train == "synthetic":
             out["train"] = splits["train"]
         if cfg.data.eval == "synthetic":
-            out["eval"]["synthetic_test"] = splits["test"]
+            out["eval"][config_lib.SYNTHETIC_BENCHMARK] = splits["test"]
     if cfg.data.eval and cfg.data.eval != "synthetic":
         for path in str(cfg.data.eval).split(","):
             path = path.strip()
