@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
 
 log = logging.getLogger("delta_jax.sampling")
 
@@ -32,10 +31,8 @@ class ProgressLog:
     """Sampler.generate(progress=) callback logging format_progress lines every `every_s`
     seconds of a call (none in its first `every_s`)."""
 
-    def __init__(self, label: str, every_s: float,
-                 emit: Optional[Callable[[str], None]] = None):
+    def __init__(self, label: str, every_s: float):
         self.label, self.every_s = label, float(every_s)
-        self.emit = emit or log.info
         self._next = self.every_s
         self._last_seconds = 0.0
 
@@ -47,5 +44,5 @@ class ProgressLog:
             self._next = self.every_s
         self._last_seconds = seconds
         if seconds >= self._next:
-            self.emit(format_progress(self.label, info))
+            log.info("%s", format_progress(self.label, info))
             self._next = (math.floor(seconds / self.every_s) + 1) * self.every_s
