@@ -181,7 +181,10 @@ def _check_row(row: Any, where: str, index: int) -> dict:
 
 @dataclasses.dataclass
 class BenchmarkResult:
-    """One benchmark: num_correct[q] of k samples for each question q."""
+    """One benchmark: num_correct[q] of k samples for each question q.
+
+    When evaluate() made it, also what was generated (not in to_dict): prompts[q], answers[q],
+    responses[q][j] (text) and correct fp32 [Q, k] (1 = right)."""
     name: str
     ids: list
     num_correct: np.ndarray  # int [Q]
@@ -190,6 +193,10 @@ class BenchmarkResult:
     num_no_box: int = 0
     num_timeouts: int = 0
     num_errors: int = 0
+    prompts: list | None = None
+    answers: list | None = None
+    responses: list | None = None
+    correct: np.ndarray | None = None
 
     @property
     def num_questions(self) -> int:
@@ -424,11 +431,14 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
             _, info = score_across_processes(scorer_for(kind).score, flat, golds)
-            num_correct = info["accuracy"].reshape(len(rows), k).sum(axis=1).round().astype(int)
+            correct = np.asarray(info["accuracy"], np.float32).reshape(len(rows), k)
             results[name] = BenchmarkResult(
-                name=name, ids=[r["id"] for r in rows], num_correct=num_correct, k=k,
+                name=name, ids=[r["id"] for r in rows],
+                num_correct=correct.sum(axis=1).round().astype(int), k=k,
                 pass_ks=pass_ks, num_no_box=info["num_no_box"],
-                num_timeouts=info["num_timeouts"], num_errors=info["num_errors"])
+                num_timeouts=info["num_timeouts"], num_errors=info["num_errors"],
+                prompts=prompts, answers=[r["answer"] for r in rows], responses=responses,
+                correct=correct)
             if log is not None:
                 log(f"eval {name}: {len(rows)} questions, avg@{k} = "
                     f"{100 * results[name].avg_at_k:.1f}")

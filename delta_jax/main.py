@@ -32,6 +32,7 @@ import traceback
 from absl import app, flags
 from ml_collections import config_flags
 
+from delta_jax import files
 from delta_jax.errors import InputError, RunHalted
 from delta_jax.train.config import (ConfigError, field_names, resume_changes, unused_delta_fields,
                                     validate_config)
@@ -102,15 +103,8 @@ def write_config(cfg, workdir: str) -> None:
     """workdir/config.json, replaced at once (a temporary file, then os.replace): the other
     processes of a multi-host run read it in check_resume_config while process 0 writes it, and
     a file rewritten in place can be read half-written."""
-    path = os.path.join(workdir, "config.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    files.write_text(os.path.join(workdir, "config.json"),
+                     json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
 
 
 def adopt_config(cfg, workdir: str, changes: list[str], resumed: str) -> None:

@@ -24,6 +24,7 @@ SHORT = {
     "rollout.batch_prompts": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
     "rewards.num_workers": 1, "rewards.overlong_buffer": 4, "rl.mini_batch_prompts": 2,
     "train.steps": 2, "train.save_every": 1, "train.progress_bar": False,
+    "train.rollouts_every": 1,
     "sft.steps": 3, "sft.batch_size": 4, "sft.max_len": 64,
     "eval.k": 2, "eval.pass_k": "1,2", "eval.max_new_tokens": 16, "eval.limit": 4,
     # A 3-step warm start solves nothing, so every group's rewards agree and the default's dynamic
@@ -91,3 +92,22 @@ def test_metrics_plots_and_run_assets(default_run):
     assert (workdir / "tokenizer" / "tokenizer.json").is_file()
     assert (workdir / "final" / "config.json").is_file()
     assert (workdir / "tfds").is_dir()  # the prompts went through the tfds builder
+
+
+def test_writes_what_the_policy_generated(default_run):
+    """The default's train.rollouts_every and eval.save_responses (every step here): each RL
+    step's 4 x 4 responses in rollouts/, each eval's 4 x 2 in eval/, with the rewards the
+    metrics logged."""
+    workdir, _ = default_run
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    reward = {r["step"]: r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r}
+    for step in (1, 2):
+        got = [json.loads(l) for l in open(workdir / "rollouts" / f"step_{step}.jsonl")]
+        assert len(got) == 16 and {r["step"] for r in got} == {step}
+        assert np.mean([r["reward"] for r in got]) == pytest.approx(reward[step], abs=1e-6)
+    for step in (0, 2):
+        got = [json.loads(l) for l in open(workdir / "eval" / f"step_{step}_responses.jsonl")]
+        result = json.loads((workdir / "eval" / f"step_{step}.json").read_text())
+        assert len(got) == 4 * 2
+        assert sum(r["correct"] for r in got) == sum(
+            q["num_correct"] for b in result["benchmarks"].values() for q in b["per_question"])

@@ -84,7 +84,7 @@ def run_in_process(config_path, workdir, steps, **overrides):
     calls = count_calls(run)
     record = StepRecorder()
     state, run = loop.train(cfg, str(workdir), run=run,
-                            step_hooks=(loop.write_weight_histogram, record))
+                            step_hooks=(*loop.DEFAULT_STEP_HOOKS, record))
     run.close()
     return cfg, state, run, record, calls
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import os
 import random
 import re
@@ -57,6 +56,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from delta_jax import files
 from delta_jax.rl import credit
 
 
@@ -479,13 +479,6 @@ def generate_splits(
     return out
 
 
-def write_jsonl(records: Sequence[dict], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-
-
 def write_synthetic_splits(
     out_dir: str,
     num_train: int = 20_000,
@@ -504,7 +497,7 @@ def write_synthetic_splits(
     paths = {}
     for split, recs in splits.items():
         paths[split] = os.path.join(out_dir, f"{split}.jsonl")
-        write_jsonl(recs, paths[split])
+        files.write_jsonl(paths[split], recs)
     return paths
 
 

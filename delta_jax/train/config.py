@@ -328,6 +328,11 @@ def default_config() -> config_dict.ConfigDict:
     # A rollout or evaluation generate() call running longer than this logs a progress line
     # (samples done, tokens, tok/s) every this many seconds (sampling.progress; 0 = never).
     c.train.progress_every_s = 60.0
+    # Every this many RL steps (0 = never), the step's responses as they were trained on, one
+    # JSON line each (prompt, response, answer, reward, advantage, length, truncated, the loss's
+    # mean token weight): workdir/rollouts/step_<N>.jsonl (train/generations.py). The 8B
+    # recipe's 2,048 responses of up to 20k tokens are up to ~170 MB a step.
+    c.train.rollouts_every = 0
     # JAX's persistent compilation cache: a rerun of the same shapes (a sweep, a resume) loads
     # its compiled programs instead of compiling them again. "" = off; JAX_COMPILATION_CACHE_DIR,
     # where set, wins. Off on the CPU backend (xla_env.enable_compilation_cache says why).
@@ -360,6 +365,9 @@ def default_config() -> config_dict.ConfigDict:
     c.eval.top_p = 0.7
     c.eval.max_new_tokens = 30000
     c.eval.limit = 0              # questions per benchmark (0 = all)
+    # Every eval sample's response and whether it was right, one JSON line each, beside the eval's
+    # results: eval/<step_N | standalone_step_N>_responses.jsonl (train/generations.py).
+    c.eval.save_responses = False
 
     # Device mesh (delta_jax/sharding.py): sizes of the ("data", "fsdp", "tensor") axes; one may
     # be -1 = the remaining devices. Rules: batch -> (data, fsdp), embed -> fsdp,
@@ -596,7 +604,7 @@ def _check_combinations(c):
                  "sft.batch_size", "sft.max_len", "model.logprob_chunk_tokens", "delta.recompute_chunk"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     for name in ("train.steps", "sft.steps", "train.save_every", "sft.save_every",
-                 "train.eval_every", "train.progress_every_s",
+                 "train.eval_every", "train.progress_every_s", "train.rollouts_every",
                  "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",
                  "delta.num_refine", "eval.limit", "sft.warmup_steps",
                  "rl.dynamic_sampling_prompts_per_round"):
@@ -756,6 +764,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "sft.save_every",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.progress_every_s",
+                    "train.rollouts_every",
                     "train.allow_config_change", "train.best_metric", "train.best_mode",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",

@@ -1,5 +1,6 @@
 """Evaluation hook of the RL loop: avg@k / pass@k of the current policy on the eval benchmarks
-(delta_jax.evaluation), written to workdir/eval/step_<n>.json and the metrics log.
+(delta_jax.evaluation), written to workdir/eval/step_<n>.json and the metrics log (with
+eval.save_responses every sample's response too: train/generations.py).
 """
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import time
 import jax
 import numpy as np
 
+from delta_jax import files
 from delta_jax import sharding as sharding_lib
 from delta_jax.sampling.progress import ProgressLog
+from delta_jax.train import generations
 from delta_jax.train import rollout as rollout_lib
 from delta_jax.train.metrics import read_jsonl, sampler_metrics
 from delta_jax.train.run import Run
@@ -57,8 +60,9 @@ def evaluate_policy(run: Run, params, step: int, *, file_stem: str | None = None
     os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
     stem = file_stem or f"step_{step}"
     if jax.process_index() == 0:
-        with open(os.path.join(run.workdir, "eval", f"{stem}.json"), "w") as f:
-            f.write(result.to_json())
+        files.write_text(os.path.join(run.workdir, "eval", f"{stem}.json"), result.to_json())
+        if cfg.eval.save_responses:
+            generations.write_eval_responses(run.workdir, stem, result)
     if file_stem is None:
         run.writer.write_text(step, "eval", result.to_markdown())
     return metrics, result

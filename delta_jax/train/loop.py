@@ -19,6 +19,7 @@ from delta_jax import sharding as sharding_lib
 from delta_jax.errors import RunHalted, naming
 from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import SFT_CHECKPOINTS
+from delta_jax.train import generations
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.best import BestPolicy
 from delta_jax.train.checkpoint import Checkpointer
@@ -151,8 +152,13 @@ def write_weight_histogram(run: Run, step: int, out: StepOutput):
                                       run.cfg.delta.lam_max)
 
 
+# What loop.train does after each step by default: the DelTA weight histograms and, every
+# train.rollouts_every steps, the step's responses (train/generations.py).
+DEFAULT_STEP_HOOKS: tuple[StepHook, ...] = (write_weight_histogram, generations.write_rollouts)
+
+
 def train(cfg, workdir: str, *, run: Run | None = None,
-          step_hooks: Sequence[StepHook] = (write_weight_histogram,),
+          step_hooks: Sequence[StepHook] = DEFAULT_STEP_HOOKS,
           on_resumed: Callable[[str], None] | None = None) -> tuple[TrainState, Run]:
     """RL training (mode train); returns the final state and the run (caller closes it).
 
@@ -162,7 +168,7 @@ def train(cfg, workdir: str, *, run: Run | None = None,
     the run closed and TrainingInterrupted raised (delta_jax.main exits 130 / 143).
 
     step_hooks: called as hook(run, step, StepOutput) after each RL step's metrics are written and
-    before its checkpoint (default: the DelTA weight histograms).
+    before its checkpoint (default: DEFAULT_STEP_HOOKS).
 
     on_resumed: called once with what the run resumed from, "step_<N>" (an RL checkpoint;
     "step_0" when there is none and no warm start) or "sft_step_<N>" (run_sft's), once it has

@@ -1,0 +1,36 @@
+"""delta_jax.files: a file is replaced whole, and a write that fails leaves the old one."""
+import json
+import os
+
+import pytest
+
+from delta_jax import files
+
+
+def _read(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_a_file_is_replaced_whole_and_no_temporary_stays(tmp_path):
+    path = tmp_path / "d" / "x.jsonl"  # the directory is made
+    files.write_jsonl(path, [{"a": 1}, {"b": "é"}])
+    assert path.read_text(encoding="utf-8") == '{"a": 1}\n{"b": "é"}\n'
+    files.write_jsonl(path, [{"c": 2}])
+    assert _read(path) == [{"c": 2}]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["x.jsonl"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "x.txt"
+    files.write_text(path, "old")
+    with pytest.raises(TypeError):  # a row that is not JSON: nothing is written
+        files.write_jsonl(path, [{"d": object()}])
+
+    def replace_fails(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", replace_fails)
+    with pytest.raises(OSError, match="disk gone"):
+        files.write_text(path, "new")
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.txt"]
