@@ -207,6 +207,26 @@ def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
         validate_config(cfg)
 
 
+def test_a_reward_of_your_own_is_named_with_its_field():
+    """rewards.name=python needs rewards.python_fn, which no other reward takes; with it the
+    code template is allowed (the user's reward reads what it asks for), and the run's task
+    follows the template."""
+    from delta_jax.train.run import reward_task
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    for overrides, message in [
+            (["rewards.name=python"], r"^rewards\.python_fn: rewards\.name=python grades"),
+            (["rewards.python_fn=r.py:f"], r"^rewards\.python_fn: is used by rewards\.name=py"),
+            (["rewards.name=math", "data.template=code"], r"^data\.template: 'code' asks")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(parse([base, *(f"--config.{o}" for o in overrides)]))
+    cfg = validate_config(parse([base, "--config.rewards.name=python",
+                                 "--config.rewards.python_fn=r.py:f"]))
+    assert reward_task(cfg) == "math"
+    cfg = validate_config(parse([base, "--config.rewards.name=python",
+                                 "--config.rewards.python_fn=r.py:f", "--config.data.template=code"]))
+    assert reward_task(cfg) == "code"
+
+
 def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
     """A checkpoint path given to a random-init config (tiny.py with --config.model.path=...) was
     dropped without a word: the run trained, and mode=eval evaluated, random weights (eval even

@@ -396,11 +396,11 @@ def test_config_json_is_replaced_whole(tmp_path, monkeypatch):
     old = (tmp_path / "config.json").read_text()
     assert json.loads(old) == cfg.to_dict()
 
-    def dump_half(obj, f, **kwargs):
-        f.write('{"half": ')
+    def replace_fails(src, dst):  # the new config is written, then the swap fails
+        assert json.loads(open(src).read()) == cfg.to_dict()
         raise OSError("disk full")
 
-    monkeypatch.setattr(json, "dump", dump_half)
+    monkeypatch.setattr(os, "replace", replace_fails)
     with pytest.raises(OSError, match="disk full"):
         main_lib.write_config(cfg, str(tmp_path))
     assert (tmp_path / "config.json").read_text() == old

@@ -382,7 +382,7 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     config_path.write_text(TEST_CONFIG)
     settings = dict(method="delta", train__steps=2, train__save_every=2, sft__steps=0,
                     train__eval_before=True, train__eval_after=True, train__progress_bar=True,
-                    mesh__data=1, mesh__fsdp=-1)
+                    train__rollouts_every=1, mesh__data=1, mesh__fsdp=-1)
     flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in settings.items()]
     workdir = tmp_path / "two"
     port = _free_port()
@@ -415,7 +415,13 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     assert [r["step"] for r in rows if "policy/loss" in r] == [1, 2]  # once each, not twice
     hist = [json.loads(line) for line in open(workdir / "delta_weights.jsonl")]
     assert [h["step"] for h in hist] == [1, 2]
-    assert sorted(p.name for p in (workdir / "eval").iterdir()) == ["step_0.json", "step_2.json"]
+    assert sorted(p.name for p in (workdir / "eval").iterdir()) == [
+        "step_0.json", "step_0_responses.jsonl", "step_2.json", "step_2_responses.jsonl"]
+    # the responses of each step, once (process 0 writes; a redone step rewrites its file)
+    dumped = {n: [json.loads(line) for line in open(workdir / "rollouts" / f"step_{n}.jsonl")]
+              for n in (1, 2)}
+    assert sorted(p.name for p in (workdir / "rollouts").iterdir()) == [
+        "step_1.jsonl", "step_2.jsonl"]
     # mode=eval in both processes reads checkpoint 2's parameters alone, each process its own
     # shards (orbax's partial restore), and evaluates them as training's eval after step 2 did.
     evaluate = launch_two(lambda pid: [*command(pid), "--config.mode=eval"])
@@ -425,6 +431,9 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     assert standalone["benchmarks"] == trained["benchmarks"]
 
     cfg = validate_config(load_config(config_path, **settings))
+    for n, got in dumped.items():
+        assert [r["row"] for r in got] == list(range(
+            cfg.rollout.batch_prompts * cfg.rollout.group_size)) and {r["step"] for r in got} == {n}
     mesh = sharding.mesh_from_config(cfg.mesh, devices=jax.devices("cpu")[:4])  # as the workers
     run = run_lib.build_run(cfg, str(tmp_path / "one"), mesh=mesh)
     initial = jax.device_get(run.initial_params)  # the run donates them
@@ -433,6 +442,9 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
     one = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
     for key in ("rollout/reward_mean", "rollout/response_len_mean"):  # the same rollouts
         assert [r[key] for r in rows if key in r] == [r[key] for r in one if key in r], key
+    for n, got in dumped.items():  # and the whole batch's responses, not process 0's share
+        alone = [json.loads(line) for line in open(tmp_path / "one" / "rollouts" / f"step_{n}.jsonl")]
+        assert [r["response"] for r in got] == [r["response"] for r in alone]
     ckpt = Checkpointer(str(workdir / "checkpoints"))
     restored, _, meta = ckpt.restore(2, ref_state)
     ckpt.close()

@@ -2,7 +2,9 @@
 
 One scorer (2 worker processes) is shared by the module to keep start-up cost low.
 """
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -383,3 +385,91 @@ def test_2048_responses_finish_with_expected_labels(scorer):
     assert rewards.shape == (2048,) and rewards.dtype == np.float32
     np.testing.assert_array_equal(rewards, np.array(labels, np.float32))
     assert info["num_timeouts"] == 0 and info["num_errors"] == 0
+
+
+# ------------------------------------------------------------------ rewards.name = "python"
+
+USER_REWARD_FILE = '''
+import time
+
+def length_parity(response, answer):
+    """1 for an even-length response, 0 otherwise; "boom" raises, "slow" overruns."""
+    if response == "boom":
+        raise ValueError("no reward for boom")
+    if response == "slow":
+        time.sleep(30)
+    if response == "text":
+        return "not a number"
+    return float(len(response) % 2 == 0)
+
+def verl_style(response, answer):
+    return {"score": -0.5 if response != answer else 2.0, "acc": response == answer}
+'''
+
+
+@pytest.fixture(scope="module")
+def user_reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user_reward") / "my_reward.py"
+    path.write_text(USER_REWARD_FILE)
+    return path
+
+
+@pytest.mark.parametrize("value, want", [
+    (1, (1.0, 1.0)), (0.0, (0.0, 0.0)), (-1.0, (-1.0, 0.0)), (True, (1.0, 1.0)),
+    (np.float32(0.25), (0.25, 1.0)), ({"reward": 0.0, "correct": True}, (0.0, 1.0)),
+    ({"score": 3, "acc": False}, (3.0, 0.0)), ({"score": 0.5}, (0.5, 1.0))])
+def test_user_reward_values_become_reward_and_correct(value, want):
+    assert R.user_reward_value(value) == want
+
+
+@pytest.mark.parametrize("value, why", [
+    ("1", "not a number"), (None, "not a number"), (float("nan"), "non-finite"),
+    ({"value": 1}, "without 'reward' or 'score'")])
+def test_user_reward_values_that_are_refused(value, why):
+    with pytest.raises(ValueError, match=why):
+        R.user_reward_value(value)
+
+
+def test_user_reward_specs_that_do_not_load_say_why(tmp_path, user_reward_file):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    for spec, why in [("my_reward.py", "is not '<file.py>:<function>'"),
+                      (f"{tmp_path}/none.py:f", "no such file"),
+                      (f"{broken}:f", "does not import: SyntaxError"),
+                      (f"{user_reward_file}:missing", "has no function 'missing'"),
+                      ("no_such_module_xyz:f", "module 'no_such_module_xyz' does not import")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            R.load_user_reward(spec)
+    with pytest.raises(R.InputError, match="^rewards.python_fn: .*no such file"):
+        R.RewardScorer("python", num_workers=1, python_fn=f"{tmp_path}/none.py:f")
+
+
+def test_a_user_reward_scores_in_the_workers_with_overlong_shaping(user_reward_file, caplog,
+                                                                    monkeypatch):
+    """Its rewards and correctness per response; a raise, a wrong type and an overrun score 0 and
+    are counted (the first error logged); DAPO's overlong penalty adds to the rewards; a relative
+    file path is resolved where the scorer starts."""
+    monkeypatch.chdir(user_reward_file.parent)
+    responses = ["ab", "abc", "boom", "text", "slow", "abcd"]
+    with caplog.at_level(logging.WARNING, logger="delta_jax.rewards"), R.RewardScorer(
+            "python", num_workers=2, timeout_s=3.0, python_fn="my_reward.py:length_parity",
+            max_response_len=10, overlong_buffer_len=4) as scorer:
+        assert scorer.python_fn == f"{user_reward_file}:length_parity"
+        lengths = np.array([1, 2, 3, 4, 5, 9])  # the last is 3 tokens into the 4-token buffer
+        rewards, info = scorer.score(responses, ["x"] * 6, lengths)
+    np.testing.assert_allclose(rewards, [1, 0, 0, 0, 0, 1 - 0.75])
+    np.testing.assert_array_equal(info["accuracy"], [1, 0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(info["errored"], [0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(info["timed_out"], [0, 0, 0, 0, 1, 0])
+    assert info["num_errors"] == 2 and info["num_timeouts"] == 1 and info["num_no_box"] == 0
+    warning = [r.getMessage() for r in caplog.records if "python_fn" in r.getMessage()]
+    assert warning and "2 of 6 responses scored 0 on an error" in warning[0]
+    assert "ValueError: no reward for boom" in warning[0]
+
+
+def test_a_user_reward_returning_a_verl_style_dict(user_reward_file):
+    with R.RewardScorer("python", num_workers=1,
+                        python_fn=f"{user_reward_file}:verl_style") as scorer:
+        rewards, info = scorer.score(["4", "5"], ["4", "4"])
+    np.testing.assert_allclose(rewards, [2.0, -0.5])
+    np.testing.assert_array_equal(info["accuracy"], [1, 0])

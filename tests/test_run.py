@@ -268,6 +268,55 @@ def test_math_eval_scorer_grades_in_the_training_scorers_pool(tmp_path):
     assert run.scorer.closed and math_eval.closed and code_eval.closed
 
 
+def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
+    """rewards.name=python: the run's training rewards are the user's function's plus DAPO's
+    overlong shaping, 0 where it raised, counted in rollout/num_errors (one dapo step, its
+    rollout written by train.rollouts_every), its math
+    benchmark is graded by the same function in the same worker pool, and a file that does not
+    load stops the start naming rewards.python_fn."""
+    import json
+
+    from delta_jax.errors import InputError
+    from delta_jax.rl.rewards import overlong_penalty
+    from delta_jax.train import loop
+    from tests.rl_fixtures import LOOP_WITHOUT_EVAL, single_device_mesh
+
+    (tmp_path / "parity.py").write_text(
+        "def reward(response, answer):\n"
+        "    if len(response) % 3 == 0:\n"
+        "        raise ValueError('a third of them')\n"
+        "    return {'reward': 2.0 if len(response) % 2 == 0 else -1.0,\n"
+        "            'correct': len(response) % 2 == 0}\n")
+    fn = f"{tmp_path}/parity.py:reward"
+    cfg = tiny_rl_config("dapo", rewards=dict(name="python", python_fn=fn, num_workers=1),
+                         data=dict(eval="synthetic"),
+                         eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+                         train=dict(LOOP_WITHOUT_EVAL, steps=1, rollouts_every=1))
+    run = run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
+    try:
+        assert run.eval_scorers["math"].pool is run.scorer.pool
+        loop.train(cfg, str(tmp_path / "w"), run=run)
+        rows = [json.loads(l) for l in open(tmp_path / "w" / "rollouts" / "step_1.jsonl")]
+        assert len(rows) == 16
+        errors = [len(r["response"]) % 3 == 0 for r in rows]
+        step = [json.loads(l) for l in open(tmp_path / "w" / "metrics.jsonl")][-1]
+        assert step["step"] == 1 and step["rollout/num_errors"] == sum(errors)
+        assert 0 < sum(errors) < len(rows)
+        for r, error in zip(rows, errors):
+            even = len(r["response"]) % 2 == 0 and not error
+            shaped = (0.0 if error else 2.0 if even else -1.0) + float(overlong_penalty(
+                [r["response_tokens"]], cfg.rollout.max_new_tokens, cfg.rewards.overlong_buffer,
+                cfg.rewards.overlong_factor)[0])
+            assert r["reward"] == pytest.approx(shaped) and r["correct"] == float(even)
+        _, info = run.eval_scorers["math"].score(["ab", "abc"], ["1", "1"])
+        assert info["accuracy"].tolist() == [1.0, 0.0]
+    finally:
+        run.close()
+    bad = tiny_rl_config("dapo", rewards=dict(name="python", python_fn=f"{tmp_path}/nope.py:f"))
+    with pytest.raises(InputError, match="^rewards.python_fn: .*nope.py: no such file"):
+        run_lib.build_run(bad, str(tmp_path / "w2"), need_data=False, mesh=single_device_mesh())
+
+
 def test_long_eval_prompts_are_reported_at_start_up(tmp_path, caplog):
     """Prompts of data.eval benchmarks over data.max_prompt_len (they would be evaluated from
     their last tokens) are counted per benchmark in a warning at start-up; a math run's code

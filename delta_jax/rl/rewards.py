@@ -252,6 +252,78 @@ def math_pm1_reward(accuracy: np.ndarray, num_boxes: np.ndarray) -> np.ndarray:
 register_reward("code")(math_accuracy_reward)
 
 
+# ---------------------------------------------------------------------------------------------
+# A reward of the user's own: rewards.name = "python", rewards.python_fn = "<file.py>:<function>"
+# or "<package.module>:<function>" (verl's custom_reward_function, TRL's reward_funcs)
+# ---------------------------------------------------------------------------------------------
+
+USER_REWARD = "python"
+_USER_FNS: dict[str, Callable] = {}  # spec -> function, per process (each worker loads it once)
+
+
+def load_user_reward(spec: str) -> Callable:
+    """The function `spec` names: "<path>.py:<name>" (a file, imported as a module of its own)
+    or "<module>:<name>" (importable from sys.path). ValueError saying what is wrong."""
+    import importlib
+    import importlib.util
+    import os
+
+    if spec in _USER_FNS:
+        return _USER_FNS[spec]
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"{spec!r} is not '<file.py>:<function>' or '<module>:<function>'")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ValueError(f"{where}: no such file")
+        module_name = "delta_jax_user_reward_" + hashlib.sha256(
+            os.path.abspath(where).encode()).hexdigest()[:12]
+        module_spec = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: say which and why
+            raise ValueError(f"{where} does not import: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"module {where!r} does not import: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{where} has no function {name!r}")
+    _USER_FNS[spec] = fn
+    return fn
+
+
+def user_reward_value(value) -> tuple[float, float]:
+    """(reward, correct) from what a user reward returned: a number or bool (correct = reward >
+    0), or a dict with "reward" (or verl's "score") and optionally "correct" (or "acc")."""
+    correct = None
+    if isinstance(value, dict):
+        key = "reward" if "reward" in value else "score" if "score" in value else None
+        if key is None:
+            raise ValueError(f"returned a dict without 'reward' or 'score': keys {sorted(value)}")
+        correct = value.get("correct", value.get("acc"))
+        value = value[key]
+    if isinstance(value, (bool, np.bool_)):
+        value = float(value)
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"returned {type(value).__name__}, not a number, bool or dict")
+    reward = float(value)
+    if not np.isfinite(reward):
+        raise ValueError(f"returned a non-finite reward {reward}")
+    return reward, float(bool(correct) if correct is not None else reward > 0)
+
+
+def user_reward_in_worker(spec: str, response: str, answer: str) -> tuple[float, float]:
+    """VerifyPool item of a user reward: (reward, correct) of one response."""
+    return user_reward_value(load_user_reward(spec)(response, answer))
+
+
+_USER_FN = f"{__name__}:user_reward_in_worker"
+
+
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:
     """DAPO soft overlong punishment (Yu et al. 2025, eq. 13; verl's overlong_buffer), fp32 [N].
 
@@ -275,7 +347,13 @@ class RewardScorer:
     """Scores batches of responses against gold answers in a persistent verification pool.
 
     Args:
-      name: reward function in REWARD_FNS ("math" | "math_format" | "math_pm1").
+      name: reward function in REWARD_FNS ("math" | "math_format" | "math_pm1" | "code"), or
+        USER_REWARD ("python"): python_fn's function grades each response in the pool's workers.
+      python_fn: name = "python" only: "<file.py>:<function>" or "<module>:<function>", called
+        as fn(response: str, answer: str) and returning a number or bool (the reward; correct
+        when > 0) or a dict {"reward" | "score": number, optional "correct" | "acc": bool}. A
+        call that raises, returns something else or runs past timeout_s scores 0 and is counted
+        (num_errors / num_timeouts; the first error of a batch is logged).
       num_workers, timeout_s, start_method: the VerifyPool (timeout_s = hard wall-clock limit per
         item; the in-worker soft limit is 0.8 of it).
       max_response_len, overlong_buffer_len, overlong_penalty_factor: DAPO overlong penalty in
@@ -300,10 +378,11 @@ class RewardScorer:
                  max_answer_chars: int = 1000, code_sandbox: str = "local",
                  code_sandbox_url: str = "", code_isolation: bool = True,
                  code_memory_mb: int = 1024, code_max_processes: int = 16,
-                 pass_fraction: bool = False):
+                 pass_fraction: bool = False, python_fn: str = ""):
         self.name = name
         self._code = None
-        self.reward_fn = get_reward_fn(name)
+        self.python_fn = ""
+        self.reward_fn = None if name == USER_REWARD else get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
         if overlong_buffer_len > 0 and not max_response_len:
             raise ValueError("reward.overlong_buffer_len > 0 needs reward.max_response_len")
@@ -328,11 +407,19 @@ class RewardScorer:
                                     pass_fraction=pass_fraction)
             self.pool = self._code.pool
             return
-        if pool is not None and pool.fn != _GRADE_FN:
-            raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {_GRADE_FN!r}")
+        grade_fn, init_fn = _GRADE_FN, _INIT_FN
+        if name == USER_REWARD:
+            self.python_fn = _absolute_spec(python_fn)
+            try:
+                load_user_reward(self.python_fn)  # here, so that a bad one stops the start
+            except ValueError as e:
+                raise InputError(f"rewards.python_fn: {e}") from None
+            grade_fn, init_fn = _USER_FN, None
+        if pool is not None and pool.fn != grade_fn:
+            raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {grade_fn!r}")
         self._owns_pool = pool is None
-        self.pool = pool or vp.VerifyPool(_GRADE_FN, num_workers=num_workers,
-                                          timeout_s=timeout_s, initializer=_INIT_FN,
+        self.pool = pool or vp.VerifyPool(grade_fn, num_workers=num_workers,
+                                          timeout_s=timeout_s, initializer=init_fn,
                                           start_method=start_method, chunk_size=chunk_size)
         # Soft in-worker limit below the hard kill, so a slow sympy call usually keeps its worker.
         self._soft_timeout_s = 0.8 * self.pool.timeout_s
@@ -429,7 +516,12 @@ class RewardScorer:
         if len(golds) != n:
             raise ValueError(f"score: {n} responses but {len(golds)} golds")
         extra = {}
-        if self._code is not None:
+        user_rewards = None
+        if self.python_fn:
+            with self._lock:
+                user_rewards, accuracy, timed_out, errored = self._user_scores(responses, golds)
+            answers, num_boxes, hits = ["-"] * n, np.zeros(n, np.int32), 0
+        elif self._code is not None:
             with self._lock:
                 accuracy, timed_out, errored, hits, extra = self._code.score(
                     responses, golds, self._cache, self._cache_size)
@@ -441,8 +533,11 @@ class RewardScorer:
             answers = [extract_last_boxed(r) for r in responses]
             num_boxes = np.array([count_boxes(r) for r in responses], np.int32)
             accuracy, timed_out, errored, hits = self.correctness(answers, golds)
-        rewards = np.asarray(self.reward_fn(accuracy, num_boxes, **self.reward_kwargs),
-                             np.float32)
+        if user_rewards is not None:
+            rewards = user_rewards
+        else:
+            rewards = np.asarray(self.reward_fn(accuracy, num_boxes, **self.reward_kwargs),
+                                 np.float32)
         penalty = np.zeros(n, np.float32)
         if self.overlong_buffer_len > 0:
             if response_lengths is None:
@@ -470,6 +565,34 @@ class RewardScorer:
             **extra,
         }
         return rewards.astype(np.float32), info
+
+
+    def _user_scores(self, responses, golds):
+        """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
+        timed_out, errored bool [N] (those score 0; the batch's first error is logged)."""
+        n = len(responses)
+        rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
+        outcomes = self.pool.map([(self.python_fn, r, str(g)) for r, g in zip(responses, golds)])
+        for i, out in enumerate(outcomes):
+            if out.status == vp.OK:
+                rewards[i], accuracy[i] = out.value
+            else:
+                timed_out[i], errored[i] = out.status == vp.TIMEOUT, out.status == vp.ERROR
+        if errored.any():
+            first = outcomes[int(np.argmax(errored))].value
+            log.warning("rewards.python_fn %s: %d of %d responses scored 0 on an error; the first: "
+                        "%s", self.python_fn, int(errored.sum()), n, first)
+        return rewards, accuracy, timed_out, errored
+
+
+def _absolute_spec(spec: str) -> str:
+    """A python_fn spec whose file path is absolute (the workers may start elsewhere)."""
+    import os
+    where, sep, name = str(spec).rpartition(":")
+    if sep and where.endswith(".py"):
+        return f"{os.path.abspath(os.path.expanduser(where))}:{name}"
+    return str(spec)
 
 
 def score_across_processes(score, responses: Sequence[str], golds: Sequence[str],

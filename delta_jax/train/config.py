@@ -210,6 +210,12 @@ def default_config() -> config_dict.ConfigDict:
     c.rewards.code_memory_mb = 1024
     c.rewards.code_max_processes = 8
     c.rewards.code_pass_fraction = False
+    # rewards.name = "python": a reward of your own, "<file.py>:<function>" or
+    # "<module>:<function>", called fn(response: str, answer: str) in the rewards.num_workers
+    # worker processes (rewards.timeout_s each) and returning a number or bool (the reward;
+    # correct, for accuracy and eval, when > 0) or {"reward" | "score": number, "correct": bool}.
+    # DAPO's overlong shaping (rewards.overlong) still adds to it; a call that raises scores 0.
+    c.rewards.python_fn = ""
 
     c.rl = config_dict.ConfigDict()
     c.rl.advantage = _P(str)
@@ -648,11 +654,19 @@ def _check_combinations(c):
              f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
     _require(0 < c.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {c.eval.top_p}")
     from delta_jax.rl import rewards as rewards_lib
-    _require(c.rewards.name in rewards_lib.REWARD_FNS, "rewards.name",
-             f"{c.rewards.name!r} is not one of {sorted(rewards_lib.REWARD_FNS)}")
+    names = sorted([*rewards_lib.REWARD_FNS, rewards_lib.USER_REWARD])
+    _require(c.rewards.name in names, "rewards.name",
+             f"{c.rewards.name!r} is not one of {names}")
+    user = c.rewards.name == rewards_lib.USER_REWARD
+    _require(not user or c.rewards.python_fn, "rewards.python_fn",
+             "rewards.name=python grades with a function of yours: name it as "
+             "'<file.py>:<function>' or '<module>:<function>'")
+    _require(user or not c.rewards.python_fn, "rewards.python_fn",
+             f"is used by rewards.name=python only, not {c.rewards.name!r}")
     # qwen_math and code are task-specific prompts; base / chat / plain get the reward's task's
-    # instruction (templates.for_task).
-    _require(c.data.template != "code" or c.rewards.name == "code", "data.template",
+    # instruction (templates.for_task). A reward of the user's own reads what its template asks.
+    _require(c.data.template != "code" or c.rewards.name in ("code", rewards_lib.USER_REWARD),
+             "data.template",
              f"'code' asks for a ```python program, which rewards.name={c.rewards.name!r} does "
              "not run: set rewards.name=code, or a math template (qwen_math, base, chat, plain)")
     _require(c.data.template != "qwen_math" or c.rewards.name != "code", "data.template",

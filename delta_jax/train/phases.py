@@ -52,7 +52,8 @@ GenerateAndScore = Callable[[list, int], tuple[Any, np.ndarray, dict]]
 
 # The counters collect_rollout sums over a step's generation rounds: the scorer's, the wall time
 # of the sampler and the scorer, and the sampler's own (GenerationOutput.counters).
-ROUND_COUNTERS = ("num_timeouts", "num_no_box", "time_generate", "time_reward") + COUNTERS
+ROUND_COUNTERS = ("num_timeouts", "num_errors", "num_no_box", "time_generate",
+                  "time_reward") + COUNTERS
 
 
 def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterator[list], *,
@@ -63,8 +64,8 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
 
     generate_and_score(records, round) -> (GenerationOutput over the records x group_size,
       rewards fp32 [len(records) * G], info with "accuracy" [len(records) * G] and optional float
-      counters (ROUND_COUNTERS: "num_timeouts", "num_no_box", "time_generate", "time_reward" and
-      the sampler's own, summed over the rounds); `round` counts the
+      counters (ROUND_COUNTERS: "num_timeouts", "num_errors", "num_no_box", "time_generate",
+      "time_reward" and the sampler's own, summed over the rounds); `round` counts the
       generation rounds of this step from 0 (each round draws its own seed).
     record_batches: iterator of lists of prompt records (the data pipeline's batches). Without
       dynamic sampling one batch is drawn and kept whole; with it, rounds of `prompts_per_round`

@@ -374,8 +374,13 @@ def check_reward_fits_data(source, reward_name: str, sample: int = 64) -> None:
     """The training records' answers must be what rewards.name grades: unit-test specs for
     "code", math answers for the others. Checked on the first `sample` records, so a math
     reward on code problems (rewards 0) or the code reward on math answers (a crash at the
-    first step's scoring) stops the run at start-up."""
+    first step's scoring) stops the run at start-up. A reward of the user's own
+    (rewards.name=python) decides itself what its answers are."""
     from delta_jax.rl import sandbox
+    from delta_jax.rl.rewards import USER_REWARD
+
+    if reward_name == USER_REWARD:
+        return
 
     answers = [source[i]["answer"] for i in range(min(len(source), sample))]
     specs = [sandbox.is_spec(a) for a in answers]
@@ -422,8 +427,13 @@ def make_credit_labeller(tokenizer) -> Callable:
 
 
 def reward_task(cfg) -> str:
-    """What the run's reward grades: "code" (unit tests, rewards.name=code) or "math"."""
-    return "code" if cfg.rewards.name == "code" else "math"
+    """What the run's reward grades: "code" (unit tests, rewards.name=code; a reward of the
+    user's own, rewards.name=python, with data.template=code) or "math"."""
+    from delta_jax.rl.rewards import USER_REWARD
+    if cfg.rewards.name == "code" or (cfg.rewards.name == USER_REWARD
+                                      and cfg.data.template == "code"):
+        return "code"
+    return "math"
 
 
 def template_options(cfg) -> dict:
@@ -443,35 +453,43 @@ def reward_options(cfg) -> dict:
             "no_box_penalty": float(cfg.rewards.no_box_penalty)}
 
 
+def scorer_name(cfg, task: str | None = None) -> str:
+    """The reward that grades `task` ("math", "code"; None = the run's own): rewards.name for the
+    run's own task, the other task's plain reward for the other."""
+    return cfg.rewards.name if task in (None, reward_task(cfg)) else task
+
+
 def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
     """The run's RewardScorer from rewards.*: shaped=True adds the method's DAPO overlong
     penalty (training rewards); shaped=False grades accuracy only (evaluation). task: "math" or
     "code" for a benchmark of the other task than the run's (rewards.name is the run's own).
-    pool: a math scorer's verification pool to grade in (shared_pool), instead of its own."""
+    pool: a scorer's worker pool to grade in (shared_pool), instead of its own."""
     from delta_jax.rl.rewards import RewardScorer
 
     r = cfg.rewards
     overlong = shaped and r.overlong
     own_task = task in (None, reward_task(cfg))
     return RewardScorer(
-        name=r.name if own_task else task, num_workers=r.num_workers,
+        name=scorer_name(cfg, task), num_workers=r.num_workers,
         timeout_s=r.timeout_s,
         max_response_len=cfg.rollout.max_new_tokens if shaped else None,
         overlong_buffer_len=r.overlong_buffer if overlong else 0,
         overlong_penalty_factor=r.overlong_factor, code_sandbox=r.code_sandbox,
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
-        pass_fraction=r.code_pass_fraction,
+        pass_fraction=r.code_pass_fraction, python_fn=r.python_fn if own_task else "",
         reward_kwargs=reward_options(cfg) if own_task else None, pool=pool)
 
 
-def shared_pool(scorer, kind: str):
-    """The verification pool an accuracy scorer of benchmark `kind` can share with the run's
-    training `scorer`: a RewardScorer's math pool (the same grading function, workers and
-    timeout) for a math benchmark; None otherwise (no RewardScorer, or a code one, whose sandbox
-    runner is its own)."""
-    from delta_jax.rl.rewards import RewardScorer
-    if kind != "math" or not isinstance(scorer, RewardScorer) or scorer.name == "code":
+def shared_pool(scorer, name: str):
+    """The worker pool an accuracy scorer of reward `name` can share with the run's training
+    `scorer`: the RewardScorer's pool when it runs the same function (math grading for the
+    math rewards, or the user's rewards.name=python reward), so one set of rewards.num_workers
+    processes serves both; None otherwise (no RewardScorer, or a code one, whose sandbox runner
+    is its own)."""
+    from delta_jax.rl.rewards import USER_REWARD, RewardScorer
+    if (not isinstance(scorer, RewardScorer) or "code" in (name, scorer.name)
+            or (name == USER_REWARD) != (scorer.name == USER_REWARD)):
         return None
     return scorer.pool
 
@@ -508,12 +526,12 @@ def add_eval_scorers(cfg, kinds, scorers: dict, train_scorer=None) -> dict:
     """Adds to `scorers` ({kind: scorer}) an accuracy scorer for each of the benchmark `kinds`
     ("math", "code") it lacks: the run's reward for the run's own task, the other task's plain
     reward for the other (a math run's HumanEval runs unit tests). A math scorer grades in the
-    run's `train_scorer`'s worker pool where there is one (shared_pool): one set of
-    rewards.num_workers processes, not two."""
+    run's `train_scorer`'s worker pool where it runs the same function (shared_pool): one set
+    of rewards.num_workers processes, not two."""
     for kind in sorted(kinds):
         if kind not in scorers:
             scorers[kind] = make_scorer(cfg, shaped=False, task=kind,
-                                        pool=shared_pool(train_scorer, kind))
+                                        pool=shared_pool(train_scorer, scorer_name(cfg, kind)))
     return scorers
 
 
