@@ -742,9 +742,16 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
 
 
 def eval_new_tokens(cfg) -> int:
-    """The response length the run's evaluations generate (eval.max_new_tokens), or 0 where it
-    evaluates nothing (no data.eval)."""
-    return cfg.eval.max_new_tokens if cfg.data.eval else 0
+    """The response length the run's evaluations and validations generate (eval.max_new_tokens),
+    or 0 where it evaluates nothing (no data.eval, no data.val)."""
+    return cfg.eval.max_new_tokens if cfg.data.eval or cfg.data.val else 0
+
+
+def eval_group_size(cfg) -> int:
+    """The most samples a question the run's evaluations draw: eval.k, or the validations'
+    eval.val_k where larger."""
+    from delta_jax.train.config import VAL, eval_settings, validation_on
+    return max(cfg.eval.k, eval_settings(cfg, VAL).k if validation_on(cfg) else 0)
 
 
 def kv_plan_from_config(cfg, model_cfg: models.ModelConfig):
@@ -921,7 +928,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         kv_budget_bytes=budget, kl_reference=cfg.rl.kl_coef > 0,
         # mode=eval holds no optimizer state (loop.eval_only reads the parameters alone)
         optimizer_offload=cfg.optim.offload or cfg.mode == "eval",
-        eval_response_len=eval_new_tokens(cfg), eval_group_size=cfg.eval.k,
+        eval_response_len=eval_new_tokens(cfg), eval_group_size=eval_group_size(cfg),
         devices_per_host=min(n, 8),
         name=cfg.model.preset or cfg.model.path, target=target)
 

@@ -227,6 +227,24 @@ def test_a_reward_of_your_own_is_named_with_its_field():
     assert reward_task(cfg) == "code"
 
 
+def test_validations_need_benchmarks_and_a_period():
+    """data.val / eval.val_k: the validations run every train.eval_every steps (tiny.py's is 0)
+    on data.val's benchmarks or data.eval's; train.best_metric may name their metrics, at
+    their own k."""
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    for overrides, message in [
+            (["data.val=v.jsonl"], r"^data\.val: validations run every train\.eval_every"),
+            (["eval.val_k=-1"], r"^eval\.val_k: must be >= 0"),
+            (["data.val=x/v.jsonl", "train.eval_every=4", "train.best_metric=val/average/avg@4"],
+             r"^train\.best_metric: 'val/average/avg@4' is not a metric")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(parse([base, *(f"--config.{o}" for o in overrides)]))
+    cfg = validate_config(parse([base, "--config.data.val=x/v.jsonl", "--config.eval.val_k=8",
+                                 "--config.train.eval_every=4",
+                                 "--config.train.best_metric=val/benchmarks/v/avg@8"]))
+    assert cfg.train.best_metric == "val/benchmarks/v/avg@8"
+
+
 def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
     """A checkpoint path given to a random-init config (tiny.py with --config.model.path=...) was
     dropped without a word: the run trained, and mode=eval evaluated, random weights (eval even

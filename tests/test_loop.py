@@ -220,6 +220,49 @@ def test_a_stopped_eval_is_evaluated_again_on_resume(tmp_path, monkeypatch):
     assert _rl_steps(workdir) == [1, 2] and _eval_steps(workdir) == [0, 1, 2]
 
 
+def test_validations_of_their_own_run_between_the_evals_and_pick_the_best(tmp_path):
+    """data.val + eval.val_k (the paper: AIME25 avg@8 every 4 steps to pick the checkpoint,
+    seven benchmarks at avg@16 to report): the periodic evaluations validate on data.val at
+    val_k, logged as val/... in eval/val_step_N.json, and data.eval is evaluated before and
+    after training at eval.k; the last step has both, the validation first; best_metric may name
+    a validation metric; a finished run run again redoes the two after-training evaluations
+    once each."""
+    val = tmp_path / "v.jsonl"
+    val.write_text("".join(json.dumps({"id": f"v{i}", "problem": f"What is {i} + 1?",
+                                       "answer": str(i + 1)}) + "\n" for i in range(3)))
+    cfg = tiny_rl_config(
+        "dapo", train=dict(steps=2, keep=10, save_every=10, eval_every=1, eval_before=True,
+                           eval_after=True, export_final=False,
+                           best_metric="val/benchmarks/v/avg@2"),
+        data=dict(eval="synthetic", val=str(val)),
+        eval=dict(k=4, val_k=2, pass_k="1,4", limit=2, max_new_tokens=8),
+        rewards=dict(num_workers=1))
+    workdir = tmp_path / "w"
+
+    def evals():
+        rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+        return [(r["step"], kind) for r in rows for kind in ("eval", "val")
+                if any(k.startswith(f"{kind}/average/") for k in r)]
+
+    _train(cfg, workdir)
+    assert evals() == [(0, "eval"), (1, "val"), (2, "val"), (2, "eval")]
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    val_row = next(r for r in rows if "val/average/avg@2" in r)
+    assert "val/benchmarks/v/pass@1" in val_row and "val/average/pass@4" not in val_row
+    assert not any(k.startswith("val/benchmarks/synthetic") for k in val_row)
+    assert sorted(p.name for p in (workdir / "eval").iterdir()) == [
+        "step_0.json", "step_2.json", "val_step_1.json", "val_step_2.json"]
+    validated = json.loads((workdir / "eval" / "val_step_1.json").read_text())
+    assert list(validated["benchmarks"]) == ["v"] and validated["k"] == 2
+    assert validated["benchmarks"]["v"]["num_questions"] == 2  # eval.limit
+    final = json.loads((workdir / "eval" / "step_2.json").read_text())
+    assert list(final["benchmarks"]) == ["synthetic_test"] and final["k"] == 4
+    best = json.loads((workdir / "best" / "best.json").read_text())
+    assert best["metric"] == "val/benchmarks/v/avg@2" and best["step"] in (1, 2)
+    _train(cfg, workdir)  # finished: its after-training evaluations again, once each
+    assert evals() == [(0, "eval"), (1, "val"), (2, "val"), (2, "eval")]
+
+
 def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     """train.best_metric: the loop offers every eval (before, periodic, after) to the best
     policy; with the metric's values made 0.1, 0.5, 0.3 at steps 0, 1, 2, workdir/best holds
@@ -237,8 +280,8 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     made = {0: 0.1, 1: 0.5, 2: 0.3}
     real = loop.write_eval
 
-    def write_eval(run, params, step, should_stop=None):
-        metrics = real(run, params, step, should_stop=should_stop)
+    def write_eval(run, params, step, kind="eval", should_stop=None):
+        metrics = real(run, params, step, kind, should_stop=should_stop)
         assert metric in metrics
         return {**metrics, metric: made[step]}
 

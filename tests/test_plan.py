@@ -255,6 +255,11 @@ def test_eval_phase_plans_the_evaluations_generation():
 
     assert longer.eval_kv_cache == pool(1000) > pool(64) == longer.kv_cache
     assert longer.phases["eval"] - longer.phases["rollout"] == pool(1000) - pool(64)
+    # validations alone (data.val, no data.eval) generate as the evaluations do
+    validated = plan.plan_from_config(
+        tiny_rl_config("dapo", rollout=rollout, data=dict(val="x"), train=dict(eval_every=1),
+                       eval=dict(max_new_tokens=1000, k=4, pass_k="1")), mesh_shape=(1, 1, 1))
+    assert validated.phases["eval"] == longer.phases["eval"]
     # mode=eval holds the parameters alone (loop.eval_only): no optimizer state beside them.
     evaluate = cfg.copy_and_resolve_references()
     evaluate.mode = "eval"

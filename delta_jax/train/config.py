@@ -125,6 +125,12 @@ def default_config() -> config_dict.ConfigDict:
     c.data = config_dict.ConfigDict()
     c.data.train = ""            # JSONL/parquet path(s), comma separated, or "synthetic"
     c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
+    # The periodic evaluations during training (train.eval_every) as a validation of their own,
+    # as the paper picks its checkpoint on AIME25 avg@8 every 4 steps while it reports avg@16 on
+    # seven benchmarks: these benchmark files ("" = data.eval's) at eval.val_k samples a question,
+    # logged as val/... (eval/val_step_<N>.json); data.eval is then evaluated before and after
+    # training only (train.eval_before / eval_after). Both unset: the periodic evals are data.eval's.
+    c.data.val = ""
     c.data.template = "qwen_math"   # delta_jax.data.templates.KINDS
     # data.template = "chat" only (the tokenizer's own chat template): a system turn before the
     # user's ("" = none), and Qwen3's thinking switch (False opens the answer with an empty
@@ -371,6 +377,9 @@ def default_config() -> config_dict.ConfigDict:
     c.eval.top_p = 0.7
     c.eval.max_new_tokens = 30000
     c.eval.limit = 0              # questions per benchmark (0 = all)
+    # Samples per question of the validations (data.val above; 0 = eval.k); their pass@k are the
+    # eval.pass_k values up to it.
+    c.eval.val_k = 0
     # Every eval sample's response and whether it was right, one JSON line each, beside the eval's
     # results: eval/<step_N | standalone_step_N>_responses.jsonl (train/generations.py).
     c.eval.save_responses = False
@@ -740,6 +749,11 @@ def _check_combinations(c):
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
+    _require(c.eval.val_k >= 0, "eval.val_k", f"must be >= 0 (0 = eval.k), got {c.eval.val_k}")
+    # (eval.val_k alone may stay set with train.eval_every = 0, as the recipes set it: there are
+    # no validations then, as there are none without benchmarks)
+    _require(not c.data.val or c.train.eval_every > 0 or c.mode != "train", "data.val",
+             "validations run every train.eval_every steps, which is 0: set train.eval_every")
     if c.train.best_metric and c.mode == "train":
         known = eval_metric_names(c)
         _require(known, "train.best_metric", "needs evaluations: set data.eval")
@@ -760,16 +774,58 @@ def benchmark_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path.strip()))[0]
 
 
+def benchmark_names(files: str) -> list[str]:
+    """The benchmark names of a data.eval / data.val value (comma separated files, or
+    "synthetic")."""
+    if files == "synthetic":
+        return [SYNTHETIC_BENCHMARK]
+    return [benchmark_name(p) for p in str(files).split(",") if p.strip()]
+
+
+EVAL, VAL = "eval", "val"  # the two kinds of evaluation: data.eval's, and data.val's validations
+
+
+def validation_on(cfg) -> bool:
+    """Whether the periodic evaluations during training are validations of their own (data.val
+    or eval.val_k set: logged as val/...); else they evaluate data.eval as the others do."""
+    return bool(cfg.data.val) or cfg.eval.val_k > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation of `kind` (EVAL or VAL) evaluates: the benchmark files (a data.eval
+    value), samples a question and the pass@k values; its metrics are "<kind>/..."."""
+    kind: str
+    files: str
+    k: int
+    pass_ks: tuple
+
+
+def eval_settings(cfg, kind: str = EVAL) -> EvalSettings:
+    pass_ks = tuple(int(p) for p in str(cfg.eval.pass_k).split(","))
+    if kind == EVAL:
+        return EvalSettings(EVAL, cfg.data.eval, cfg.eval.k, pass_ks)
+    if kind != VAL:
+        raise ValueError(f"kind must be {EVAL!r} or {VAL!r}, got {kind!r}")
+    k = cfg.eval.val_k or cfg.eval.k
+    return EvalSettings(VAL, cfg.data.val or cfg.data.eval, k,
+                        tuple(p for p in pass_ks if p <= k) or (1,))
+
+
 def eval_metric_names(cfg) -> list[str]:
-    """The accuracy metrics the evaluations of `cfg` log: avg@eval.k and pass@p (eval.pass_k)
-    of each data.eval benchmark and of their question-weighted average ([] without data.eval)."""
-    if not cfg.data.eval:
-        return []
-    names = ([SYNTHETIC_BENCHMARK] if cfg.data.eval == "synthetic"
-             else [benchmark_name(p) for p in str(cfg.data.eval).split(",") if p.strip()])
-    values = [f"avg@{cfg.eval.k}"] + [f"pass@{int(p)}" for p in str(cfg.eval.pass_k).split(",")]
-    return [f"eval/{where}/{value}" for where in [f"benchmarks/{n}" for n in names] + ["average"]
-            for value in values]
+    """The accuracy metrics the evaluations of `cfg` log: avg@k and pass@p of each benchmark and
+    of their question-weighted average, for data.eval (eval/..., eval.k and eval.pass_k) and,
+    with validations (and train.eval_every > 0), for data.val (val/..., eval.val_k); [] without
+    benchmarks."""
+    out = []
+    for kind in (EVAL, VAL) if validation_on(cfg) and cfg.train.eval_every else (EVAL,):
+        e = eval_settings(cfg, kind)
+        values = [f"avg@{e.k}"] + [f"pass@{p}" for p in e.pass_ks]
+        names = benchmark_names(e.files)
+        out += [f"{kind}/{where}/{value}" for where in
+                [f"benchmarks/{n}" for n in names] + (["average"] if names else [])
+                for value in values]
+    return out
 
 
 # Fields that may change when a run resumes: how long it runs, how it logs, saves, evaluates and
@@ -778,7 +834,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "sft.save_every",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.progress_every_s",
-                    "train.rollouts_every",
+                    "train.rollouts_every", "data.val",
                     "train.allow_config_change", "train.best_metric", "train.best_mode",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",

@@ -23,7 +23,8 @@ from delta_jax.train import generations
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.best import BestPolicy
 from delta_jax.train.checkpoint import Checkpointer
-from delta_jax.train.eval_hook import eval_due, eval_recorded, evaluate_policy, write_eval
+from delta_jax.train.config import EVAL
+from delta_jax.train.eval_hook import eval_recorded, evals_due, evaluate_policy, write_eval
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
@@ -198,13 +199,21 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
     best = (BestPolicy(workdir, cfg.train.best_metric, cfg.train.best_mode)
             if cfg.train.best_metric else None)
 
-    def evaluate(step, params) -> bool:
-        """write_eval at `step`, then the best policy's turn; False when a stop cut it short."""
-        metrics = write_eval(run, params, step, should_stop=stop.requested)
-        if metrics is None:
-            return False
-        if best is not None:
-            best.offer(step, metrics, lambda path: export_policy(run, params, path))
+    def evaluate(step, params, only_missing=False) -> bool:
+        """The evaluations due at `step` (evals_due; only_missing: those whose rows
+        metrics.jsonl lacks), each written, then offered to the best policy; False when a stop
+        cut one short."""
+        for kind in evals_due(cfg, step):
+            if only_missing:
+                if (not (run.benchmarks if kind == EVAL else run.val_benchmarks)
+                        or eval_recorded(run, step, kind)):
+                    continue
+                log.info("%s step %d: not recorded before the stop; evaluating it now", kind, step)
+            metrics = write_eval(run, params, step, kind, should_stop=stop.requested)
+            if metrics is None:
+                return False
+            if best is not None:
+                best.offer(step, metrics, lambda path: export_policy(run, params, path))
         return True
 
     if found is not None:
@@ -217,13 +226,10 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         log.info("resumed from %s at step %d", run.ckpt.directory, start)
         if on_resumed is not None:
             on_resumed(f"step_{start}")
-        # The eval due at the checkpoint's step (before it was saved) that a stop cut short: its
-        # rows are not in metrics.jsonl. (The eval after the last step follows the loop.)
-        if (run.benchmarks and start < cfg.train.steps and eval_due(cfg, start)
-                and not eval_recorded(run, start)):
-            log.info("eval step %d: not recorded before the stop; evaluating it now", start)
-            if not evaluate(start, state.params):
-                raise interrupted(start)
+        # The evals due at the checkpoint's step (before it was saved) that a stop cut short:
+        # their rows are not in metrics.jsonl. (Those after the last step follow the loop.)
+        if start < cfg.train.steps and not evaluate(start, state.params, only_missing=True):
+            raise interrupted(start)
     else:
         state = init_state
         if cfg.sft.steps > 0:
@@ -238,8 +244,8 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
                 save_reference(run, run.ref_params)
         elif on_resumed is not None:
             on_resumed("step_0")
-        if cfg.train.eval_before:  # before checkpoint 0, whose metrics offset includes it
-            evaluate(0, state.params)  # (cut short by a stop: raised below)
+        evaluate(0, state.params)  # before checkpoint 0, whose metrics offset includes it
+        # (train.eval_before; cut short by a stop: raised below)
         save(0, state, run.data_iter.get_state(), force=True)
         if cfg.sft.steps > 0:  # checkpoint 0 holds the warm start's result
             sft_ckpt.remove()  # each holds a whole optimizer state
@@ -281,9 +287,8 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
                 f"gradients (rl.max_nonfinite={cfg.rl.max_nonfinite}); parameters were left "
                 f"unchanged by those updates; the last checkpoint in {run.ckpt.directory} "
                 "is usable")
-        if (step < cfg.train.steps and eval_due(cfg, step)
-                and not stop.requested()):  # before the checkpoint, whose offset includes it
-            evaluate(step, state.params)
+        if step < cfg.train.steps and not stop.requested():  # the evals due (evals_due),
+            evaluate(step, state.params)  # before the checkpoint, whose offset includes them
         stopping = stop.requested()  # asked once: the save and the stop agree
         save(step, state, run.data_iter.get_state(), force=step == cfg.train.steps or stopping)
         if stopping:
@@ -291,11 +296,9 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
     if bar is not None:
         bar.close()
     # After the last checkpoint, so not in its metrics offset: a rerun of a finished run (its
-    # rows cut back to that checkpoint) or one stopped during it evaluates again.
-    if cfg.train.eval_after and (start < cfg.train.steps
-                                 or (run.benchmarks and not eval_recorded(run, start))):
-        if not evaluate(cfg.train.steps, state.params):
-            raise interrupted(cfg.train.steps)
+    # rows cut back to that checkpoint) or one stopped during them evaluates again.
+    if not evaluate(cfg.train.steps, state.params, only_missing=start >= cfg.train.steps):
+        raise interrupted(cfg.train.steps)
     if cfg.train.export_final:
         export_policy(run, state.params, os.path.join(workdir, "final"))
     return state

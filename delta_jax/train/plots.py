@@ -69,11 +69,12 @@ def series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.asarray([last[s] for s in steps], np.float64)
 
 
-def eval_metric_name(rows: Sequence[dict]) -> str | None:
-    """The headline eval metric: "eval/average/avg@k" (k of the run), or None without evals."""
+def eval_metric_name(rows: Sequence[dict], kind: str = "eval") -> str | None:
+    """The headline metric of `kind`'s evaluations: "eval/average/avg@k" (k of the run; "val/..."
+    for the validations of data.val), or None without them."""
     for row in rows:
         for key in row:
-            if key.startswith("eval/average/avg@"):
+            if key.startswith(f"{kind}/average/avg@"):
                 return key
     return None
 
@@ -190,13 +191,15 @@ def plot_training(rows: Sequence[dict], path: str) -> str:
         if len(s):
             ax_rl.plot(s, v, color=color, alpha=0.3, lw=0.8)
             ax_rl.plot(s, moving_average(v, 5), label=f"{label}, 5-step mean", color=color)
-    key = eval_metric_name(rows)
-    if key is not None:
-        s, v = series(rows, key)
-        ax_rl.plot(s, v, "o-", color="black", label=f"held-out {key.rsplit('/', 1)[-1]}")
-        for x, y in zip(s, v):
-            ax_rl.annotate(f"{100 * y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 6),
-                           ha="center", fontsize=8)
+    for kind, label, style in (("eval", "held-out", "o-"), ("val", "validation", "s--")):
+        key = eval_metric_name(rows, kind)
+        if key is not None:
+            s, v = series(rows, key)
+            ax_rl.plot(s, v, style, color="black" if kind == "eval" else "dimgray",
+                       label=f"{label} {key.rsplit('/', 1)[-1]}")
+            for x, y in zip(s, v):
+                ax_rl.annotate(f"{100 * y:.1f}%", (x, y), textcoords="offset points",
+                               xytext=(0, 6 if kind == "eval" else -12), ha="center", fontsize=8)
     ax_rl.set(title="RL: reward and accuracy", xlabel="RL step", ylabel="fraction")
     ax_rl.grid(alpha=0.3)
     if ax_rl.get_legend_handles_labels()[0]:

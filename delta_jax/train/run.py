@@ -37,10 +37,12 @@ log = logging.getLogger("delta_jax.train")
 def prepare_assets(cfg, workdir: str) -> dict:
     """Resolves data/tokenizer paths; generates the synthetic task and tiny tokenizer on demand.
 
-    Returns {"train": path(s) or "", "eval": {name: path}, "tokenizer": dir}.
+    Returns {"train": path(s) or "", "eval": {name: path}, "val": {name: path} (data.val's;
+    {} when it is unset), "tokenizer": dir}.
     """
-    out = {"train": cfg.data.train, "eval": {}, "tokenizer": cfg.tokenizer.path or cfg.model.path}
-    if "synthetic" in (cfg.data.train, cfg.data.eval):
+    out = {"train": cfg.data.train, "eval": {}, "val": {},
+           "tokenizer": cfg.tokenizer.path or cfg.model.path}
+    if "synthetic" in (cfg.data.train, cfg.data.eval, cfg.data.val):
         from delta_jax.data import tiny_task
         levels = [int(x) for x in str(cfg.data.synthetic_levels).split(",") if x.strip()]
         splits = tiny_task.prepare_synthetic_splits(
@@ -50,26 +52,28 @@ def prepare_assets(cfg, workdir: str) -> dict:
             distractors=cfg.data.synthetic_distractors)
         if cfg.data.train == "synthetic":
             out["train"] = splits["train"]
-        if cfg.data.eval == "synthetic":
-            out["eval"][config_lib.SYNTHETIC_BENCHMARK] = splits["test"]
-    if cfg.data.eval and cfg.data.eval != "synthetic":
-        for path in str(cfg.data.eval).split(","):
-            path = path.strip()
-            if path:
-                out["eval"][config_lib.benchmark_name(path)] = path
+        for kind in ("eval", "val"):
+            if cfg.data[kind] == "synthetic":
+                out[kind][config_lib.SYNTHETIC_BENCHMARK] = splits["test"]
+    for kind in ("eval", "val"):
+        if cfg.data[kind] and cfg.data[kind] != "synthetic":
+            for path in str(cfg.data[kind]).split(","):
+                path = path.strip()
+                if path:
+                    out[kind][config_lib.benchmark_name(path)] = path
     if cfg.tokenizer.path == "synthetic":
         from delta_jax.data import tiny_task
         out["tokenizer"] = tiny_task.prepare_tiny_tokenizer(os.path.join(workdir, "tokenizer"))
     return out
 
 
-def load_benchmarks(paths: dict) -> dict:
-    """{name: rows} of the data.eval benchmark files {name: path}, read at start-up, so a missing
-    or malformed one stops the run before it trains."""
+def load_benchmarks(paths: dict, field: str = "data.eval") -> dict:
+    """{name: rows} of the benchmark files {name: path} of `field` (data.eval, data.val), read at
+    start-up, so a missing or malformed one stops the run before it trains."""
     from delta_jax import evaluation
     benchmarks = {}
     for name, path in paths.items():
-        with naming("data.eval"):
+        with naming(field):
             benchmarks[name] = evaluation.load_benchmark(path)
     return benchmarks
 
@@ -194,6 +198,7 @@ class Run:
     data_iter: Any = None
     scorer: Any = None
     benchmarks: dict = dataclasses.field(default_factory=dict)  # data.eval: name -> rows
+    val_benchmarks: dict = dataclasses.field(default_factory=dict)  # data.val's (or data.eval's)
     eval_prompts: dict = dataclasses.field(default_factory=dict)  # kind -> prompt format
     eval_scorers: dict = dataclasses.field(default_factory=dict)  # kind -> scorer (accuracy)
     with_delta: bool = False     # the old-policy pass feeds DelTA (method delta, token view)
@@ -258,6 +263,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     os.makedirs(workdir, exist_ok=True)
     assets = prepare_assets(cfg, workdir)
     benchmarks = load_benchmarks(assets["eval"])
+    val_benchmarks = load_benchmarks(assets["val"], "data.val") if cfg.data.val else benchmarks
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
     template = templates.for_task(templates.make_template(cfg.data.template, tokenizer=tokenizer,
@@ -266,8 +272,10 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     # The data before the model: a bad data.train stops the run before weights are read.
     data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
                  if need_data and cfg.mode == "train" else None)
-    prompts = eval_prompts(cfg, template, benchmarks)
+    prompts = eval_prompts(cfg, template, {**benchmarks, **val_benchmarks})
     warn_long_eval_prompts(cfg, benchmarks, prompts, tokenizer)
+    if val_benchmarks is not benchmarks:
+        warn_long_eval_prompts(cfg, val_benchmarks, prompts, tokenizer, "data.val")
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
@@ -308,7 +316,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
         initial_params=params, mesh=mesh, state_shardings=state_shardings,
         resting_shardings=resting_shardings, data_iter=data_iter,
-        benchmarks=benchmarks, eval_prompts=prompts,
+        benchmarks=benchmarks, val_benchmarks=val_benchmarks, eval_prompts=prompts,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
     if cfg.mode == "train":
         run.train_step = make_train_step(
@@ -505,8 +513,9 @@ def eval_prompts(cfg, template, benchmarks: dict) -> dict:
             for kind in sorted(kinds)}
 
 
-def warn_long_eval_prompts(cfg, benchmarks: dict, prompts: dict, tokenizer) -> None:
-    """Warns at start-up, per data.eval benchmark, of prompts (of the eval.limit questions
+def warn_long_eval_prompts(cfg, benchmarks: dict, prompts: dict, tokenizer,
+                           field: str = "data.eval") -> None:
+    """Warns at start-up, per benchmark of `field`, of prompts (of the eval.limit questions
     evaluated) over data.max_prompt_len tokens: the sampler keeps their last tokens only, so
     those questions are evaluated without their beginning."""
     from delta_jax.data.pipeline import prompt_lengths
@@ -517,9 +526,9 @@ def warn_long_eval_prompts(cfg, benchmarks: dict, prompts: dict, tokenizer) -> N
         lengths = prompt_lengths(rows[:cfg.eval.limit or None], fmt, tokenizer.encode_batch)
         over = sum(n > limit for n in lengths)
         if over:
-            log.warning("data.eval: %s: %d of %d prompts are over data.max_prompt_len=%d tokens "
-                        "(the longest: %d); they are evaluated from their last %d tokens", name,
-                        over, len(lengths), limit, max(lengths), limit)
+            log.warning("%s: %s: %d of %d prompts are over data.max_prompt_len=%d tokens "
+                        "(the longest: %d); they are evaluated from their last %d tokens", field,
+                        name, over, len(lengths), limit, max(lengths), limit)
 
 
 def add_eval_scorers(cfg, kinds, scorers: dict, train_scorer=None) -> dict:
