@@ -245,6 +245,15 @@ def test_validations_need_benchmarks_and_a_period():
     assert cfg.train.best_metric == "val/benchmarks/v/avg@8"
 
 
+def test_eval_checkpoint_is_latest_none_or_a_step():
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    for value in ("latest", "none", "120"):
+        assert validate_config(parse([base, f"--config.eval.checkpoint={value}"]))
+    for value in ("best", "-1", "step_4"):
+        with pytest.raises(ConfigError, match=r"^eval\.checkpoint: 'latest', 'none' or a step"):
+            validate_config(parse([base, f"--config.eval.checkpoint={value}"]))
+
+
 def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
     """A checkpoint path given to a random-init config (tiny.py with --config.model.path=...) was
     dropped without a word: the run trained, and mode=eval evaluated, random weights (eval even

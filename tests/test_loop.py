@@ -379,7 +379,31 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     fresh = tmp_path / "fresh"
     loop.eval_only(validate_config(eval_cfg), str(fresh))
     assert "eval of random init (tiny)" in capsys.readouterr().out
-    assert json.loads((fresh / "eval" / "standalone_step_0.json").read_text())
+    assert json.loads((fresh / "eval" / "standalone_random_init.json").read_text())
+
+    def evaluated_params(checkpoint):
+        with eval_cfg.unlocked():
+            eval_cfg.eval.checkpoint = checkpoint
+        evaluated.clear()
+        loop.eval_only(validate_config(eval_cfg), str(tmp_path))
+        return evaluated[0][1]
+
+    def same(a, b):
+        return all(np.array_equal(np.asarray(x), np.asarray(y))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    # eval.checkpoint: the model itself in a workdir with checkpoints, or checkpoint N
+    assert same(evaluated_params("none"), initial)
+    assert "eval of random init (tiny)" in capsys.readouterr().out
+    assert (tmp_path / "eval" / "standalone_random_init.json").is_file()
+    assert same(evaluated_params("0"), initial)  # checkpoint 0: the state before RL step 1
+    assert "eval of checkpoint 0 of" in capsys.readouterr().out
+    assert (tmp_path / "eval" / "standalone_step_0.json").is_file()
+    assert same(evaluated_params("1"), whole)
+    from delta_jax.errors import InputError
+    with pytest.raises(InputError, match=r"^eval\.checkpoint: .* has no checkpoint 7; it has "
+                                         r"\[0, 1\]"):
+        evaluated_params("7")
 
 
 def _sft_config(steps=12, save_every=5):

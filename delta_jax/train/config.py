@@ -383,6 +383,10 @@ def default_config() -> config_dict.ConfigDict:
     # Every eval sample's response and whether it was right, one JSON line each, beside the eval's
     # results: eval/<step_N | standalone_step_N>_responses.jsonl (train/generations.py).
     c.eval.save_responses = False
+    # mode=eval evaluates: "latest" (the newest checkpoint in the workdir that reads back, else
+    # model.path), "none" (model.path itself, e.g. a run's best/ or final/ export, even in a
+    # workdir with checkpoints) or a step N (checkpoint N of the workdir).
+    c.eval.checkpoint = "latest"
 
     # Device mesh (delta_jax/sharding.py): sizes of the ("data", "fsdp", "tensor") axes; one may
     # be -1 = the remaining devices. Rules: batch -> (data, fsdp), embed -> fsdp,
@@ -750,6 +754,8 @@ def _check_combinations(c):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
     _require(c.eval.val_k >= 0, "eval.val_k", f"must be >= 0 (0 = eval.k), got {c.eval.val_k}")
+    _require(c.eval.checkpoint in ("latest", "none") or str(c.eval.checkpoint).isdigit(),
+             "eval.checkpoint", f"'latest', 'none' or a step number, got {c.eval.checkpoint!r}")
     # (eval.val_k alone may stay set with train.eval_every = 0, as the recipes set it: there are
     # no validations then, as there are none without benchmarks)
     _require(not c.data.val or c.train.eval_every > 0 or c.mode != "train", "data.val",

@@ -16,7 +16,7 @@ import jax
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
-from delta_jax.errors import RunHalted, naming
+from delta_jax.errors import InputError, RunHalted, naming
 from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import SFT_CHECKPOINTS
 from delta_jax.train import generations
@@ -304,6 +304,10 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
     return state
 
 
+def _file_safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name) or "model"
+
+
 def export_policy(run: Run, params, path: str):
     """The policy as a Hugging Face directory (weights + tokenizer; LoRA adapters merged into
     the weights), and with LoRA the adapters alone in PEFT's format in path/lora_adapter (for
@@ -342,9 +346,11 @@ def sft_only(cfg, workdir: str, on_resumed: Callable[[str], None] | None = None)
 
 
 def eval_only(cfg, workdir: str) -> dict:
-    """Mode eval: evaluate model.path (or the newest readable checkpoint in workdir if there is
-    one); prints the results and writes eval/standalone_step_<n>.json (training's own
-    eval/step_<n>.json files and metrics.jsonl are left as they are)."""
+    """Mode eval: evaluate what eval.checkpoint names: the newest readable checkpoint in
+    workdir, else model.path ("latest"); model.path itself ("none"); checkpoint N ("N"). Prints
+    the results and writes eval/standalone_step_<n>.json (a checkpoint) or
+    eval/standalone_<model.path's directory name>.json (training's own eval/step_<n>.json files
+    and metrics.jsonl are left as they are)."""
     run = build_run(cfg, workdir, need_data=False)
     try:
         params, step = run.initial_params, 0
@@ -352,11 +358,23 @@ def eval_only(cfg, workdir: str) -> dict:
             params = sharding_lib.shard_tree(params, run.state_shardings.params)
         # The parameters alone, placed as the run places them: no optimizer state is built or
         # read (for a bfloat16 8B model it is 6x the parameters' bytes).
-        found = run.ckpt.restore_latest({"params": params}, partial=True)
+        which = str(cfg.eval.checkpoint)
+        found = None
+        if which == "latest":
+            found = run.ckpt.restore_latest({"params": params}, partial=True)
+        elif which != "none":
+            if int(which) not in run.ckpt.all_steps():
+                raise InputError(f"eval.checkpoint: {run.ckpt.directory} has no checkpoint "
+                                 f"{which}; it has {run.ckpt.all_steps() or 'none'}")
+            found = (int(which), *run.ckpt.restore(int(which), {"params": params}, partial=True))
         if found is not None:
-            step, state, _, _ = found
+            step, state = found[0], found[1]
             params = state["params"]
-        metrics, result = evaluate_policy(run, params, step, file_stem=f"standalone_step_{step}")
+            stem = f"standalone_step_{step}"
+        else:  # model.path's own weights: named after it, so two exports do not share a file
+            stem = "standalone_" + (_file_safe(os.path.basename(os.path.normpath(cfg.model.path)))
+                                    if cfg.model.path else "random_init")
+        metrics, result = evaluate_policy(run, params, step, file_stem=stem)
         if jax.process_index() == 0:
             source = (f"checkpoint {step} of {run.ckpt.directory}" if found is not None
                       else cfg.model.path or f"random init ({cfg.model.preset})")
