@@ -111,6 +111,31 @@ def test_restore_latest_falls_back_past_an_unreadable_checkpoint(tmp_path, corru
     ckpt.close()
 
 
+def test_a_read_only_checkpointer_reads_and_changes_nothing(tmp_path, caplog):
+    """read_only (mode=eval): no directory made where there is none; past an unreadable newest
+    checkpoint it reads the older one and leaves the newer where it is; it refuses to save."""
+    missing = tmp_path / "none"
+    reader = Checkpointer(str(missing), read_only=True)
+    assert reader.restore_latest(_state(0)) is None and not missing.exists()
+    reader.close()
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(str(directory), keep=3)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
+    ckpt.close()
+    _truncate(directory / "2")
+    before = sorted(p.relative_to(directory) for p in directory.rglob("*"))
+    reader = Checkpointer(str(directory), read_only=True)
+    with caplog.at_level(logging.WARNING, logger="delta_jax.train"):
+        step, _, data, _ = reader.restore_latest(_state(0))
+    assert step == 1 and data == {"iter": 1}
+    assert "left as they are" in caplog.text
+    with pytest.raises(RuntimeError, match="read-only"):
+        reader.save(3, _state(3), {}, {}, force=True)
+    reader.close()
+    assert sorted(p.relative_to(directory) for p in directory.rglob("*")) == before
+
+
 def test_restore_latest_skips_a_checkpoint_another_process_cannot_read(tmp_path, monkeypatch,
                                                                       caplog):
     """Multi-process resume: when another process fails to read checkpoint 2 (a damaged shard

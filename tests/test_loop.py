@@ -380,6 +380,8 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     loop.eval_only(validate_config(eval_cfg), str(fresh))
     assert "eval of random init (tiny)" in capsys.readouterr().out
     assert json.loads((fresh / "eval" / "standalone_random_init.json").read_text())
+    # it wrote its eval file and the run's assets (the synthetic task, its tokenizer) only
+    assert not {"checkpoints", "metrics.jsonl", "tensorboard"} & {p.name for p in fresh.iterdir()}
 
     def evaluated_params(checkpoint):
         with eval_cfg.unlocked():

@@ -49,11 +49,17 @@ class CheckpointError(InputError):
 class Checkpointer:
     """Save every `save_every` steps (and when forced), keep the newest `keep`, resume latest."""
 
-    def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3):
+    def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3,
+                 read_only: bool = False):
+        """read_only: for reading a run's checkpoints without touching them (mode=eval): the
+        directory is not created, nothing is saved, and restore_latest leaves unreadable
+        checkpoints where they are."""
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
+        self.read_only = read_only
         _use_array_handler()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                               read_only=read_only,
                                                enable_async_checkpointing=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "data", "meta"))
@@ -70,6 +76,8 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict | None, meta: dict,
              force: bool = False) -> bool:
         """Saves if `step` is on the save interval (or forced); blocks until it is on disk."""
+        if self.read_only:
+            raise RuntimeError(f"{self.directory}: opened read-only, not saving step {step}")
         if not (force or self.should_save(step)):
             return False
         if step in self.all_steps():
@@ -153,7 +161,10 @@ class Checkpointer:
                 log.warning("skipping checkpoint %d: %s", step, error)
                 failures.append(error)
                 continue
-            if failures:
+            if failures and self.read_only:
+                log.warning("reading checkpoint %d, the newest that reads back (the newer ones "
+                            "are left as they are)", step)
+            elif failures:
                 log.warning("resuming from checkpoint %d, the newest that reads back; the newer "
                             "ones are kept aside as %s/unreadable-<step>", step, self.directory)
                 self._set_aside([s for s in self.all_steps() if s > step])

@@ -311,9 +311,12 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         cfg=cfg, workdir=workdir, assets=assets, tokenizer=tokenizer, graphdef=graphdef,
         rest=rest, template=template, sampler=sampler, optimizer=optimizer, schedule=schedule,
         train_step=None, old_pass=None, hidden_pass=None,
+        # mode=eval reads the run's checkpoints and writes its eval/ file only: no checkpoint
+        # directory, metrics.jsonl or TensorBoard events are made, none set aside
         ckpt=Checkpointer(os.path.join(workdir, CHECKPOINTS), save_every=cfg.train.save_every,
-                          keep=cfg.train.keep),
-        writer=MetricsWriter(workdir) if jax.process_index() == 0 else _NullWriter(),
+                          keep=cfg.train.keep, read_only=cfg.mode == "eval"),
+        writer=(MetricsWriter(workdir) if jax.process_index() == 0 and cfg.mode != "eval"
+                else _NullWriter()),
         initial_params=params, mesh=mesh, state_shardings=state_shardings,
         resting_shardings=resting_shardings, data_iter=data_iter,
         benchmarks=benchmarks, val_benchmarks=val_benchmarks, eval_prompts=prompts,
