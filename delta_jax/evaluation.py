@@ -38,7 +38,9 @@ EVAL_TEMPERATURE = 1.0
 EVAL_TOP_P = 0.7
 EVAL_K = 16
 
-GenerateFn = Callable[[list, int], list]
+# generate_fn(prompts, n) -> texts[i][j], or an object with .texts and, for the response-length
+# metrics, .response_lengths[i][j] (tokens) and .truncated[i][j] (a sampling.GenerationOutput).
+GenerateFn = Callable[[list, int], Any]
 
 
 def default_format_prompt(problem: str) -> str:
@@ -184,7 +186,9 @@ class BenchmarkResult:
     """One benchmark: num_correct[q] of k samples for each question q.
 
     When evaluate() made it, also what was generated (not in to_dict): prompts[q], answers[q],
-    responses[q][j] (text) and correct fp32 [Q, k] (1 = right)."""
+    responses[q][j] (text) and correct fp32 [Q, k] (1 = right); and where the generate_fn
+    reports them (the sampler's does), response_tokens int [Q, k] and truncated bool [Q, k]
+    (cut at the token limit), whose means to_dict gives as response_len_mean, truncated_frac."""
     name: str
     ids: list
     num_correct: np.ndarray  # int [Q]
@@ -197,6 +201,8 @@ class BenchmarkResult:
     answers: list | None = None
     responses: list | None = None
     correct: np.ndarray | None = None
+    response_tokens: np.ndarray | None = None
+    truncated: np.ndarray | None = None
 
     @property
     def num_questions(self) -> int:
@@ -219,6 +225,10 @@ class BenchmarkResult:
             "num_no_box": self.num_no_box,
             "num_timeouts": self.num_timeouts,
             "num_errors": self.num_errors,
+            **({} if self.response_tokens is None else {
+                "response_len_mean": float(np.mean(self.response_tokens)),
+                "response_len_max": int(np.max(self.response_tokens)),
+                "truncated_frac": float(np.mean(self.truncated))}),
             "per_question": [{"id": i, "num_correct": int(c)}
                              for i, c in zip(self.ids, self.num_correct)],
         }
@@ -253,8 +263,19 @@ class EvalResult:
             "seconds": self.seconds,
             "benchmarks": {name: b.to_dict() for name, b in self.benchmarks.items()},
             "average": {"num_questions": sum(b.num_questions for b in self.benchmarks.values()),
-                        **self.average()},
+                        **self.average(), **self.lengths()},
         }
+
+    def lengths(self) -> dict:
+        """response_len_mean and truncated_frac over every sample of every benchmark, where
+        the generate_fn reported the lengths ({} otherwise)."""
+        parts = [b for b in self.benchmarks.values() if b.response_tokens is not None]
+        if not parts or len(parts) < len(self.benchmarks):
+            return {}
+        return {"response_len_mean": float(np.mean(np.concatenate(
+                    [b.response_tokens.ravel() for b in parts]))),
+                "truncated_frac": float(np.mean(np.concatenate(
+                    [b.truncated.ravel() for b in parts])))}
 
     def flat_metrics(self, prefix: str = "eval") -> dict:
         """Every number of to_dict() but the settings, as {"<prefix>/<path>": float}: e.g.
@@ -339,8 +360,16 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
     return out
 
 
-def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name: str) -> list:
-    out = generate_fn(prompts, n)
+def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name: str):
+    """(texts [Q][n], response tokens int [Q, n] or None, truncated bool [Q, n] or None)."""
+    got = generate_fn(prompts, n)
+    out = got.texts if hasattr(got, "texts") else got
+    lengths = truncated = None
+    if getattr(got, "response_lengths", None) is not None:
+        lengths = np.asarray(got.response_lengths, np.int64).reshape(len(prompts), n)
+        truncated = np.asarray(got.truncated, bool).reshape(len(prompts), n)
+    if out is None:
+        raise ValueError(f"{name}: generate_fn returned no response texts")
     if len(out) != len(prompts):
         raise ValueError(f"{name}: generate_fn returned {len(out)} groups for {len(prompts)} "
                          f"prompts")
@@ -352,7 +381,7 @@ def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name:
             if not isinstance(text, str):
                 raise ValueError(f"{name}: generate_fn must return response texts (str), got "
                                  f"{type(text).__name__}")
-    return out
+    return out, lengths, truncated
 
 
 def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EVAL_K,
@@ -427,7 +456,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             else:
                 fmt = default if format_prompt is default_format_prompt else format_prompt
             prompts = [fmt(r["problem"]) for r in rows]
-            responses = _generate_checked(generate_fn, prompts, k, name)
+            responses, response_tokens, truncated = _generate_checked(generate_fn, prompts, k,
+                                                                      name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
             _, info = score_across_processes(scorer_for(kind).score, flat, golds)
@@ -438,7 +468,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                 pass_ks=pass_ks, num_no_box=info["num_no_box"],
                 num_timeouts=info["num_timeouts"], num_errors=info["num_errors"],
                 prompts=prompts, answers=[r["answer"] for r in rows], responses=responses,
-                correct=correct)
+                correct=correct, response_tokens=response_tokens, truncated=truncated)
             if log is not None:
                 log(f"eval {name}: {len(rows)} questions, avg@{k} = "
                     f"{100 * results[name].avg_at_k:.1f}")
@@ -464,7 +494,7 @@ def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: f
     calls = [0]
     totals = collections.Counter()
 
-    def generate_fn(prompts: list[str], n: int) -> list[list[str]]:
+    def generate_fn(prompts: list[str], n: int):
         call_seed = seeds(calls[0]) if seeds is not None else seed + calls[0]
         out = sampler.generate(list(prompts), n=n, temperature=temperature, top_p=top_p,
                                top_k=top_k, max_new_tokens=max_new_tokens,
@@ -476,7 +506,7 @@ def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: f
         if out.texts is None:
             raise ValueError("sampler_generate_fn needs a Sampler built with a tokenizer "
                              "(it returns response texts)")
-        return out.texts
+        return out  # its texts, response_lengths and truncated (GenerateFn)
 
     generate_fn.sampler_counters = totals  # GenerationOutput.counters, summed over the calls
     return generate_fn

@@ -373,6 +373,37 @@ def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):
     assert result.benchmarks["c"].num_correct.tolist() == [2]
 
 
+def test_response_lengths_are_reported_where_the_generate_fn_gives_them(scorer):
+    """A generate_fn returning an object with texts, response_lengths and truncated (the
+    sampler's GenerationOutput) adds response_len_mean / _max and truncated_frac per benchmark
+    and over every sample to the results (so eval/benchmarks/<name>/response_len_mean is
+    logged); one returning texts alone adds none."""
+    rows = {"a": [{"id": "a1", "problem": "P1", "answer": "1"},
+                  {"id": "a2", "problem": "P2", "answer": "2"}],
+            "b": [{"id": "b1", "problem": "P3", "answer": "3"}]}
+    lengths = {"P1": [10, 30], "P2": [20, 100], "P3": [5, 5]}
+
+    def generate_fn(prompts, n):
+        return SimpleNamespace(texts=[["\\boxed{1}"] * n for _ in prompts],
+                               response_lengths=[lengths[p] for p in prompts],
+                               truncated=[[t == 100 for t in lengths[p]] for p in prompts])
+
+    result = ev.evaluate(generate_fn, rows, k=2, format_prompt=lambda p: p, scorer=scorer)
+    d = result.to_dict()
+    assert d["benchmarks"]["a"]["response_len_mean"] == 40.0  # (10 + 30 + 20 + 100) / 4
+    assert d["benchmarks"]["a"]["response_len_max"] == 100
+    assert d["benchmarks"]["a"]["truncated_frac"] == 0.25
+    assert d["benchmarks"]["b"]["response_len_mean"] == 5.0
+    assert d["average"]["response_len_mean"] == 170 / 6 and d["average"]["truncated_frac"] == 1 / 6
+    flat = result.flat_metrics()
+    assert flat["eval/benchmarks/a/response_len_mean"] == 40.0
+    assert result.benchmarks["a"].num_correct.tolist() == [2, 0]  # the texts were scored
+    plain = ev.evaluate(lambda prompts, n: [["x"] * n for _ in prompts], rows, k=2,
+                        format_prompt=lambda p: p, scorer=scorer).to_dict()
+    assert "response_len_mean" not in plain["benchmarks"]["a"]
+    assert "response_len_mean" not in plain["average"]
+
+
 def test_sampler_generate_fn_uses_eval_settings():
     seen = []
 
@@ -382,7 +413,7 @@ def test_sampler_generate_fn_uses_eval_settings():
             return SimpleNamespace(texts=[[f"{p}-{j}" for j in range(n)] for p in prompts])
 
     gen = ev.sampler_generate_fn(FakeSampler(), max_new_tokens=8)
-    assert gen(["a", "b"], 2) == [["a-0", "a-1"], ["b-0", "b-1"]]
+    assert gen(["a", "b"], 2).texts == [["a-0", "a-1"], ["b-0", "b-1"]]
     gen(["a"], 1)
     assert seen[0]["temperature"] == 1.0 and seen[0]["top_p"] == 0.7
     assert [s["seed"] for s in seen] == [0, 1]

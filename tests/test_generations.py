@@ -100,5 +100,11 @@ def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tm
             assert sorted(r["sample"] for r in got) == list(range(cfg.eval.k))
             assert sum(r["correct"] for r in got) == q["num_correct"]
             assert all(r["correct"] == float(len(r["response"]) % 2 == 0) for r in got)
+            assert all(0 < r["response_tokens"] <= cfg.eval.max_new_tokens for r in got)
+            assert all(r["response_tokens"] == cfg.eval.max_new_tokens
+                       for r in got if r["truncated"])
+        assert bench["response_len_mean"] == pytest.approx(
+            np.mean([r["response_tokens"] for r in mine]))
+        assert bench["truncated_frac"] == pytest.approx(np.mean([r["truncated"] for r in mine]))
         assert {r["prompt"] for r in mine} and all(r["answer"] for r in mine)
     assert 0 < sum(r["correct"] for r in responses) < len(responses)

@@ -12,7 +12,8 @@ rl.mask_truncated, or one without response tokens) and token_weight_mean (the me
 tokens of the weight the loss gave them: DelTA's coefficient for method delta, times the
 rollout-correction weight with rl.rollout_is; 1 for grpo / dapo; null when not in the loss).
 
-An eval row: benchmark, id, sample, prompt, answer, response, correct.
+An eval row: benchmark, id, sample, prompt, answer, response, correct (and response_tokens,
+truncated where the generate_fn reported them, as the sampler's does).
 
 Files are written whole (delta_jax.files), by process 0; a resumed run that redoes a step
 rewrites its file.
@@ -101,9 +102,13 @@ def eval_rows(result) -> list[dict]:
                              "evaluation.evaluate)")
         for q, qid in enumerate(b.ids):
             for j, text in enumerate(b.responses[q]):
-                rows.append({"benchmark": name, "id": qid, "sample": j, "prompt": b.prompts[q],
-                             "answer": str(b.answers[q]), "response": text,
-                             "correct": float(b.correct[q, j])})
+                row = {"benchmark": name, "id": qid, "sample": j, "prompt": b.prompts[q],
+                       "answer": str(b.answers[q]), "response": text,
+                       "correct": float(b.correct[q, j])}
+                if b.response_tokens is not None:
+                    row.update(response_tokens=int(b.response_tokens[q, j]),
+                               truncated=bool(b.truncated[q, j]))
+                rows.append(row)
     return rows
 
 
