@@ -23,6 +23,12 @@ def test_hand_examples():
     np.testing.assert_allclose(compute_advantages(r, method="grpo", group_size=2),
                                [1 / (np.sqrt(2) + 1e-6), -1 / (np.sqrt(2) + 1e-6), 0, 0], rtol=1e-6)
     np.testing.assert_allclose(compute_advantages(r, method="rloo", group_size=2), [2, -2, 0, 0])
+    # Group mean, batch std: two groups of four (means 0.75, 0.25); the batch's eight rewards,
+    # half of them 1, have mean 0.5 and ddof=1 std sqrt(8 * 0.25 / 7).
+    r = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    centred = np.array([0.25, -0.75, 0.25, 0.25, -0.25, -0.25, -0.25, 0.75])
+    np.testing.assert_allclose(compute_advantages(r, method="batch_std", group_size=4),
+                               centred / (np.sqrt(2 / 7) + 1e-6), rtol=1e-6)
 
 
 def _numpy_reference(rewards, ids, method, eps=1e-6):
@@ -36,6 +42,8 @@ def _numpy_reference(rewards, ids, method, eps=1e-6):
             out[i] = (rewards[i] - group.mean()) / (group.std(ddof=1) + eps)
         elif method == "drgrpo":
             out[i] = rewards[i] - group.mean()
+        elif method == "batch_std":
+            out[i] = (rewards[i] - group.mean()) / (rewards.std(ddof=1) + eps)
         else:
             out[i] = rewards[i] - (group.sum() - rewards[i]) / (n - 1)
     return out

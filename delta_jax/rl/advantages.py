@@ -12,6 +12,12 @@ prompt i's n samples at rows i*n .. i*n+n-1).
 * rloo:   A_i = R_i - mean_{j in g, j != i} R_j = n/(n-1) (R_i - mean_g R) (leave-one-out baseline).
           RLOO, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization",
           https://arxiv.org/abs/2402.14740 (after Kool et al. 2019).
+* batch_std: A_i = (R_i - mean_g R) / (std_batch R + eps): the group's mean as the baseline, the
+          standard deviation of every reward of the batch (ddof=1) as the scale, so a prompt whose
+          group nearly agrees is not blown up by its own small std. "Group-level mean,
+          batch-level std" of Lite PPO, Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for
+          LLM Reasoning", https://arxiv.org/abs/2508.08221; REINFORCE++-baseline, Hu et al. 2025,
+          https://arxiv.org/abs/2501.03262; TRL's scale_rewards="batch".
 
 A group of a single sequence has no baseline: its advantage is 0 for every estimator (documented
 choice; verl instead uses mean 0 / std 1 there). A group with identical rewards gets 0
@@ -76,18 +82,28 @@ def rloo_advantages(rewards: Array, stats: GroupStats, eps: float = 1e-6) -> Arr
     return jnp.where(stats.count > 1, scale * (rewards - stats.mean), 0.0)
 
 
+def batch_std_advantages(rewards: Array, stats: GroupStats, eps: float = 1e-6) -> Array:
+    """(R - group mean) / (std of the batch's rewards, ddof=1, + eps)
+    (https://arxiv.org/abs/2508.08221, https://arxiv.org/abs/2501.03262)."""
+    n = rewards.shape[0]
+    centred = rewards - jnp.mean(rewards)
+    batch_std = jnp.sqrt(jnp.sum(jnp.square(centred)) / max(n - 1, 1))
+    return jnp.where(stats.count > 1, (rewards - stats.mean) / (batch_std + eps), 0.0)
+
+
 AdvantageFn = Callable[[Array, GroupStats, float], Array]
 ADVANTAGE_FNS: dict[str, AdvantageFn] = {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
     "rloo": rloo_advantages,
+    "batch_std": batch_std_advantages,
 }
 
 
 def compute_advantages(rewards: Array, *, group_size: int, method: str = "grpo",
                        eps: float = 1e-6) -> Array:
     """Per-sequence advantages fp32 [N] from rewards [N] in contiguous groups of group_size
-    with the estimator `method` (a key of ADVANTAGE_FNS: "grpo", "drgrpo", "rloo").
+    with the estimator `method` (a key of ADVANTAGE_FNS: "grpo", "drgrpo", "rloo", "batch_std").
     Broadcast to tokens with adv[:, None] * mask.
     """
     if method not in ADVANTAGE_FNS:

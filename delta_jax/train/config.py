@@ -44,7 +44,7 @@ CHOICES = {
     "plan.target": ("", "cpu", "cuda", "tpu"),  # plan.TARGETS
     "model.logprob_impl": ("chunked", "fused"),
     "delta.pass_impl": ("jnp", "kernel"),
-    "rl.advantage": ("grpo", "drgrpo", "rloo"),
+    "rl.advantage": ("grpo", "drgrpo", "rloo", "batch_std"),
     "rl.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "delta.feature_cache": ("device", "host", "recompute"),
