@@ -473,3 +473,17 @@ def test_a_user_reward_returning_a_verl_style_dict(user_reward_file):
         rewards, info = scorer.score(["4", "5"], ["4", "4"])
     np.testing.assert_allclose(rewards, [2.0, -0.5])
     np.testing.assert_array_equal(info["accuracy"], [1, 0])
+
+
+def test_a_slow_importing_user_reward_loads_before_the_workers_take_work(tmp_path):
+    """A reward module whose import takes longer than rewards.timeout_s (a heavy library) is
+    loaded by each worker before it is ready (VerifyPool's initializer with its argument), so
+    the first responses do not time out on the import."""
+    path = tmp_path / "slow_import.py"
+    path.write_text("import time\ntime.sleep(1.5)\n\ndef f(response, answer):\n"
+                    "    return float(response == answer)\n")
+    with R.RewardScorer("python", num_workers=2, timeout_s=1.0,
+                        python_fn=f"{path}:f") as scorer:
+        rewards, info = scorer.score(["1", "2", "3", "4"], ["1", "0", "3", "0"])
+    assert info["num_timeouts"] == 0 and info["num_errors"] == 0
+    np.testing.assert_array_equal(rewards, [1, 0, 1, 0])

@@ -322,6 +322,7 @@ def user_reward_in_worker(spec: str, response: str, answer: str) -> tuple[float,
 
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
+_USER_INIT_FN = f"{__name__}:load_user_reward"
 
 
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:
@@ -407,19 +408,21 @@ class RewardScorer:
                                     pass_fraction=pass_fraction)
             self.pool = self._code.pool
             return
-        grade_fn, init_fn = _GRADE_FN, _INIT_FN
+        grade_fn, init_fn, init_args = _GRADE_FN, _INIT_FN, ()
         if name == USER_REWARD:
             self.python_fn = _absolute_spec(python_fn)
             try:
                 load_user_reward(self.python_fn)  # here, so that a bad one stops the start
             except ValueError as e:
                 raise InputError(f"rewards.python_fn: {e}") from None
-            grade_fn, init_fn = _USER_FN, None
+            # each worker loads it before it takes work: its imports are not a first timeout
+            grade_fn, init_fn, init_args = _USER_FN, _USER_INIT_FN, (self.python_fn,)
         if pool is not None and pool.fn != grade_fn:
             raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {grade_fn!r}")
         self._owns_pool = pool is None
         self.pool = pool or vp.VerifyPool(grade_fn, num_workers=num_workers,
                                           timeout_s=timeout_s, initializer=init_fn,
+                                          initializer_args=init_args,
                                           start_method=start_method, chunk_size=chunk_size)
         # Soft in-worker limit below the hard kill, so a slow sympy call usually keeps its worker.
         self._soft_timeout_s = 0.8 * self.pool.timeout_s

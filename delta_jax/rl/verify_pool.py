@@ -58,7 +58,7 @@ def _resolve(fn_path: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
-def _worker_main(conn, fn_path: str, init_path: str | None) -> None:
+def _worker_main(conn, fn_path: str, init_path: str | None, init_args: tuple = ()) -> None:
     """Worker loop: receive a chunk [(key, args)], send back (key, status, value) per item.
 
     The function may raise TimeoutError to report its own (soft) timeout. `init_path` (optional
@@ -68,7 +68,7 @@ def _worker_main(conn, fn_path: str, init_path: str | None) -> None:
     try:
         fn = _resolve(fn_path)
         if init_path:
-            _resolve(init_path)()
+            _resolve(init_path)(*init_args)
     except BaseException:  # noqa: BLE001 - report any import failure to the parent
         conn.send(("failed", traceback.format_exc()))
         return
@@ -119,10 +119,10 @@ def _worker_entry(fd: int, parent_pid: int) -> None:
     conn = multiprocessing.connection.Connection(fd)
     _exit_when_orphaned(parent_pid)
     try:
-        fn_path, init_path = conn.recv()
+        fn_path, init_path, init_args = conn.recv()
     except (EOFError, OSError):
         return
-    _worker_main(conn, fn_path, init_path)
+    _worker_main(conn, fn_path, init_path, tuple(init_args))
 
 
 class _Process:
@@ -152,7 +152,8 @@ class _Process:
             pass
 
 
-def _start_worker_process(fn_path: str, init_path: str | None, name: str):
+def _start_worker_process(fn_path: str, init_path: str | None, name: str,
+                          init_args: tuple = ()):
     """Starts one worker interpreter; returns (process, parent end of the connection)."""
     parent_sock, child_sock = socket.socketpair()
     child_fd = child_sock.fileno()
@@ -171,7 +172,7 @@ def _start_worker_process(fn_path: str, init_path: str | None, name: str):
     finally:
         child_sock.close()
     conn = multiprocessing.connection.Connection(parent_sock.detach())
-    conn.send((fn_path, init_path))
+    conn.send((fn_path, init_path, tuple(init_args)))
     del name  # (kept for messages; a fresh interpreter has no process name to set)
     return _Process(popen), conn
 
@@ -179,9 +180,9 @@ def _start_worker_process(fn_path: str, init_path: str | None, name: str):
 class _Worker:
     """One worker process and what it is doing."""
 
-    def __init__(self, fn_path: str, init_path: str | None, name: str):
+    def __init__(self, fn_path: str, init_path: str | None, name: str, init_args: tuple = ()):
         self.name = name
-        self.process, self.conn = _start_worker_process(fn_path, init_path, name)
+        self.process, self.conn = _start_worker_process(fn_path, init_path, name, init_args)
         self.ready = False
         self.started_at = time.monotonic()
         self.current: collections.deque = collections.deque()  # item keys in flight, in order
@@ -215,7 +216,9 @@ class VerifyPool:
       fn: "module:function" imported in each worker (must be importable there).
       num_workers: worker processes.
       timeout_s: wall-clock seconds allowed per item; a worker past it is killed and replaced.
-      initializer: optional "module:function" called once in each worker before it takes work.
+      initializer: optional "module:function" called once in each worker before it takes work
+        (with initializer_args, picklable: e.g. what to load), so that its imports do not count
+        against the first item's timeout (startup_timeout_s bounds it instead).
       start_method: "spawn" only (a fresh interpreter per worker; "fork" and "forkserver" are
         refused: the parent has JAX threads, and a forkserver re-imports __main__).
       max_items_per_worker: recycle a worker after this many items (bounds sympy cache growth).
@@ -227,7 +230,8 @@ class VerifyPool:
     """
 
     def __init__(self, fn: str, num_workers: int = 2, timeout_s: float = 10.0,
-                 initializer: str | None = None, start_method: str = "spawn",
+                 initializer: str | None = None, initializer_args: tuple = (),
+                 start_method: str = "spawn",
                  max_items_per_worker: int | None = 20_000,
                  startup_timeout_s: float = 300.0, chunk_size: int | None = None):
         if num_workers < 1:
@@ -239,6 +243,7 @@ class VerifyPool:
                              f"JAX process), got {start_method!r}")
         self.fn = fn
         self.initializer = initializer
+        self.initializer_args = tuple(initializer_args)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.max_items_per_worker = max_items_per_worker
@@ -258,7 +263,8 @@ class VerifyPool:
 
     def _new_worker(self) -> _Worker:
         self._spawned += 1
-        return _Worker(self.fn, self.initializer, name=f"verify-worker-{self._spawned}")
+        return _Worker(self.fn, self.initializer, name=f"verify-worker-{self._spawned}",
+                       init_args=self.initializer_args)
 
     def _replace(self, idx: int, graceful: bool) -> None:
         self._workers[idx].stop(graceful=graceful)
