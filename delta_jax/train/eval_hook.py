@@ -94,8 +94,8 @@ def write_eval(run: Run, params, step: int, kind: str = EVAL, should_stop=None) 
 def evals_due(cfg, step: int) -> tuple[str, ...]:
     """The evaluations the training loop runs at `step`, in order: data.eval's (EVAL) with
     train.eval_before at 0, train.eval_after at train.steps and, without validations, every
-    train.eval_every steps between; with validations (config.validation_on) VAL every
-    train.eval_every steps from the first to the last, before the EVAL of the last step."""
+    train.eval_every steps between; with validations (config.validation_on) VAL at every
+    multiple of train.eval_every up to train.steps (the last step's before its EVAL)."""
     steps, every = cfg.train.steps, cfg.train.eval_every
     periodic = bool(every) and 0 < step <= steps and step % every == 0
     ends = (step == 0 and cfg.train.eval_before) or (step >= steps and cfg.train.eval_after)
