@@ -39,6 +39,16 @@ def test_rollout_rows_are_prompt_major_with_the_losss_mean_token_weight():
     assert [r["reward"] for r in rows] == [1.0, 0.0, -1.0, 0.5]
     assert all(r["step"] == 7 for r in rows)
     assert json.loads(json.dumps(rows)) == rows  # plain JSON types only
+    assert "token_weights" not in rows[0]
+    ids = [[[5, 6], [7]], [[8, 9, 1], [3, 4, 1]]]
+    tokens = generations.rollout_rows(
+        7, records, texts, rewards=[1, 0, -1, 0.5], correct=[1, 0, 0, 1],
+        advantages=[0.7, -0.7, 0.0, 0.0], response_lengths=[2, 1, 3, 3],
+        truncated=[False, False, True, False], loss_mask=mask, token_weights=weights,
+        response_ids=ids)
+    assert [r["token_ids"] for r in tokens] == [[5, 6], [7], [8, 9, 1], [3, 4, 1]]
+    assert [r["token_weights"] for r in tokens] == [[1.2, 0.8], [0.5], [0.0, 0.0, 0.0],
+                                                    [1.0, 1.1, 0.9]]
 
 
 def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tmp_path):
@@ -49,7 +59,8 @@ def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tm
     eval/step_0_responses.jsonl, graded by the same rule, whose per-question counts of correct
     are step_0.json's."""
     cfg = tiny_rl_config(
-        "delta", train=dict(steps=2, keep=10, save_every=10, rollouts_every=2, eval_before=True,
+        "delta", train=dict(steps=2, keep=10, save_every=10, rollouts_every=2,
+                            rollouts_token_weights=True, eval_before=True,
                             eval_after=False, eval_every=0, export_final=False),
         data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=3, max_new_tokens=8,
                                                save_responses=True),
@@ -83,6 +94,10 @@ def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tm
         assert r["answer"] == str(prep.rollout.records[i]["answer"])
         assert r["advantage"] == pytest.approx(float(rb.advantages[r["row"]]))
         assert r["response_tokens"] == int(rb.response_lengths[r["row"]])
+        assert r["token_ids"] == list(samples.response_ids[i][j])
+        n = len(r["token_ids"])  # the weights the loss gave each of them, token by token
+        np.testing.assert_allclose(r["token_weights"], batch["token_weights"][r["row"]][:n]
+                                   * batch["response_mask"][r["row"]][:n], atol=6e-5)
         m = batch["response_mask"][r["row"]]
         if m.sum() > 0:
             want = float((batch["token_weights"][r["row"]] * m).sum() / m.sum())

@@ -345,6 +345,10 @@ def default_config() -> config_dict.ConfigDict:
     # mean token weight): workdir/rollouts/step_<N>.jsonl (train/generations.py). The 8B
     # recipe's 2,048 responses of up to 20k tokens are up to ~170 MB a step.
     c.train.rollouts_every = 0
+    # With rollouts_every: each row also holds its response's token ids ("token_ids", the stop
+    # token included) and the weight the loss gave each ("token_weights", 0 where a token is
+    # not in the loss): DelTA's coefficients token by token over the run (~6 bytes a token).
+    c.train.rollouts_token_weights = False
     # JAX's persistent compilation cache: a rerun of the same shapes (a sweep, a resume) loads
     # its compiled programs instead of compiling them again. "" = off; JAX_COMPILATION_CACHE_DIR,
     # where set, wins. Off on the CPU backend (xla_env.enable_compilation_cache says why).
@@ -840,7 +844,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "sft.save_every",
                     "train.eval_every", "train.eval_before", "train.eval_after",
                     "train.export_final", "train.progress_bar", "train.progress_every_s",
-                    "train.rollouts_every", "data.val",
+                    "train.rollouts_every", "train.rollouts_token_weights", "data.val",
                     "train.allow_config_change", "train.best_metric", "train.best_mode",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",

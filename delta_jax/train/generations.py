@@ -10,7 +10,9 @@ reward (shaped: what the advantages used), correct (unshaped 0/1), advantage, re
 truncated (cut at rollout.max_new_tokens), in_loss (false for a truncated response under
 rl.mask_truncated, or one without response tokens) and token_weight_mean (the mean over its
 tokens of the weight the loss gave them: DelTA's coefficient for method delta, times the
-rollout-correction weight with rl.rollout_is; 1 for grpo / dapo; null when not in the loss).
+rollout-correction weight with rl.rollout_is; 1 for grpo / dapo; null when not in the loss);
+with train.rollouts_token_weights also token_ids (the stop token included) and token_weights
+(that weight token by token, 0 outside the loss).
 
 An eval row: benchmark, id, sample, prompt, answer, response, correct (and response_tokens,
 truncated where the generate_fn reported them, as the sampler's does).
@@ -36,13 +38,16 @@ ROLLOUTS_DIR = "rollouts"
 
 def rollout_rows(step: int, records: Sequence[dict], texts: Sequence[Sequence[str]],
                  rewards, correct, advantages, response_lengths, truncated, loss_mask,
-                 token_weights) -> list[dict]:
+                 token_weights, response_ids: Sequence[Sequence[Sequence[int]]] | None = None
+                 ) -> list[dict]:
     """The rows of one RL step's batch (see the module docstring), prompt-major.
 
     records: the P prompt records ("prompt", "answer", optionally "id"); texts[i][j] the
     responses; rewards, correct, advantages, response_lengths, truncated: [P * G];
     loss_mask, token_weights: [P * G, R] host arrays (the response tokens the loss takes and the
-    weight it gives each)."""
+    weight it gives each). response_ids[i][j] (optional): the responses' token ids; given, each
+    row also holds them ("token_ids") and the loss's weight of each ("token_weights", rounded
+    to 4 decimals, 0 outside the loss)."""
     G = len(texts[0]) if texts else 0
     mask = np.asarray(loss_mask, np.float64)
     counted = mask.sum(axis=1)
@@ -62,6 +67,10 @@ def rollout_rows(step: int, records: Sequence[dict], texts: Sequence[Sequence[st
                 "in_loss": in_loss,
                 "token_weight_mean": float(weight_sum[r] / counted[r]) if in_loss else None,
             })
+            if response_ids is not None:
+                ids = [int(t) for t in response_ids[i][j]]
+                w = np.asarray(token_weights[r, :len(ids)], np.float64) * mask[r, :len(ids)]
+                rows[-1].update(token_ids=ids, token_weights=[round(float(x), 4) for x in w])
     return rows
 
 
@@ -86,7 +95,9 @@ def write_rollouts(run, step: int, out) -> str | None:
         return None
     rows = rollout_rows(step, roll.records, roll.samples.texts, rb.rewards, roll.accuracy,
                         rb.advantages, rb.response_lengths, rb.truncated,
-                        loss_mask(run.cfg, rb), weights)
+                        loss_mask(run.cfg, rb), weights,
+                        roll.samples.response_ids if run.cfg.train.rollouts_token_weights
+                        else None)
     path = files.write_jsonl(os.path.join(run.workdir, ROLLOUTS_DIR, f"step_{step}.jsonl"), rows)
     log.debug("step %d: %d responses written to %s", step, len(rows), path)
     return path
