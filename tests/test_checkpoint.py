@@ -86,14 +86,19 @@ def _garbage_meta(step_dir):
             f.write_text("{not json")
 
 
+def _saved_steps(directory, steps):
+    """`directory` with a checkpoint of _state(step) (data {"iter": step}) at each step."""
+    ckpt = Checkpointer(str(directory), keep=3)
+    for step in steps:
+        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
+    ckpt.close()
+    return directory
+
+
 @pytest.mark.parametrize("corrupt", [_truncate, _scramble, _drop_metadata, _garbage_meta],
                          ids=["truncated", "scrambled", "no-metadata", "garbage-meta"])
 def test_restore_latest_falls_back_past_an_unreadable_checkpoint(tmp_path, corrupt, caplog):
-    directory = tmp_path / "ckpt"
-    ckpt = Checkpointer(str(directory), keep=3)
-    for step in (1, 2):
-        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
-    ckpt.close()
+    directory = _saved_steps(tmp_path / "ckpt", (1, 2))
     corrupt(directory / "2")
     ckpt = Checkpointer(str(directory), keep=3)
     with caplog.at_level(logging.WARNING, logger="delta_jax.train"):
@@ -118,11 +123,7 @@ def test_a_read_only_checkpointer_reads_and_changes_nothing(tmp_path, caplog):
     reader = Checkpointer(str(missing), read_only=True)
     assert reader.restore_latest(_state(0)) is None and not missing.exists()
     reader.close()
-    directory = tmp_path / "ckpt"
-    ckpt = Checkpointer(str(directory), keep=3)
-    for step in (1, 2):
-        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
-    ckpt.close()
+    directory = _saved_steps(tmp_path / "ckpt", (1, 2))
     _truncate(directory / "2")
     before = sorted(p.relative_to(directory) for p in directory.rglob("*"))
     reader = Checkpointer(str(directory), read_only=True)
@@ -144,10 +145,8 @@ def test_restore_latest_skips_a_checkpoint_another_process_cannot_read(tmp_path,
     tests/test_multihost.py's two-process resume)."""
     from delta_jax.train import checkpoint as checkpoint_lib
 
-    directory = tmp_path / "ckpt"
+    directory = _saved_steps(tmp_path / "ckpt", (1, 2))
     ckpt = Checkpointer(str(directory), keep=3)
-    for step in (1, 2):
-        ckpt.save(step, _state(step), {"iter": step}, {"step": step}, force=True)
     asked = []
 
     def other_process_fails_on_2(ok):
