@@ -254,6 +254,14 @@ def test_eval_checkpoint_is_latest_none_or_a_step():
             validate_config(parse([base, f"--config.eval.checkpoint={value}"]))
 
 
+def test_entropy_top_frac_is_a_fraction():
+    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    assert validate_config(parse([base, "--config.rl.entropy_top_frac=0.2"])).rl.entropy_top_frac
+    for value in ("-0.1", "1.5"):
+        with pytest.raises(ConfigError, match=r"^rl\.entropy_top_frac: must be in \[0, 1\]"):
+            validate_config(parse([base, f"--config.rl.entropy_top_frac={value}"]))
+
+
 def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
     """A checkpoint path given to a random-init config (tiny.py with --config.model.path=...) was
     dropped without a word: the run trained, and mode=eval evaluated, random weights (eval even

@@ -202,3 +202,45 @@ def test_mask_truncated_takes_truncated_responses_out_of_the_loss(tmp_path, monk
                                   np.asarray(off.batch["advantages"]))
     assert on.metrics["rollout/masked_truncated"] == truncated.sum()
     assert "rollout/masked_truncated" not in off.metrics
+
+
+def test_entropy_top_frac_keeps_the_batchs_high_entropy_tokens(tmp_path, monkeypatch):
+    """rl.entropy_top_frac=0.2 (the 80/20 rule): on the same rollout as without it, the loss mask
+    is the response tokens whose old-policy entropy is at or above the batch's 0.8 quantile
+    (numpy's, from the pass's own entropies), the token weights are 0 elsewhere, the host copy
+    of the mask (what the credit report and the rollouts files read) is the device's, and the
+    metrics give the threshold and the fraction kept."""
+    recorded = []
+    real = rl_step_lib.phases.old_policy_features
+
+    def record(*args, **kwargs):
+        out = real(*args, **kwargs)
+        recorded.append(np.asarray(out.entropy))
+        return out
+
+    monkeypatch.setattr(rl_step_lib.phases, "old_policy_features", record)
+
+    def prepared(top_frac):
+        cfg = tiny_rl_config("delta", rl=dict(entropy_top_frac=top_frac))
+        run = build_scored_run(cfg, tmp_path / str(top_frac))
+        try:
+            return rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
+        finally:
+            run.close()
+
+    off, on = prepared(0.0), prepared(0.2)
+    entropy = recorded[-1]
+    np.testing.assert_array_equal(recorded[0], entropy)  # the same rollout and pass
+    live = np.asarray(off.batch["response_mask"]) > 0
+    threshold = np.quantile(entropy[live], 0.8)
+    want = (live & (entropy >= threshold)).astype(np.float32)
+    got = np.asarray(on.batch["response_mask"])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(on.loss_mask, got)
+    np.testing.assert_array_equal(off.loss_mask, live.astype(np.float32))
+    weights = np.asarray(on.batch["token_weights"])
+    assert np.all(weights[got == 0] == 0) and np.all(weights[got > 0] > 0)
+    assert on.metrics["rollout/entropy_threshold"] == pytest.approx(threshold, rel=1e-5)
+    assert on.metrics["rollout/entropy_kept_frac"] == pytest.approx(want.sum() / live.sum())
+    assert 0.1 < on.metrics["rollout/entropy_kept_frac"] <= 0.25
+    assert "rollout/entropy_threshold" not in off.metrics

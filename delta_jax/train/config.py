@@ -286,6 +286,11 @@ def default_config() -> config_dict.ConfigDict:
     # the KL / entropy terms and DelTA's statistics); they still count in their group's
     # advantages. Off in the paper's runs (the overlong penalty, rewards.overlong, shapes them).
     c.rl.mask_truncated = False
+    # The high-entropy minority (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939):
+    # > 0 keeps in the loss only the response tokens whose old-policy entropy is in the top
+    # this fraction of the batch's (the paper's 0.2); the others leave it as rl.mask_truncated's
+    # do (rl/high_entropy.py). 0 = off, as in the DelTA paper.
+    c.rl.entropy_top_frac = 0.0
 
     c.delta = config_dict.ConfigDict()
     c.delta.num_refine = 1
@@ -757,6 +762,8 @@ def _check_combinations(c):
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
+    _require(0 <= c.rl.entropy_top_frac <= 1, "rl.entropy_top_frac",
+             f"must be in [0, 1] (0 = off; the paper's 0.2), got {c.rl.entropy_top_frac}")
     _require(c.eval.val_k >= 0, "eval.val_k", f"must be >= 0 (0 = eval.k), got {c.eval.val_k}")
     _require(c.eval.checkpoint in ("latest", "none") or str(c.eval.checkpoint).isdigit(),
              "eval.checkpoint", f"'latest', 'none' or a step number, got {c.eval.checkpoint!r}")

@@ -84,7 +84,6 @@ def write_rollouts(run, step: int, out) -> str | None:
     when train.rollouts_every says so; returns the path (None when not due, and on processes
     other than 0). Collective when due: every process fetches the token weights."""
     from delta_jax.sampling.output import fetch_global
-    from delta_jax.train.rl_step import loss_mask
 
     if not rollouts_due(run.cfg, step):
         return None
@@ -95,7 +94,7 @@ def write_rollouts(run, step: int, out) -> str | None:
         return None
     rows = rollout_rows(step, roll.records, roll.samples.texts, rb.rewards, roll.accuracy,
                         rb.advantages, rb.response_lengths, rb.truncated,
-                        loss_mask(run.cfg, rb), weights,
+                        prep.loss_mask, weights,
                         roll.samples.response_ids if run.cfg.train.rollouts_token_weights
                         else None)
     path = files.write_jsonl(os.path.join(run.workdir, ROLLOUTS_DIR, f"step_{step}.jsonl"), rows)

@@ -28,7 +28,9 @@ from delta_jax import sharding as sharding_lib
 from delta_jax.rl import credit, losses, rollout_correction
 from delta_jax.rl import rewards as rewards_lib
 from delta_jax.rl.advantages import compute_advantages
+from delta_jax.rl.high_entropy import high_entropy_mask
 from delta_jax.sampling import GenerationStopped
+from delta_jax.sampling.output import fetch_global
 from delta_jax.sampling.progress import ProgressLog
 from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import phases
@@ -73,7 +75,9 @@ class PreparedBatch:
     fit ({} without DelTA); metrics: rollout and timing metrics so far; credit_classes: int8
     [N, R] ground-truth credit classes of the response tokens (rl.credit codes) once
     credit_report has labelled the batch (runs with a run.credit_labeller: the synthetic task),
-    else None.
+    else None; loss_mask: the host copy of batch["response_mask"], the response tokens the loss
+    takes (less the truncated responses' with rl.mask_truncated, less the low-entropy tokens
+    with rl.entropy_top_frac).
     """
     rollout: phases.Rollout
     packed: rollout_lib.RolloutBatch
@@ -82,6 +86,7 @@ class PreparedBatch:
     delta_diagnostics: dict
     metrics: dict
     credit_classes: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None  # fp32 [N, R] host: the response tokens the loss takes
 
 
 @dataclasses.dataclass
@@ -144,7 +149,9 @@ def prepare_batch(run: Run, params, step: int,
     """Rollout, rewards, advantages, the old-policy (and reference) pass and, when the run
     computes them (run.with_delta), the DelTA weights of RL step `step`; token_weights are the
     DelTA weights for method delta and the response mask otherwise, times the sampler-vs-trainer
-    importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py).
+    importance weights when rl.rollout_is is "tis" or "mis" (rl/rollout_correction.py). With
+    rl.entropy_top_frac the loss mask keeps only the batch's high-entropy tokens (after the
+    old-policy pass that gives their entropy; rl/high_entropy.py).
     should_stop: asked after every decode call of the rollout, once it is scored and between the
     old-policy pass's chunks; when true, StepAbandoned (the rest of the step does not run)."""
     cfg = run.cfg
@@ -209,6 +216,13 @@ def prepare_batch(run: Run, params, step: int,
         metrics["time/ref_policy_s"] = time.perf_counter() - t0
     ntok = float(jnp.sum(mask))
     metrics["rollout/old_entropy"] = float(jnp.sum(old.entropy * mask)) / max(ntok, 1.0)
+    host_mask = loss_mask(cfg, rb)
+    if cfg.rl.entropy_top_frac > 0:  # the high-entropy minority alone (rl/high_entropy.py)
+        keep, threshold = high_entropy_mask(old.entropy, mask, cfg.rl.entropy_top_frac)
+        mask = batch["response_mask"] = jax.device_put(mask * keep, mask.sharding)
+        host_mask = np.asarray(fetch_global(mask), np.float32)
+        metrics["rollout/entropy_threshold"] = float(threshold)
+        metrics["rollout/entropy_kept_frac"] = float(host_mask.sum()) / max(ntok, 1.0)
     is_weights, is_metrics = rollout_correction.rollout_is_weights(
         old.logp, sharding_lib.put_rows(rb.sampler_logp, run.mesh), mask,
         mode=cfg.rl.rollout_is, cap=cfg.rl.rollout_is_cap)
@@ -236,7 +250,7 @@ def prepare_batch(run: Run, params, step: int,
         weights = weights * is_weights
     batch["token_weights"] = weights.astype(jnp.float32)
     return PreparedBatch(rollout=roll, packed=rb, batch=batch, delta_weights=delta_w,
-                         delta_diagnostics=diag, metrics=metrics)
+                         delta_diagnostics=diag, metrics=metrics, loss_mask=host_mask)
 
 
 def credit_report(run: Run, prep: PreparedBatch) -> dict:
@@ -247,14 +261,12 @@ def credit_report(run: Run, prep: PreparedBatch) -> dict:
     Keeps the labels in prep.credit_classes. {} when the run has no labeller."""
     if run.credit_labeller is None:
         return {}
-    from delta_jax.sampling.output import fetch_global
-
     t0 = time.perf_counter()
     rb = prep.packed
     classes = run.credit_labeller(prep.rollout.records, rb.input_ids[:, rb.prompt_len:],
                                   rb.response_mask)
     weights = np.asarray(fetch_global(prep.batch["token_weights"]), np.float32)
-    out = credit.credit_metrics(classes, weights, rb.advantages, loss_mask(run.cfg, rb))
+    out = credit.credit_metrics(classes, weights, rb.advantages, prep.loss_mask)
     prep.credit_classes = classes
     out["time/credit_s"] = time.perf_counter() - t0
     return out
