@@ -161,6 +161,16 @@ def test_the_steps_sampler_metrics(tmp_path, caplog):
                                   np.asarray(wide.packed.input_ids))
 
 
+def _prepared_step_1(workdir, **rl):
+    """prepare_batch of RL step 1 of the tiny delta config with these rl.* fields."""
+    cfg = tiny_rl_config("delta", rl=rl)
+    run = build_scored_run(cfg, workdir)
+    try:
+        return rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
+    finally:
+        run.close()
+
+
 def test_mask_truncated_takes_truncated_responses_out_of_the_loss(tmp_path, monkeypatch):
     """rl.mask_truncated (DAPO's overlong filtering), on the same rollout (same seed) with and
     without it: the loss mask and the DelTA token weights are 0 on every token of a truncated
@@ -177,15 +187,8 @@ def test_mask_truncated_takes_truncated_responses_out_of_the_loss(tmp_path, monk
 
     monkeypatch.setattr(rl_step_lib.rollout_lib, "pack_rollout", pack_half_stopped)
 
-    def prepared(mask_truncated):
-        cfg = tiny_rl_config("delta", rl=dict(mask_truncated=mask_truncated))
-        run = build_scored_run(cfg, tmp_path / str(mask_truncated))
-        try:
-            return rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
-        finally:
-            run.close()
-
-    off, on = prepared(False), prepared(True)
+    off = _prepared_step_1(tmp_path / "off", mask_truncated=False)
+    on = _prepared_step_1(tmp_path / "on", mask_truncated=True)
     truncated = on.packed.truncated
     assert 0 < truncated.sum() < truncated.size
     np.testing.assert_array_equal(on.packed.response_mask, off.packed.response_mask)
@@ -220,15 +223,8 @@ def test_entropy_top_frac_keeps_the_batchs_high_entropy_tokens(tmp_path, monkeyp
 
     monkeypatch.setattr(rl_step_lib.phases, "old_policy_features", record)
 
-    def prepared(top_frac):
-        cfg = tiny_rl_config("delta", rl=dict(entropy_top_frac=top_frac))
-        run = build_scored_run(cfg, tmp_path / str(top_frac))
-        try:
-            return rl_step_lib.prepare_batch(run, initial_state(run).params, 1)
-        finally:
-            run.close()
-
-    off, on = prepared(0.0), prepared(0.2)
+    off = _prepared_step_1(tmp_path / "off", entropy_top_frac=0.0)
+    on = _prepared_step_1(tmp_path / "on", entropy_top_frac=0.2)
     entropy = recorded[-1]
     np.testing.assert_array_equal(recorded[0], entropy)  # the same rollout and pass
     live = np.asarray(off.batch["response_mask"]) > 0
