@@ -77,7 +77,7 @@ def get_config():
     c.train.save_every = 25
     c.train.eval_every = 0
     c.train.keep = 2
-    c.train.rollouts_every = 20   # what the policy wrote: rollouts/step_20.jsonl, ... (~40 KB each)
+    c.train.rollouts_every = 20   # what the policy wrote: rollouts/step_20.jsonl, ... (~70 KB each)
     c.sft.steps = 140             # a deliberately short warm start: ~30-50% at T = 1, room for RL
     c.sft.batch_size = 32
     c.sft.lr = 2e-3
