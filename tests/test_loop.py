@@ -263,6 +263,35 @@ def test_validations_of_their_own_run_between_the_evals_and_pick_the_best(tmp_pa
     assert evals() == [(0, "eval"), (1, "val"), (2, "val"), (2, "eval")]
 
 
+def test_a_stopped_validation_is_validated_again_on_resume(tmp_path, monkeypatch):
+    """SIGTERM during step 1's validation (generate() calls: 1 the eval before, 2 step 1's
+    rollout, 3 the validation): checkpoint 1 holds no val rows, and the resumed run validates
+    step 1 before step 2, each evaluation once."""
+    val = tmp_path / "v.jsonl"
+    val.write_text("".join(json.dumps({"id": f"v{i}", "problem": f"What is {i} + 1?",
+                                       "answer": str(i + 1)}) + "\n" for i in range(2)))
+    cfg = lambda: tiny_rl_config(  # noqa: E731
+        "dapo", train=dict(steps=2, keep=10, save_every=10, eval_every=1, eval_before=True,
+                           eval_after=True, export_final=False),
+        data=dict(eval="synthetic", val=str(val)), rollout=dict(decode_steps_per_call=4),
+        eval=dict(k=2, val_k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+        rewards=dict(num_workers=1))
+    workdir = tmp_path / "w"
+    ended = _signal_in_generate(monkeypatch, lambda number: number == 3)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        _train(cfg(), workdir)
+    assert ended == ["done", "done", "stopped"] and stopped.value.step == 1
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert not any(k.startswith("val/") for r in rows for k in r)
+    monkeypatch.undo()
+    _train(cfg(), workdir)
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    order = [(r["step"], kind) for r in rows for kind in ("eval", "val", "policy")
+             if any(k.startswith(f"{kind}/") for k in r)]
+    assert order == [(0, "eval"), (1, "policy"), (1, "val"), (2, "policy"), (2, "val"),
+                     (2, "eval")]
+
+
 def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     """train.best_metric: the loop offers every eval (before, periodic, after) to the best
     policy; with the metric's values made 0.1, 0.5, 0.3 at steps 0, 1, 2, workdir/best holds
