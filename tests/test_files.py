@@ -8,7 +8,8 @@ from delta_jax import files
 
 
 def _read(path):
-    return [json.loads(line) for line in open(path, encoding="utf-8")]
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 def test_a_file_is_replaced_whole_and_no_temporary_stays(tmp_path):

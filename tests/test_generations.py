@@ -12,7 +12,8 @@ from tests.rl_fixtures import TextLengthScorer, build_scored_run, tiny_rl_config
 
 
 def _read(path):
-    return [json.loads(line) for line in open(path, encoding="utf-8")]
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 def test_rollout_rows_are_prompt_major_with_the_losss_mean_token_weight():
