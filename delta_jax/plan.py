@@ -949,6 +949,8 @@ PHASE_KNOBS = {
              "eval.max_new_tokens / data.max_prompt_len",
              "model.attention=blockwise (prefill scores)"),
 }
+
+
 def replicated_state(mesh_shape) -> bool:
     """Whether a (data, fsdp, tensor) mesh puts a whole replica of the parameters, gradients and
     optimizer state on each of several devices (data parallelism alone)."""

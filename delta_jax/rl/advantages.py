@@ -85,9 +85,7 @@ def rloo_advantages(rewards: Array, stats: GroupStats, eps: float = 1e-6) -> Arr
 def batch_std_advantages(rewards: Array, stats: GroupStats, eps: float = 1e-6) -> Array:
     """(R - group mean) / (std of the batch's rewards, ddof=1, + eps)
     (https://arxiv.org/abs/2508.08221, https://arxiv.org/abs/2501.03262)."""
-    n = rewards.shape[0]
-    centred = rewards - jnp.mean(rewards)
-    batch_std = jnp.sqrt(jnp.sum(jnp.square(centred)) / max(n - 1, 1))
+    batch_std = group_stats(rewards, group_size=rewards.shape[0]).std  # one group: the batch
     return jnp.where(stats.count > 1, (rewards - stats.mean) / (batch_std + eps), 0.0)
 
 

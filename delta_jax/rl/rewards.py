@@ -523,6 +523,7 @@ class RewardScorer:
         if self.python_fn:
             with self._lock:
                 user_rewards, accuracy, timed_out, errored = self._user_scores(responses, golds)
+            # no answer to extract: every response counts as answered (num_no_box 0)
             answers, num_boxes, hits = ["-"] * n, np.zeros(n, np.int32), 0
         elif self._code is not None:
             with self._lock:
@@ -568,7 +569,6 @@ class RewardScorer:
             **extra,
         }
         return rewards.astype(np.float32), info
-
 
     def _user_scores(self, responses, golds):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],

@@ -791,12 +791,18 @@ def benchmark_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path.strip()))[0]
 
 
+def benchmark_paths(files: str) -> dict[str, str]:
+    """{name: path} of a data.eval / data.val value of benchmark files (comma separated; the
+    name is the file's stem); {} for "" and for "synthetic" (generated in the workdir)."""
+    if files == "synthetic":
+        return {}
+    return {benchmark_name(p): p.strip() for p in str(files).split(",") if p.strip()}
+
+
 def benchmark_names(files: str) -> list[str]:
     """The benchmark names of a data.eval / data.val value (comma separated files, or
     "synthetic")."""
-    if files == "synthetic":
-        return [SYNTHETIC_BENCHMARK]
-    return [benchmark_name(p) for p in str(files).split(",") if p.strip()]
+    return [SYNTHETIC_BENCHMARK] if files == "synthetic" else list(benchmark_paths(files))
 
 
 EVAL, VAL = "eval", "val"  # the two kinds of evaluation: data.eval's, and data.val's validations

@@ -25,6 +25,12 @@ log = logging.getLogger("delta_jax.train")
 _EVAL_SALT, _VAL_SALT = 11, 29  # each benchmark i draws with salt + 1 + i
 
 
+def benchmarks_of(run: Run, kind: str) -> dict:
+    """The benchmarks {name: rows} an evaluation of `kind` evaluates: data.eval's (EVAL), or the
+    validations' (VAL: data.val's, else data.eval's)."""
+    return run.benchmarks if kind == EVAL else run.val_benchmarks
+
+
 def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
                     file_stem: str | None = None, should_stop=None):
     """avg@k / pass@k of `kind`'s benchmarks (EVAL: data.eval at eval.k; VAL: the validation,
@@ -35,7 +41,7 @@ def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
     then)."""
     cfg = run.cfg
     settings = eval_settings(cfg, kind)
-    benchmarks = run.benchmarks if kind == EVAL else run.val_benchmarks
+    benchmarks = benchmarks_of(run, kind)
     if not benchmarks:
         return {}, None
     from delta_jax import evaluation
@@ -63,7 +69,6 @@ def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
     metrics[f"time/{kind}_s"] = time.perf_counter() - t0
     if generate_fn.sampler_counters:  # the sampler's side: tokens/s, preemptions, ...
         metrics.update(sampler_metrics(generate_fn.sampler_counters, kind))
-    os.makedirs(os.path.join(run.workdir, "eval"), exist_ok=True)
     stem = file_stem or (f"step_{step}" if kind == EVAL else f"{kind}_step_{step}")
     if jax.process_index() == 0:
         files.write_text(os.path.join(run.workdir, "eval", f"{stem}.json"), result.to_json())

@@ -23,8 +23,8 @@ from delta_jax.train import generations
 from delta_jax.train import sft as sft_lib
 from delta_jax.train.best import BestPolicy
 from delta_jax.train.checkpoint import Checkpointer
-from delta_jax.train.config import EVAL
-from delta_jax.train.eval_hook import eval_recorded, evals_due, evaluate_policy, write_eval
+from delta_jax.train.eval_hook import (benchmarks_of, eval_recorded, evals_due, evaluate_policy,
+                                      write_eval)
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
@@ -205,8 +205,7 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         cut one short."""
         for kind in evals_due(cfg, step):
             if only_missing:
-                if (not (run.benchmarks if kind == EVAL else run.val_benchmarks)
-                        or eval_recorded(run, step, kind)):
+                if not benchmarks_of(run, kind) or eval_recorded(run, step, kind):
                     continue
                 log.info("%s step %d: not recorded before the stop; evaluating it now", kind, step)
             metrics = write_eval(run, params, step, kind, should_stop=stop.requested)

@@ -188,9 +188,10 @@ def prepare_batch(run: Run, params, step: int,
     metrics.update(rollout_lib.rollout_metrics(rb, roll.accuracy, cfg.rollout.max_new_tokens))
     if cfg.rl.mask_truncated:
         metrics["rollout/masked_truncated"] = float(rb.truncated.sum())
+    host_mask = loss_mask(cfg, rb)
     batch = sharding_lib.put_batch({"input_ids": rb.input_ids,
                                     "attention_mask": rb.attention_mask,
-                                    "response_mask": loss_mask(cfg, rb),
+                                    "response_mask": host_mask,
                                     "advantages": rb.advantages}, run.mesh)
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
 
@@ -216,7 +217,6 @@ def prepare_batch(run: Run, params, step: int,
         metrics["time/ref_policy_s"] = time.perf_counter() - t0
     ntok = float(jnp.sum(mask))
     metrics["rollout/old_entropy"] = float(jnp.sum(old.entropy * mask)) / max(ntok, 1.0)
-    host_mask = loss_mask(cfg, rb)
     if cfg.rl.entropy_top_frac > 0:  # the high-entropy minority alone (rl/high_entropy.py)
         keep, threshold = high_entropy_mask(old.entropy, mask, cfg.rl.entropy_top_frac)
         mask = batch["response_mask"] = jax.device_put(mask * keep, mask.sharding)

@@ -56,11 +56,7 @@ def prepare_assets(cfg, workdir: str) -> dict:
             if cfg.data[kind] == "synthetic":
                 out[kind][config_lib.SYNTHETIC_BENCHMARK] = splits["test"]
     for kind in ("eval", "val"):
-        if cfg.data[kind] and cfg.data[kind] != "synthetic":
-            for path in str(cfg.data[kind]).split(","):
-                path = path.strip()
-                if path:
-                    out[kind][config_lib.benchmark_name(path)] = path
+        out[kind].update(config_lib.benchmark_paths(cfg.data[kind]))
     if cfg.tokenizer.path == "synthetic":
         from delta_jax.data import tiny_task
         out["tokenizer"] = tiny_task.prepare_tiny_tokenizer(os.path.join(workdir, "tokenizer"))
