@@ -71,7 +71,8 @@ class ParityScorer:
     def __init__(self, seed: int):
         self.seed = seed
 
-    def score(self, responses, golds, response_lengths=None, truncated=None):
+    def score(self, responses, golds, response_lengths=None, truncated=None,
+              problems=None):
         rewards = np.array([zlib.crc32(f"{self.seed}:{r}".encode()) & 1 for r in responses],
                            np.float32)
         info = {"accuracy": rewards.copy(), "num_timeouts": 0, "num_no_box": len(responses)}

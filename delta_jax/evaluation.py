@@ -460,7 +460,9 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                                                                       name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
-            _, info = score_across_processes(scorer_for(kind).score, flat, golds)
+            problems = [r["problem"] for r in rows for _ in range(k)]
+            _, info = score_across_processes(scorer_for(kind).score, flat, golds,
+                                             problems=problems)
             correct = np.asarray(info["accuracy"], np.float32).reshape(len(rows), k)
             results[name] = BenchmarkResult(
                 name=name, ids=[r["id"] for r in rows],

@@ -353,8 +353,9 @@ def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):
     class CodeScorer:  # stands in for the code sandbox: every program passes
         calls = []
 
-        def score(self, responses, golds, response_lengths=None, truncated=None):
-            self.calls.append(list(golds))
+        def score(self, responses, golds, response_lengths=None, truncated=None,
+                  problems=None):
+            self.calls.append((list(golds), list(problems)))
             n = len(responses)
             return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),
                                             "num_no_box": 0, "num_timeouts": 0, "num_errors": 0}
@@ -368,7 +369,8 @@ def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):
     result = ev.evaluate(gen, benchmarks, k=2, format_prompt={"math": lambda p: f"M: {p}"},
                          scorer={"math": scorer, "code": CodeScorer()})
     assert prompts == ["M: 1 + 1?", ev.default_code_prompt("f(x) = 2x")]
-    assert CodeScorer.calls == [[spec, spec]]  # the code golds went to the code scorer only
+    # the code golds went to the code scorer only, with their problems' text
+    assert CodeScorer.calls == [([spec, spec], ["f(x) = 2x"] * 2)]
     assert result.benchmarks["m"].num_correct.tolist() == [2]
     assert result.benchmarks["c"].num_correct.tolist() == [2]
 

@@ -184,7 +184,7 @@ class RecordingScorer:
     def __init__(self):
         self.seen = []
 
-    def score(self, texts, golds, response_lengths=None, truncated=None):
+    def score(self, texts, golds, response_lengths=None, truncated=None, problems=None):
         self.seen += list(texts)
         acc = np.asarray([float(t == g) for t, g in zip(texts, golds)], np.float32)
         return acc, {"accuracy": acc, "num_timeouts": 0, "num_no_box": int((acc == 0).sum()),

@@ -404,6 +404,19 @@ def length_parity(response, answer):
 
 def verl_style(response, answer):
     return {"score": -0.5 if response != answer else 2.0, "acc": response == answer}
+
+def mentions_problem(response, answer, problem):
+    """1 when the response names the problem's first word."""
+    return float(problem.split()[0] in response)
+
+def with_kwargs(response, answer, **info):
+    return float(info["problem"] == response)
+
+class Grader:
+    def __call__(self, response, answer, *, problem=None):
+        return float(problem is None)
+
+grader = Grader()
 '''
 
 
@@ -473,6 +486,47 @@ def test_a_user_reward_returning_a_verl_style_dict(user_reward_file):
         rewards, info = scorer.score(["4", "5"], ["4", "4"])
     np.testing.assert_allclose(rewards, [2.0, -0.5])
     np.testing.assert_array_equal(info["accuracy"], [1, 0])
+
+
+@pytest.mark.parametrize("fn, takes", [
+    (lambda response, answer: 0, False), (lambda response, answer, problem: 0, True),
+    (lambda response, answer, *, problem=None: 0, True), (lambda r, a, **kw: 0, True),
+    (lambda r, a, *problem: 0, False), (lambda problem, /, r, a: 0, False), (len, False)])
+def test_takes_problem_reads_the_signature(fn, takes):
+    assert R.takes_problem(fn) is takes
+
+
+def test_a_user_reward_that_takes_the_problem_gets_each_responses_problem(user_reward_file):
+    """A python_fn with a `problem` parameter or **kwargs gets score(problems=)'s text of each
+    response (through the worker pool); one without is called as fn(response, answer); no
+    problems given: no problem= (a keyword-only default stays None); a count that does not
+    match the responses is refused."""
+    responses = ["cats are nice", "dogs bark", "cats", "a bird"]
+    problems = ["cats please", "cats please", "dogs please", "a bird"]
+    with R.RewardScorer("python", num_workers=2,
+                        python_fn=f"{user_reward_file}:mentions_problem") as scorer:
+        rewards, info = scorer.score(responses, ["x"] * 4, problems=problems)
+        np.testing.assert_array_equal(rewards, [1, 0, 0, 1])
+        assert info["num_errors"] == 0
+        _, info = scorer.score(responses, ["x"] * 4)  # no problems: it cannot be called
+        assert info["num_errors"] == 4
+        with pytest.raises(ValueError, match="4 responses but 3 problems"):
+            scorer.score(responses, ["x"] * 4, problems=problems[:3])
+    with R.RewardScorer("python", num_workers=1,
+                        python_fn=f"{user_reward_file}:with_kwargs") as scorer:
+        rewards, _ = scorer.score(responses, ["x"] * 4, problems=problems)
+    np.testing.assert_array_equal(rewards, [0, 0, 0, 1])
+    with R.RewardScorer("python", num_workers=1,
+                        python_fn=f"{user_reward_file}:length_parity") as scorer:
+        rewards, info = scorer.score(["ab", "abc"], ["x"] * 2, problems=["p", "q"])
+    np.testing.assert_array_equal(rewards, [1, 0])
+    assert info["num_errors"] == 0
+    with R.RewardScorer("python", num_workers=1,
+                        python_fn=f"{user_reward_file}:grader") as scorer:
+        with_problems, _ = scorer.score(["a", "b"], ["x"] * 2, problems=["p", "q"])
+        without, _ = scorer.score(["a", "b"], ["x"] * 2)
+    np.testing.assert_array_equal(with_problems, [0, 0])
+    np.testing.assert_array_equal(without, [1, 1])
 
 
 def test_a_slow_importing_user_reward_loads_before_the_workers_take_work(tmp_path):

@@ -269,9 +269,9 @@ def test_math_eval_scorer_grades_in_the_training_scorers_pool(tmp_path):
 
 
 def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
-    """rewards.name=python: the run's training rewards are the user's function's plus DAPO's
-    overlong shaping, 0 where it raised, counted in rollout/num_errors (one dapo step, its
-    rollout written by train.rollouts_every), its math
+    """rewards.name=python: the run's training rewards are the user's function's, given each
+    response's problem text, plus DAPO's overlong shaping, 0 where it raised, counted in
+    rollout/num_errors (one dapo step, its rollout written by train.rollouts_every), its math
     benchmark is graded by the same function in the same worker pool, and a file that does not
     load stops the start naming rewards.python_fn."""
     import json
@@ -282,10 +282,10 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
     from tests.rl_fixtures import LOOP_WITHOUT_EVAL, single_device_mesh
 
     (tmp_path / "parity.py").write_text(
-        "def reward(response, answer):\n"
+        "def reward(response, answer, problem):\n"
         "    if len(response) % 3 == 0:\n"
         "        raise ValueError('a third of them')\n"
-        "    return {'reward': 2.0 if len(response) % 2 == 0 else -1.0,\n"
+        "    return {'reward': (2.0 if len(response) % 2 == 0 else -1.0) + len(problem) / 1e3,\n"
         "            'correct': len(response) % 2 == 0}\n")
     fn = f"{tmp_path}/parity.py:reward"
     cfg = tiny_rl_config("dapo", rewards=dict(name="python", python_fn=fn, num_workers=1),
@@ -296,7 +296,10 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
     try:
         assert run.eval_scorers["math"].pool is run.scorer.pool
         loop.train(cfg, str(tmp_path / "w"), run=run)
-        rows = [json.loads(l) for l in open(tmp_path / "w" / "rollouts" / "step_1.jsonl")]
+        with open(tmp_path / "w" / "rollouts" / "step_1.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        with open(tmp_path / "w" / "synthetic" / "train.jsonl") as f:
+            problem_of = {r["id"]: r["problem"] for r in map(json.loads, f)}
         assert len(rows) == 16
         errors = [len(r["response"]) % 3 == 0 for r in rows]
         step = [json.loads(l) for l in open(tmp_path / "w" / "metrics.jsonl")][-1]
@@ -304,11 +307,12 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
         assert 0 < sum(errors) < len(rows)
         for r, error in zip(rows, errors):
             even = len(r["response"]) % 2 == 0 and not error
-            shaped = (0.0 if error else 2.0 if even else -1.0) + float(overlong_penalty(
+            own = 0.0 if error else (2.0 if even else -1.0) + len(problem_of[r["id"]]) / 1e3
+            shaped = own + float(overlong_penalty(
                 [r["response_tokens"]], cfg.rollout.max_new_tokens, cfg.rewards.overlong_buffer,
                 cfg.rewards.overlong_factor)[0])
             assert r["reward"] == pytest.approx(shaped) and r["correct"] == float(even)
-        _, info = run.eval_scorers["math"].score(["ab", "abc"], ["1", "1"])
+        _, info = run.eval_scorers["math"].score(["ab", "abc"], ["1", "1"], problems=["q"] * 2)
         assert info["accuracy"].tolist() == [1.0, 0.0]
     finally:
         run.close()

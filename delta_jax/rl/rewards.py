@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import re
@@ -316,9 +317,25 @@ def user_reward_value(value) -> tuple[float, float]:
     return reward, float(bool(correct) if correct is not None else reward > 0)
 
 
-def user_reward_in_worker(spec: str, response: str, answer: str) -> tuple[float, float]:
-    """VerifyPool item of a user reward: (reward, correct) of one response."""
-    return user_reward_value(load_user_reward(spec)(response, answer))
+def takes_problem(fn: Callable) -> bool:
+    """Whether a user reward takes the problem: a parameter named `problem` (positional or
+    keyword) or **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == "problem" and p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+
+
+def user_reward_in_worker(spec: str, response: str, answer: str,
+                          problem: str | None = None) -> tuple[float, float]:
+    """VerifyPool item of a user reward: (reward, correct) of one response; the problem goes to
+    a function that takes it (takes_problem) as problem=."""
+    fn = load_user_reward(spec)
+    if problem is not None and takes_problem(fn):
+        return user_reward_value(fn(response, answer, problem=problem))
+    return user_reward_value(fn(response, answer))
 
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
@@ -351,7 +368,9 @@ class RewardScorer:
       name: reward function in REWARD_FNS ("math" | "math_format" | "math_pm1" | "code"), or
         USER_REWARD ("python"): python_fn's function grades each response in the pool's workers.
       python_fn: name = "python" only: "<file.py>:<function>" or "<module>:<function>", called
-        as fn(response: str, answer: str) and returning a number or bool (the reward; correct
+        as fn(response: str, answer: str), or fn(response, answer, problem=problem) when it
+        takes a `problem` parameter or **kwargs (the problem text score() is given), and
+        returning a number or bool (the reward; correct
         when > 0) or a dict {"reward" | "score": number, optional "correct" | "acc": bool}. A
         call that raises, returns something else or runs past timeout_s scores 0 and is counted
         (num_errors / num_timeouts; the first error of a batch is logged).
@@ -501,13 +520,15 @@ class RewardScorer:
         return accuracy, timed_out, errored, hits
 
     def score(self, responses: Sequence[str], golds: Sequence[str], response_lengths=None,
-              truncated=None):
+              truncated=None, problems: Sequence[str] | None = None):
         """Rewards for N responses.
 
         Args:
           responses: N response texts. golds: N gold answers (str; other types are str()-ed).
           response_lengths: int [N] response lengths in tokens (needed for the overlong penalty).
           truncated: bool [N] hit max length without EOS (counted in info only).
+          problems: N problem texts (each response's question, untemplated), for a python_fn
+            that takes them; the built-in rewards do not read them.
         Returns:
           rewards: float32 [N].
           info: accuracy f32 [N], num_boxes i32 [N], overlong_penalty f32 [N], timed_out /
@@ -518,25 +539,31 @@ class RewardScorer:
         n = len(responses)
         if len(golds) != n:
             raise ValueError(f"score: {n} responses but {len(golds)} golds")
+        if problems is not None and len(problems) != n:
+            raise ValueError(f"score: {n} responses but {len(problems)} problems")
         extra = {}
         user_rewards = None
+        num_too_long = 0
         if self.python_fn:
             with self._lock:
-                user_rewards, accuracy, timed_out, errored = self._user_scores(responses, golds)
-            # no answer to extract: every response counts as answered (num_no_box 0)
-            answers, num_boxes, hits = ["-"] * n, np.zeros(n, np.int32), 0
+                user_rewards, accuracy, timed_out, errored = self._user_scores(
+                    responses, golds, problems)
+            # no answer to extract: every response counts as answered
+            num_boxes, hits, num_no_box = np.zeros(n, np.int32), 0, 0
         elif self._code is not None:
             with self._lock:
                 accuracy, timed_out, errored, hits, extra = self._code.score(
                     responses, golds, self._cache, self._cache_size)
             # num_no_box counts responses without a fenced code block (the whole response
             # is run then).
-            answers = ["program" if b else None for b in extra["has_code_block"]]
             num_boxes = extra.pop("has_code_block").astype(np.int32)
+            num_no_box = int((num_boxes == 0).sum())
         else:
             answers = [extract_last_boxed(r) for r in responses]
             num_boxes = np.array([count_boxes(r) for r in responses], np.int32)
             accuracy, timed_out, errored, hits = self.correctness(answers, golds)
+            num_no_box = sum(a is None or not a.strip() for a in answers)
+            num_too_long = sum(a is not None and len(a) > self.max_answer_chars for a in answers)
         if user_rewards is not None:
             rewards = user_rewards
         else:
@@ -560,9 +587,8 @@ class RewardScorer:
             "errored": errored,
             "num_timeouts": int(timed_out.sum()),
             "num_errors": int(errored.sum()),
-            "num_no_box": int(sum(a is None or not a.strip() for a in answers)),
-            "num_answer_too_long": int(sum(a is not None and len(a) > self.max_answer_chars
-                                           for a in answers)),
+            "num_no_box": int(num_no_box),
+            "num_answer_too_long": int(num_too_long),
             "num_truncated": int(np.asarray(truncated).sum()) if truncated is not None else 0,
             "cache_hits": hits,
             "seconds": time.perf_counter() - t0,
@@ -570,13 +596,18 @@ class RewardScorer:
         }
         return rewards.astype(np.float32), info
 
-    def _user_scores(self, responses, golds):
+    def _user_scores(self, responses, golds, problems=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
         timed_out, errored bool [N] (those score 0; the batch's first error is logged)."""
         n = len(responses)
         rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
-        outcomes = self.pool.map([(self.python_fn, r, str(g)) for r, g in zip(responses, golds)])
+        if problems is None:
+            items = [(self.python_fn, r, str(g)) for r, g in zip(responses, golds)]
+        else:
+            items = [(self.python_fn, r, str(g), str(p))
+                     for r, g, p in zip(responses, golds, problems)]
+        outcomes = self.pool.map(items)
         for i, out in enumerate(outcomes):
             if out.status == vp.OK:
                 rewards[i], accuracy[i] = out.value
@@ -599,8 +630,9 @@ def _absolute_spec(spec: str) -> str:
 
 
 def score_across_processes(score, responses: Sequence[str], golds: Sequence[str],
-                           response_lengths=None, truncated=None):
-    """score(responses, golds, response_lengths=, truncated=) -> (rewards [N], info), shared out
+                           response_lengths=None, truncated=None, problems=None):
+    """score(responses, golds, response_lengths=, truncated=[, problems=]) -> (rewards [N],
+    info), shared out
     over the processes of a multi-host run: each scores a contiguous share of the N responses
     (the sandboxes' and graders' work is split) and every process gets all N rewards and
     accuracies and the summed counts num_timeouts / num_no_box / num_errors (what training's
@@ -610,8 +642,10 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     differently on two hosts. One process: score() itself, its whole info."""
     import jax
     count = jax.process_count()
+    given = {} if problems is None else {"problems": problems}
     if count == 1:
-        return score(responses, golds, response_lengths=response_lengths, truncated=truncated)
+        return score(responses, golds, response_lengths=response_lengths, truncated=truncated,
+                     **given)
     from jax.experimental import multihost_utils
     n = len(responses)
     per = -(-n // count)
@@ -619,7 +653,8 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     share_of = lambda x: None if x is None else x[lo:hi]  # noqa: E731
     rewards, info = score(responses[lo:hi], golds[lo:hi],
                           response_lengths=share_of(response_lengths),
-                          truncated=share_of(truncated))
+                          truncated=share_of(truncated),
+                          **{k: share_of(v) for k, v in given.items()})
     share = np.zeros((per, 2), np.float32)  # (reward, accuracy) of this share, padded to `per`
     share[:hi - lo, 0], share[:hi - lo, 1] = rewards, info["accuracy"]
     counts = np.asarray([[info["num_timeouts"], info["num_no_box"], info["num_errors"]]],
