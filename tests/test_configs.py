@@ -304,6 +304,11 @@ def test_best_metric_names_a_metric_the_evaluations_log():
                                "--config.train.best_metric=eval/benchmarks/aime24/avg@8"]))
     with pytest.raises(ConfigError, match=r"^train\.best_metric: .*avg@16"):  # eval.k is 8
         validate_config(parse([base, *paper, "--config.train.best_metric=eval/average/avg@16"]))
+    validate_config(parse([base, *paper, "--config.train.best_metric=eval/average/pass@8",
+                           "--config.train.eval_best=True"]))
+    with pytest.raises(ConfigError, match=r"^train\.eval_best: evaluates the policy train\."
+                                          r"best_metric picks: set train\.best_metric"):
+        validate_config(parse([base, *paper, "--config.train.eval_best=True"]))
     with pytest.raises(ConfigError, match=r"^train\.best_metric: needs evaluations: set data"):
         validate_config(parse([base, *paper[:2],
                                "--config.train.best_metric=eval/average/avg@16"]))

@@ -297,7 +297,8 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     policy; with the metric's values made 0.1, 0.5, 0.3 at steps 0, 1, 2, workdir/best holds
     step 1's policy (its parameters as checkpoint 1 holds them) with best.json naming step 1,
     and the end-of-run report says so. The real evaluation logs the metric (the values are only
-    replaced)."""
+    replaced). train.eval_best evaluates that policy, read back from best/, after the last step:
+    with step 1's eval seeds, so eval/best_step_1.json is step 1's own evaluation again."""
     from flax import nnx
 
     from delta_jax import main as main_lib
@@ -317,13 +318,22 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(loop, "write_eval", write_eval)
     cfg = tiny_rl_config(
         "dapo", train=dict(steps=2, keep=10, save_every=1, eval_every=1, eval_before=True,
-                           eval_after=True, export_final=False, best_metric=metric),
-        data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+                           eval_after=True, export_final=False, best_metric=metric,
+                           eval_best=True),
+        data=dict(eval="synthetic"),
+        eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8, save_responses=True),
         rewards=dict(num_workers=1))
     main_lib.run(cfg, str(tmp_path))
     record = json.loads((tmp_path / "best" / "best.json").read_text())
     assert record == {"metric": metric, "value": 0.5, "step": 1, "mode": "max"}
-    assert "best eval/average/avg@2 (max): 50.0% at step 1; that policy: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "best eval/average/avg@2 (max): 50.0% at step 1; that policy: " in out
+    assert f"eval of the best policy ({metric} at step 1, {tmp_path / 'best'}):" in out
+    again = json.loads((tmp_path / "eval" / "best_step_1.json").read_text())
+    step_1 = json.loads((tmp_path / "eval" / "step_1.json").read_text())
+    assert again["benchmarks"] == step_1["benchmarks"] and again["k"] == 2
+    responses = lambda stem: (tmp_path / "eval" / f"{stem}_responses.jsonl").read_text()  # noqa: E731
+    assert responses("best_step_1") == responses("step_1")
     run = run_lib.build_run(cfg, str(tmp_path / "shapes"), need_scorer=False)
     try:
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))

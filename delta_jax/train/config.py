@@ -364,6 +364,10 @@ def default_config() -> config_dict.ConfigDict:
     # best so far (best_mode: max | min) exports the policy to workdir/best (train/best.py).
     c.train.best_metric = ""
     c.train.best_mode = "max"
+    # True: after the last step the best policy (workdir/best) is evaluated on data.eval at
+    # eval.k, as the paper reports its checkpoint picked on the validation: eval/best_step_N.json
+    # and the table printed (train.loop.evaluate_best). Needs train.best_metric.
+    c.train.eval_best = False
     # Resuming a run whose results-changing fields differ from its config.json is refused
     # (the differences are listed) unless this is True.
     c.train.allow_config_change = False
@@ -771,6 +775,9 @@ def _check_combinations(c):
     # no validations then, as there are none without benchmarks)
     _require(not c.data.val or c.train.eval_every > 0 or c.mode != "train", "data.val",
              "validations run every train.eval_every steps, which is 0: set train.eval_every")
+    _require(not c.train.eval_best or c.train.best_metric or c.mode != "train",
+             "train.eval_best", "evaluates the policy train.best_metric picks: set "
+             "train.best_metric (e.g. val/benchmarks/aime25/avg@8)")
     if c.train.best_metric and c.mode == "train":
         known = eval_metric_names(c)
         _require(known, "train.best_metric", "needs evaluations: set data.eval")
@@ -859,6 +866,7 @@ RESUMABLE_FIELDS = ("mode", "train.steps", "train.log_every", "train.save_every"
                     "train.export_final", "train.progress_bar", "train.progress_every_s",
                     "train.rollouts_every", "train.rollouts_token_weights", "data.val",
                     "train.allow_config_change", "train.best_metric", "train.best_mode",
+                    "train.eval_best",
                     "train.compilation_cache_dir",
                     "rewards.num_workers", "rewards.timeout_s", "rollout.max_batch_size",
                     "rl.old_pass_rows",

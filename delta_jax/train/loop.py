@@ -13,6 +13,7 @@ import os
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from delta_jax import models
 from delta_jax import sharding as sharding_lib
@@ -21,16 +22,17 @@ from delta_jax.rl.dynamic_sampling import BatchNotFilled
 from delta_jax.train import SFT_CHECKPOINTS
 from delta_jax.train import generations
 from delta_jax.train import sft as sft_lib
-from delta_jax.train.best import BestPolicy
+from delta_jax.train.best import BEST, BestPolicy, read_best
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.eval_hook import (benchmarks_of, eval_recorded, evals_due, evaluate_policy,
                                       write_eval)
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
-from delta_jax.train.run import (Run, build_run, place_state, reference_part,
+from delta_jax.train.run import (Run, build_model, build_run, place_state, reference_part,
                                  restore_reference, save_reference)
-from delta_jax.train.state import TrainState, abstract_train_state, init_train_state
+from delta_jax.train.state import (TrainState, abstract_train_state, init_train_state,
+                                   split_model)
 
 log = logging.getLogger("delta_jax.train")
 
@@ -300,7 +302,42 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         raise interrupted(cfg.train.steps)
     if cfg.train.export_final:
         export_policy(run, state.params, os.path.join(workdir, "final"))
+    if cfg.train.eval_best and not evaluate_best(run, workdir, should_stop=stop.requested):
+        raise interrupted(cfg.train.steps)
     return state
+
+
+def evaluate_best(run: Run, workdir: str, should_stop=None) -> bool:
+    """train.eval_best: the best policy (workdir/best, as train.best_metric chose it) evaluated on
+    data.eval as `--config.mode=eval --config.eval.checkpoint=none --config.model.path=<workdir>/
+    best` would, in this run's sampler: printed and written to eval/best_step_<N>.json (N the step
+    it was exported at). Read back from its export (LoRA runs: the merged weights, with adapters
+    at B = 0), so it is the policy best/ holds. False when a stop cut it short; True otherwise,
+    also when there is no best policy (logged)."""
+    cfg = run.cfg
+    record = read_best(workdir) if jax.process_index() == 0 else None
+    step = int(sharding_lib.from_process_0(np.int64(-1 if record is None else record["step"])))
+    if step < 0:
+        log.warning("train.eval_best: %s holds no best policy (no evaluation scored a finite %s)",
+                    os.path.join(workdir, BEST), cfg.train.best_metric)
+        return True
+    path = os.path.join(workdir, BEST)
+    from_export = cfg.copy_and_resolve_references()
+    from_export.model.random_init, from_export.model.path = False, path
+    # straight to their shards, as model.path's tensors are
+    _, params, _ = split_model(build_model(from_export, run.tokenizer.vocab_size, mesh=run.mesh))
+    params = sharding_lib.shard_tree(params, run.state_shardings.params)
+    from delta_jax.sampling import GenerationStopped
+    try:
+        _, result = evaluate_policy(run, params, step, file_stem=f"best_step_{step}",
+                                    should_stop=should_stop)
+    except GenerationStopped:
+        log.warning("train.eval_best: stopped by the signal before it finished (not written)")
+        return False
+    if jax.process_index() == 0 and result is not None:
+        print(f"eval of the best policy ({cfg.train.best_metric} at step {step}, {path}):\n"
+              f"{result.to_markdown()}", flush=True)
+    return True
 
 
 def _file_safe(name: str) -> str:

@@ -70,7 +70,8 @@ def paper_config(preset: str, steps: int):
     # The paper picks its checkpoint on AIME25 avg@8, validated every 4 steps, and reports avg@16
     # on seven benchmarks: the periodic evals are validations at 8 samples (val/...: on data.val,
     # e.g. .../aime25.jsonl, else on data.eval; --config.train.best_metric=
-    # val/benchmarks/aime25/avg@8 keeps the best policy), data.eval at 16 before and after.
+    # val/benchmarks/aime25/avg@8 keeps the best policy, and --config.train.eval_best=True
+    # evaluates it on data.eval at the end), data.eval at 16 before and after.
     c.train.eval_every = 4
     c.eval.val_k = 8
     c.sft.steps = 0
