@@ -182,10 +182,11 @@ class RecordingScorer:
     """Accuracy 1 for a response that is its gold answer; records what it was asked to score."""
 
     def __init__(self):
-        self.seen = []
+        self.seen, self.problems = [], []
 
     def score(self, texts, golds, response_lengths=None, truncated=None, problems=None):
         self.seen += list(texts)
+        self.problems += list(problems)
         acc = np.asarray([float(t == g) for t, g in zip(texts, golds)], np.float32)
         return acc, {"accuracy": acc, "num_timeouts": 0, "num_no_box": int((acc == 0).sum()),
                      "num_errors": len(texts)}
@@ -193,7 +194,8 @@ class RecordingScorer:
 
 def eval_scoring_shares(index: int):
     """evaluation.evaluate in two processes: 3 questions x k 3 = 9 responses, each process
-    scores its own share (5 and 4) and both get every question's count and the summed counts."""
+    scores its own share (5 and 4), with their problems, and both get every question's count
+    and the summed counts."""
     from delta_jax import evaluation
     rows = [{"id": str(i), "problem": f"q{i}", "answer": str(i)} for i in range(3)]
 
@@ -204,6 +206,8 @@ def eval_scoring_shares(index: int):
     result = evaluation.evaluate(generate_fn, {"b": rows}, k=3, scorer=scorer)
     share = [str(i) if j < i else "wrong" for i in range(3) for j in range(3)]
     assert scorer.seen == (share[:5] if index == 0 else share[5:]), (index, scorer.seen)
+    problems = [f"q{i}" for i in range(3) for _ in range(3)]
+    assert scorer.problems == (problems[:5] if index == 0 else problems[5:]), scorer.problems
     got = result.benchmarks["b"]
     assert list(got.num_correct) == [0, 1, 2], got.num_correct
     assert (got.num_no_box, got.num_timeouts, got.num_errors) == (6, 0, 9)
