@@ -330,10 +330,10 @@ def takes_problem(fn: Callable) -> bool:
 
 def user_reward_in_worker(spec: str, response: str, answer: str,
                           problem: str | None = None) -> tuple[float, float]:
-    """VerifyPool item of a user reward: (reward, correct) of one response; the problem goes to
-    a function that takes it (takes_problem) as problem=."""
+    """VerifyPool item of a user reward: (reward, correct) of one response; `problem`, given
+    only for a function that takes it (takes_problem, decided once by the scorer), as problem=."""
     fn = load_user_reward(spec)
-    if problem is not None and takes_problem(fn):
+    if problem is not None:
         return user_reward_value(fn(response, answer, problem=problem))
     return user_reward_value(fn(response, answer))
 
@@ -402,6 +402,7 @@ class RewardScorer:
         self.name = name
         self._code = None
         self.python_fn = ""
+        self._takes_problem = False  # python_fn's signature asks for the problem
         self.reward_fn = None if name == USER_REWARD else get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
         if overlong_buffer_len > 0 and not max_response_len:
@@ -431,7 +432,8 @@ class RewardScorer:
         if name == USER_REWARD:
             self.python_fn = _absolute_spec(python_fn)
             try:
-                load_user_reward(self.python_fn)  # here, so that a bad one stops the start
+                # here, so that a bad one stops the start
+                self._takes_problem = takes_problem(load_user_reward(self.python_fn))
             except ValueError as e:
                 raise InputError(f"rewards.python_fn: {e}") from None
             # each worker loads it before it takes work: its imports are not a first timeout
@@ -602,7 +604,7 @@ class RewardScorer:
         n = len(responses)
         rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
-        if problems is None:
+        if problems is None or not self._takes_problem:  # no problem texts sent for nothing
             items = [(self.python_fn, r, str(g)) for r, g in zip(responses, golds)]
         else:
             items = [(self.python_fn, r, str(g), str(p))

@@ -317,11 +317,11 @@ def evaluate_best(run: Run, workdir: str, should_stop=None) -> bool:
     cfg = run.cfg
     record = read_best(workdir) if jax.process_index() == 0 else None
     step = int(sharding_lib.from_process_0(np.int64(-1 if record is None else record["step"])))
+    path = os.path.join(workdir, BEST)
     if step < 0:
         log.warning("train.eval_best: %s holds no best policy (no evaluation scored a finite %s)",
-                    os.path.join(workdir, BEST), cfg.train.best_metric)
+                    path, cfg.train.best_metric)
         return True
-    path = os.path.join(workdir, BEST)
     from_export = cfg.copy_and_resolve_references()
     from_export.model.random_init, from_export.model.path = False, path
     # straight to their shards, as model.path's tensors are
