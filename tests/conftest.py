@@ -160,6 +160,20 @@ def on_cpu(monkeypatch):
         yield
 
 
+@pytest.fixture
+def few_executables():
+    """JAX's caches cleared (and the dropped executables collected) before a test that runs
+    jax.profiler traces: a trace's stop takes time in proportion to the executables alive in the
+    process (0.65 s a trace in a worker after tests/test_sampling.py, 0.04 s in a fresh process,
+    jax 0.10.2; decode_gemm's tiny run stops 12 traces: 12 s against 2 s). The programs the test
+    then runs compile afresh, as in a benchmark's own process."""
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def shared_dir():
     """../shared beside the checkout (data sets, the Qwen3 tokenizer); skip when absent."""

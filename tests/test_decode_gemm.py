@@ -42,7 +42,7 @@ def test_gemm_configs_reads_triton_and_cublas_choices():
       "cublas"]
 
 
-def test_a_tiny_run_records_every_group_and_variant(tmp_path):
+def test_a_tiny_run_records_every_group_and_variant(tmp_path, few_executables):
   out = tmp_path / "gemm.json"
   rows = decode_gemm.main(["--preset", "tiny", "--dtype", "float32", "--batch", "4",
                            "--split-k", "2", "--iters", "1", "--warmup", "1", "--calls", "1",

@@ -95,7 +95,7 @@ def test_refill_options_reach_the_sampler():
             bench.parse_args(bad)
 
 
-def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path):
+def test_a_tiny_run_records_both_workloads_and_their_profiles(tmp_path, few_executables):
     """The whole benchmark on the CPU at a tiny shape (what a GPU call would find broken
     otherwise): the fixed workload's decode rate and the long tail's continuous and static
     runs, every sample generated to its scheduled length, each with a --profile trace read."""

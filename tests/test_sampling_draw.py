@@ -12,7 +12,7 @@ import sampling_draw  # noqa: E402
 from tests.fake_trace import fake_traced_kernels  # noqa: E402
 
 
-def test_a_tiny_run_records_both_draws(tmp_path):
+def test_a_tiny_run_records_both_draws(tmp_path, few_executables):
     out = tmp_path / "draw.json"
     rows = sampling_draw.main(["--rows", "3", "--vocab", "300", "--iters", "1", "--warmup", "1",
                                "--trace-calls", "2", "--trace-dir", str(tmp_path / "trace"),

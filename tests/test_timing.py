@@ -54,7 +54,7 @@ def test_trace_summary_keeps_each_programs_kernels_apart(tmp_path):
         ("jit_decode", "loop_select_fusion_1", 4.0, 2)]
 
 
-def test_trace_summary_reads_what_jax_profiler_writes(tmp_path):
+def test_trace_summary_reads_what_jax_profiler_writes(tmp_path, few_executables):
     """On a real trace (no device process on the CPU: every process counts) the jitted
     program's events are found, under its module's name; an empty folder is an error naming
     it."""

@@ -35,7 +35,7 @@ def _assert_rates_follow_the_step_time(row, record, tokens):
 
 
 @pytest.mark.cpu   # no data-sheet peak, host-only trace, cuDNN "does not apply on cpu"
-def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys):
+def test_sweep_rows_skipped_cudnn_and_both_mfu_peaks(tmp_path, capsys, few_executables):
     tt = _load()
     out = tmp_path / "tt.json"
     tt.main(["--preset", "tiny", "--layers", "1", "--seq", "32", "--response-len", "16",

@@ -16,6 +16,7 @@ transformers.AutoTokenizer.from_pretrained(dir).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from typing import Iterable, Sequence
@@ -111,9 +112,17 @@ def save_tokenizer(tok: Tokenizer, out_dir: str, model_max_length: int = 2048) -
 def build_tiny_tokenizer(
     out_dir: str, texts: Sequence[str] | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE
 ) -> str:
-    """Train on `texts` (default: default_corpus()) and save an HF tokenizer dir; returns out_dir."""
-    tok = train_tokenizer(default_corpus() if texts is None else texts, vocab_size)
+    """Train on `texts` (default: default_corpus()) and save an HF tokenizer dir; returns out_dir.
+    The default corpus's tokenizer is the same every time: it is trained once a process."""
+    tok = (Tokenizer.from_str(_default_tokenizer_json(vocab_size)) if texts is None
+           else train_tokenizer(texts, vocab_size))
     return save_tokenizer(tok, out_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _default_tokenizer_json(vocab_size: int) -> str:
+    """The tokenizer trained on default_corpus(), serialized (a fresh Tokenizer per caller)."""
+    return train_tokenizer(default_corpus(), vocab_size).to_str()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
