@@ -57,6 +57,11 @@ in a subprocess. Put `--xla_cpu_use_fusion_emitters=true` in XLA_FLAGS to test t
 test_default_run.py runs the README's main job with neither flag (rl_fixtures.default_codegen_env),
 so the product is also tested end to end as a user's CPU run compiles it.
 
+Compiled once a process. On the CPU (JAX_PLATFORMS=cpu) tests/compile_once.py keeps the
+executables XLA compiled in this process (LRU, in memory) and gives one back for a program
+compiled before with the same cache key and devices: tests that each build their own run
+compile the same train step again otherwise. SUITE_COMPILE_ONCE=0 turns it off.
+
 Compilation cache: off. JAX's persistent compilation cache would compile each program once per
 run for the two workers and the subprocesses tests start, but every cache write runs XLA:CPU's
 executable serialization, which crashed a pytest worker (SIGSEGV in `executable.serialize()`,
@@ -121,6 +126,9 @@ CPU_MARKER = ("cpu: expects what only the CPU backend gives (XLA:CPU's figures, 
 
 
 def pytest_configure(config):
+    if os.environ["JAX_PLATFORMS"] == "cpu" and os.environ.get("SUITE_COMPILE_ONCE") != "0":
+        from tests import compile_once  # a program compiled once a process (its docstring)
+        compile_once.install()
     config.addinivalue_line("markers", GPU_MARKER)
     config.addinivalue_line("markers", DEVICES_MARKER)
     config.addinivalue_line("markers", CPU_MARKER)
@@ -170,7 +178,10 @@ def few_executables():
     import gc
 
     import jax
+
+    from tests import compile_once
     jax.clear_caches()
+    compile_once.clear()
     gc.collect()
 
 
