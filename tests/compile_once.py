@@ -47,7 +47,7 @@ def install() -> bool:
     devices = list(executable_devices)
     try:
       key = (cache_key.get(module, np.asarray(devices, dtype=object), options, backend),
-             tuple(d.id for d in devices), backend.platform)
+             tuple(d.id for d in devices))
     except Exception:  # noqa: BLE001  (a key this jax cannot make: compile as usual)
       stats["uncached"] += 1
       return original(backend, module, executable_devices, options, host_callbacks)

@@ -213,20 +213,18 @@ def xla_flags_refusals(flag_sets: dict, allow_unknown=()) -> dict:
     one name has; a refused process's stages are then parsed one by one, to say whose it is."""
     flags = {}  # stage -> [(name, "--name=value")]
     for stage, text in flag_sets.items():
-        flags[stage] = [(f.split("=", 1)[0].lstrip("-"), f) for f in shlex.split(text)
-                        if f.split("=", 1)[0].lstrip("-") not in allow_unknown]
-    rounds = []  # [{name: flag}], each flag in the first round without its name
-    users = []   # [{stage}] whose flags each round holds
-    for stage, pairs in flags.items():
+        named = [(f.split("=", 1)[0].lstrip("-"), f) for f in shlex.split(text)]
+        flags[stage] = [(name, f) for name, f in named if name not in allow_unknown]
+    rounds = []  # [({name: flag}, {stage whose flags it holds})]: a flag goes to the first
+    for stage, pairs in flags.items():  # round holding that flag or no value of its name
         for name, flag in pairs:
-            i = next((i for i, r in enumerate(rounds) if r.get(name, flag) == flag), len(rounds))
-            if i == len(rounds):
-                rounds.append({})
-                users.append(set())
-            rounds[i][name] = flag
-            users[i].add(stage)
+            r, stages = next(((r, s) for r, s in rounds if r.get(name, flag) == flag), ({}, set()))
+            if not r:
+                rounds.append((r, stages))
+            r[name] = flag
+            stages.add(stage)
     refused = {}
-    for r, stages in zip(rounds, users):
+    for r, stages in rounds:
         together = xla_flags_refusal(" ".join(r.values()))
         if together:
             alone = {stage: xla_flags_refusal(" ".join(flag for _, flag in flags[stage]))
