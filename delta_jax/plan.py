@@ -47,7 +47,9 @@ The "old-policy pass + DelTA" phase peak counts the feature cache the config cho
 memory chunk by chunk and brings back one recompute_chunk at a time, "recompute" holds one
 recompute chunk's hidden states plus the trunk pass that recomputes them. The "fits" line below
 the phases compares all three modes. A run that evaluates (data.eval) has an "eval" phase too:
-the rollout's, with the sampler's page pool sized for eval.max_new_tokens.
+the rollout's, with the sampler's page pool sized for eval.max_new_tokens; with train.eval_best
+also "eval of the best policy", that one plus the best policy's parameters, read back beside the
+training state after the last step.
 
 Plan mode judges each phase against what XLA's allocator may use on the planned device
 (planned_capacity_bytes: plan.device_memory_gb x allocator_fraction, 0.75 on a CUDA GPU unless the
@@ -454,6 +456,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 optimizer_offload: bool = False, old_pass_rows: int = 0,
                 resume_preempted: bool = True,
                 eval_response_len: int = 0, eval_group_size: int = 0,
+                eval_best: bool = False,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
@@ -473,9 +476,12 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     device_memory_gb x memory_fraction (what the allocator may use: allocator_fraction;
     memory_fraction_source says where that came from, for the text). eval_response_len > 0 adds
     an "eval" phase: the rollout's with the sampler's pool sized for that many new tokens and
-    eval_group_size samples a prompt (default group_size). resume_preempted: with a pool below
-    the worst case (kv_budget_bytes), the sampler's prefill of preempted samples' prompts and
-    tokens (rollout.resume_preempted) counts beside the prompts'. Nothing is allocated.
+    eval_group_size samples a prompt (default group_size); with eval_best (train.eval_best) also
+    an "eval of the best policy" phase: that one with the best policy's parameters beside the
+    training state (loop.evaluate_best reads them back from its export). resume_preempted: with
+    a pool below the worst case (kv_budget_bytes), the sampler's prefill of preempted samples'
+    prompts and tokens (rollout.resume_preempted) counts beside the prompts'. Nothing is
+    allocated.
     """
     import optax
     if feature_cache not in FEATURE_CACHE_MODES:
@@ -666,6 +672,8 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         }
         if eval_response_len:
             phases["eval"] = resident + kv_eval + decode_copy + max(eval_prefill, s_rows * V * 4)
+            if eval_best:
+                phases[BEST_EVAL] = phases["eval"] + param_bytes
         base = resident + old_pass
         fits = {m: base + features_on_device[m] <= mem and (host_ok or m != "host")
                 for m in FEATURE_CACHE_MODES}
@@ -929,6 +937,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         # mode=eval holds no optimizer state (loop.eval_only reads the parameters alone)
         optimizer_offload=cfg.optim.offload or cfg.mode == "eval",
         eval_response_len=eval_new_tokens(cfg), eval_group_size=eval_group_size(cfg),
+        eval_best=cfg.train.eval_best and cfg.mode == "train",
         devices_per_host=min(n, 8),
         name=cfg.model.preset or cfg.model.path, target=target)
 
@@ -949,6 +958,12 @@ PHASE_KNOBS = {
              "eval.max_new_tokens / data.max_prompt_len",
              "model.attention=blockwise (prefill scores)"),
 }
+# After the last step (train.eval_best) the best policy's parameters join the training state.
+BEST_EVAL = "eval of the best policy"
+PHASE_KNOBS[BEST_EVAL] = ("train.eval_best=False (then --config.mode=eval "
+                          "--config.eval.checkpoint=none --config.model.path=<workdir>/best)",
+                          *PHASE_KNOBS["eval"],
+                          "optim.offload=True (optimizer state in host memory)")
 
 
 def replicated_state(mesh_shape) -> bool:

@@ -1,6 +1,7 @@
 """delta_jax.train.loop on the tiny RL config in-process: a resumed run writes every step once,
 resumes past an unreadable newest checkpoint, eval mode reports without touching training's
 eval files, sft mode exports its warm start, and a code task runs with unit-test rewards."""
+import gc
 import json
 import logging
 import os
@@ -292,30 +293,50 @@ def test_a_stopped_validation_is_validated_again_on_resume(tmp_path, monkeypatch
                      (2, "eval")]
 
 
+def _live_device_bytes(device) -> int:
+    """The bytes of the distinct buffers on `device` that live arrays hold (gc first): arrays
+    that share a buffer (a checkpoint save's views of the state's shards) count it once."""
+    gc.collect()
+    buffers = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
+
+
 def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     """train.best_metric: the loop offers every eval (before, periodic, after) to the best
     policy; with the metric's values made 0.1, 0.5, 0.3 at steps 0, 1, 2, workdir/best holds
     step 1's policy (its parameters as checkpoint 1 holds them) with best.json naming step 1,
     and the end-of-run report says so. The real evaluation logs the metric (the values are only
     replaced). train.eval_best evaluates that policy, read back from best/, after the last step:
-    with step 1's eval seeds, so eval/best_step_1.json is step 1's own evaluation again."""
+    with step 1's eval seeds, so eval/best_step_1.json is step 1's own evaluation again, holding
+    as much more device memory than the evaluations during training as plan mode says."""
     from flax import nnx
 
     from delta_jax import main as main_lib
-    from delta_jax import models
+    from delta_jax import models, plan
     from delta_jax.train.checkpoint import Checkpointer
     from delta_jax.train.state import init_train_state
 
     metric = "eval/average/avg@2"
     made = {0: 0.1, 1: 0.5, 2: 0.3}
-    real = loop.write_eval
+    real, real_policy = loop.write_eval, loop.evaluate_policy
+    held = []  # device 0's memory held as each evaluation starts: (step, best?, bytes)
 
     def write_eval(run, params, step, kind="eval", should_stop=None):
+        held.append((step, False, _live_device_bytes(jax.devices()[0])))
         metrics = real(run, params, step, kind, should_stop=should_stop)
         assert metric in metrics
         return {**metrics, metric: made[step]}
 
+    def evaluate_policy(run, params, step, **kw):
+        held.append((step, True, _live_device_bytes(jax.devices()[0])))
+        return real_policy(run, params, step, **kw)
+
     monkeypatch.setattr(loop, "write_eval", write_eval)
+    monkeypatch.setattr(loop, "evaluate_policy", evaluate_policy)
     cfg = tiny_rl_config(
         "dapo", train=dict(steps=2, keep=10, save_every=1, eval_every=1, eval_before=True,
                            eval_after=True, export_final=False, best_metric=metric,
@@ -339,6 +360,7 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
         want = ckpt.restore(1, init_train_state(run.initial_params, run.optimizer))[0].params
         ckpt.close()
+        model_cfg, mesh_shape = run.model(run.initial_params).cfg, run_lib._mesh_shape(run.mesh)
     finally:
         run.close()
     got = nnx.state(models.from_pretrained(str(tmp_path / "best")), nnx.Param)
@@ -346,6 +368,15 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # What the best policy's evaluation holds on a device beyond the evaluations during
+    # training (the same state, sampler and data) is what plan mode's "eval of the best policy"
+    # phase adds to the eval phase on the run's mesh: one copy of the parameters.
+    assert [(s, b) for s, b, _ in held] == [(0, False), (1, False), (2, False), (1, True)]
+    during = {n for _, b, n in held if not b}
+    assert len(during) == 1, held
+    memory_plan = plan.plan_from_config(cfg, mesh_shape=mesh_shape, model_cfg=model_cfg)
+    assert held[-1][2] - during.pop() == (memory_plan.phases[plan.BEST_EVAL]
+                                          - memory_plan.phases["eval"]) > 0
 
 
 def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, caplog):

@@ -233,7 +233,8 @@ def test_eval_phase_plans_the_evaluations_generation():
     eval.max_new_tokens and eval.k samples a prompt. At the rollout's length and group size it
     is the rollout phase; longer, it grows by exactly the difference of the two pools as the
     sampler sizes them (sampling.plan_kv). A KV budget too small for one evaluation sample is
-    refused naming eval.max_new_tokens; without data.eval there is no eval phase."""
+    refused naming eval.max_new_tokens; without data.eval there is no eval phase. train.eval_best
+    adds a phase of its own, the eval phase plus one copy of the parameters."""
     from delta_jax.sampling.kv_cache import plan_kv
     from delta_jax.train.config import ConfigError
     from tests.rl_fixtures import tiny_rl_config
@@ -265,6 +266,20 @@ def test_eval_phase_plans_the_evaluations_generation():
     evaluate.mode = "eval"
     alone = plan.plan_from_config(evaluate, mesh_shape=(1, 1, 1))
     assert alone.phases["eval"] == longer.phases["eval"] - longer.optimizer > 0
+    assert plan.BEST_EVAL not in longer.phases
+    # train.eval_best: after the last step the best policy's parameters, read back from its
+    # export, sit beside the training state while it is evaluated; mode=eval runs no such phase.
+    best = cfg.copy_and_resolve_references()
+    best.train.eval_best, best.train.best_metric = True, "eval/average/avg@4"
+    with_best = plan.plan_from_config(best, mesh_shape=(1, 1, 1))
+    params = plan.tree_device_bytes(plan.abstract_params(mc), plan.abstract_mesh(1, 1, 1))
+    assert with_best.phases[plan.BEST_EVAL] == with_best.phases["eval"] + params
+    assert {n: v for n, v in with_best.phases.items() if n != plan.BEST_EVAL} == longer.phases
+    best.mode = "eval"
+    assert plan.BEST_EVAL not in plan.plan_from_config(best, mesh_shape=(1, 1, 1)).phases
+    with pytest.raises(ConfigError, match=r"phase 'eval of the best policy' plans .*turn: "
+                                          r"train\.eval_best=False \(then --config\.mode=eval"):
+        plan.check_fits(with_best, with_best.phases["eval"], phases=plan.PHASES_BY_MODE["train"])
     # Room for one rollout sample, not for one evaluation sample.
     budget = (pool(64, slots=1) + pool(1000, slots=1)) / 2 / 2**30
     with pytest.raises(ConfigError, match=r"rollout\.kv_budget_gb / eval\.max_new_tokens"):
