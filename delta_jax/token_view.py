@@ -128,7 +128,6 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
 
     from delta_jax.train import rl_step as rl_step_lib
     from delta_jax.train import run as run_lib
-    from delta_jax.train.state import init_train_state
 
     cfg = load_run_config(workdir)
     run = run_lib.build_run(cfg, workdir, with_delta=True)
@@ -140,8 +139,8 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
         if step not in steps:
             raise InputError(f"--step {step}: no such checkpoint in {run.ckpt.directory} "
                              f"(have {sorted(steps)})")
-        state, data_state, _ = run.ckpt.restore(
-            step, run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer)))
+        state, data_state, _ = run.ckpt.restore(step, run_lib.abstract_state(run))
+        run.take_initial_params()  # the checkpoint's replace them
         run.data_iter.set_state(data_state)
         prep = rl_step_lib.prepare_batch(run, state.params, step + 1)
         rb, roll = prep.packed, prep.rollout

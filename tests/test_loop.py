@@ -379,6 +379,83 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
                                           - memory_plan.phases["eval"]) > 0
 
 
+# What a state's scalars (the step counter, the optimizer's counts) and an SFT step's batch (4 x
+# 32 tokens, 1.5 KB) add on a device: far below one copy of the tiny model's parameters (~190 KB).
+_SMALL_SLACK = 4096
+
+
+def test_a_run_holds_one_state_warm_started_resumed_or_evaluated(tmp_path, monkeypatch):
+    """The device memory held as each SFT step, RL step and mode=eval generation starts is one
+    state: the parameters and the optimizer state of plan mode's figures (the parameters alone
+    in mode=eval), whether the run warm-starts, resumes from a checkpoint or evaluates one. No
+    fresh RL state waits beside the warm start's, no initial parameters (or fresh state to
+    restore into) beside a restored state, no model weights beside a checkpoint's."""
+    from delta_jax import plan
+    from delta_jax.sampling import Sampler
+
+    device = jax.devices()[0]
+    held = []  # (what, device 0's bytes)
+    real_sft_step, real_rl_step, real_generate = (loop.sft_lib.make_sft_step, loop.rl_step,
+                                                  Sampler.generate)
+
+    def make_sft_step(*args, **kw):
+        step = real_sft_step(*args, **kw)
+
+        def probed(state, batch):
+            held.append(("sft", _live_device_bytes(device)))
+            return step(state, batch)
+        return probed
+
+    def rl_step(run, state, step, **kw):
+        held.append((f"rl {step}", _live_device_bytes(device)))
+        return real_rl_step(run, state, step, **kw)
+
+    def generate(sampler, *args, **kw):
+        held.append(("eval", _live_device_bytes(device)))
+        return real_generate(sampler, *args, **kw)
+
+    monkeypatch.setattr(loop.sft_lib, "make_sft_step", make_sft_step)
+    monkeypatch.setattr(loop, "rl_step", rl_step)
+
+    def config(steps):
+        return tiny_rl_config("dapo", sft=dict(steps=2, batch_size=4, max_len=32, warmup_steps=0),
+                              train=dict(LOOP_WITHOUT_EVAL, steps=steps, save_every=1))
+
+    _train(config(1), tmp_path)  # the warm start, then step 1
+    run = build_scored_run(config(2), tmp_path)
+    try:
+        mesh_shape, model_cfg = run_lib._mesh_shape(run.mesh), run.model(run.initial_params).cfg
+        loop.train(run.cfg, str(tmp_path), run=run)  # resumed from checkpoint 1: step 2
+    finally:
+        run.close()
+    train_plan = plan.plan_from_config(config(2), mesh_shape=mesh_shape, model_cfg=model_cfg)
+    state = train_plan.params + train_plan.optimizer
+    assert [w for w, _ in held] == ["sft", "sft", "rl 1", "rl 2"]
+    for what, n in held:
+        assert 0 <= n - state <= _SMALL_SLACK, (what, n, state)
+    # mode=eval on checkpoint 2, sampling on the eval run's own mesh
+    held.clear()
+    monkeypatch.setattr(Sampler, "generate", generate)
+    eval_cfg = tiny_rl_config("dapo", data=dict(eval="synthetic"),
+                              eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+                              rewards=dict(num_workers=1))
+    with eval_cfg.unlocked():
+        eval_cfg.mode = "eval"
+    eval_cfg = validate_config(eval_cfg)
+    meshes = []
+    real_evaluate_policy = loop.evaluate_policy
+
+    def evaluate_policy(run, params, step, **kw):
+        meshes.append(run_lib._mesh_shape(run.mesh))
+        return real_evaluate_policy(run, params, step, **kw)
+
+    monkeypatch.setattr(loop, "evaluate_policy", evaluate_policy)
+    loop.eval_only(eval_cfg, str(tmp_path))
+    eval_plan = plan.plan_from_config(eval_cfg, mesh_shape=meshes[0], model_cfg=model_cfg)
+    assert [w for w, _ in held] == ["eval"] and eval_plan.optimizer > 0
+    assert 0 <= held[0][1] - eval_plan.params <= _SMALL_SLACK, (held, eval_plan.params)
+
+
 def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, caplog):
     _train(_config(2, save_every=1), tmp_path)
     state_dir = tmp_path / "checkpoints" / "2" / "state"
@@ -430,11 +507,14 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     # model's initial ones.
     run, params = evaluated[0]
     from delta_jax.train.checkpoint import Checkpointer
-    from delta_jax.train.state import init_train_state
     ckpt = Checkpointer(str(tmp_path / "checkpoints"))
-    whole = ckpt.restore(1, init_train_state(run.initial_params, run.optimizer))[0].params
+    whole = ckpt.restore(1, run_lib.abstract_state(run))[0].params
     ckpt.close()
-    initial = run.initial_params
+    # (the evaluation let go of the model's own parameters: those of a run built again, the
+    # same random init)
+    again = run_lib.build_run(validate_config(eval_cfg), str(tmp_path / "again"), need_data=False)
+    initial = again.initial_params
+    again.close()
     assert jax.tree.structure(params) == jax.tree.structure(whole)
     assert all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole)))

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from delta_jax.train import loop
+from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
-from tests.rl_fixtures import (LOOP_WITHOUT_EVAL, build_scored_run, initial_state,
-                               tiny_rl_config)
+from tests.rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config
 
 
 def make_config():
@@ -54,7 +54,7 @@ def test_nonfinite_stop_checkpoints_and_resumes(tmp_path):
         # The last checkpoint (step 2) is usable: it holds the untouched initial state.
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
         assert ckpt.latest_step() == 2 and ckpt.all_steps() == [0, 1, 2]
-        template = initial_state(run)
+        template = run_lib.abstract_state(run)  # (the run handed its initial arrays over)
         first, _, _ = ckpt.restore(0, template)
         last, _, meta = ckpt.restore(2, template)
         ckpt.close()

@@ -29,8 +29,8 @@ from delta_jax.train.eval_hook import (benchmarks_of, eval_recorded, evals_due, 
 from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
-from delta_jax.train.run import (Run, build_model, build_run, place_state, reference_part,
-                                 restore_reference, save_reference)
+from delta_jax.train.run import (Run, abstract_state, build_model, build_run, place_state,
+                                 reference_part, restore_reference, save_reference)
 from delta_jax.train.state import (TrainState, abstract_train_state, init_train_state,
                                    split_model)
 
@@ -187,8 +187,7 @@ def train(cfg, workdir: str, *, run: Run | None = None,
 
 def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
            on_resumed: Callable[[str], None] | None) -> TrainState:
-    init_state = place_state(run, init_train_state(run.initial_params, run.optimizer))
-    found = run.ckpt.restore_latest(init_state)
+    found = run.ckpt.restore_latest(abstract_state(run))
     nonfinite_streak = 0
 
     def save(step, state, data_state, force=False):
@@ -219,6 +218,10 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
 
     if found is not None:
         start, state, data_state, meta = found
+        # The checkpoint's parameters replace the initial ones, which the run and its sampler
+        # let go of (not held beside the restored state to the end).
+        run.take_initial_params()
+        run.sampler.update_params(run.model(state.params))
         run.data_iter.set_state(data_state)
         run.writer.truncate(int(meta.get("metrics_offset", -1)))
         nonfinite_streak = int(meta.get("nonfinite_streak", 0))
@@ -232,19 +235,26 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
         if start < cfg.train.steps and not evaluate(start, state.params, only_missing=True):
             raise interrupted(start)
     else:
-        state = init_state
+        # The RL state is built once its parameters are known: a warm start does not hold the
+        # RL optimizer's fresh state beside its own.
+        params = run.take_initial_params()
+        if params is None:
+            raise RuntimeError(f"{run.ckpt.directory} holds no checkpoint and this Run's initial "
+                               "parameters were handed over to an earlier train(): build a new "
+                               "Run to train from them")
         if cfg.sft.steps > 0:
             sft_ckpt = sft_checkpointer(run)
-            params = run_sft(run, state.params, should_stop=stop.requested, ckpt=sft_ckpt,
+            params = run_sft(run, params, should_stop=stop.requested, ckpt=sft_ckpt,
                              on_resumed=on_resumed)
             if params is None:
                 raise sft_interrupted(stop, sft_ckpt)
-            state = place_state(run, init_train_state(params, run.optimizer))
-            if run.ref_pass is not None:  # the KL reference is the policy after the warm start
-                run.ref_params = reference_part(state.params)
-                save_reference(run, run.ref_params)
         elif on_resumed is not None:
             on_resumed("step_0")
+        state = place_state(run, init_train_state(params, run.optimizer))
+        del params  # the train step donates them with the state
+        if cfg.sft.steps > 0 and run.ref_pass is not None:  # the KL reference is the policy
+            run.ref_params = reference_part(state.params)  # after the warm start
+            save_reference(run, run.ref_params)
         evaluate(0, state.params)  # before checkpoint 0, whose metrics offset includes it
         # (train.eval_before; cut short by a stop: raised below)
         save(0, state, run.data_iter.get_state(), force=True)
@@ -370,8 +380,8 @@ def sft_only(cfg, workdir: str, on_resumed: Callable[[str], None] | None = None)
     try:
         sft_ckpt = sft_checkpointer(run)
         with StopOnSignal() as stop:
-            params = run_sft(run, run.initial_params, should_stop=stop.requested, ckpt=sft_ckpt,
-                             on_resumed=on_resumed)
+            params = run_sft(run, run.take_initial_params(), should_stop=stop.requested,
+                             ckpt=sft_ckpt, on_resumed=on_resumed)
             if params is None:
                 raise sft_interrupted(stop, sft_ckpt)
         export_policy(run, params, os.path.join(workdir, "sft"))
@@ -389,25 +399,27 @@ def eval_only(cfg, workdir: str) -> dict:
     and metrics.jsonl are left as they are)."""
     run = build_run(cfg, workdir, need_data=False)
     try:
-        params, step = run.initial_params, 0
-        if run.state_shardings is not None:
-            params = sharding_lib.shard_tree(params, run.state_shardings.params)
+        step = 0
         # The parameters alone, placed as the run places them: no optimizer state is built or
         # read (for a bfloat16 8B model it is 6x the parameters' bytes).
+        target = {"params": abstract_state(run).params}
         which = str(cfg.eval.checkpoint)
         found = None
         if which == "latest":
-            found = run.ckpt.restore_latest({"params": params}, partial=True)
+            found = run.ckpt.restore_latest(target, partial=True)
         elif which != "none":
             if int(which) not in run.ckpt.all_steps():
                 raise InputError(f"eval.checkpoint: {run.ckpt.directory} has no checkpoint "
                                  f"{which}; it has {run.ckpt.all_steps() or 'none'}")
-            found = (int(which), *run.ckpt.restore(int(which), {"params": params}, partial=True))
+            found = (int(which), *run.ckpt.restore(int(which), target, partial=True))
+        params = run.take_initial_params()
         if found is not None:
             step, state = found[0], found[1]
-            params = state["params"]
+            params = state["params"]  # model.path's (or random) weights are not held beside
             stem = f"standalone_step_{step}"
         else:  # model.path's own weights: named after it, so two exports do not share a file
+            if run.state_shardings is not None:
+                params = sharding_lib.shard_tree(params, run.state_shardings.params)
             stem = "standalone_" + (_file_safe(os.path.basename(os.path.normpath(cfg.model.path)))
                                     if cfg.model.path else "random_init")
         metrics, result = evaluate_policy(run, params, step, file_stem=stem)

@@ -22,8 +22,9 @@ from delta_jax.train import config as config_lib
 from delta_jax.train import features as features_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.metrics import MetricsWriter, to_scalars
-from delta_jax.train.state import (TrainState, abstract_train_state, merge_trainable,
-                                   optimizer_from_config, split_model, split_trainable)
+from delta_jax.train.state import (TrainState, abstract_train_state, init_train_state,
+                                   merge_trainable, optimizer_from_config, split_model,
+                                   split_trainable)
 from delta_jax.train.step import make_train_step
 
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -215,6 +216,20 @@ class Run:
 
     def model(self, params):
         return nnx.merge(self.graphdef, params, self.rest)
+
+    def take_initial_params(self):
+        """initial_params, handed over: the Run keeps only their shapes, dtypes and shardings
+        (ShapeDtypeStructs, what abstract_state needs), so the arrays are freed once the taker
+        is done with them (a train step donates them; a restored checkpoint replaces them)
+        rather than staying beside the run's state to the end. None when they were taken
+        before."""
+        params = self.initial_params
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            return None
+        self.initial_params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            params)
+        return params
 
     def close(self):
         for scorer in (self.scorer, *self.eval_scorers.values()):
@@ -568,6 +583,18 @@ def place_state(run: Run, state: TrainState) -> TrainState:
     if run.state_shardings is None:
         return state
     return sharding_lib.shard_tree(state, run.resting_shardings or run.state_shardings)
+
+
+def abstract_state(run: Run) -> TrainState:
+    """What place_state(run, init_train_state(run.initial_params, run.optimizer)) returns, as
+    ShapeDtypeStructs with its shardings: a checkpoint's restore target that allocates nothing
+    (a fresh state built to restore into would otherwise stay beside the restored one)."""
+    state = jax.eval_shape(lambda p: init_train_state(p, run.optimizer), run.initial_params)
+    shardings = run.resting_shardings or run.state_shardings
+    if shardings is None:
+        return state
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings)
 
 
 def optimizer_state_to(run: Run, state: TrainState, where: str) -> TrainState:
