@@ -49,7 +49,8 @@ recompute chunk's hidden states plus the trunk pass that recomputes them. The "f
 the phases compares all three modes. A run that evaluates (data.eval) has an "eval" phase too:
 the rollout's, with the sampler's page pool sized for eval.max_new_tokens; with train.eval_best
 also "eval of the best policy", that one plus the best policy's parameters, read back beside the
-training state after the last step.
+training state after the last step. A warm start (sft.steps > 0, or mode=sft) has an "sft" phase:
+one supervised step on sft.batch_size rows of sft.max_len tokens, with its own optimizer state.
 
 Plan mode judges each phase against what XLA's allocator may use on the planned device
 (planned_capacity_bytes: plan.device_memory_gb x allocator_fraction, 0.75 on a CUDA GPU unless the
@@ -389,7 +390,9 @@ class MemoryPlan:
             f"{s['page_size']} tokens); old-policy chunk {s['old_pass_rows']} rows; "
             f"update micro-batch {s['micro_rows']} rows; "
             f"remat={s['remat']}",
-            *([f"  remat=auto -> {s['remat']} (planned update per device: "
+            *([f"  warm start (sft) {s['sft_rows']} rows x {s['sft_len']} tokens a step"]
+              if s.get("sft_rows") else []),
+            *([f"  remat=auto -> {s['remat']} (planned update or warm-start step per device: "
                + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in s["remat_auto"].items())
                + f"; the first of {', '.join(s['remat_auto_order'])} within {AUTO_REMAT_FILL:g} x "
                f"{s['capacity_bytes'] / GB:.2f} GB)"] if s.get("remat_auto") else []),
@@ -456,7 +459,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 optimizer_offload: bool = False, old_pass_rows: int = 0,
                 resume_preempted: bool = True,
                 eval_response_len: int = 0, eval_group_size: int = 0,
-                eval_best: bool = False,
+                eval_best: bool = False, sft_rows: int = 0, sft_len: int = 0,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
@@ -478,7 +481,10 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     an "eval" phase: the rollout's with the sampler's pool sized for that many new tokens and
     eval_group_size samples a prompt (default group_size); with eval_best (train.eval_best) also
     an "eval of the best policy" phase: that one with the best policy's parameters beside the
-    training state (loop.evaluate_best reads them back from its export). resume_preempted: with
+    training state (loop.evaluate_best reads them back from its export). sft_rows > 0 adds an
+    "sft" phase: one step of the supervised warm start (train.sft.make_sft_step) on sft_rows
+    rows of sft_len tokens, its optimizer state beside the parameters (optimizer's structure; on
+    the device throughout), no KL reference yet. resume_preempted: with
     a pool below the worst case (kv_budget_bytes), the sampler's prefill of preempted samples'
     prompts and tokens (rollout.resume_preempted) counts beside the prompts'. Nothing is
     allocated.
@@ -689,6 +695,18 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         old_pass_bytes(_layer_activation_bytes(model_cfg, o_rows, seq, tensor, "blockwise",
                                                backward=False)),
         act_cfg_flash, prefill_bytes(True, eval_group, eval_response_len or response_len))
+    if sft_rows:
+        # The warm start's step: the whole batch in one forward / backward (no micro-batches,
+        # so its gradients in the parameters' dtype, no float32 sum), the update's activations
+        # at its shape, the LM head's log-prob chunks over every position but the last.
+        sft_local = rows_per_device(sft_rows)
+        sft_head = (sft_local * min(positions_per_chunk(logprob_chunk_tokens, sft_rows),
+                                    sft_len - 1) * _div(V, tensor) * 4 * 3 + lm_head_gathered)
+        for table, attention in ((phases, None), (phases_flash, "blockwise")):
+            kept, transient = activations(_layer_activation_bytes(
+                model_cfg, sft_local, sft_len, tensor, attention, target=target))["configured"]
+            table["sft"] = (param_bytes + opt_bytes + trainable_bytes + kept
+                            + max(transient, sft_head))
     settings = {
         "model": name or f"L={L} H={H}", "num_params": model_cfg.num_params(),
         "param_dtype": jnp.dtype(model_cfg.param_dtype).name,
@@ -697,7 +715,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "memory_fraction": memory_fraction, "memory_fraction_source": memory_fraction_source,
         "capacity_bytes": mem,
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
-        "eval_response_len": eval_response_len,
+        "eval_response_len": eval_response_len, "sft_rows": sft_rows, "sft_len": sft_len,
         "sampler_rows": sampler_rows, "old_pass_rows": o_global, "micro_rows": micro,
         "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
@@ -862,7 +880,8 @@ def choose_remat(cfg, capacity_bytes: float, *,
                  model_cfg: Optional[models.ModelConfig] = None,
                  target: str = "") -> tuple[str, dict]:
     """model.remat="auto": the first policy of auto_remat_order(target) whose planned "update"
-    phase (per device, on `mesh_shape`; plan_from_config) is at most AUTO_REMAT_FILL x
+    phase (or "sft", the warm start's step, where larger: _gradient_peak; per device, on
+    `mesh_shape`; plan_from_config) is at most AUTO_REMAT_FILL x
     capacity_bytes, else "full" (which check_fits then judges like any configured policy).
     `model_cfg`: the model to plan (its remat is replaced), default the config's; `target`:
     plan_memory's (the backend planned for, "" = this one).
@@ -882,15 +901,21 @@ def _remat_plans(cfg, capacity_bytes: Optional[float], mesh_shape: tuple[int, in
     def update_bytes(policy):
         plans[policy] = _plan_from_config(cfg, mesh_shape, base.replace(remat=policy), target,
                                           capacity_bytes)
-        return plans[policy].phases["update"]
+        return _gradient_peak(plans[policy])
 
     limit = planned_capacity_bytes(cfg, target) if capacity_bytes is None else capacity_bytes
     policy, _ = pick_remat(update_bytes, limit, auto_remat_order(target))
     return policy, plans
 
 
+def _gradient_peak(memory_plan: MemoryPlan) -> int:
+    """The larger of the phases that take gradients (whose memory the remat policy sets): the
+    update, and the warm start's step where one runs."""
+    return max(memory_plan.phases["update"], memory_plan.phases.get("sft", 0))
+
+
 def _updates(plans: dict) -> dict:
-    return {policy: p.phases["update"] for policy, p in plans.items()}
+    return {policy: _gradient_peak(p) for policy, p in plans.items()}
 
 
 def pick_remat(update_bytes, capacity_bytes: float,
@@ -937,7 +962,11 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         # mode=eval holds no optimizer state (loop.eval_only reads the parameters alone)
         optimizer_offload=cfg.optim.offload or cfg.mode == "eval",
         eval_response_len=eval_new_tokens(cfg), eval_group_size=eval_group_size(cfg),
-        eval_best=cfg.train.eval_best and cfg.mode == "train",
+        eval_best=cfg.train.eval_best and cfg.mode in ("train", "plan"),
+        # the warm start (sft.steps > 0) of a train run (mode=plan plans one), or mode=sft's
+        sft_rows=(cfg.sft.batch_size if cfg.sft.steps > 0 and cfg.mode in ("train", "sft", "plan")
+                  else 0),
+        sft_len=cfg.sft.max_len,
         devices_per_host=min(n, 8),
         name=cfg.model.preset or cfg.model.path, target=target)
 
@@ -958,6 +987,8 @@ PHASE_KNOBS = {
              "eval.max_new_tokens / data.max_prompt_len",
              "model.attention=blockwise (prefill scores)"),
 }
+PHASE_KNOBS["sft"] = ("sft.batch_size", "sft.max_len", "model.remat=full",
+                      "model.logprob_chunk_tokens", "model.attention=blockwise")
 # After the last step (train.eval_best) the best policy's parameters join the training state.
 BEST_EVAL = "eval of the best policy"
 PHASE_KNOBS[BEST_EVAL] = ("train.eval_best=False (then --config.mode=eval "
@@ -976,8 +1007,9 @@ def replicated_state(mesh_shape) -> bool:
 # Named first for every phase over the device when the mesh is data-parallel alone.
 REPLICA_KNOB = ("mesh.data=1 mesh.fsdp=-1 (each device now holds whole parameters, gradients and "
                 "optimizer state; this shards them over the devices)")
-# The phases a mode runs (check_fits leaves out those a plan has not: "eval" without data.eval).
-PHASES_BY_MODE = {"train": tuple(PHASE_KNOBS), "eval": ("eval",)}
+# The phases a mode runs (check_fits leaves out those a plan has not: "eval" without data.eval,
+# "sft" without sft.steps).
+PHASES_BY_MODE = {"train": tuple(PHASE_KNOBS), "eval": ("eval",), "sft": ("sft",)}
 
 
 def device_memory_bytes(device=None) -> Optional[int]:

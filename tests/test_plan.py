@@ -134,7 +134,7 @@ def test_plan_mode_on_the_command_line():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mesh data=1 fsdp=8 tensor=1 (8 devices of 80 GB)" in out.stdout  # the recipe's mesh
     assert "recommended:" in out.stdout
-    assert "remat=auto -> full (planned update per device: none " in out.stdout
+    assert "remat=auto -> full (planned update or warm-start step per device: none " in out.stdout
     assert "the first of none, dots_with_no_batch_dims_saveable, full within" in out.stdout
     assert "as resolved on the cpu backend" in out.stdout
     # Planned for a CUDA GPU from this CPU; a target that is not one names the field.
@@ -147,7 +147,8 @@ def test_plan_mode_on_the_command_line():
             "CUDA GPUs; XLA_CLIENT_MEM_FRACTION sets it))") in cuda.stdout
     assert "within 0.85 x 60.00 GB" in cuda.stdout and "DOES NOT FIT" not in cuda.stdout
     # remat=auto for a CUDA GPU does not try "none" (plan.AUTO_REMAT_ORDER_CUDA).
-    assert "(planned update per device: dots_with_no_batch_dims_saveable " in cuda.stdout
+    assert ("(planned update or warm-start step per device: dots_with_no_batch_dims_saveable "
+            in cuda.stdout)
     assert "the first of dots_with_no_batch_dims_saveable, full within" in cuda.stdout
     bad = _plan_mode("--config.plan.target=gpu")
     assert bad.returncode != 0 and "plan.target: 'gpu' is not one of" in bad.stdout + bad.stderr
@@ -275,6 +276,8 @@ def test_eval_phase_plans_the_evaluations_generation():
     params = plan.tree_device_bytes(plan.abstract_params(mc), plan.abstract_mesh(1, 1, 1))
     assert with_best.phases[plan.BEST_EVAL] == with_best.phases["eval"] + params
     assert {n: v for n, v in with_best.phases.items() if n != plan.BEST_EVAL} == longer.phases
+    best.mode = "plan"  # plans a train run
+    assert plan.plan_from_config(best, mesh_shape=(1, 1, 1)).phases == with_best.phases
     best.mode = "eval"
     assert plan.BEST_EVAL not in plan.plan_from_config(best, mesh_shape=(1, 1, 1)).phases
     with pytest.raises(ConfigError, match=r"phase 'eval of the best policy' plans .*turn: "
@@ -294,6 +297,26 @@ def _plan_for(mc, prompt_len, response_len, **kw):
                             prompt_len=prompt_len, response_len=response_len, sampler_rows=16,
                             group_size=4, mini_batch_rows=8, micro_batch_rows=0,
                             logprob_chunk_tokens=32, recompute_chunk=4, **kw)
+
+
+def test_sft_phase_plans_the_warm_start_where_one_runs():
+    """sft.steps > 0 adds an "sft" phase in train mode and in mode=sft, sized by sft.batch_size x
+    sft.max_len (more rows or tokens, more memory) and not by the RL shapes; none without a warm
+    start or in mode=eval."""
+    from tests.rl_fixtures import tiny_rl_config
+
+    def sft_phase(mode="train", **sft):
+        cfg = tiny_rl_config("dapo", sft=dict(dict(steps=2, batch_size=8, max_len=128), **sft))
+        cfg.mode = mode
+        return plan.plan_from_config(cfg, mesh_shape=(1, 1, 1)).phases.get("sft")
+
+    base = sft_phase()
+    assert base is not None and sft_phase("sft") == base == sft_phase("plan")
+    assert sft_phase(batch_size=16) > base and sft_phase(max_len=256) > base
+    assert sft_phase(steps=0) is None and sft_phase("eval") is None
+    cfg = tiny_rl_config("dapo", sft=dict(steps=2, batch_size=8, max_len=128),
+                         rollout=dict(max_new_tokens=64))
+    assert plan.plan_from_config(cfg, mesh_shape=(1, 1, 1)).phases["sft"] == base
 
 
 def test_activation_estimate_follows_the_configured_attention():
@@ -612,8 +635,9 @@ def test_check_fits_names_each_phase_over_the_device_and_its_knobs():
 
 
 def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
-    """train / eval start-up: with the device's allocator limit below a phase's plan, build_run
-    raises before anything compiles (train: every phase; eval: its evaluation);
+    """train / eval / sft start-up: with the device's allocator limit below a phase's plan,
+    build_run raises before anything compiles (train: every phase; eval: its evaluation; sft:
+    its step);
     plan.check_memory=False skips the check. The CPU reports no limit, so nothing is checked
     there (the limit is monkeypatched to what a small GPU would say)."""
     from delta_jax.train import run as run_lib
@@ -641,6 +665,16 @@ def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: eval_peak - 1)
     with pytest.raises(ConfigError, match=r"phase 'eval' plans .* eval\.max_new_tokens"):
         run_lib.check_memory_plan(evaluate, model_cfg, mesh)
+    # A warm start's step: in train mode beside the other phases, in mode=sft alone.
+    warm = tiny_rl_config("dapo", sft=dict(steps=2, batch_size=64, max_len=512))
+    warm_peaks = plan.plan_from_config(warm, mesh_shape=(1, 1, 1)).phases
+    assert warm_peaks["sft"] > max(v for n, v in warm_peaks.items() if n != "sft")
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: warm_peaks["sft"] - 1)
+    for mode in ("train", "sft"):
+        warm.mode = mode
+        with pytest.raises(ConfigError, match=r"this config will not fit: phase 'sft' plans .* "
+                                              r"turn: sft\.batch_size, sft\.max_len"):
+            run_lib.check_memory_plan(warm, model_cfg, mesh)
 
 
 def test_start_up_warns_of_a_phase_in_the_last_5_percent(monkeypatch, caplog):
@@ -847,6 +881,38 @@ def test_update_phase_agrees_with_the_compiled_train_step_for_dots_remat(
                                                  planned / compiled)
 
 
+# Measured by hand on 2026-12-02 (plan / XLA:CPU compiled): S none 4 x 128 0.932, W none 8 x 128
+# 1.007, M none 2 x 512 0.961, S dots_with_no_batch_dims_saveable 8 x 512 0.986, and the two below.
+@pytest.mark.parametrize("model,remat,rows,length", [("M", "full", 8, 512),   # 1.010
+                                                     ("D", "full", 2, 512)])  # 0.934
+@pytest.mark.usefixtures("on_cpu")  # XLA:CPU's figures, on any machine
+def test_sft_phase_agrees_with_the_compiled_sft_step(model, remat, rows, length):
+    """Plan mode's "sft" phase within 15% of XLA's memory analysis of the warm start's step
+    (train.sft.make_sft_step: the whole batch of `rows` rows of `length` tokens in one forward /
+    backward, AdamW) compiled from abstract shapes; float32 as in the update test."""
+    from delta_jax.kernels import timing
+    from delta_jax.train import sft as sft_lib
+    from delta_jax.train.state import init_train_state, make_optimizer
+
+    mc = models.get_preset("tiny", **GRID_MODELS[model], dtype=jnp.float32,
+                           param_dtype=jnp.float32, remat=remat, attention="auto")
+    graphdef, params, rest = nnx.split(
+        nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    optimizer = make_optimizer(optax.constant_schedule(1e-4))
+    state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
+    step = sft_lib.make_sft_step(graphdef, rest, optimizer, chunk_size=256)
+    batch = {"input_ids": jax.ShapeDtypeStruct((rows, length), jnp.int32),
+             "attention_mask": jax.ShapeDtypeStruct((rows, length), jnp.int32),
+             "loss_mask": jax.ShapeDtypeStruct((rows, length), jnp.float32)}
+    compiled = timing.compiled_memory_bytes(step, state, batch)["peak_estimate_bytes"]
+    planned = plan.plan_memory(mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=4,
+                               prompt_len=64, response_len=64, sampler_rows=4, group_size=1,
+                               mini_batch_rows=4, micro_batch_rows=0, logprob_chunk_tokens=256,
+                               recompute_chunk=4, sft_rows=rows, sft_len=length).phases["sft"]
+    assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
+                                                 planned / compiled)
+
+
 @pytest.mark.parametrize("seq,response_len", [(128, 64), (512, 384)])
 @pytest.mark.parametrize("rows", [2, 8])
 @pytest.mark.parametrize("model", sorted(GRID_MODELS))
@@ -984,6 +1050,27 @@ def test_choose_remat_takes_the_least_recompute_policy_that_fits(monkeypatch):
     assert fixed.phases["update"] == update["none"] and "remat=auto" not in fixed.to_text()
     # The ModelConfig a run config describes carries what plan mode picks.
     assert plan.model_config_from_run_config(small).remat == "dots_with_no_batch_dims_saveable"
+
+
+def test_choose_remat_counts_the_warm_start_step(monkeypatch):
+    """With a warm start whose step (sft.batch_size x sft.max_len) needs more than the RL
+    update, model.remat=auto judges each policy by the larger of the two: a capacity where
+    "none" fits the update alone but not the warm start takes the next policy."""
+    from delta_jax.models import attention
+    from tests.rl_fixtures import tiny_rl_config
+    monkeypatch.setattr(attention, "_cuda_backend", lambda: False)
+    cfg = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32),
+                         sft=dict(steps=2, batch_size=32, max_len=256))
+    mc = plan.model_config_from_run_config(cfg, remat="full")
+    by_policy = {p: plan.plan_from_config(cfg, mesh_shape=(1, 1, 1),
+                                          model_cfg=mc.replace(remat=p)).phases
+                 for p in plan.AUTO_REMAT_ORDER}
+    assert by_policy["none"]["sft"] > by_policy["none"]["update"]
+    enough_for_update = by_policy["none"]["update"] / plan.AUTO_REMAT_FILL
+    got, tried = plan.choose_remat(cfg, enough_for_update, mesh_shape=(1, 1, 1))
+    assert got != "none" and tried["none"] == by_policy["none"]["sft"]
+    without = tiny_rl_config("dapo", rollout=dict(max_new_tokens=32))
+    assert plan.choose_remat(without, enough_for_update, mesh_shape=(1, 1, 1))[0] == "none"
 
 
 def test_choose_remat_on_cuda_starts_from_dots_with_no_batch_dims_saveable(monkeypatch):

@@ -118,8 +118,9 @@ def resolve_remat(cfg, mesh, tokenizer_vocab: int):
     """`cfg`, or for model.remat="auto" a copy with a policy in its place: in train mode the one
     plan.choose_remat picks for this mesh (None: config.mesh over the devices present) against
     the device's allocator limit (plan.device_memory_gb where the backend reports none, as the
-    CPU), logged with the planned update of each policy tried; in the other modes "full" (eval
-    takes no gradients; sft's own steps are not what the plan models)."""
+    CPU), logged with the planned update (or warm-start step, where larger) of each policy
+    tried; in the other modes "full" (eval takes no gradients; mode=sft keeps the default that
+    recomputes most)."""
     if cfg.model.remat != "auto":
         return cfg
     from delta_jax import plan
@@ -131,8 +132,9 @@ def resolve_remat(cfg, mesh, tokenizer_vocab: int):
             model_cfg = model_cfg.replace(vocab_size=_random_init_vocab(cfg, tokenizer_vocab))
         policy, tried = plan.choose_remat(cfg, capacity, mesh_shape=_mesh_shape(mesh),
                                           model_cfg=model_cfg)
-        log.info("model.remat=auto -> %s (planned update per device: %s; capacity %.2f GB)",
-                 policy, ", ".join(f"{k} {v / plan.GB:.2f} GB" for k, v in tried.items()),
+        log.info("model.remat=auto -> %s (planned update or warm-start step per device: %s; "
+                 "capacity %.2f GB)", policy,
+                 ", ".join(f"{k} {v / plan.GB:.2f} GB" for k, v in tried.items()),
                  capacity / plan.GB)
     out = cfg.copy_and_resolve_references()
     out.model.remat = policy
@@ -240,9 +242,10 @@ class Run:
 
 
 def check_memory_plan(cfg, model_cfg, mesh) -> None:
-    """Start-up memory checks of a train / eval run, before anything compiles: a KV budget that
-    cannot hold one sample, and (plan.check_memory, where the device reports its memory) a phase
-    whose planned per-device peak exceeds it; both are ConfigErrors naming the fields to turn."""
+    """Start-up memory checks of a train / eval / sft run, before anything compiles: a KV budget
+    that cannot hold one sample, and (plan.check_memory, where the device reports its memory) a
+    phase whose planned per-device peak exceeds it; both are ConfigErrors naming the fields to
+    turn."""
     from delta_jax import plan
     plan.kv_plan_from_config(cfg, model_cfg)
     capacity = plan.device_memory_bytes() if cfg.plan.check_memory else None
@@ -290,7 +293,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
-    if cfg.mode in ("train", "eval"):
+    if cfg.mode in ("train", "eval", "sft"):
         check_memory_plan(cfg, model.cfg, mesh)
     graphdef, params, rest = split_model(model)
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
