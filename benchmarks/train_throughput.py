@@ -92,7 +92,7 @@ from delta_jax.train import state as state_lib
 from delta_jax.train.config import CHOICES, default_config, lora_targets, resolve_method
 from delta_jax.train.features import response_forward
 from delta_jax.train.run import make_loss_fn
-from delta_jax.train.step import _split_micro, add_grads, make_train_step, zero_grad_sum
+from delta_jax.train.step import add_grads, make_train_step, split_micro, zero_grad_sum
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's data sheets.
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
@@ -247,7 +247,7 @@ class StepPrograms:
             return total / jnp.maximum(denom, 1.0)
 
         def forward(params, batch):
-            return jax.lax.map(lambda mb: loss(params, mb), _split_micro(batch, micro_batch)).mean()
+            return jax.lax.map(lambda mb: loss(params, mb), split_micro(batch, micro_batch)).mean()
 
         def fwd_bwd(params, batch):  # gradients of the trainable parameters (all, or LoRA's),
             def body(grads, mb):     # summed in float32 as the trainer's step sums them
@@ -255,7 +255,7 @@ class StepPrograms:
                     lambda p, m: (loss(p, m), None), params, mb)
                 return add_grads(grads, g), value
             grads, values = jax.lax.scan(body, zero_grad_sum(params),
-                                         _split_micro(batch, micro_batch))
+                                         split_micro(batch, micro_batch))
             return values.mean(), grads
 
         self.forward = jax.jit(forward)

@@ -390,7 +390,9 @@ class MemoryPlan:
             f"{s['page_size']} tokens); old-policy chunk {s['old_pass_rows']} rows; "
             f"update micro-batch {s['micro_rows']} rows; "
             f"remat={s['remat']}",
-            *([f"  warm start (sft) {s['sft_rows']} rows x {s['sft_len']} tokens a step"]
+            *([f"  warm start (sft) {s['sft_rows']} rows x {s['sft_len']} tokens a step"
+               + (f", micro-batch {s['sft_micro_rows']} rows"
+                  if 0 < s.get("sft_micro_rows", 0) < s["sft_rows"] else "")]
               if s.get("sft_rows") else []),
             *([f"  remat=auto -> {s['remat']} (planned update or warm-start step per device: "
                + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in s["remat_auto"].items())
@@ -460,6 +462,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                 resume_preempted: bool = True,
                 eval_response_len: int = 0, eval_group_size: int = 0,
                 eval_best: bool = False, sft_rows: int = 0, sft_len: int = 0,
+                sft_micro_rows: int = 0,
                 rules: Mapping[str, Any] = sharding_lib.DEFAULT_RULES,
                 name: str = "", target: str = "") -> MemoryPlan:
     """Per-device memory of training `model_cfg` on a (data, fsdp, tensor) = mesh_shape mesh.
@@ -483,8 +486,9 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     an "eval of the best policy" phase: that one with the best policy's parameters beside the
     training state (loop.evaluate_best reads them back from its export). sft_rows > 0 adds an
     "sft" phase: one step of the supervised warm start (train.sft.make_sft_step) on sft_rows
-    rows of sft_len tokens, its optimizer state beside the parameters (optimizer's structure; on
-    the device throughout), no KL reference yet. resume_preempted: with
+    rows of sft_len tokens in micro-batches of sft_micro_rows (0: all at once), its optimizer
+    state beside the parameters (optimizer's structure; on the device throughout), no KL
+    reference yet. resume_preempted: with
     a pool below the worst case (kv_budget_bytes), the sampler's prefill of preempted samples'
     prompts and tokens (rollout.resume_preempted) counts beside the prompts'. Nothing is
     allocated.
@@ -696,16 +700,19 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
                                                backward=False)),
         act_cfg_flash, prefill_bytes(True, eval_group, eval_response_len or response_len))
     if sft_rows:
-        # The warm start's step: the whole batch in one forward / backward (no micro-batches,
-        # so its gradients in the parameters' dtype, no float32 sum), the update's activations
-        # at its shape, the LM head's log-prob chunks over every position but the last.
-        sft_local = rows_per_device(sft_rows)
-        sft_head = (sft_local * min(positions_per_chunk(logprob_chunk_tokens, sft_rows),
+        # The warm start's step: a micro-batch's forward / backward at a time (the whole batch
+        # without micro-batches, whose gradients are then in the parameters' dtype with no
+        # float32 sum beside them), the update's activations at its shape, the LM head's
+        # log-prob chunks over every position but the last.
+        sft_micro = sft_micro_rows if 0 < sft_micro_rows < sft_rows else sft_rows
+        sft_local = rows_per_device(sft_micro)
+        sft_grads = trainable_bytes + (trainable_f32_bytes if sft_micro < sft_rows else 0)
+        sft_head = (sft_local * min(positions_per_chunk(logprob_chunk_tokens, sft_micro),
                                     sft_len - 1) * _div(V, tensor) * 4 * 3 + lm_head_gathered)
         for table, attention in ((phases, None), (phases_flash, "blockwise")):
             kept, transient = activations(_layer_activation_bytes(
                 model_cfg, sft_local, sft_len, tensor, attention, target=target))["configured"]
-            table["sft"] = (param_bytes + opt_bytes + trainable_bytes + kept
+            table["sft"] = (param_bytes + opt_bytes + sft_grads + kept
                             + max(transient, sft_head))
     settings = {
         "model": name or f"L={L} H={H}", "num_params": model_cfg.num_params(),
@@ -716,6 +723,7 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
         "capacity_bytes": mem,
         "rollout_rows": rollout_rows, "prompt_len": prompt_len, "response_len": response_len,
         "eval_response_len": eval_response_len, "sft_rows": sft_rows, "sft_len": sft_len,
+        "sft_micro_rows": sft_micro_rows,
         "sampler_rows": sampler_rows, "old_pass_rows": o_global, "micro_rows": micro,
         "remat": policy,
         "num_refine": num_refine, "host_memory_gb": host_memory_gb,
@@ -966,7 +974,7 @@ def _plan_from_config(cfg, mesh_shape: tuple[int, int, int], mc: models.ModelCon
         # the warm start (sft.steps > 0) of a train run (mode=plan plans one), or mode=sft's
         sft_rows=(cfg.sft.batch_size if cfg.sft.steps > 0 and cfg.mode in ("train", "sft", "plan")
                   else 0),
-        sft_len=cfg.sft.max_len,
+        sft_len=cfg.sft.max_len, sft_micro_rows=cfg.sft.micro_batch_size,
         devices_per_host=min(n, 8),
         name=cfg.model.preset or cfg.model.path, target=target)
 
@@ -987,7 +995,7 @@ PHASE_KNOBS = {
              "eval.max_new_tokens / data.max_prompt_len",
              "model.attention=blockwise (prefill scores)"),
 }
-PHASE_KNOBS["sft"] = ("sft.batch_size", "sft.max_len", "model.remat=full",
+PHASE_KNOBS["sft"] = ("sft.micro_batch_size", "sft.batch_size", "sft.max_len", "model.remat=full",
                       "model.logprob_chunk_tokens", "model.attention=blockwise")
 # After the last step (train.eval_best) the best policy's parameters join the training state.
 BEST_EVAL = "eval of the best policy"

@@ -123,6 +123,12 @@ def test_bad_overrides_name_the_field():
     cfg = parse([base, "--config.rl.micro_batch_size=5"])
     with pytest.raises(ConfigError, match=r"^rl\.micro_batch_size"):
         validate_config(cfg)
+    cfg = parse([base, "--config.sft.batch_size=32", "--config.sft.micro_batch_size=5"])
+    with pytest.raises(ConfigError, match=r"^sft\.micro_batch_size: 5 does not divide "
+                                          r"sft\.batch_size=32"):
+        validate_config(cfg)
+    micro = validate_config(parse([base, "--config.sft.micro_batch_size=8"]))
+    assert micro.sft.micro_batch_size == 8
     cfg = parse([base, "--config.rl.ratio_level=group"])
     with pytest.raises(ConfigError, match=r"^rl\.ratio_level"):
         validate_config(cfg)

@@ -300,9 +300,9 @@ def _plan_for(mc, prompt_len, response_len, **kw):
 
 
 def test_sft_phase_plans_the_warm_start_where_one_runs():
-    """sft.steps > 0 adds an "sft" phase in train mode and in mode=sft, sized by sft.batch_size x
-    sft.max_len (more rows or tokens, more memory) and not by the RL shapes; none without a warm
-    start or in mode=eval."""
+    """sft.steps > 0 adds an "sft" phase in train mode, mode=sft and mode=plan, sized by
+    sft.batch_size x sft.max_len (more rows or tokens, more memory; micro-batches, less) and not
+    by the RL shapes; none without a warm start or in mode=eval."""
     from tests.rl_fixtures import tiny_rl_config
 
     def sft_phase(mode="train", **sft):
@@ -313,6 +313,8 @@ def test_sft_phase_plans_the_warm_start_where_one_runs():
     base = sft_phase()
     assert base is not None and sft_phase("sft") == base == sft_phase("plan")
     assert sft_phase(batch_size=16) > base and sft_phase(max_len=256) > base
+    assert sft_phase(batch_size=16, micro_batch_size=2) < sft_phase(batch_size=16)
+    assert sft_phase(micro_batch_size=8) == base  # a micro-batch of the whole batch
     assert sft_phase(steps=0) is None and sft_phase("eval") is None
     cfg = tiny_rl_config("dapo", sft=dict(steps=2, batch_size=8, max_len=128),
                          rollout=dict(max_new_tokens=64))
@@ -673,7 +675,7 @@ def test_build_run_stops_a_config_that_will_not_fit(tmp_path, monkeypatch):
     for mode in ("train", "sft"):
         warm.mode = mode
         with pytest.raises(ConfigError, match=r"this config will not fit: phase 'sft' plans .* "
-                                              r"turn: sft\.batch_size, sft\.max_len"):
+                                              r"turn: sft\.micro_batch_size, sft\.batch_size"):
             run_lib.check_memory_plan(warm, model_cfg, mesh)
 
 
@@ -881,15 +883,19 @@ def test_update_phase_agrees_with_the_compiled_train_step_for_dots_remat(
                                                  planned / compiled)
 
 
-# Measured by hand on 2026-12-02 (plan / XLA:CPU compiled): S none 4 x 128 0.932, W none 8 x 128
-# 1.007, M none 2 x 512 0.961, S dots_with_no_batch_dims_saveable 8 x 512 0.986, and the two below.
-@pytest.mark.parametrize("model,remat,rows,length", [("M", "full", 8, 512),   # 1.010
-                                                     ("D", "full", 2, 512)])  # 0.934
+# Measured by hand on 2026-12-02 (plan / XLA:CPU compiled), rows x tokens (/ micro-batch): S none
+# 4 x 128 0.932, W none 8 x 128 1.007, M none 2 x 512 0.961, S dots_with_no_batch_dims_saveable
+# 8 x 512 0.986, S none 8 x 128 / 4 1.008, D full 8 x 512 / 2 0.964, W none 16 x 256 / 4 0.984,
+# M dots_with_no_batch_dims_saveable 8 x 512 / 4 1.034, and the three below.
+@pytest.mark.parametrize("model,remat,rows,micro,length", [("M", "full", 8, 0, 512),   # 1.010
+                                                           ("D", "full", 2, 0, 512),   # 0.934
+                                                           ("M", "full", 8, 2, 512)])  # 1.059
 @pytest.mark.usefixtures("on_cpu")  # XLA:CPU's figures, on any machine
-def test_sft_phase_agrees_with_the_compiled_sft_step(model, remat, rows, length):
+def test_sft_phase_agrees_with_the_compiled_sft_step(model, remat, rows, micro, length):
     """Plan mode's "sft" phase within 15% of XLA's memory analysis of the warm start's step
-    (train.sft.make_sft_step: the whole batch of `rows` rows of `length` tokens in one forward /
-    backward, AdamW) compiled from abstract shapes; float32 as in the update test."""
+    (train.sft.make_sft_step: `rows` rows of `length` tokens, in one forward / backward or in
+    micro-batches of `micro` rows, AdamW) compiled from abstract shapes; float32 as in the
+    update test."""
     from delta_jax.kernels import timing
     from delta_jax.train import sft as sft_lib
     from delta_jax.train.state import init_train_state, make_optimizer
@@ -900,7 +906,8 @@ def test_sft_phase_agrees_with_the_compiled_sft_step(model, remat, rows, length)
         nnx.eval_shape(lambda: models.Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
     optimizer = make_optimizer(optax.constant_schedule(1e-4))
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
-    step = sft_lib.make_sft_step(graphdef, rest, optimizer, chunk_size=256)
+    step = sft_lib.make_sft_step(graphdef, rest, optimizer, chunk_size=256,
+                                 micro_batch_size=micro)
     batch = {"input_ids": jax.ShapeDtypeStruct((rows, length), jnp.int32),
              "attention_mask": jax.ShapeDtypeStruct((rows, length), jnp.int32),
              "loss_mask": jax.ShapeDtypeStruct((rows, length), jnp.float32)}
@@ -908,7 +915,8 @@ def test_sft_phase_agrees_with_the_compiled_sft_step(model, remat, rows, length)
     planned = plan.plan_memory(mc, mesh_shape=(1, 1, 1), device_memory_gb=80.0, rollout_rows=4,
                                prompt_len=64, response_len=64, sampler_rows=4, group_size=1,
                                mini_batch_rows=4, micro_batch_rows=0, logprob_chunk_tokens=256,
-                               recompute_chunk=4, sft_rows=rows, sft_len=length).phases["sft"]
+                               recompute_chunk=4, sft_rows=rows, sft_len=length,
+                               sft_micro_rows=micro).phases["sft"]
     assert abs(planned / compiled - 1) <= 0.15, (planned / 2**20, compiled / 2**20,
                                                  planned / compiled)
 

@@ -49,6 +49,49 @@ def test_sft_step_logs_the_learning_rate_of_its_own_update():
         np.testing.assert_allclose((b[i] - a[i]) / g[i], logged, rtol=1e-3)
 
 
+def test_micro_batched_sft_step_takes_the_whole_batchs_token_mean_gradient():
+    """sft.micro_batch_size=2 over 4 rows with 5, 1, 3 and 4 target tokens: the update (plain
+    SGD, so -lr x gradient), loss and token count are the whole batch's token mean, as
+    jax.grad of sft_loss over all 4 rows gives them (not the mean of the two halves' means,
+    which differs here); a micro-batch size that does not divide the batch is refused naming
+    sft.micro_batch_size."""
+    import pytest
+
+    graphdef, params, rest, _ = _tiny()
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(3, 64, (4, 9)), jnp.int32)
+    loss_mask = np.zeros((4, 9), np.float32)
+    for row, start in enumerate((4, 8, 6, 5)):
+        loss_mask[row, start:] = 1.0
+    batch = {"input_ids": ids, "attention_mask": jnp.ones((4, 9), jnp.int32),
+             "loss_mask": jnp.asarray(loss_mask)}
+    lr = 0.5
+    opt = optax.sgd(lr)
+
+    def loss(p, b):
+        return sft.sft_loss(nnx.merge(graphdef, p, rest), b, 4)
+
+    want_loss, want_count = loss(params, batch)
+    want_grads = jax.grad(lambda p: loss(p, batch)[0])(params)
+    halves = [jax.tree.map(lambda x: x[i:i + 2], batch) for i in (0, 2)]
+    mean_of_means = sum(float(loss(params, h)[0]) for h in halves) / 2
+    assert abs(mean_of_means - float(want_loss)) > 1e-3  # the two differ on this batch
+
+    step_fn = sft.make_sft_step(graphdef, rest, opt, chunk_size=4, micro_batch_size=2)
+    st, metrics = step_fn(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
+    assert int(metrics["sft/skipped"]) == 0 and float(metrics["sft/tokens"]) == 13.0
+    np.testing.assert_allclose(float(metrics["sft/loss"]), float(want_loss), rtol=1e-6)
+    assert float(want_count) == 13.0
+    for new, old, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(params),
+                           jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(old) - np.asarray(new), lr * np.asarray(g),
+                                   rtol=1e-4, atol=1e-7)
+    bad = sft.make_sft_step(graphdef, rest, opt, chunk_size=4, micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"sft\.micro_batch_size=3 does not divide the batch "
+                                         r"of 4 rows"):
+        bad(state_lib.init_train_state(jax.tree.map(jnp.copy, params), opt), batch)
+
+
 class _CharTokenizer:
     """One token per character (its code point); pad 0, EOS 1."""
     pad_token_id, eos_token_id = 0, 1

@@ -375,6 +375,7 @@ def default_config() -> config_dict.ConfigDict:
     c.sft = config_dict.ConfigDict()
     c.sft.steps = 0               # > 0 in train mode: a supervised warm start before RL
     c.sft.batch_size = 32
+    c.sft.micro_batch_size = 0    # rows per forward/backward of a step (0 = the whole batch)
     c.sft.lr = 1e-3
     c.sft.warmup_steps = 10
     c.sft.weight_decay = 0.0
@@ -637,7 +638,8 @@ def _check_combinations(c):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     for name in ("train.steps", "sft.steps", "train.save_every", "sft.save_every",
                  "train.eval_every", "train.progress_every_s", "train.rollouts_every",
-                 "rl.micro_batch_size", "optim.warmup_steps", "rl.max_nonfinite",
+                 "rl.micro_batch_size", "sft.micro_batch_size", "optim.warmup_steps",
+                 "rl.max_nonfinite",
                  "delta.num_refine", "eval.limit", "sft.warmup_steps",
                  "rl.dynamic_sampling_prompts_per_round"):
         _require(_get(c, name) >= 0, name, f"must be >= 0, got {_get(c, name)}")
@@ -653,6 +655,9 @@ def _check_combinations(c):
     _require(c.rl.micro_batch_size == 0 or mini_seqs % c.rl.micro_batch_size == 0,
              "rl.micro_batch_size", f"{c.rl.micro_batch_size} does not divide the mini-batch of "
              f"{mini_seqs} sequences (rl.mini_batch_prompts x rollout.group_size)")
+    _require(c.sft.micro_batch_size == 0 or c.sft.batch_size % c.sft.micro_batch_size == 0,
+             "sft.micro_batch_size", f"{c.sft.micro_batch_size} does not divide sft.batch_size="
+             f"{c.sft.batch_size}")
     _require(c.rollout.group_size >= 2, "rollout.group_size",
              f"rl.advantage={c.rl.advantage} compares the responses of a prompt with each other: "
              "with 1 response per prompt every advantage is 0 and nothing is trained; use >= 2")

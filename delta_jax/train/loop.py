@@ -94,7 +94,8 @@ def run_sft(run: Run, params, log_every: int = 10,
     step_fn = sft_lib.make_sft_step(run.graphdef, run.rest, optimizer, schedule,
                                     chunk_size=cfg.model.logprob_chunk_tokens,
                                     logprob_impl=cfg.model.logprob_impl, mesh=run.mesh,
-                                    state_shardings=shardings)
+                                    state_shardings=shardings,
+                                    micro_batch_size=cfg.sft.micro_batch_size)
     state = init_train_state(params, optimizer)
     if shardings is not None:
         state = sharding_lib.shard_tree(state, shardings)

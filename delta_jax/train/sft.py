@@ -78,37 +78,73 @@ def sft_batch(examples: SFTExamples, batch_size: int, seed: int, step: int) -> d
             "loss_mask": examples.loss_mask[idx]}
 
 
-def sft_loss(model, batch, chunk_size: int = 256, logprob_impl: str = "chunked"):
-    """(token-mean NLL over loss_mask[:, 1:], number of target tokens). logprob_impl: "chunked" |
+def sft_loss_sum(model, batch, chunk_size: int = 256, logprob_impl: str = "chunked"):
+    """(summed NLL over loss_mask[:, 1:], number of target tokens). logprob_impl: "chunked" |
     "fused" (models.token_logprobs)."""
     ids = batch["input_ids"]
     out = model(ids, attention_mask=batch["attention_mask"], return_logits=False)
     logp, _ = models.token_logprobs(model, out.hidden[:, :-1], ids[:, 1:], temperature=1.0,
                                     chunk_size=chunk_size, impl=logprob_impl)
     mask = batch["loss_mask"][:, 1:]
-    count = jnp.sum(mask)
-    return -jnp.sum(logp * mask) / jnp.maximum(count, 1.0), count
+    return -jnp.sum(logp * mask), jnp.sum(mask)
+
+
+def sft_loss(model, batch, chunk_size: int = 256, logprob_impl: str = "chunked"):
+    """(token-mean NLL over loss_mask[:, 1:], number of target tokens)."""
+    total, count = sft_loss_sum(model, batch, chunk_size, logprob_impl)
+    return total / jnp.maximum(count, 1.0), count
 
 
 def make_sft_step(graphdef, rest, optimizer: optax.GradientTransformation,
                   schedule: optax.Schedule | None = None, chunk_size: int = 256,
-                  logprob_impl: str = "chunked", mesh=None, state_shardings=None):
+                  logprob_impl: str = "chunked", mesh=None, state_shardings=None,
+                  micro_batch_size: int = 0):
     """Jitted sft_step(state, batch) -> (state, metrics), state donated; non-finite skipped.
     mesh / state_shardings (as train.step.make_train_step's): the batch's rows and the model's
     residual stream stay over the batch axes (sharding.rows_over_batch: an fsdp-sharded layer's
-    weights are gathered, not the activations), and the new state keeps `state_shardings`."""
+    weights are gathered, not the activations), and the new state keeps `state_shardings`.
+    micro_batch_size (sft.micro_batch_size; 0 = the whole batch at once): the batch's rows in
+    micro-batches of that many, scanned, their NLL sums' gradients summed in float32 and divided
+    by the batch's target tokens, as train.step does: the gradient of the whole batch's token
+    mean with one micro-batch's activations live."""
     from delta_jax import sharding as sharding_lib
+    from delta_jax.train.step import add_grads, split_micro, zero_grad_sum
 
     def loss_fn(params, batch):
         with sharding_lib.rows_over_batch(mesh):
             return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size, logprob_impl)
 
+    def sum_fn(params, batch):
+        with sharding_lib.rows_over_batch(mesh):
+            return sft_loss_sum(nnx.merge(graphdef, params, rest), batch, chunk_size,
+                                logprob_impl)
+
+    def micro_batched(params, batch):
+        """((token-mean NLL, target tokens), its gradients) of the batch, micro-batch by
+        micro-batch."""
+        micro = sharding_lib.constrain_batch(
+            split_micro(batch, micro_batch_size, "sft.micro_batch_size"), mesh, axis=1)
+
+        def body(carry, mb):
+            grads, total, count = carry
+            (t, c), g = trainable_value_and_grad(sum_fn, params, mb)
+            return (add_grads(grads, g), total + t, count + c), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (grads, total, count), _ = jax.lax.scan(body, (zero_grad_sum(params), zero, zero), micro)
+        denom = jnp.maximum(count, 1.0)
+        return (total / denom, count), jax.tree.map(lambda g: g / denom, grads)
+
+    whole = micro_batch_size <= 0
     out_shardings = None if state_shardings is None else (state_shardings, None)
 
     @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=out_shardings)
     def sft_step(state: TrainState, batch):
-        batch = sharding_lib.constrain_batch(batch, mesh)
-        (loss, count), grads = trainable_value_and_grad(loss_fn, state.params, batch)
+        if whole or micro_batch_size >= batch["input_ids"].shape[0]:
+            batch = sharding_lib.constrain_batch(batch, mesh)
+            (loss, count), grads = trainable_value_and_grad(loss_fn, state.params, batch)
+        else:
+            (loss, count), grads = micro_batched(state.params, batch)
         grad_norm = optax.tree.norm(grads)
         new_state, finite = apply_if_finite(state, grads, optimizer, loss=loss,
                                             grad_norm=grad_norm)

@@ -31,12 +31,14 @@ from delta_jax.train.state import TrainState, apply_if_finite
 LossFn = Callable
 
 
-def _split_micro(batch, micro):
+def split_micro(batch, micro: int, field: str = "rl.micro_batch_size"):
+    """The batch's arrays [N, ...] as [N / micro, micro, ...] (micro <= 0 or >= N: one
+    micro-batch of all N rows); ValueError naming `field` when micro does not divide N."""
     n = batch["input_ids"].shape[0]
     if micro <= 0 or micro >= n:
         micro = n
     if n % micro:
-        raise ValueError(f"rl.micro_batch_size={micro} does not divide the mini-batch of {n} rows")
+        raise ValueError(f"{field}={micro} does not divide the batch of {n} rows")
     return jax.tree.map(lambda x: x.reshape((n // micro, micro) + x.shape[1:]), batch)
 
 
@@ -89,7 +91,7 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, los
 
     @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=out_shardings)
     def train_step(state: TrainState, batch):
-        micro = sharding_lib.constrain_batch(_split_micro(batch, micro_batch_size), mesh, axis=1)
+        micro = sharding_lib.constrain_batch(split_micro(batch, micro_batch_size), mesh, axis=1)
         first = jax.tree.map(lambda x: x[0], micro)
         # Zero carries shaped like one micro-batch's outputs (traced once, no extra compute).
         (l_shape, (d_shape, m_shape)), _ = jax.eval_shape(grad_fn, state.params, first)
