@@ -570,14 +570,18 @@ for s in "$@"; do
                    # bfloat16 parameters with their float32 master copy, DelTA's features in
                    # pinned host memory, the optimizer state offloaded between updates, a
                    # 0.25 GiB page pool (preempts: rollout/preemptions),
-                   # old-policy chunks of 64 rows, an eval phase; 2 RL steps, a checkpoint,
-                   # then mode=eval reading its parameters alone. metrics.jsonl goes to $OUT.
-      RP=(--config=experiments/synthetic_gpu.py --workdir=/tmp/recipe_paths --config.sft.steps=0
+                   # old-policy chunks of 64 rows, an eval phase; a 4-step warm start in
+                   # micro-batches of 16 rows, 2 RL steps, a checkpoint, a resume for step 3
+                   # (memory/in_use_gb against step 2's: one state held), then mode=eval
+                   # reading its parameters alone. metrics.jsonl goes to $OUT.
+      RP=(--config=experiments/synthetic_gpu.py --workdir=/tmp/recipe_paths --config.sft.steps=4
+          --config.sft.micro_batch_size=16
           --config.train.steps=2 --config.train.save_every=2 --config.train.eval_before=False
           --config.eval.limit=64 --config.delta.feature_cache=host --config.optim.offload=True
           --config.rollout.kv_budget_gb=0.25 --config.rl.old_pass_rows=64
           --config.model.param_dtype=bfloat16)
       stage recipe_paths 300 python3 -m delta_jax.main "${RP[@]}"
+      stage recipe_paths_resume 180 python3 -m delta_jax.main "${RP[@]}" --config.train.steps=3
       stage recipe_paths_eval 120 python3 -m delta_jax.main "${RP[@]}" --config.mode=eval
       [ -n "${DRY_RUN:-}" ] || cp /tmp/recipe_paths/metrics.jsonl "$OUT/recipe_paths_metrics.jsonl" \
         2>/dev/null ;;

@@ -26,6 +26,7 @@ from flax import nnx
 
 from delta_jax.rl.delta import delta_coefficients
 from delta_jax.train import loop
+from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import run as run_lib
 from delta_jax.train.checkpoint import Checkpointer
 from delta_jax.train.config import validate_config
@@ -121,6 +122,9 @@ def test_artifacts(runs):
             # The old-policy pass reproduces the sampler's log-probs (same policy, same T).
             assert r["rollout/sampler_logp_abs_diff_max"] < 1e-3
             assert ("delta/disc_accuracy" in r) == (method == "delta")
+            # the allocator's figures where the devices report them (a GPU; not the CPU)
+            assert ({k for k in r if k.startswith("memory/")}
+                    == set(metrics_lib.device_memory_metrics())), (method, r)
         assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*")), method
         steps_saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
                              if p.name.isdigit())

@@ -3,7 +3,8 @@ import glob
 
 import numpy as np
 
-from delta_jax.train.metrics import MetricsWriter, read_jsonl, summary_line, to_scalars
+from delta_jax.train.metrics import (MetricsWriter, device_memory_metrics, read_jsonl,
+                                     summary_line, to_scalars)
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -43,3 +44,27 @@ def test_summary_line_and_scalars():
     assert s == {"a": 2.0, "b": 1.0}
     line = summary_line(3, {"rollout/reward_mean": 0.25, "policy/grad_norm": 1.5})
     assert line.startswith("step 3") and "reward 0.25" in line and "gnorm 1.5" in line
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+def test_device_memory_metrics_takes_the_fullest_device_and_the_smallest_limit():
+    """Across the devices that report (a backend without statistics returns None or raises):
+    the largest peak and in-use bytes and the smallest limit, in GB of 1e9 bytes; {} where none
+    reports (the CPU), and an allocator without a peak figure reports its in-use bytes."""
+    devices = [_Device({"bytes_in_use": 3e9, "peak_bytes_in_use": 9e9, "bytes_limit": 60e9}),
+               _Device(None), _Device(RuntimeError("no statistics")),
+               _Device({"bytes_in_use": 5e9, "peak_bytes_in_use": 7e9, "bytes_limit": 59e9})]
+    assert device_memory_metrics(devices) == {"memory/peak_gb": 9.0, "memory/in_use_gb": 5.0,
+                                              "memory/limit_gb": 59.0}
+    assert device_memory_metrics([_Device(None), _Device(RuntimeError("x"))]) == {}
+    assert device_memory_metrics([_Device({"bytes_in_use": 2e9})]) == {
+        "memory/peak_gb": 2.0, "memory/in_use_gb": 2.0}

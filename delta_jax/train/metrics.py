@@ -24,6 +24,33 @@ SUMMARY_KEYS = (
 )
 
 
+def device_memory_metrics(devices=None) -> dict[str, float]:
+    """What the allocators of `devices` (default this process's local devices) report, in GB of
+    1e9 bytes as plan mode prints them, where the backend reports it (GPUs, TPUs; not the
+    CPU, which gives {}): "memory/peak_gb", the most any of them has held since the process
+    started (peak_bytes_in_use), "memory/in_use_gb", the most one holds now, and
+    "memory/limit_gb", the least one may hold (bytes_limit: what plan.check_memory judges the
+    phases against)."""
+    import jax
+
+    stats = []
+    for device in jax.local_devices() if devices is None else devices:
+        try:
+            got = device.memory_stats()
+        except Exception:  # noqa: BLE001  (backends without allocator statistics raise)
+            got = None
+        if got and "bytes_in_use" in got:
+            stats.append(got)
+    if not stats:
+        return {}
+    out = {"memory/peak_gb": max(s.get("peak_bytes_in_use", s["bytes_in_use"]) for s in stats),
+           "memory/in_use_gb": max(s["bytes_in_use"] for s in stats)}
+    limits = [s["bytes_limit"] for s in stats if s.get("bytes_limit")]
+    if limits:
+        out["memory/limit_gb"] = min(limits)
+    return {k: v / 1e9 for k, v in out.items()}
+
+
 def sampler_metrics(counters: Mapping[str, float], prefix: str) -> dict[str, float]:
     """A run's sampler counters (GenerationOutput.counters, summed over its generate() calls) as
     metrics under `prefix` ("rollout", "eval"): tokens generated and their rate over the sampler's

@@ -315,4 +315,6 @@ def rl_step(run: Run, state: TrainState, step: int,
     metrics["perf/tokens_per_s"] = float(np.sum(rb.attention_mask)) / step_time
     metrics["perf/generated_tokens_per_s"] = float(np.sum(rb.response_lengths)) / max(
         metrics["time/rollout_s"], 1e-9)
+    # the devices' allocator figures where the backend has them (plan mode's phases, measured)
+    metrics.update(metrics_lib.device_memory_metrics())
     return StepOutput(state=state, metrics=metrics, prepared=prep)
