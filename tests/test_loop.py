@@ -293,12 +293,15 @@ def test_a_stopped_validation_is_validated_again_on_resume(tmp_path, monkeypatch
                      (2, "eval")]
 
 
-def _live_device_bytes(device) -> int:
-    """The bytes of the distinct buffers on `device` that live arrays hold (gc first): arrays
-    that share a buffer (a checkpoint save's views of the state's shards) count it once."""
+def _live_device_bytes(device, memory_kind: str | None = None) -> int:
+    """The bytes of the distinct buffers on `device` (in `memory_kind` alone where given:
+    "pinned_host") that live arrays hold (gc first): arrays that share a buffer (a checkpoint
+    save's views of the state's shards) count it once."""
     gc.collect()
     buffers = {}
     for array in jax.live_arrays():
+        if array.is_deleted() or (memory_kind and array.sharding.memory_kind != memory_kind):
+            continue
         for shard in array.addressable_shards:
             if shard.device == device:
                 buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
@@ -806,7 +809,7 @@ def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, mo
     """optim.offload=True on bfloat16 parameters (so the float32 master copy moves too): the
     optimizer state rests in pinned host memory between steps, the updates get it on the device,
     and a run resumed in between ends with the parameters and optimizer state of a run that kept
-    it on the device throughout."""
+    it on the device throughout. No pinned host memory is held while the updates run."""
     import jax
 
     from delta_jax.train import phases
@@ -817,11 +820,12 @@ def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, mo
                               train=dict(LOOP_WITHOUT_EVAL, steps=steps, keep=10, save_every=1))
 
     ref = jax.device_get(_train(config(3, False), tmp_path / "ref"))
-    seen = []
+    seen, pinned = [], []
     update = phases.update_policy
 
     def recording_update(train_step, state, *args, **kwargs):
         seen.append({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
+        pinned.append(_live_device_bytes(jax.devices()[0], "pinned_host"))
         return update(train_step, state, *args, **kwargs)
 
     monkeypatch.setattr(phases, "update_policy", recording_update)
@@ -829,6 +833,8 @@ def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, mo
     state = _train(config(3, True), tmp_path / "off")  # resumes from checkpoint 2
     assert _rl_steps(tmp_path / "off") == [1, 2, 3]
     assert seen == [{"device"}] * 3
+    # the host copy freed while the updates run (not beside the one they write back after)
+    assert pinned == [0] * 3
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
     assert jax.tree.leaves(state.opt_state.master), "bfloat16 parameters have a master copy"

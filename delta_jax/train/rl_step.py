@@ -282,7 +282,8 @@ def rl_step(run: Run, state: TrainState, step: int,
     """One RL step: prepare_batch, then the mini-batch updates over permuted prompt groups.
     If should_stop() turns true during the rollout (asked after every decode call) or is true
     once the batch is prepared, the step is abandoned (StepAbandoned) before any update, so the
-    caller can save the unchanged state."""
+    caller can save the unchanged state. Once the updates begin, `state` is consumed: the train
+    step donates its arrays, and with optim.offload its optimizer state's host copy is freed."""
     cfg = run.cfg
     t_start = time.perf_counter()
     prep = prepare_batch(run, state.params, step, should_stop)
@@ -294,7 +295,12 @@ def rl_step(run: Run, state: TrainState, step: int,
     t0 = time.perf_counter()
     offload = run.resting_shardings is not None
     if offload:  # optim.offload: the optimizer state comes in for the updates
+        resting = state.opt_state
         state = jax.block_until_ready(optimizer_state_to(run, state, "device"))
+        # Its host copy goes as the donated parameters do: the updates begin, no abandoning the
+        # step now, and the copy back after them is not to sit beside it in pinned host memory.
+        for leaf in jax.tree.leaves(resting):
+            leaf.delete()
         metrics["time/offload_in_s"] = time.perf_counter() - t0
     state, sums, updates = phases.update_policy(
         run.train_step, state, prep.batch, num_prompts=cfg.rollout.batch_prompts,
