@@ -4,6 +4,7 @@ process killed while writing leaves the old file (or none), not a torn one.
 
     write_text(path, text)          # any text file
     write_jsonl(path, rows)         # one JSON object a line
+    unused_path(stem, suffix)       # a name to keep an old file or directory under
 """
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def write_text(path: str | os.PathLike, text: str) -> str:
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping]) -> str:
     """Writes `rows` to `path` as JSON Lines (UTF-8, non-ASCII kept), replacing it at once."""
     return write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def unused_path(stem: str, suffix: str = "") -> str:
+    """`stem + suffix`, or where that exists the first of `stem.2 + suffix`, `stem.3 + suffix`,
+    ... that does not: a name to set something aside under without replacing what an earlier
+    set-aside left (config.until_step_4.json, config.until_step_4.2.json, ...)."""
+    path, k = stem + suffix, 1
+    while os.path.exists(path):
+        k += 1
+        path = f"{stem}.{k}{suffix}"
+    return path

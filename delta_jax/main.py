@@ -112,11 +112,7 @@ def adopt_config(cfg, workdir: str, changes: list[str], resumed: str) -> None:
     (`resumed`: "step_N" or "sft_step_N", 0 when nothing was restored): the config.json that
     trained the run up to there is kept as config.until_<resumed>.json, and `cfg` replaces it."""
     path = os.path.join(workdir, "config.json")
-    kept = os.path.join(workdir, f"config.until_{resumed}.json")
-    k = 1
-    while os.path.exists(kept):
-        k += 1
-        kept = os.path.join(workdir, f"config.until_{resumed}.{k}.json")
+    kept = files.unused_path(os.path.join(workdir, f"config.until_{resumed}"), ".json")
     if os.path.isfile(path):
         os.replace(path, kept)
     write_config(cfg, workdir)

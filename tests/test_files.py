@@ -35,3 +35,14 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
         files.write_text(path, "new")
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.txt"]
+
+
+def test_unused_path_numbers_past_what_earlier_set_asides_left(tmp_path):
+    stem = str(tmp_path / "config.until_step_4")
+    assert files.unused_path(stem, ".json") == stem + ".json"
+    (tmp_path / "config.until_step_4.json").write_text("{}")
+    assert files.unused_path(stem, ".json") == stem + ".2.json"
+    (tmp_path / "config.until_step_4.2.json").write_text("{}")
+    assert files.unused_path(stem, ".json") == stem + ".3.json"
+    (tmp_path / "unreadable-2").mkdir()  # a directory counts too, and no suffix is needed
+    assert files.unused_path(str(tmp_path / "unreadable-2")) == str(tmp_path / "unreadable-2.2")

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from delta_jax import files
 from delta_jax.errors import InputError, first_line
 from delta_jax.log_utils import absl_warning_held_back
 
@@ -181,13 +182,8 @@ class Checkpointer:
         steps again); nothing is deleted. Process 0 renames; every process waits for it."""
         if jax.process_index() == 0:
             for step in steps:
-                src = os.path.join(self.directory, str(step))
-                dst = os.path.join(self.directory, f"unreadable-{step}")
-                k = 1
-                while os.path.exists(dst):
-                    k += 1
-                    dst = os.path.join(self.directory, f"unreadable-{step}.{k}")
-                os.rename(src, dst)
+                os.rename(os.path.join(self.directory, str(step)),
+                          files.unused_path(os.path.join(self.directory, f"unreadable-{step}")))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("checkpoint set-aside")
