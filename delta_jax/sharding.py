@@ -410,12 +410,16 @@ def distributed_started() -> bool:
 
 def from_process_0(value):
     """Process 0's `value` (a numpy scalar) on every process of a multi-process run: what process
-    0 alone read (a file of the run directory) becomes every process's answer. A collective;
-    with one process the value itself."""
+    0 alone read (a file of the run directory) becomes every process's answer, to the bit (a
+    float64 or int64 travels as its bytes: jax without x64 would narrow it to 32 bits). A
+    collective; with one process the value itself."""
     if jax.process_count() == 1:
         return value
     from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.broadcast_one_to_all(value)).item()
+    value = np.asarray(value)
+    words = value.reshape(1).view(np.uint8).astype(np.int32)  # bytes as int32: no dtype narrows
+    got = np.asarray(multihost_utils.broadcast_one_to_all(words)).astype(np.uint8)
+    return got.view(value.dtype)[0].item()
 
 
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,

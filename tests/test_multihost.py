@@ -223,9 +223,11 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str):
     mesh = sharding.make_mesh(1, 2, 2)
     signum = stop_agreement(index)
     # What process 0 alone read (best/best.json, metrics.jsonl) becomes every process's answer.
-    from_0 = (sharding.from_process_0(np.float64(0.75 if index == 0 else 2.0)),
+    # (to the bit: 11 / 24 is no float32, 2**40 + 1 no int32)
+    from_0 = (sharding.from_process_0(np.float64(11 / 24 if index == 0 else 2.0)),
+              sharding.from_process_0(np.int64(2**40 + 1 if index == 0 else -1)),
               sharding.from_process_0(np.int32(index == 0)))
-    assert from_0 == (0.75, 1), from_0
+    assert from_0 == (11 / 24, 2**40 + 1, 1), from_0
     eval_scoring_shares(index)
     new_state, weights, metrics = one_step(mesh)
     q = new_state.params["layers"]["q_proj"][...]
