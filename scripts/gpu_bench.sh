@@ -26,7 +26,8 @@
 #   bash scripts/gpu_bench.sh recipe_paths       # the whole program on the GPU through the recipes'
 #                                                # memory settings: host feature cache, optimizer
 #                                                # offload, a page pool that preempts, old-policy
-#                                                # chunks, eval phase; then mode=eval (#16)
+#                                                # chunks, eval phase, a micro-batched warm start;
+#                                                # a resume; then mode=eval (#16; memory/* metrics)
 #   bash scripts/gpu_bench.sh mosaic             # the Mosaic GPU decode kernel: tests, sweep (#16)
 #   bash scripts/gpu_bench.sh decode_flags       # batch-64 decode under XLA flag variants (#15)
 #   bash scripts/gpu_bench.sh tunix              # tunix's sampler at batch 64 on this GPU (#15)
