@@ -611,14 +611,17 @@ def plan_memory(model_cfg: models.ModelConfig, *, mesh_shape: tuple[int, int, in
     # Evaluation runs the same sampler (same slots, prompts and budget) for eval_response_len
     # tokens, eval_group_size samples a prompt, its pool sized for those.
     kv_eval = kv_bytes(eval_response_len) if eval_response_len else 0
-    # Decode takes each layer's weights as arrays of their own in the compute dtype
-    # (sampling.programs.decode_layers): a copy of every layer's matmul weights, made once per
-    # generate() and held until it returns, beside the prefill and the decode programs alike.
+    # Decode takes each layer's weights as arrays of their own (sampling.programs.decode_layers:
+    # the matmul weights in the compute dtype, LoRA merged; the norm scales as they are): a copy
+    # of every layer's weights, made once per generate() and held until it returns, beside the
+    # prefill and the decode programs alike.
     from delta_jax.models.transformer import NORM_NAMES
     layer_weights = {k: v for k, v in params["layers"].items()
                      if k not in NORM_NAMES and "_lora_" not in k}
+    norm_scales = {k: v for k, v in params["layers"].items() if k in NORM_NAMES}
     decode_copy = (tree_device_bytes(layer_weights, mesh, rules) * a
-                   // jnp.dtype(model_cfg.param_dtype).itemsize)
+                   // jnp.dtype(model_cfg.param_dtype).itemsize
+                   + tree_device_bytes(norm_scales, mesh, rules))
     # One prefill call of the sampler (scheduler.prefill_rows_per_shard: slots / n prompts of
     # all but their last token, bucketed, at most ~MAX_PREFILL_TOKENS tokens) on a device: one
     # layer's forward at a time (forward_layer_peak, as the old-policy pass); each layer writes

@@ -10,6 +10,7 @@ on the built-in synthetic task (64 train / 4 test problems, level 1, prompts <= 
 RL step of 4 prompts x 4 samples x 8 new tokens and one update (mini-batch = the whole rollout),
 lr 1e-3, no progress bar. Each test file passes its own differences as per-section overrides.
 """
+import gc
 import os
 
 import jax
@@ -26,6 +27,21 @@ def device_bytes(tree, device=None) -> int:
     device = jax.local_devices()[0] if device is None else device
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
                for shard in getattr(leaf, "addressable_shards", []) if shard.device == device)
+
+
+def live_device_bytes(device, memory_kind: str | None = None) -> int:
+    """The bytes of the distinct buffers on `device` (in `memory_kind` alone where given:
+    "pinned_host") that live arrays hold (gc first): arrays that share a buffer (a checkpoint
+    save's views of the state's shards) count it once."""
+    gc.collect()
+    buffers = {}
+    for array in jax.live_arrays():
+        if array.is_deleted() or (memory_kind and array.sharding.memory_kind != memory_kind):
+            continue
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
 
 
 # The tiny model's shape (model.* fields), shared with test_main's config file.

@@ -1,7 +1,6 @@
 """delta_jax.train.loop on the tiny RL config in-process: a resumed run writes every step once,
 resumes past an unreadable newest checkpoint, eval mode reports without touching training's
 eval files, sft mode exports its warm start, and a code task runs with unit-test rewards."""
-import gc
 import json
 import logging
 import os
@@ -19,7 +18,8 @@ from delta_jax.train import rl_step as rl_step_lib
 from delta_jax.train import run as run_lib
 from delta_jax.train.preemption import TrainingInterrupted
 from delta_jax.train.config import validate_config
-from tests.rl_fixtures import LOOP_WITHOUT_EVAL, build_scored_run, tiny_rl_config
+from tests.rl_fixtures import (LOOP_WITHOUT_EVAL, build_scored_run, live_device_bytes,
+                               tiny_rl_config)
 
 
 def _config(steps, **train):
@@ -293,21 +293,6 @@ def test_a_stopped_validation_is_validated_again_on_resume(tmp_path, monkeypatch
                      (2, "eval")]
 
 
-def _live_device_bytes(device, memory_kind: str | None = None) -> int:
-    """The bytes of the distinct buffers on `device` (in `memory_kind` alone where given:
-    "pinned_host") that live arrays hold (gc first): arrays that share a buffer (a checkpoint
-    save's views of the state's shards) count it once."""
-    gc.collect()
-    buffers = {}
-    for array in jax.live_arrays():
-        if array.is_deleted() or (memory_kind and array.sharding.memory_kind != memory_kind):
-            continue
-        for shard in array.addressable_shards:
-            if shard.device == device:
-                buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
-    return sum(buffers.values())
-
-
 def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     """train.best_metric: the loop offers every eval (before, periodic, after) to the best
     policy; with the metric's values made 0.1, 0.5, 0.3 at steps 0, 1, 2, workdir/best holds
@@ -329,13 +314,13 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     held = []  # device 0's memory held as each evaluation starts: (step, best?, bytes)
 
     def write_eval(run, params, step, kind="eval", should_stop=None):
-        held.append((step, False, _live_device_bytes(jax.devices()[0])))
+        held.append((step, False, live_device_bytes(jax.devices()[0])))
         metrics = real(run, params, step, kind, should_stop=should_stop)
         assert metric in metrics
         return {**metrics, metric: made[step]}
 
     def evaluate_policy(run, params, step, **kw):
-        held.append((step, True, _live_device_bytes(jax.devices()[0])))
+        held.append((step, True, live_device_bytes(jax.devices()[0])))
         return real_policy(run, params, step, **kw)
 
     monkeypatch.setattr(loop, "write_eval", write_eval)
@@ -405,16 +390,16 @@ def test_a_run_holds_one_state_warm_started_resumed_or_evaluated(tmp_path, monke
         step = real_sft_step(*args, **kw)
 
         def probed(state, batch):
-            held.append(("sft", _live_device_bytes(device)))
+            held.append(("sft", live_device_bytes(device)))
             return step(state, batch)
         return probed
 
     def rl_step(run, state, step, **kw):
-        held.append((f"rl {step}", _live_device_bytes(device)))
+        held.append((f"rl {step}", live_device_bytes(device)))
         return real_rl_step(run, state, step, **kw)
 
     def generate(sampler, *args, **kw):
-        held.append(("eval", _live_device_bytes(device)))
+        held.append(("eval", live_device_bytes(device)))
         return real_generate(sampler, *args, **kw)
 
     monkeypatch.setattr(loop.sft_lib, "make_sft_step", make_sft_step)
@@ -825,7 +810,7 @@ def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, mo
 
     def recording_update(train_step, state, *args, **kwargs):
         seen.append({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
-        pinned.append(_live_device_bytes(jax.devices()[0], "pinned_host"))
+        pinned.append(live_device_bytes(jax.devices()[0], "pinned_host"))
         return update(train_step, state, *args, **kwargs)
 
     monkeypatch.setattr(phases, "update_policy", recording_update)

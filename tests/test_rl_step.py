@@ -13,7 +13,43 @@ import pytest
 
 from delta_jax.train import phases
 from delta_jax.train import rl_step as rl_step_lib
-from tests.rl_fixtures import build_scored_run, initial_state, tiny_rl_config
+from tests.rl_fixtures import build_scored_run, initial_state, live_device_bytes, tiny_rl_config
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rollout_holds_the_planned_pool_and_weight_copy_beside_the_state(tmp_path, dtype):
+    """After a decode call (should_stop is asked) the device holds the train state and, beside it,
+    what plan mode's rollout phase counts as persistent: the KV page pool and the decode weight
+    copy, to the byte (a second copy of either, or the stacked weights cast again, would show);
+    after the step, the state alone again."""
+    from delta_jax import plan
+    from delta_jax.train import run as run_lib
+
+    cfg = tiny_rl_config("dapo", model=dict(param_dtype=dtype, dtype=dtype))
+    run = build_scored_run(cfg, tmp_path)
+    device = jax.devices()[0]
+    try:
+        model_cfg = run.model(run.initial_params).cfg
+        state = initial_state(run)
+        before = live_device_bytes(device)
+        during = []
+
+        def should_stop():
+            during.append(live_device_bytes(device))
+            return False
+
+        new_state = rl_step_lib.rl_step(run, state, 1, should_stop=should_stop).state
+        del state  # (its arrays were donated: the step's batch and outputs go with the rest)
+        after = live_device_bytes(device)
+        del new_state
+    finally:
+        run.close()
+    p = plan.plan_from_config(cfg, mesh_shape=run_lib._mesh_shape(run.mesh), model_cfg=model_cfg)
+    assert before == p.params + p.optimizer + 4  # (the step counter)
+    # (one decode call here: 8 new tokens; the later asks come after the generation)
+    assert during[0] - before == p.kv_cache + p.decode_weight_copy == max(during) - before, (
+        during, before, p.kv_cache, p.decode_weight_copy)
+    assert after == before
 
 
 def test_random_lambda_draws_follow_the_step(tmp_path, monkeypatch):
