@@ -156,7 +156,7 @@ def run_variant(args, variant: str, workdir: str) -> dict:
     run.scorer = ParityScorer(args.seed)
     vocab = cfg.model.vocab_size or run.tokenizer.vocab_size
     run.data_iter = fixed_prompts(args.prompts, args.prompt_len, vocab, args.seed)
-    state = place_state(run, init_train_state(run.initial_params, run.optimizer))
+    state = place_state(run, init_train_state(run.take_initial_params(), run.optimizer))
     counters, first_calls = {}, {}
     for name in ("old_pass", "ref_pass", "hidden_pass", "topk_proxy_pass", "train_step"):
         fn = getattr(run, name)

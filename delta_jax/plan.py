@@ -770,12 +770,10 @@ def model_config_from_run_config(cfg, remat: Optional[str] = None) -> models.Mod
         return models.get_preset(cfg.model.preset, dtype=dtype, param_dtype=param_dtype,
                                  remat=remat, attention=cfg.model.attention,
                                  **overrides, **lora)
-    import os
-    path = os.path.join(cfg.model.path, "config.json")
     with naming("model.path"):
-        return models.config_from_hf(models.read_config_json(cfg.model.path), where=path,
-                                     dtype=dtype, param_dtype=param_dtype, remat=remat
-                                     ).replace(attention=cfg.model.attention, **lora)
+        return models.pretrained_config(cfg.model.path, dtype, param_dtype=param_dtype,
+                                        remat=remat, attention=cfg.model.attention,
+                                        check_weights=False).replace(**lora)
 
 
 def eval_new_tokens(cfg) -> int:

@@ -140,7 +140,9 @@ def compute_token_view(workdir: str, step: int | None = None) -> TokenView:
             raise InputError(f"--step {step}: no such checkpoint in {run.ckpt.directory} "
                              f"(have {sorted(steps)})")
         state, data_state, _ = run.ckpt.restore(step, run_lib.abstract_state(run))
-        run.take_initial_params()  # the checkpoint's replace them
+        run.take_initial_params(read=False)  # the checkpoint's stand in for them
+        if run.ref_pass is not None:  # the KL reference, as the resumed run has it
+            run.ref_params = run_lib.resumed_reference(run, state.params)
         run.data_iter.set_state(data_state)
         prep = rl_step_lib.prepare_batch(run, state.params, step + 1)
         rb, roll = prep.packed, prep.rollout

@@ -120,7 +120,7 @@ def build_scored_run(cfg, workdir, mesh=None):
 def initial_state(run):
     """The run's initial TrainState (its initial parameters + fresh optimizer state), placed on
     the run's mesh."""
-    return run_lib.place_state(run, init_train_state(run.initial_params, run.optimizer))
+    return run_lib.place_state(run, init_train_state(run.take_initial_params(), run.optimizer))
 
 
 PROGRAMS = ("old_pass", "ref_pass", "hidden_pass", "topk_proxy_pass", "train_step")

@@ -231,40 +231,47 @@ def _copy(src, dst):
   return dst
 
 
-def test_missing_config_json(tmp_path, tiny_checkpoint):
+@pytest.fixture(params=["from_pretrained", "pretrained_config"])
+def load(request):
+  """The loader, and the check a run makes at start-up without reading a tensor
+  (pretrained_config): the same error for each bad input."""
+  return getattr(models, request.param)
+
+
+def test_missing_config_json(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   (path / "config.json").unlink()
   with pytest.raises(FileNotFoundError, match="config.json"):
-    models.from_pretrained(path)
+    load(path)
 
 
-def test_malformed_config_json(tmp_path, tiny_checkpoint):
+def test_malformed_config_json(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   (path / "config.json").write_text('{"model_type": "qwen3", ')
   with pytest.raises(models.CheckpointError, match=r"config\.json: malformed JSON"):
-    models.from_pretrained(path)
+    load(path)
 
 
-def test_missing_config_field(tmp_path, tiny_checkpoint):
+def test_missing_config_field(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   config = json.loads((path / "config.json").read_text())
   del config["hidden_size"]
   (path / "config.json").write_text(json.dumps(config))
   with pytest.raises(models.CheckpointError, match=r"config\.json: missing required field 'hidden_size'"):
-    models.from_pretrained(path)
+    load(path)
 
 
-def test_missing_tensor(tmp_path, tiny_checkpoint):
+def test_missing_tensor(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   tensors = load_file(str(path / "model.safetensors"))
   del tensors["model.layers.0.self_attn.k_norm.weight"]
   save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(models.CheckpointError,
                      match=r"missing tensor 'model\.layers\.0\.self_attn\.k_norm\.weight'"):
-    models.from_pretrained(path)
+    load(path)
 
 
-def test_wrong_tensor_shape(tmp_path, tiny_checkpoint):
+def test_wrong_tensor_shape(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   tensors = load_file(str(path / "model.safetensors"))
   tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:5]
@@ -272,7 +279,7 @@ def test_wrong_tensor_shape(tmp_path, tiny_checkpoint):
   with pytest.raises(models.CheckpointError,
                      match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
                            r"has shape \(5, 64\), expected \(128, 64\)"):
-    models.from_pretrained(path)
+    load(path)
 
 
 @pytest.mark.parametrize("change,pattern", [
@@ -283,30 +290,30 @@ def test_wrong_tensor_shape(tmp_path, tiny_checkpoint):
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "gelu"),
 ])
-def test_unsupported_architecture(tmp_path, tiny_checkpoint, change, pattern):
+def test_unsupported_architecture(tmp_path, tiny_checkpoint, load, change, pattern):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   config = json.loads((path / "config.json").read_text())
   config.update(change)
   (path / "config.json").write_text(json.dumps(config))
   with pytest.raises(models.UnsupportedModelError, match=pattern) as info:
-    models.from_pretrained(path)
+    load(path)
   assert "config.json" in str(info.value)
 
 
-def test_pickle_only_directory_is_refused(tmp_path, tiny_checkpoint):
+def test_pickle_only_directory_is_refused(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   (path / "model.safetensors").rename(path / "pytorch_model.bin")
   with pytest.raises(FileNotFoundError, match="pickle"):
-    models.from_pretrained(path)
+    load(path)
 
 
-def test_unexpected_tensors_are_refused(tmp_path, tiny_checkpoint):
+def test_unexpected_tensors_are_refused(tmp_path, tiny_checkpoint, load):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   tensors = load_file(str(path / "model.safetensors"))
   tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros((128,), np.float32)
   save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(models.UnsupportedModelError, match=r"q_proj\.bias"):
-    models.from_pretrained(path)
+    load(path)
 
 
 def test_published_qwen3_config_json_gives_the_preset():
@@ -337,5 +344,49 @@ def test_truncated_safetensors_names_the_file(tmp_path, tiny_checkpoint, keep):
   path = _copy(tiny_checkpoint, tmp_path / "c")
   data = (path / "model.safetensors").read_bytes()
   (path / "model.safetensors").write_bytes(data[:int(len(data) * keep)])
-  with pytest.raises(models.CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"):
-    models.from_pretrained(path)
+  for load in models.from_pretrained, models.pretrained_config:
+    with pytest.raises(models.CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"):
+      load(path)
+
+
+def test_pretrained_config_reads_no_tensor(tmp_path, tiny_checkpoint, monkeypatch):
+  """pretrained_config checks a directory from its config.json and safetensors headers: no
+  tensor's data is read, also across a sharded checkpoint's index, and it is the config
+  from_pretrained builds the model with."""
+  from delta_jax.models import hf_io
+
+  sharded = tmp_path / "sharded"
+  models.save_pretrained(models.from_pretrained(tiny_checkpoint), sharded, max_shard_size=30_000)
+  assert (sharded / hf_io.INDEX_NAME).is_file()
+  real_open, opened = hf_io.safe_open, []
+
+  class NoTensors:
+    def __init__(self, handle):
+      self.handle = handle
+
+    def __enter__(self):
+      self.handle.__enter__()
+      return self
+
+    def __exit__(self, *exc):
+      return self.handle.__exit__(*exc)
+
+    def __getattr__(self, name):
+      if name == "get_tensor":
+        raise AssertionError("a tensor was read")
+      return getattr(self.handle, name)
+
+  def safe_open(*args, **kw):
+    opened.append(args[0])
+    return NoTensors(real_open(*args, **kw))
+
+  for path in tiny_checkpoint, sharded:
+    monkeypatch.setattr(hf_io, "safe_open", safe_open)
+    cfg = models.pretrained_config(path, jnp.bfloat16, remat="full", attention="xla")
+    monkeypatch.setattr(hf_io, "safe_open", real_open)
+    assert opened and cfg == models.from_pretrained(path, jnp.bfloat16, remat="full",
+                                                   attention="xla").cfg
+    opened.clear()
+  monkeypatch.setattr(hf_io, "safe_open", safe_open)
+  with pytest.raises(models.CheckpointError, match="a tensor was read"):  # the check's check
+    models.from_pretrained(tiny_checkpoint)

@@ -306,7 +306,6 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     from delta_jax import main as main_lib
     from delta_jax import models, plan
     from delta_jax.train.checkpoint import Checkpointer
-    from delta_jax.train.state import init_train_state
 
     metric = "eval/average/avg@2"
     made = {0: 0.1, 1: 0.5, 2: 0.3}
@@ -346,7 +345,7 @@ def test_the_best_eval_keeps_its_policy_in_best(tmp_path, monkeypatch, capsys):
     run = run_lib.build_run(cfg, str(tmp_path / "shapes"), need_scorer=False)
     try:
         ckpt = Checkpointer(str(tmp_path / "checkpoints"))
-        want = ckpt.restore(1, init_train_state(run.initial_params, run.optimizer))[0].params
+        want = ckpt.restore(1, run_lib.abstract_state(run))[0].params
         ckpt.close()
         model_cfg, mesh_shape = run.model(run.initial_params).cfg, run_lib._mesh_shape(run.mesh)
     finally:
@@ -456,6 +455,86 @@ def test_resume_from_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path, c
     assert (tmp_path / "checkpoints" / "unreadable-2").is_dir()
 
 
+def test_model_paths_weights_are_read_to_start_from_not_to_resume_or_evaluate(tmp_path,
+                                                                              monkeypatch):
+    """model.path's weights are read when a run starts from them, not when it resumes from a
+    checkpoint or mode=eval evaluates one (for a bfloat16 8B model, 16 GB read again on every
+    host and held on the devices while the checkpoint was read, then dropped): as the checkpoint
+    is read the devices hold nothing, and the resumed run trains on from the checkpoint's
+    parameters. With a KL term (no SFT) a resume reads them again, for its reference: the
+    initial policy, as the fresh run had it."""
+    from flax import nnx
+    from safetensors import safe_open
+
+    from delta_jax import models
+    from delta_jax.models import hf_io
+    from delta_jax.train.checkpoint import Checkpointer
+    from tests.rl_fixtures import tree_max_abs_diff
+
+    # model.path: the tiny run's own random init, saved
+    run = build_scored_run(tiny_rl_config("dapo"), tmp_path / "init")
+    models.save_pretrained(run.model(run.take_initial_params()), tmp_path / "hf")
+    run.close()
+    device = jax.devices()[0]
+    reads, held = [], []  # tensors read from model.path; device 0's bytes as a restore starts
+    real_read, real_restore = hf_io._TensorReader.read, Checkpointer.restore
+
+    def read(self, name, *args):
+        reads.append(name)
+        return real_read(self, name, *args)
+
+    def restore(self, *args, **kw):
+        held.append(live_device_bytes(device))
+        return real_restore(self, *args, **kw)
+
+    monkeypatch.setattr(hf_io._TensorReader, "read", read)
+    monkeypatch.setattr(Checkpointer, "restore", restore)
+
+    def config(steps, kl=0.0):
+        return tiny_rl_config("dapo", model=dict(random_init=False, path=str(tmp_path / "hf")),
+                              rl=dict(kl_coef=kl, kl_type="k3"),
+                              data=dict(eval="synthetic"),
+                              eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+                              rewards=dict(num_workers=1),
+                              train=dict(LOOP_WITHOUT_EVAL, steps=steps, save_every=1))
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="numpy") as f:
+        n_tensors = len(list(f.keys()))  # every tensor of the file, read once to start from it
+    for kl, workdir in ((0.0, tmp_path / "plain"), (0.1, tmp_path / "kl")):
+        _train(config(1, kl), workdir)
+        assert len(reads) == n_tensors and held == [], (kl, reads, held)  # a fresh start
+        reads.clear()
+        run = build_scored_run(config(2, kl), workdir)
+        try:
+            state, run = loop.train(run.cfg, str(workdir), run=run)
+            resumed_ref = run.ref_params
+        finally:
+            run.close()
+        assert _rl_steps(workdir) == [1, 2] and int(state.step) == 2
+        assert held[0] <= _SMALL_SLACK, held  # no initial parameters beside the restore
+        if kl:  # read again for the reference: the initial policy's, exactly
+            assert len(reads) == n_tensors
+            initial = nnx.state(models.from_pretrained(tmp_path / "hf"), nnx.Param)
+            assert tree_max_abs_diff(jax.device_get(resumed_ref), initial) == 0.0
+            del initial
+        else:
+            assert reads == [] and resumed_ref is None
+        del state, resumed_ref, run  # not beside the next restore (its sampler's weights)
+        reads.clear(), held.clear()
+    eval_cfg = config(2).copy_and_resolve_references()
+    with eval_cfg.unlocked():
+        eval_cfg.mode = "eval"
+    metrics = loop.eval_only(validate_config(eval_cfg), str(tmp_path / "plain"))
+    assert reads == [] and len(held) == 1 and held[0] <= _SMALL_SLACK, (reads, held)
+    assert json.loads((tmp_path / "plain" / "eval" / "standalone_step_2.json").read_text())
+    assert metrics
+    # eval.checkpoint=none evaluates model.path itself: read
+    with eval_cfg.unlocked():
+        eval_cfg.eval.checkpoint = "none"
+    loop.eval_only(validate_config(eval_cfg), str(tmp_path / "plain"))
+    assert len(reads) == n_tensors
+
+
 def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monkeypatch, caplog):
     cfg = tiny_rl_config("dapo", train=dict(steps=1, eval_before=False, eval_after=True,
                                             export_final=False),
@@ -501,7 +580,7 @@ def test_eval_mode_prints_and_keeps_trainings_eval_files(tmp_path, capsys, monke
     # (the evaluation let go of the model's own parameters: those of a run built again, the
     # same random init)
     again = run_lib.build_run(validate_config(eval_cfg), str(tmp_path / "again"), need_data=False)
-    initial = again.initial_params
+    initial = again.take_initial_params()
     again.close()
     assert jax.tree.structure(params) == jax.tree.structure(whole)
     assert all(np.array_equal(np.asarray(a), np.asarray(b))
@@ -753,7 +832,7 @@ def test_a_lora_run_trains_the_adapters_resumes_and_exports_them_merged(tmp_path
 
     run = build_scored_run(config(2), tmp_path)
     try:
-        lora0, base0 = jax.device_get(split_trainable(run.initial_params))
+        lora0, base0 = jax.device_get(split_trainable(run.read_initial_params()))
         assert len(jax.tree.leaves(lora0)) == 14  # A and B on q, k, v, o, gate, up, down
         state, run = loop.train(run.cfg, str(tmp_path), run=run)
         assert _rl_steps(tmp_path) == [1, 2]

@@ -442,7 +442,7 @@ def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
             cfg.rollout.batch_prompts * cfg.rollout.group_size)) and {r["step"] for r in got} == {n}
     mesh = sharding.mesh_from_config(cfg.mesh, devices=jax.devices("cpu")[:4])  # as the workers
     run = run_lib.build_run(cfg, str(tmp_path / "one"), mesh=mesh)
-    initial = jax.device_get(run.initial_params)  # the run donates them
+    initial = jax.device_get(run.read_initial_params())  # what the run starts from
     ref_state, run = loop.train(cfg, str(tmp_path / "one"), run=run)
     run.close()
     one = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]

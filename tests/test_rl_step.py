@@ -182,7 +182,7 @@ def test_the_steps_sampler_metrics(tmp_path, caplog):
     # Room for one sample of the longest prompt at full length and 4 pages more.
     prompt_len = run.cfg.data.max_prompt_len
     shared, own = sample_pages(prompt_len, 16, 4)
-    page = models.page_bytes(run.model(initial_state(run).params).cfg, 4)
+    page = models.page_bytes(run.model(run.initial_params).cfg, 4)
     tight, _ = prepared(kv_budget_gb=(1 + shared + own + 4) * page / 2**30,
                         decode_steps_per_call=2)  # samples grow between calls
     assert 0 < tight.metrics["rollout/resumed"] <= tight.metrics["rollout/preemptions"]

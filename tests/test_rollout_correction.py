@@ -106,8 +106,9 @@ def _prepared(tmp_path, mode, method="dapo"):
     run = build_scored_run(tiny_rl_config(method, rl=dict(rollout_is=mode, rollout_is_cap=1.2)),
                            tmp_path / f"{method}_{mode}")
     try:
-        run.sampler.update_params = lambda *_: None  # the sampler keeps the initial weights
         params = initial_state(run).params
+        run.sampler.update_params(run.model(params))
+        run.sampler.update_params = lambda *_: None  # the sampler keeps the initial weights
         keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(params))))
         trainer = jax.tree.map(
             lambda x: x + 1.0 * jnp.std(x) * jax.random.normal(next(keys), x.shape, x.dtype),

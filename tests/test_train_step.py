@@ -354,14 +354,14 @@ def test_run_sft_follows_model_logprob_impl(tmp_path, monkeypatch):
         run = build_scored_run(cfg, tmp_path / impl)
         try:
             calls.clear()
-            out[impl] = loop.run_sft(run, run.initial_params)
+            out[impl] = loop.run_sft(run, run.take_initial_params())
             assert bool(calls) == (impl == "fused"), impl
         finally:
             run.close()
     assert tree_max_abs_diff(out["fused"], out["chunked"]) < 1e-5
     fresh = build_scored_run(tiny_rl_config("dapo"), tmp_path / "fresh")
     try:
-        assert tree_max_abs_diff(out["chunked"], fresh.initial_params) > 1e-4   # SFT moved it
+        assert tree_max_abs_diff(out["chunked"], fresh.take_initial_params()) > 1e-4   # SFT moved it
     finally:
         fresh.close()
 

@@ -254,7 +254,9 @@ class _TensorReader:
       self._handles[file] = _open_safetensors(file)
     return self._handles[file]
 
-  def read(self, name: str, shape: tuple[int, ...], where: pathlib.Path) -> np.ndarray:
+  def check(self, name: str, shape: tuple[int, ...], where: pathlib.Path):
+    """The handle holding tensor `name`, after checking from the file's header alone that it
+    is there with this shape."""
     if name not in self.files:
       raise CheckpointError(f"{where}: missing tensor {name!r}")
     file = self.files[name]
@@ -265,6 +267,20 @@ class _TensorReader:
     if got != tuple(shape):
       raise CheckpointError(f"{file}: tensor {name!r} has shape {got}, expected {tuple(shape)}")
     self.used.add(name)
+    return handle
+
+  def refuse_unused(self, where: pathlib.Path) -> None:
+    """An error for tensors in the files that nothing checked or read (another architecture)."""
+    ignorable = re.compile(r"(.*rotary_emb\.inv_freq$)|(^lm_head\.weight$)")
+    unused = sorted(n for n in self.files if n not in self.used and not ignorable.match(n))
+    if unused:
+      raise UnsupportedModelError(
+          f"{where}: checkpoint has tensors this architecture does not use, e.g. {unused[:5]} "
+          f"({len(unused)} in all)")
+
+  def read(self, name: str, shape: tuple[int, ...], where: pathlib.Path) -> np.ndarray:
+    file = self.files.get(name)
+    handle = self.check(name, shape, where)
     try:
       return handle.get_tensor(name)
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
@@ -313,6 +329,38 @@ def _lookup_sharding(shardings, path: tuple[str, ...], axes, shape):
   return node
 
 
+def pretrained_config(path, dtype=jnp.float32, *, param_dtype=None, remat=False,
+                      attention: str = "auto", check_weights: bool = True) -> ModelConfig:
+  """The ModelConfig of a Hugging Face directory (config.json; dtype etc. as from_pretrained).
+  check_weights: also check, from the safetensors headers alone (no tensor is read), that every
+  tensor the model needs is there with its shape and none is left over: the errors
+  from_pretrained would raise, at the cost of reading a few headers."""
+  path = pathlib.Path(path)
+  cfg = config_from_hf(read_config_json(path), where=str(path / CONFIG_NAME), dtype=dtype,
+                       param_dtype=param_dtype, remat=remat, attention=attention)
+  if check_weights:
+    reader = _TensorReader(_weight_files(path))
+    for name, shape in _hf_read_shapes(cfg).values():
+      reader.check(name, shape, path)
+    reader.refuse_unused(path)
+  return cfg
+
+
+def _hf_read_shapes(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...]]]:
+  """(our parameter path, layer index or None) -> (the checkpoint's tensor name, its shape
+  there), for every tensor the model reads."""
+  V, H = cfg.vocab_size, cfg.hidden_size
+  out = {(("embed",), None): ("model.embed_tokens.weight", (V, H)),
+         (("final_norm",), None): ("model.norm.weight", (H,))}
+  if not cfg.tie_word_embeddings:
+    out[(("lm_head",), None)] = ("lm_head.weight", (V, H))
+  for name, shape in layer_param_shapes(cfg).items():
+    for i in range(cfg.num_layers):
+      out[(("layers", name), i)] = (f"model.layers.{i}.{_LAYER_HF_NAMES[name]}",
+                                     _hf_shape(name, shape[1:]))
+  return out
+
+
 def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None,
                     remat=False, attention: str = "auto") -> Transformer:
   """Load a Hugging Face Qwen3/Llama directory (config.json + *.safetensors [+ index]).
@@ -325,12 +373,12 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
     and placed with jax.device_put as it is read.
   """
   path = pathlib.Path(path)
-  hf = read_config_json(path)
-  cfg = config_from_hf(hf, where=str(path / CONFIG_NAME), dtype=dtype, param_dtype=param_dtype,
-                       remat=remat, attention=attention)
+  cfg = pretrained_config(path, dtype, param_dtype=param_dtype, remat=remat,
+                          attention=attention, check_weights=False)
   reader = _TensorReader(_weight_files(path))
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  tensors = _hf_read_shapes(cfg)
 
   def place(param_path, variable, host_array):
     axes = variable.get_metadata().get("out_sharding")
@@ -340,28 +388,18 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
     variable.set_value(array)
 
   V, H = cfg.vocab_size, cfg.hidden_size
-  place(("embed",), model.embed,
-        reader.read("model.embed_tokens.weight", (V, H), path).astype(np_dtype))
-  place(("final_norm",), model.final_norm,
-        reader.read("model.norm.weight", (H,), path).astype(np_dtype))
+  for key, variable in (("embed",), model.embed), (("final_norm",), model.final_norm):
+    place(key, variable, reader.read(*tensors[(key, None)], path).astype(np_dtype))
   if not cfg.tie_word_embeddings:
     place(("lm_head",), model.lm_head,
-          _to_ours("lm_head", reader.read("lm_head.weight", (V, H), path), (H, V))
+          _to_ours("lm_head", reader.read(*tensors[(("lm_head",), None)], path), (H, V))
           .astype(np_dtype))
   for name, shape in layer_param_shapes(cfg).items():
     stacked = np.empty(shape, np_dtype)
     for i in range(cfg.num_layers):
-      hf_name = f"model.layers.{i}.{_LAYER_HF_NAMES[name]}"
-      stacked[i] = _to_ours(name, reader.read(hf_name, _hf_shape(name, shape[1:]), path),
-                            shape[1:])
+      stacked[i] = _to_ours(name, reader.read(*tensors[(("layers", name), i)], path), shape[1:])
     place(("layers", name), getattr(model.layers, name), stacked)
-
-  ignorable = re.compile(r"(.*rotary_emb\.inv_freq$)|(^lm_head\.weight$)")
-  unused = sorted(n for n in reader.files if n not in reader.used and not ignorable.match(n))
-  if unused:
-    raise UnsupportedModelError(
-        f"{path}: checkpoint has tensors this architecture does not use, e.g. {unused[:5]} "
-        f"({len(unused)} in all)")
+  reader.refuse_unused(path)
   return model
 
 

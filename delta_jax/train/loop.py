@@ -30,7 +30,7 @@ from delta_jax.train.metrics import summary_line
 from delta_jax.train.preemption import StopOnSignal, TrainingInterrupted
 from delta_jax.train.rl_step import StepAbandoned, StepOutput, rl_step
 from delta_jax.train.run import (Run, abstract_state, build_model, build_run, place_state,
-                                 reference_part, restore_reference, save_reference)
+                                 reference_part, resumed_reference, save_reference)
 from delta_jax.train.state import (TrainState, abstract_train_state, init_train_state,
                                    split_model)
 
@@ -219,15 +219,14 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
 
     if found is not None:
         start, state, data_state, meta = found
-        # The checkpoint's parameters replace the initial ones, which the run and its sampler
-        # let go of (not held beside the restored state to the end).
-        run.take_initial_params()
+        # The checkpoint's parameters stand in for the initial ones, which are never read.
+        run.take_initial_params(read=False)
         run.sampler.update_params(run.model(state.params))
         run.data_iter.set_state(data_state)
         run.writer.truncate(int(meta.get("metrics_offset", -1)))
         nonfinite_streak = int(meta.get("nonfinite_streak", 0))
-        if run.ref_pass is not None and cfg.sft.steps > 0:
-            run.ref_params = restore_reference(run, state.params)
+        if run.ref_pass is not None:
+            run.ref_params = resumed_reference(run, state.params)
         log.info("resumed from %s at step %d", run.ckpt.directory, start)
         if on_resumed is not None:
             on_resumed(f"step_{start}")
@@ -253,9 +252,10 @@ def _train(cfg, workdir: str, run: Run, step_hooks, stop: StopOnSignal,
             on_resumed("step_0")
         state = place_state(run, init_train_state(params, run.optimizer))
         del params  # the train step donates them with the state
-        if cfg.sft.steps > 0 and run.ref_pass is not None:  # the KL reference is the policy
-            run.ref_params = reference_part(state.params)  # after the warm start
-            save_reference(run, run.ref_params)
+        if run.ref_pass is not None:  # the KL reference is the policy at the start of RL
+            run.ref_params = reference_part(state.params)
+            if cfg.sft.steps > 0:  # after the warm start: kept for resumes
+                save_reference(run, run.ref_params)
         evaluate(0, state.params)  # before checkpoint 0, whose metrics offset includes it
         # (train.eval_before; cut short by a stop: raised below)
         save(0, state, run.data_iter.get_state(), force=True)
@@ -413,10 +413,10 @@ def eval_only(cfg, workdir: str) -> dict:
                 raise InputError(f"eval.checkpoint: {run.ckpt.directory} has no checkpoint "
                                  f"{which}; it has {run.ckpt.all_steps() or 'none'}")
             found = (int(which), *run.ckpt.restore(int(which), target, partial=True))
-        params = run.take_initial_params()
-        if found is not None:
+        params = run.take_initial_params(read=found is None)  # model.path's not read for a
+        if found is not None:                                  # checkpoint's
             step, state = found[0], found[1]
-            params = state["params"]  # model.path's (or random) weights are not held beside
+            params = state["params"]
             stem = f"standalone_step_{step}"
         else:  # model.path's own weights: named after it, so two exports do not share a file
             if run.state_shardings is not None:

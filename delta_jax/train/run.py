@@ -101,6 +101,21 @@ def build_model(cfg, vocab_size: int, mesh=None):
         model, mesh)
 
 
+def abstract_model(cfg, vocab_size: int):
+    """What build_model(cfg, vocab_size) returns, with jax.ShapeDtypeStructs for parameters:
+    nothing is allocated and no weight is read (model.path's config.json is, and its
+    safetensors headers are checked for every tensor the model needs, so a checkpoint that
+    would not load stops the run now)."""
+    cfg = resolve_remat(cfg, None, vocab_size)
+    if cfg.model.random_init:
+        return nnx.eval_shape(lambda: build_model(cfg, vocab_size))
+    with naming("model.path"):
+        mcfg = models.pretrained_config(cfg.model.path, jnp.dtype(cfg.model.dtype),
+                                        param_dtype=jnp.dtype(cfg.model.param_dtype),
+                                        remat=cfg.model.remat, attention=cfg.model.attention)
+    return nnx.eval_shape(lambda: add_lora(cfg, models.Transformer(mcfg, rngs=nnx.Rngs(0))))
+
+
 def add_lora(cfg, model):
     """The model with fresh LoRA adapters when model.lora_rank > 0 (from the run's seed)."""
     if cfg.model.lora_rank:
@@ -201,7 +216,12 @@ class Run:
     eval_prompts: dict = dataclasses.field(default_factory=dict)  # kind -> prompt format
     eval_scorers: dict = dataclasses.field(default_factory=dict)  # kind -> scorer (accuracy)
     with_delta: bool = False     # the old-policy pass feeds DelTA (method delta, token view)
+    # The policy's parameters at the start of the run (model.path's weights, or the random init
+    # from the seed) as ShapeDtypeStructs; take_initial_params reads them (read_initial_params),
+    # so a run that restores a checkpoint never reads them.
     initial_params: Any = None
+    read_initial_params: Callable[[], Any] | None = None
+    initial_params_taken: bool = False
     mesh: Any = None             # the (data, fsdp, tensor) mesh shared by sampler and trainer
     state_shardings: Any = None  # TrainState-shaped NamedShardings (delta_jax.sharding)
     # optim.offload: the same with the optimizer state in pinned host memory (where it rests
@@ -219,19 +239,16 @@ class Run:
     def model(self, params):
         return nnx.merge(self.graphdef, params, self.rest)
 
-    def take_initial_params(self):
-        """initial_params, handed over: the Run keeps only their shapes, dtypes and shardings
-        (ShapeDtypeStructs, what abstract_state needs), so the arrays are freed once the taker
-        is done with them (a train step donates them; a restored checkpoint replaces them)
-        rather than staying beside the run's state to the end. None when they were taken
-        before."""
-        params = self.initial_params
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+    def take_initial_params(self, read: bool = True):
+        """The initial parameters, read now (model.path's weights or the seeded random init)
+        and handed over: the Run keeps their ShapeDtypeStructs (initial_params, what
+        abstract_state needs) and never holds the arrays, so they are freed once the taker is
+        done with them (a train step donates them). read=False: a restored checkpoint stands in
+        for them, and nothing is read (returns None). None when they were taken before."""
+        if self.initial_params_taken:
             return None
-        self.initial_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-            params)
-        return params
+        self.initial_params_taken = True
+        return self.read_initial_params() if read else None
 
     def close(self):
         for scorer in (self.scorer, *self.eval_scorers.values()):
@@ -292,10 +309,22 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
         warn_long_eval_prompts(cfg, val_benchmarks, prompts, tokenizer, "data.val")
     mesh = sharding_lib.mesh_from_config(cfg.mesh) if mesh is None else mesh
     cfg = resolve_remat(cfg, mesh, tokenizer.vocab_size)
-    model = build_model(cfg, tokenizer.vocab_size, mesh=mesh)
+    # Shapes only: the weights are read when a run starts from them (take_initial_params), not
+    # when it resumes from, or evaluates, a checkpoint.
+    model = abstract_model(cfg, tokenizer.vocab_size)
     if cfg.mode in ("train", "eval", "sft"):
         check_memory_plan(cfg, model.cfg, mesh)
     graphdef, params, rest = split_model(model)
+
+    def read_initial_params():
+        log.info("reading the initial parameters (%s)", cfg.model.path or
+                 f"random init of {cfg.model.preset}, seed {cfg.seed}")
+        loaded_graphdef, loaded, _ = split_model(build_model(cfg, tokenizer.vocab_size, mesh=mesh))
+        if loaded_graphdef != graphdef:
+            raise RuntimeError("the model read from model.path differs in structure from the one "
+                               "its config.json describes")
+        return loaded
+
     optimizer, schedule = optimizer_from_config(cfg.optim, cfg.train.steps * _updates_per_step(cfg))
     state_shardings = abstract_train_state(params, optimizer, mesh)[1]
     resting_shardings = None
@@ -331,7 +360,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                           keep=cfg.train.keep, read_only=cfg.mode == "eval"),
         writer=(MetricsWriter(workdir) if jax.process_index() == 0 and cfg.mode != "eval"
                 else _NullWriter()),
-        initial_params=params, mesh=mesh, state_shardings=state_shardings,
+        initial_params=params, read_initial_params=read_initial_params, mesh=mesh, state_shardings=state_shardings,
         resting_shardings=resting_shardings, data_iter=data_iter,
         benchmarks=benchmarks, val_benchmarks=val_benchmarks, eval_prompts=prompts,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
@@ -362,8 +391,7 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                 graphdef, rest, temperature=cfg.rollout.temperature,
                 chunk_size=cfg.model.logprob_chunk_tokens, mesh=mesh, with_hidden=False,
                 logprob_impl=cfg.model.logprob_impl)
-            # train() replaces it with the post-SFT parameters when there is a warm start.
-            run.ref_params = reference_part(params)
+            # run.ref_params: set by train() once the policy at the start of RL is known
     if cfg.data.train == "synthetic":
         run.credit_labeller = make_credit_labeller(tokenizer)
     if need_scorer and cfg.mode == "train":
@@ -661,6 +689,15 @@ def save_reference(run: Run, params):
                   force=True)
     finally:
         ckpt.close()
+
+
+def resumed_reference(run: Run, params):
+    """The KL reference part (reference_part) of a run resumed with policy `params`: the one
+    saved after its SFT warm start (sft.steps > 0), else that of its initial parameters, read
+    again (model.path's weights, or the random init from the seed)."""
+    if run.cfg.sft.steps > 0:
+        return restore_reference(run, params)
+    return split_trainable(run.read_initial_params())[0]  # fresh arrays: no copy to make
 
 
 def restore_reference(run: Run, params):
