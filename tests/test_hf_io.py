@@ -213,6 +213,69 @@ def test_from_pretrained_places_parameters_with_given_shardings(tmp_path):
   assert len(replicated.embed[...].sharding.device_set) == 4
 
 
+@pytest.mark.parametrize("rules,q_reads,q_block", [
+    # the usual fsdp x tensor split: a linear weight's first merged axis (the heads) is split,
+    # each element of q_proj read once, in blocks of an eighth of a layer's
+    ({"embed": "fsdp", "q_heads": "tensor", "mlp": "tensor",
+      "vocab": "tensor"}, 1, 1 / 8),
+    # the layers, the vocabulary over both mesh axes, and an inner merged axis (head_dim, under
+    # the heads in the HF tensor's rows): each of a layer's 4 head_dim blocks reads the layer's
+    # q_proj rows whole, then cuts its block
+    ({"layers": "fsdp", "head_dim": "tensor", "vocab": ("fsdp", "tensor"), "norm": "tensor"}, 4,
+     1),
+])
+@pytest.mark.devices(8)
+def test_from_pretrained_reads_each_shard_by_itself(tmp_path, monkeypatch, rules, q_reads,
+                                                    q_block):
+  """With shardings, each device's block of a parameter is read from the file alone (on
+  several hosts each reads its own devices' shards, not the whole model), a block several
+  devices hold once; the model is the one read whole and placed as asked, whichever axes the
+  mesh splits."""
+  from delta_jax.models import hf_io
+
+  cfg = models.get_preset("tiny")
+  model = models.Transformer(cfg, rngs=nnx.Rngs(2))
+  models.save_pretrained(model, tmp_path / "m")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("fsdp", "tensor"))
+  shardings = lambda path, axes, shape: jax.sharding.NamedSharding(  # noqa: E731
+      mesh, jax.sharding.PartitionSpec(*(rules.get(a) for a in axes)))
+  read, real_read = {}, hf_io._TensorReader.read  # tensor -> sizes of the blocks read
+
+  def counting_read(self, name, shape, where, index=None):
+    out = real_read(self, name, shape, where, index)
+    read.setdefault(name, []).append(out.size)
+    return out
+
+  monkeypatch.setattr(hf_io._TensorReader, "read", counting_read)
+  loaded = models.from_pretrained(tmp_path / "m", shardings=shardings)
+  got = nnx.to_flat_state(nnx.state(loaded, nnx.Param))
+  want = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  assert len(got) == len(want)
+  for path, var in got:
+    value, axes = var.get_value(), var.get_metadata().get("out_sharding")
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(want[path].get_value()),
+                                  err_msg=str(path))
+    assert value.sharding == shardings(path, axes, value.shape), path
+  H, V = cfg.hidden_size, cfg.vocab_size
+  q_layer = H * cfg.num_heads * cfg.head_dim
+  q = read["model.layers.0.self_attn.q_proj.weight"]
+  assert sum(q) == q_reads * q_layer and max(q) == q_block * q_layer, q
+  assert sum(read["model.embed_tokens.weight"]) == sum(read["lm_head.weight"]) == V * H
+  assert max(read["model.embed_tokens.weight"]) == V * H // 8
+  assert sum(read["model.norm.weight"]) == H  # replicated (first case) or split: read once
+  ids = jnp.asarray(np.arange(12).reshape(2, 6) % V, jnp.int32)
+  np.testing.assert_allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
+  # A bfloat16 checkpoint (as published), read by shards into bfloat16 and into float32.
+  models.save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16)
+  for param_dtype in jnp.bfloat16, jnp.float32:
+    whole = models.from_pretrained(tmp_path / "bf16", jnp.bfloat16, param_dtype=param_dtype)
+    by_shard = models.from_pretrained(tmp_path / "bf16", jnp.bfloat16, param_dtype=param_dtype,
+                                      shardings=shardings)
+    for a, b in zip(jax.tree.leaves(nnx.state(by_shard)), jax.tree.leaves(nnx.state(whole))):
+      assert a.dtype == param_dtype
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -278,10 +278,15 @@ class _TensorReader:
           f"{where}: checkpoint has tensors this architecture does not use, e.g. {unused[:5]} "
           f"({len(unused)} in all)")
 
-  def read(self, name: str, shape: tuple[int, ...], where: pathlib.Path) -> np.ndarray:
+  def read(self, name: str, shape: tuple[int, ...], where: pathlib.Path,
+           index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """Tensor `name` (checked to have `shape`), or only its block `index` (slices with step 1,
+    one an axis): the bytes of that block alone are read."""
     file = self.files.get(name)
     handle = self.check(name, shape, where)
     try:
+      if index is not None and any(s != slice(0, n) for s, n in zip(index, shape)):
+        return handle.get_slice(name)[index]
       return handle.get_tensor(name)
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
       raise CheckpointError(f"{file}: tensor {name!r} does not read back ({type(e).__name__}: "
@@ -299,6 +304,33 @@ def _hf_shape(name: str, our_shape: tuple[int, ...]) -> tuple[int, ...]:
     k = _IN_AXES[name]
     return (math.prod(our_shape[k:]), math.prod(our_shape[:k]))
   return tuple(our_shape)
+
+
+def _merged_range(sizes: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, slice]:
+  """Axes of `sizes` merged into one (the first slowest), as an HF tensor stores them: (the
+  range of the merged axis that holds block `index`, the slice of the first axis to take
+  after splitting that range back into the axes). The range is the block's own where every
+  axis but the first is whole, else the rows of the first axis it spans."""
+  inner = math.prod(sizes[1:])
+  first = index[0]
+  return slice(first.start * inner, first.stop * inner), slice(0, first.stop - first.start)
+
+
+def _read_block(reader: "_TensorReader", name: str, hf_name: str, our_shape: tuple[int, ...],
+                index: tuple[slice, ...], where: pathlib.Path) -> np.ndarray:
+  """Block `index` of parameter `name` in our layout (one layer's, our_shape), read from HF
+  tensor `hf_name` by its rows and columns alone: a linear weight's input axes are the HF
+  tensor's columns and its output axes its rows (transposed, see _to_ours)."""
+  hf_shape = _hf_shape(name, our_shape)
+  if name not in _IN_AXES:
+    return reader.read(hf_name, hf_shape, where, index)
+  k = _IN_AXES[name]
+  cols, in_first = _merged_range(our_shape[:k], index[:k])
+  rows, out_first = _merged_range(our_shape[k:], index[k:])
+  block = reader.read(hf_name, hf_shape, where, (rows, cols)).T
+  block = block.reshape(in_first.stop, *our_shape[1:k], out_first.stop, *our_shape[k + 1:])
+  # the axes after the first of each group are read whole: their slices are taken now
+  return block[(slice(None), *index[1:k], slice(None), *index[k + 1:])]
 
 
 def _to_hf(name: str, ours: np.ndarray) -> np.ndarray:
@@ -369,8 +401,10 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
   remat / attention: the run-time choices of ModelConfig (not stored in config.json).
   shardings: optional placement, either a callable (path tuple, logical axes, shape) ->
     jax.sharding.Sharding | None, or a pytree shaped like nnx.state(model) (e.g. from
-    nnx.get_named_sharding) whose leaves are Shardings. Each parameter is assembled on the host
-    and placed with jax.device_put as it is read.
+    nnx.get_named_sharding) whose leaves are Shardings. Each device's block of a parameter is
+    then read from the files by itself (jax.make_array_from_callback): a host of a multi-host
+    run reads its own devices' shards, not the whole model; without one, each parameter is
+    read whole onto the default device.
   """
   path = pathlib.Path(path)
   cfg = pretrained_config(path, dtype, param_dtype=param_dtype, remat=remat,
@@ -380,25 +414,45 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   tensors = _hf_read_shapes(cfg)
 
-  def place(param_path, variable, host_array):
+  def place(param_path, variable, shape, block):
+    """Parameter param_path of `shape`, of which block(index) reads the block `index` (a tuple
+    of slices); with a sharding each device's shard is read alone (on several hosts each reads
+    its own devices' blocks), a block several devices hold (replicas) once."""
     axes = variable.get_metadata().get("out_sharding")
-    sharding = _lookup_sharding(shardings, param_path, axes, host_array.shape)
-    array = (jax.device_put(host_array, sharding) if sharding is not None
-             else jnp.asarray(host_array))
-    variable.set_value(array)
+    sharding = _lookup_sharding(shardings, param_path, axes, shape)
+    if sharding is None:
+      variable.set_value(jnp.asarray(block(tuple(slice(0, n) for n in shape))))
+      return
+    read = {}
+
+    def shard(index):
+      index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+      key = tuple((s.start, s.stop) for s in index)
+      if key not in read:
+        read[key] = block(index)
+      return read[key]
+
+    variable.set_value(jax.make_array_from_callback(shape, sharding, shard))
+
+  def single(key, name, our_shape):
+    hf_name = tensors[(key, None)][0]
+    return lambda index: _read_block(reader, name, hf_name, our_shape, index, path).astype(
+        np_dtype)
+
+  def stacked(name, shape):
+    def block(index):
+      return np.stack([
+          _read_block(reader, name, tensors[(("layers", name), i)][0], shape[1:], index[1:], path)
+          .astype(np_dtype) for i in range(index[0].start, index[0].stop)])
+    return block
 
   V, H = cfg.vocab_size, cfg.hidden_size
-  for key, variable in (("embed",), model.embed), (("final_norm",), model.final_norm):
-    place(key, variable, reader.read(*tensors[(key, None)], path).astype(np_dtype))
+  place(("embed",), model.embed, (V, H), single(("embed",), "embed", (V, H)))
+  place(("final_norm",), model.final_norm, (H,), single(("final_norm",), "final_norm", (H,)))
   if not cfg.tie_word_embeddings:
-    place(("lm_head",), model.lm_head,
-          _to_ours("lm_head", reader.read(*tensors[(("lm_head",), None)], path), (H, V))
-          .astype(np_dtype))
+    place(("lm_head",), model.lm_head, (H, V), single(("lm_head",), "lm_head", (H, V)))
   for name, shape in layer_param_shapes(cfg).items():
-    stacked = np.empty(shape, np_dtype)
-    for i in range(cfg.num_layers):
-      stacked[i] = _to_ours(name, reader.read(*tensors[(("layers", name), i)], path), shape[1:])
-    place(("layers", name), getattr(model.layers, name), stacked)
+    place(("layers", name), getattr(model.layers, name), shape, stacked(name, shape))
   reader.refuse_unused(path)
   return model
 
