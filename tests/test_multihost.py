@@ -3,8 +3,9 @@
 (Sampler.generate, slots over both processes) on one (data=1, fsdp=2, tensor=2) mesh spanning
 both processes; the updated parameters, DelTA weights and sampled tokens equal the
 single-process result, and evaluation splits its scoring between them. The same pair also keeps
-the DelTA features in the host cache (each process holds its own shards) and exports the policy
-from both processes into one directory (one launch serves both tests).
+the DelTA features in the host cache (each process holds its own shards), exports the policy
+from both processes into one directory and reads it back by shards, each process its own (one
+launch serves both tests).
 A second pair is the product itself: `python -m delta_jax.main` in two processes sharing a
 workdir (a DelTA run with eval before and after), against the same config in this process.
 
@@ -158,6 +159,34 @@ def host_cache_and_export(mesh, new_state, export_dir):
     return weights
 
 
+# Tensors whose elements each process reads when it loads the export by shards.
+READ_TENSORS = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
+                "model.norm.weight")
+
+
+def load_by_shards(mesh, export_dir):
+    """models.from_pretrained of the export, placed on the mesh by the run's rules (its
+    parameters fsdp-split over the two processes); the elements of READ_TENSORS this process
+    read."""
+    from delta_jax import models, sharding
+    from delta_jax.models import hf_io
+
+    read, real_read = dict.fromkeys(READ_TENSORS, 0), hf_io._TensorReader.read
+
+    def counting_read(self, name, shape, where, index=None):
+        out = real_read(self, name, shape, where, index)
+        if name in read:
+            read[name] += out.size
+        return out
+
+    hf_io._TensorReader.read = counting_read
+    try:
+        model = models.from_pretrained(export_dir, shardings=sharding.param_sharding_fn(mesh))
+    finally:
+        hf_io._TensorReader.read = real_read
+    return _param_state(model), np.asarray([read[n] for n in READ_TENSORS], np.int64)
+
+
 def stop_agreement(index: int) -> int:
     """A SIGTERM that reaches process 1 alone stops both: StopOnSignal.requested() is false on
     both before it and true on both after it; process 0's own SIGTERM arriving after that is
@@ -233,14 +262,20 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str):
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes
     cached = host_cache_and_export(mesh, new_state, export_dir)
+    multihost_utils.sync_global_devices("exported")  # the export's files are whole
+    loaded, reads = load_by_shards(mesh, export_dir)
     roll = rollout(mesh)  # the sampler's slots span both processes
     gathered = multihost_utils.process_allgather(
-        {"params": new_state.params, "weights": weights, "cached": cached}, tiled=True)
+        {"params": new_state.params, "weights": weights, "cached": cached, "loaded": loaded},
+        tiled=True)
+    reads = multihost_utils.process_allgather(reads)  # [process, tensor]
     if index == 0:
         out = {"s/signum": np.asarray(signum), "w/weights": np.asarray(gathered["weights"]),
                "m/loss": np.asarray(jax.device_get(metrics["loss"]))}
         out.update({"c/" + k: np.asarray(v) for k, v in gathered["cached"].items()})
         out.update({"p/" + k: v for k, v in flat_params(gathered["params"]).items()})
+        out.update({"l/" + k: v for k, v in flat_params(gathered["loaded"]).items()})
+        out["n/reads"] = np.asarray(reads)
         out["r/ids"], out["r/logp"] = roll
         np.savez(out_path, **out)
     multihost_utils.sync_global_devices("done")
@@ -347,7 +382,9 @@ def test_two_processes_match_one(two_process_result, on_cpu):
 def test_host_feature_cache_and_export_across_processes(two_process_result):
     """Parameters and features that span two processes: the host feature cache gives the device
     cache's DelTA weights, and save_pretrained called by both processes writes one directory
-    that loads back to the gathered parameters."""
+    that loads back to the gathered parameters, whole in this process and by shards in both
+    (as a run loads model.path), where each process reads its own devices' shards: half of an
+    fsdp-split tensor each, a replicated one whole."""
     from delta_jax import models
 
     got, export_dir = two_process_result
@@ -359,6 +396,17 @@ def test_host_feature_cache_and_export_across_processes(two_process_result):
     assert loaded.keys() == params.keys()
     for name, value in params.items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+        np.testing.assert_array_equal(got["l/" + name], value, err_msg=name)
+    cfg = model_config()
+    H = cfg.hidden_size
+    whole = {"model.layers.0.self_attn.q_proj.weight": H * cfg.num_heads * cfg.head_dim,
+             "model.embed_tokens.weight": cfg.vocab_size * H, "model.norm.weight": H}
+    reads = got["n/reads"]  # [process, tensor]
+    assert reads.shape == (2, len(READ_TENSORS))
+    for i, name in enumerate(READ_TENSORS):
+        # q_proj [embed: fsdp, heads: tensor] and embed [vocab: tensor, embed: fsdp]: half each
+        want = whole[name] if name == "model.norm.weight" else whole[name] // 2
+        assert list(reads[:, i]) == [want, want], (name, reads[:, i], whole[name])
 
 
 def test_main_across_two_processes_trains_as_one(tmp_path, on_cpu):
