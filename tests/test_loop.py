@@ -461,14 +461,16 @@ def test_model_paths_weights_are_read_to_start_from_not_to_resume_or_evaluate(tm
     checkpoint or mode=eval evaluates one (for a bfloat16 8B model, 16 GB read again on every
     host and held on the devices while the checkpoint was read, then dropped): as the checkpoint
     is read the devices hold nothing, and the resumed run trains on from the checkpoint's
-    parameters. With a KL term (no SFT) a resume reads them again, for its reference: the
-    initial policy, as the fresh run had it."""
+    parameters. With a KL term (no SFT) a resume reads them again for its reference, the
+    initial policy as the fresh run had it; with LoRA that reference is the initial adapters,
+    made again from the seed without reading the base weights."""
     from flax import nnx
     from safetensors import safe_open
 
     from delta_jax import models
     from delta_jax.models import hf_io
     from delta_jax.train.checkpoint import Checkpointer
+    from delta_jax.train.state import split_trainable
     from tests.rl_fixtures import tree_max_abs_diff
 
     # model.path: the tiny run's own random init, saved
@@ -490,8 +492,9 @@ def test_model_paths_weights_are_read_to_start_from_not_to_resume_or_evaluate(tm
     monkeypatch.setattr(hf_io._TensorReader, "read", read)
     monkeypatch.setattr(Checkpointer, "restore", restore)
 
-    def config(steps, kl=0.0):
-        return tiny_rl_config("dapo", model=dict(random_init=False, path=str(tmp_path / "hf")),
+    def config(steps, kl=0.0, lora=0):
+        return tiny_rl_config("dapo", model=dict(random_init=False, path=str(tmp_path / "hf"),
+                                                 lora_rank=lora, lora_alpha=8.0),
                               rl=dict(kl_coef=kl, kl_type="k3"),
                               data=dict(eval="synthetic"),
                               eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
@@ -500,25 +503,35 @@ def test_model_paths_weights_are_read_to_start_from_not_to_resume_or_evaluate(tm
 
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="numpy") as f:
         n_tensors = len(list(f.keys()))  # every tensor of the file, read once to start from it
-    for kl, workdir in ((0.0, tmp_path / "plain"), (0.1, tmp_path / "kl")):
-        _train(config(1, kl), workdir)
+    for kl, lora, workdir in ((0.0, 0, tmp_path / "plain"), (0.1, 0, tmp_path / "kl"),
+                              (0.1, 4, tmp_path / "kl_lora")):
+        _train(config(1, kl, lora), workdir)
         assert len(reads) == n_tensors and held == [], (kl, reads, held)  # a fresh start
         reads.clear()
-        run = build_scored_run(config(2, kl), workdir)
+        run = build_scored_run(config(2, kl, lora), workdir)
         try:
             state, run = loop.train(run.cfg, str(workdir), run=run)
             resumed_ref = run.ref_params
+            if kl:  # the reference the fresh run had: the initial policy's trainable part
+                reads_before = len(reads)
+                initial = jax.device_get(split_trainable(run.read_initial_params())[0])
+                del reads[reads_before:]
         finally:
             run.close()
         assert _rl_steps(workdir) == [1, 2] and int(state.step) == 2
         assert held[0] <= _SMALL_SLACK, held  # no initial parameters beside the restore
-        if kl:  # read again for the reference: the initial policy's, exactly
+        if kl and not lora:  # read again for the reference: the initial policy's, exactly
             assert len(reads) == n_tensors
-            initial = nnx.state(models.from_pretrained(tmp_path / "hf"), nnx.Param)
+        else:  # nothing read; a LoRA reference's adapters come from the seed alone
+            assert reads == [], reads
+        if kl:
             assert tree_max_abs_diff(jax.device_get(resumed_ref), initial) == 0.0
+            names = {path[-1] for path, _ in nnx.to_flat_state(resumed_ref)}
+            assert (all("_lora_" in n for n in names) and len(names) == 14 if lora
+                    else "embed" in names), names  # the adapters alone, or the whole policy
             del initial
         else:
-            assert reads == [] and resumed_ref is None
+            assert resumed_ref is None
         del state, resumed_ref, run  # not beside the next restore (its sampler's weights)
         reads.clear(), held.clear()
     eval_cfg = config(2).copy_and_resolve_references()

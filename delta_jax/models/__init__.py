@@ -19,14 +19,15 @@ from delta_jax.models.hf_io import (CheckpointError, UnsupportedModelError, conf
                                     read_config_json, save_peft_adapter, save_pretrained)
 from delta_jax.models.logprobs import logprobs_from_logits, map_sequence_chunks, token_logprobs
 from delta_jax.models.tokenizer import Tokenizer, load_tokenizer
-from delta_jax.models.transformer import LAYER_AXES, LoRAParam, ModelOutput, Transformer
+from delta_jax.models.transformer import (LAYER_AXES, LoRAParam, ModelOutput, Transformer,
+                                          init_lora_arrays)
 
 __all__ = [
     "CheckpointError", "LAYER_AXES", "LORA_TARGETS", "LoRAParam",
     "ModelConfig", "ModelOutput",
     "PRESETS", "PagedKVCache", "REMAT_POLICIES", "Tokenizer", "Transformer",
     "UnsupportedModelError", "config_from_hf", "from_pretrained", "get_preset", "hf_config_dict",
-    "init_paged_cache", "load_tokenizer", "logprobs_from_logits",
+    "init_lora_arrays", "init_paged_cache", "load_tokenizer", "logprobs_from_logits",
     "map_sequence_chunks", "page_bytes", "pretrained_config", "read_config_json",
     "save_peft_adapter", "save_pretrained", "token_logprobs",
 ]

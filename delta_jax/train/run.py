@@ -697,7 +697,23 @@ def resumed_reference(run: Run, params):
     again (model.path's weights, or the random init from the seed)."""
     if run.cfg.sft.steps > 0:
         return restore_reference(run, params)
-    return split_trainable(run.read_initial_params())[0]  # fresh arrays: no copy to make
+    return initial_trainable(run)
+
+
+def initial_trainable(run: Run):
+    """The trainable part (split_trainable) of the run's initial parameters, made again, placed
+    as the run places it: with LoRA the fresh adapters alone, from the seed as build_model makes
+    them (model.path's base weights are not read); else the whole initial policy, read again."""
+    if not run.cfg.model.lora_rank:
+        return split_trainable(run.read_initial_params())[0]  # fresh arrays: no copy to make
+    arrays = models.init_lora_arrays(run.model(run.initial_params).cfg,
+                                     jax.random.key(run.cfg.seed))
+    abstract = split_trainable(run.initial_params)[0]
+    trainable = nnx.from_flat_state([(path, var.replace(arrays[path[-1]]))
+                                     for path, var in nnx.to_flat_state(abstract)])
+    if run.state_shardings is None:
+        return trainable
+    return sharding_lib.shard_tree(trainable, split_trainable(run.state_shardings.params)[0])
 
 
 def restore_reference(run: Run, params):
