@@ -88,6 +88,21 @@ def test_custom_dotted_mapping(tmp_path):
     assert recs == [{"id": "7", "problem": "2+2?", "answer": "4", "solution": "", "level": -1}]
 
 
+def test_custom_mapping_keeps_a_structured_answer_as_json(tmp_path):
+    """A custom mapping's answer that is a list or an object (verl's ground_truth of a code task,
+    several accepted answers) is kept as its JSON text, which json.loads gives back; an empty one
+    is a malformed row, as an empty string is, and the presets still refuse them."""
+    tests = {"inputs": ["1 2\n"], "outputs": ["3\n"], "fn_name": None}
+    rows = [{"q": "add", "gt": tests}, {"q": "roots?", "gt": ["2", "-2"]}, {"q": "x", "gt": []}]
+    recs, stats = records.load_records(write_jsonl(tmp_path / "s.jsonl", rows),
+                                       fields={"problem": "q", "answer": "gt"}, on_error="skip")
+    assert [json.loads(r["answer"]) for r in recs] == [tests, ["2", "-2"]]
+    assert stats.num_skipped == 1 and "is empty" in stats.skipped[0]
+    with pytest.raises(records.MalformedRecordError, match="expected a string"):
+        records.load_records(write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "problem": "p",
+                                                                 "answer": ["1"]}]))
+
+
 def test_last_boxed_edge_cases():
     assert records.last_boxed("no box") is None
     assert records.last_boxed("\\boxed{a{b}c} and \\boxed{d}") == "d"

@@ -23,7 +23,9 @@ RewardScorer(name="code")):
 
 `fields="auto"` picks a preset per file from the keys of its first row. A custom mapping is a dict
 {"problem": key, "answer": key, ["id": key], ["solution": key], ["level": key]} where a key may be
-dotted ("reward_model.ground_truth") to reach into nested objects.
+dotted ("reward_model.ground_truth") to reach into nested objects; an answer that is a JSON list
+or object there (several answers, a task's tests) is kept as its JSON text, for a reward of the
+user's own (rewards.python_fn) to json.loads.
 
 Malformed rows (bad JSON, a missing or empty field, no \\boxed{} in a MATH solution) raise a
 `MalformedRecordError` naming the file and the row (1-based line number for JSONL, 1-based row
@@ -378,6 +380,17 @@ def parse_fields(fields: str | Mapping[str, str]) -> str | Mapping[str, str]:
     return text
 
 
+def _answer_text(value: Any, key: str) -> str:
+    """A custom mapping's answer: text as _text keeps it, or a JSON list / object (a ground
+    truth of several answers, a code task's tests, verl's reward_model.ground_truth) as its JSON
+    text, which a rewards.python_fn reads back with json.loads."""
+    if isinstance(value, (list, dict)):
+        if not value:
+            raise ValueError(f"field {key!r} is empty")
+        return json.dumps(value, ensure_ascii=False)
+    return _text(value, key)
+
+
 def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
     unknown = set(fields) - set(RECORD_KEYS)
     if unknown or "problem" not in fields or "answer" not in fields:
@@ -398,7 +411,7 @@ def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
         return {
             "id": optional("id", None),
             "problem": _text(_get(row, fields["problem"]), fields["problem"]),
-            "answer": _text(_get(row, fields["answer"]), fields["answer"]),
+            "answer": _answer_text(_get(row, fields["answer"]), fields["answer"]),
             "solution": optional("solution", "") or "",
             "level": _level(optional("level", None)),
         }
