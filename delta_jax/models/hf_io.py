@@ -306,14 +306,13 @@ def _hf_shape(name: str, our_shape: tuple[int, ...]) -> tuple[int, ...]:
   return tuple(our_shape)
 
 
-def _merged_range(sizes: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, slice]:
-  """Axes of `sizes` merged into one (the first slowest), as an HF tensor stores them: (the
-  range of the merged axis that holds block `index`, the slice of the first axis to take
-  after splitting that range back into the axes). The range is the block's own where every
-  axis but the first is whole, else the rows of the first axis it spans."""
+def _merged_range(sizes: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, int]:
+  """Axes of `sizes` merged into one, the first slowest (as an HF tensor stores them): the range
+  of the merged axis that holds the block `index` spans of the first axis, whole in the others
+  (the block's own range where the others are whole), and how many of the first axis that is."""
   inner = math.prod(sizes[1:])
   first = index[0]
-  return slice(first.start * inner, first.stop * inner), slice(0, first.stop - first.start)
+  return slice(first.start * inner, first.stop * inner), first.stop - first.start
 
 
 def _read_block(reader: "_TensorReader", name: str, hf_name: str, our_shape: tuple[int, ...],
@@ -325,11 +324,11 @@ def _read_block(reader: "_TensorReader", name: str, hf_name: str, our_shape: tup
   if name not in _IN_AXES:
     return reader.read(hf_name, hf_shape, where, index)
   k = _IN_AXES[name]
-  cols, in_first = _merged_range(our_shape[:k], index[:k])
-  rows, out_first = _merged_range(our_shape[k:], index[k:])
+  cols, n_in = _merged_range(our_shape[:k], index[:k])
+  rows, n_out = _merged_range(our_shape[k:], index[k:])
   block = reader.read(hf_name, hf_shape, where, (rows, cols)).T
-  block = block.reshape(in_first.stop, *our_shape[1:k], out_first.stop, *our_shape[k + 1:])
-  # the axes after the first of each group are read whole: their slices are taken now
+  block = block.reshape(n_in, *our_shape[1:k], n_out, *our_shape[k + 1:])
+  # the axes after the first of each group were read whole: their slices are taken now
   return block[(slice(None), *index[1:k], slice(None), *index[k + 1:])]
 
 
