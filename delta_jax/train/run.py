@@ -360,7 +360,8 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
                           keep=cfg.train.keep, read_only=cfg.mode == "eval"),
         writer=(MetricsWriter(workdir) if jax.process_index() == 0 and cfg.mode != "eval"
                 else _NullWriter()),
-        initial_params=params, read_initial_params=read_initial_params, mesh=mesh, state_shardings=state_shardings,
+        initial_params=params, read_initial_params=read_initial_params, mesh=mesh,
+        state_shardings=state_shardings,
         resting_shardings=resting_shardings, data_iter=data_iter,
         benchmarks=benchmarks, val_benchmarks=val_benchmarks, eval_prompts=prompts,
         with_delta=cfg.method == "delta" if with_delta is None else bool(with_delta))
@@ -693,8 +694,8 @@ def save_reference(run: Run, params):
 
 def resumed_reference(run: Run, params):
     """The KL reference part (reference_part) of a run resumed with policy `params`: the one
-    saved after its SFT warm start (sft.steps > 0), else that of its initial parameters, read
-    again (model.path's weights, or the random init from the seed)."""
+    saved after its SFT warm start (sft.steps > 0), else that of its initial parameters, made
+    again (initial_trainable)."""
     if run.cfg.sft.steps > 0:
         return restore_reference(run, params)
     return initial_trainable(run)
