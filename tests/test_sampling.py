@@ -661,6 +661,21 @@ def test_update_params_swaps_weights_without_recompiling(tiny_model, sampler):
     assert via_state.response_ids == after.response_ids
 
 
+def test_a_sampler_of_an_abstract_model_asks_for_weights(tiny_model):
+    """A sampler built from an abstract model (a train Run's, before it reads its weights)
+    refuses to generate with one error naming update_params, rather than failing inside jit on
+    a ShapeDtypeStruct; given weights, it generates what a sampler built from them does."""
+    abstract = nnx.eval_shape(lambda: models.Transformer(models.get_preset("tiny"),
+                                                         rngs=nnx.Rngs(0)))
+    held = Sampler(abstract, max_batch_size=16)
+    with pytest.raises(ValueError, match="update_params"):
+        held.generate(PROMPTS, max_new_tokens=4)
+    held.update_params(tiny_model)
+    kwargs = dict(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    assert held.generate(PROMPTS, **kwargs).response_ids == Sampler(
+        tiny_model, max_batch_size=16).generate(PROMPTS, **kwargs).response_ids
+
+
 def test_padded_layout(sampler):
     out = sampler.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=6, stop_token_ids=(5,))
     batch = out.padded(prompt_len=12, response_len=8)

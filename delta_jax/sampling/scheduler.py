@@ -432,6 +432,11 @@ class Sampler:
         start_time = time.perf_counter()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if any(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree.leaves(self.state if state is None else state)):
+            raise ValueError("generate: the sampler holds parameter shapes, not weights (its model "
+                             "was abstract: nnx.eval_shape, or a train Run's before it reads "
+                             "them); give it weights with update_params first")
         limits = None
         if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, str):
             limits = list(max_new_tokens)
