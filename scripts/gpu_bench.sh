@@ -58,6 +58,10 @@
 #                                                # page reader (the default "auto" is Mosaic on Hopper)
 # Stage times on an H100 (2026-11-24): step 178 s, tests 336-390 s (run it in a call of its own),
 # lmhead 24 s, train 166 s, paged 86 s, decode 223 s, longtail 192 s.
+# Stage limits add up: `train recipe_paths` is 230 + 300 + 180 + 120 s at the defaults, more
+# than one 600 s call. With 15 minutes of device time a session (2026-12), one call of both:
+#   STAGE_LIMIT_recipe_paths=200 STAGE_LIMIT_recipe_paths_resume=90 STAGE_LIMIT_recipe_paths_eval=60 \
+#     BUNDLE=1 OUT=$OUT bash scripts/gpu_bench.sh train recipe_paths      # <= 580 s of stages
 #
 # Results go to $OUT (default ./gpu_out): one JSON per benchmark and one log for the call;
 # BUNDLE=1 packs all but the log into $OUT/gpu_bench_results.tar.gz at the end.
