@@ -276,6 +276,28 @@ def test_from_pretrained_reads_each_shard_by_itself(tmp_path, monkeypatch, rules
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_long_read_logs_its_progress(tmp_path, caplog):
+  """from_pretrained logs the parameters placed and the bytes read as it goes (here after every
+  parameter), ending with the whole: every stacked parameter once, the tensors' bytes."""
+  import logging
+
+  cfg = models.get_preset("tiny")
+  models.save_pretrained(models.Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path / "m")
+  with caplog.at_level(logging.INFO, logger="delta_jax.models"):
+    models.from_pretrained(tmp_path / "m", progress_every_s=0.0)
+  lines = [r.getMessage() for r in caplog.records if r.name == "delta_jax.models"]
+  n = 3 + len(models.transformer.layer_param_shapes(cfg))  # embed, final norm, lm_head, stacks
+  assert len(lines) == n and lines[0].startswith(f"{tmp_path / 'm'}: 1 of {n} parameters read")
+  params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(models.Transformer(
+      cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+  assert f"{n} of {n} parameters read (layers/" in lines[-1]
+  assert f", {params / 1e9:.3g} GB, " in lines[-1], (lines[-1], params)
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="delta_jax.models"):
+    models.from_pretrained(tmp_path / "m")  # quick: nothing logged
+  assert not [r for r in caplog.records if r.name == "delta_jax.models"]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

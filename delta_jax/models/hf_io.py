@@ -12,9 +12,11 @@ where "in" is the leading `_IN_AXES[name]` axes of our (per-layer) shape.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pathlib
 import re
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -27,6 +29,8 @@ from safetensors.numpy import save_file
 from delta_jax.errors import InputError, MissingInputError
 from delta_jax.models.config import ModelConfig
 from delta_jax.models.transformer import Transformer, layer_param_shapes, merge_lora
+
+log = logging.getLogger("delta_jax.models")
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -248,6 +252,7 @@ class _TensorReader:
     self.files = files
     self._handles: dict[pathlib.Path, Any] = {}
     self.used: set[str] = set()
+    self.bytes_read = 0  # of tensor data, by read()
 
   def _handle(self, file):
     if file not in self._handles:
@@ -286,8 +291,11 @@ class _TensorReader:
     handle = self.check(name, shape, where)
     try:
       if index is not None and any(s != slice(0, n) for s, n in zip(index, shape)):
-        return handle.get_slice(name)[index]
-      return handle.get_tensor(name)
+        out = handle.get_slice(name)[index]
+      else:
+        out = handle.get_tensor(name)
+      self.bytes_read += out.nbytes
+      return out
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
       raise CheckpointError(f"{file}: tensor {name!r} does not read back ({type(e).__name__}: "
                             f"{e}); truncated or corrupted file?") from e
@@ -393,7 +401,8 @@ def _hf_read_shapes(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...]]
 
 
 def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None,
-                    remat=False, attention: str = "auto") -> Transformer:
+                    remat=False, attention: str = "auto",
+                    progress_every_s: float = 10.0) -> Transformer:
   """Load a Hugging Face Qwen3/Llama directory (config.json + *.safetensors [+ index]).
 
   dtype: compute dtype (cfg.dtype); param_dtype: storage dtype (default: dtype).
@@ -404,6 +413,8 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
     then read from the files by itself (jax.make_array_from_callback): a host of a multi-host
     run reads its own devices' shards, not the whole model; without one, each parameter is
     read whole onto the default device.
+  progress_every_s: a read that takes longer logs (logger delta_jax.models) the parameters
+    placed and the bytes read so far at most this often, and its total at the end.
   """
   path = pathlib.Path(path)
   cfg = pretrained_config(path, dtype, param_dtype=param_dtype, remat=remat,
@@ -446,12 +457,21 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
     return block
 
   V, H = cfg.vocab_size, cfg.hidden_size
-  place(("embed",), model.embed, (V, H), single(("embed",), "embed", (V, H)))
-  place(("final_norm",), model.final_norm, (H,), single(("final_norm",), "final_norm", (H,)))
+  todo = [(("embed",), model.embed, (V, H), single(("embed",), "embed", (V, H))),
+          (("final_norm",), model.final_norm, (H,),
+           single(("final_norm",), "final_norm", (H,)))]
   if not cfg.tie_word_embeddings:
-    place(("lm_head",), model.lm_head, (H, V), single(("lm_head",), "lm_head", (H, V)))
-  for name, shape in layer_param_shapes(cfg).items():
-    place(("layers", name), getattr(model.layers, name), shape, stacked(name, shape))
+    todo.append((("lm_head",), model.lm_head, (H, V), single(("lm_head",), "lm_head", (H, V))))
+  todo += [(("layers", name), getattr(model.layers, name), shape, stacked(name, shape))
+           for name, shape in layer_param_shapes(cfg).items()]
+  start = last = time.perf_counter()
+  for done, (key, variable, shape, block) in enumerate(todo, 1):
+    place(key, variable, shape, block)
+    now = time.perf_counter()
+    if now - last >= progress_every_s or (done == len(todo) and now - start >= progress_every_s):
+      log.info("%s: %d of %d parameters read (%s), %.3g GB, %.0f s", path, done, len(todo),
+               "/".join(key), reader.bytes_read / 1e9, now - start)
+      last = now
   reader.refuse_unused(path)
   return model
 
