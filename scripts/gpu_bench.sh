@@ -7,6 +7,7 @@
 #   bash scripts/gpu_bench.sh decode step        # rollout engine (#15), step memory/time (#16)
 #   bash scripts/gpu_bench.sh decode_fixed       # batch 64 and 256, fixed lengths only (#15)
 #   bash scripts/gpu_bench.sh lmhead train       # kernels, MFU (#16)
+#   bash scripts/gpu_bench.sh load               # model.path read onto the GPU: headers, whole, by shards
 #   bash scripts/gpu_bench.sh step_dapo step_delta   # step_overhead at full defaults, per variant
 #   bash scripts/gpu_bench.sh step_delta-recompute   #   (one call each pair: ~4 min a variant)
 #   bash scripts/gpu_bench.sh step step_offload  # step's shape without / with optim.offload
@@ -545,6 +546,10 @@ for s in "$@"; do
         ${SUITE_TESTS:-tests} ;;
     lmhead)
       stage lmhead 90 python3 benchmarks/lm_head_logprob.py --out "$OUT/lm_head_logprob.json" ;;
+    load)  # reading a Qwen3-1.7B-shaped bf16 checkpoint (3.4 GB) onto the GPU: headers only,
+           # whole, by shards (models.from_pretrained; CPU figures in BENCHMARKS.md 2026-12-03)
+      stage load 120 python3 benchmarks/load_weights.py --preset qwen3-1.7b --repeats 3 \
+        --json "$OUT/load_weights.json" ;;
     train)  # issue 16: MFU at the 1.7B shape, the three policies model.remat=auto chooses from,
             # on one machine (cuDNN attention, fused log-probs). H100 2026-11-24: dots 40.2%, full
             # 37.2%; H200 2026-11-26: dots 42.5%, none 39.0% (so auto skips none on CUDA now).
