@@ -133,7 +133,6 @@ def flat_params(params):
 def host_cache_and_export(mesh, new_state, export_dir):
     """On the mesh: DelTA weights from the host feature cache (phases, keep_hidden="host") and
     from the device cache; the updated policy exported with models.save_pretrained."""
-    import jax.numpy as jnp
     from flax import nnx
 
     from delta_jax import models, sharding
