@@ -6,7 +6,6 @@ import optax
 from flax import nnx
 
 import logging
-import os
 import pathlib
 
 import pytest
