@@ -387,16 +387,17 @@ def pretrained_config(path, dtype=jnp.float32, *, param_dtype=None, remat=False,
 
 def _hf_read_shapes(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...]]]:
   """(our parameter path, layer index or None) -> (the checkpoint's tensor name, its shape
-  there), for every tensor the model reads."""
+  there), for every tensor of the checkpoint, in the order save_pretrained writes them: the
+  embedding, each layer's, the final norm, the LM head (none when tied)."""
   V, H = cfg.vocab_size, cfg.hidden_size
-  out = {(("embed",), None): ("model.embed_tokens.weight", (V, H)),
-         (("final_norm",), None): ("model.norm.weight", (H,))}
-  if not cfg.tie_word_embeddings:
-    out[(("lm_head",), None)] = ("lm_head.weight", (V, H))
-  for name, shape in layer_param_shapes(cfg).items():
-    for i in range(cfg.num_layers):
+  out = {(("embed",), None): ("model.embed_tokens.weight", (V, H))}
+  for i in range(cfg.num_layers):
+    for name, shape in layer_param_shapes(cfg).items():
       out[(("layers", name), i)] = (f"model.layers.{i}.{_LAYER_HF_NAMES[name]}",
                                      _hf_shape(name, shape[1:]))
+  out[(("final_norm",), None)] = ("model.norm.weight", (H,))
+  if not cfg.tie_word_embeddings:
+    out[(("lm_head",), None)] = ("lm_head.weight", (V, H))
   return out
 
 
@@ -444,29 +445,26 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None, shardings=None
 
     variable.set_value(jax.make_array_from_callback(shape, sharding, shard))
 
-  def single(key, name, our_shape):
-    hf_name = tensors[(key, None)][0]
-    return lambda index: _read_block(reader, name, hf_name, our_shape, index, path).astype(
-        np_dtype)
-
-  def stacked(name, shape):
-    def block(index):
-      return np.stack([
-          _read_block(reader, name, tensors[(("layers", name), i)][0], shape[1:], index[1:], path)
-          .astype(np_dtype) for i in range(index[0].start, index[0].stop)])
-    return block
+  def block_reader(key, shape):
+    """block(index) of parameter `key` (our layout): one tensor's, or for a stacked layer
+    parameter the layers index[0] spans, each from its own tensor."""
+    name = key[-1]
+    if key[0] != "layers":
+      return lambda index: _read_block(reader, name, tensors[(key, None)][0], shape, index,
+                                       path).astype(np_dtype)
+    return lambda index: np.stack([
+        _read_block(reader, name, tensors[(key, i)][0], shape[1:], index[1:], path)
+        .astype(np_dtype) for i in range(index[0].start, index[0].stop)])
 
   V, H = cfg.vocab_size, cfg.hidden_size
-  todo = [(("embed",), model.embed, (V, H), single(("embed",), "embed", (V, H))),
-          (("final_norm",), model.final_norm, (H,),
-           single(("final_norm",), "final_norm", (H,)))]
+  todo = [(("embed",), model.embed, (V, H)), (("final_norm",), model.final_norm, (H,))]
   if not cfg.tie_word_embeddings:
-    todo.append((("lm_head",), model.lm_head, (H, V), single(("lm_head",), "lm_head", (H, V))))
-  todo += [(("layers", name), getattr(model.layers, name), shape, stacked(name, shape))
+    todo.append((("lm_head",), model.lm_head, (H, V)))
+  todo += [(("layers", name), getattr(model.layers, name), shape)
            for name, shape in layer_param_shapes(cfg).items()]
   start = last = time.perf_counter()
-  for done, (key, variable, shape, block) in enumerate(todo, 1):
-    place(key, variable, shape, block)
+  for done, (key, variable, shape) in enumerate(todo, 1):
+    place(key, variable, shape, block_reader(key, shape))
     now = time.perf_counter()
     if now - last >= progress_every_s or (done == len(todo) and now - start >= progress_every_s):
       log.info("%s: %d of %d parameters read (%s), %.3g GB, %.0f s", path, done, len(todo),
@@ -500,10 +498,8 @@ def _fetch(x) -> np.ndarray:
 
 
 def _hf_tensors(model: Transformer) -> list[tuple[str, tuple[int, ...], Callable[[], Any]]]:
-  """(HF name, HF shape, getter of the host array) for every tensor, without reading them."""
-  cfg = model.cfg
-  out = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size),
-          lambda: _fetch(model.embed[...]))]
+  """(HF name, HF shape, getter of the host array) for every tensor (_hf_read_shapes' list),
+  without reading them."""
   lora = model.layers.lora_names()
 
   def layer_weight(name, i):  # with its LoRA pair (if any) merged in
@@ -513,17 +509,14 @@ def _hf_tensors(model: Transformer) -> list[tuple[str, tuple[int, ...], Callable
                                                            f"{name}_lora_b")}
     return np.asarray(merge_lora(model.layers.lora_scale, p)[name])
 
-  for i in range(cfg.num_layers):
-    for name, shape in layer_param_shapes(cfg).items():
-      getter = (lambda name=name, i=i: _to_hf(name, layer_weight(name, i)))
-      out.append((f"model.layers.{i}.{_LAYER_HF_NAMES[name]}", _hf_shape(name, shape[1:]),
-                  getter))
-  out.append(("model.norm.weight", (cfg.hidden_size,),
-              lambda: _fetch(model.final_norm[...])))
-  if not cfg.tie_word_embeddings:
-    out.append(("lm_head.weight", (cfg.vocab_size, cfg.hidden_size),
-                lambda: _to_hf("lm_head", _fetch(model.lm_head[...]))))
-  return out
+  def getter(key, i):
+    name = key[-1]
+    if key[0] == "layers":
+      return lambda: _to_hf(name, layer_weight(name, i))
+    return lambda: _to_hf(name, _fetch(getattr(model, name)[...]))
+
+  return [(hf_name, hf_shape, getter(key, i))
+          for (key, i), (hf_name, hf_shape) in _hf_read_shapes(model.cfg).items()]
 
 
 def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_size="5GB",

@@ -413,8 +413,9 @@ def eval_only(cfg, workdir: str) -> dict:
                 raise InputError(f"eval.checkpoint: {run.ckpt.directory} has no checkpoint "
                                  f"{which}; it has {run.ckpt.all_steps() or 'none'}")
             found = (int(which), *run.ckpt.restore(int(which), target, partial=True))
-        params = run.take_initial_params(read=found is None)  # model.path's not read for a
-        if found is not None:                                  # checkpoint's
+        # model.path's weights (or the random init) are read only when no checkpoint stands in
+        params = run.take_initial_params(read=found is None)
+        if found is not None:
             step, state = found[0], found[1]
             params = state["params"]
             stem = f"standalone_step_{step}"
