@@ -72,7 +72,7 @@ class ParityScorer:
         self.seed = seed
 
     def score(self, responses, golds, response_lengths=None, truncated=None,
-              problems=None):
+              problems=None, data_sources=None, extra_infos=None):
         rewards = np.array([zlib.crc32(f"{self.seed}:{r}".encode()) & 1 for r in responses],
                            np.float32)
         info = {"accuracy": rewards.copy(), "num_timeouts": 0, "num_no_box": len(responses)}

@@ -85,8 +85,10 @@ def pass_at_k(n, c, k: int):
 
 
 def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """Rows {"id", "problem", "answer", "kind"} from a JSONL file (the first `limit`): "math" rows
-    (answer as str) or "code" rows (answer = the test spec as JSON; see _code_row)."""
+    """BenchmarkRows {"id", "problem", "answer", "kind", "data_source", "extra_info"} from a JSONL
+    file (the first `limit`): "math" rows (answer as str) or "code" rows (answer = the test spec
+    as JSON; see _code_row); data_source and extra_info from the row's own fields ("" for none),
+    for a rewards.python_fn."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path}: no such benchmark file")
@@ -156,9 +158,29 @@ def _code_row(row: Mapping, where: str, index: int) -> dict | None:
             "problem": rec["problem"], "answer": rec["answer"], "kind": "code"}
 
 
-def _check_row(row: Any, where: str, index: int) -> dict:
+class BenchmarkRow(dict):
+    """A checked benchmark row, {"id", "problem", "answer", "kind", "data_source", "extra_info"}
+    (the last two: the row's own values of those names as text, records.CONTEXT_FIELDS, for a
+    python_fn): what load_benchmark returns, which evaluate() then takes as it is (checking it
+    again would encode its extra_info text a second time)."""
+
+
+def _check_row(row: Any, where: str, index: int) -> BenchmarkRow:
+    from delta_jax.data import records
+
+    if isinstance(row, BenchmarkRow):
+        return row
     if not isinstance(row, Mapping):
         raise InputError(f"{where}: row must be an object, got {type(row).__name__}")
+    try:
+        context = {name: as_text(row.get(name))
+                   for name, as_text in records.CONTEXT_FIELDS.items()}
+    except ValueError as e:
+        raise InputError(f"{where}: {e}") from None
+    return BenchmarkRow(**_checked_row(row, where, index), **context)
+
+
+def _checked_row(row: Mapping, where: str, index: int) -> dict:
     code = _code_row(row, where, index)
     if code is not None:
         return code
@@ -399,7 +421,9 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
     Args:
       generate_fn: prompts (list[str]) , n -> n response texts per prompt; called once per
         benchmark with all of its (limit) questions.
-      benchmarks: name -> JSONL path or a list of {"id", "problem", "answer"} rows.
+      benchmarks: name -> JSONL path or a list of rows: as in the file ({"id", "problem",
+        "answer"[, "data_source", "extra_info"]} or a code layout) or as load_benchmark returns
+        them.
       k: samples per question (avg@k is over these).
       pass_ks: k' values for pass@k' (each <= k); default 1, 2, 4, ... up to k, and k.
       format_prompt: problem -> prompt text (default: the boxed-answer instruction for math, the
@@ -416,7 +440,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
       EvalResult.
     """
     # the pool is only needed when evaluating
-    from delta_jax.rl.rewards import RewardScorer, score_across_processes
+    from delta_jax.rl.rewards import RewardScorer, reward_context, score_across_processes
 
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -460,9 +484,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                                                                       name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
-            problems = [r["problem"] for r in rows for _ in range(k)]
             _, info = score_across_processes(scorer_for(kind).score, flat, golds,
-                                             problems=problems)
+                                             **reward_context(rows, k))
             correct = np.asarray(info["accuracy"], np.float32).reshape(len(rows), k)
             results[name] = BenchmarkResult(
                 name=name, ids=[r["id"] for r in rows],

@@ -27,7 +27,8 @@ def test_own_layout_keeps_fields_and_order(tmp_path):
     rows = [{"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1), "level": 2} for i in range(5)]
     recs, stats = records.load_records(write_jsonl(tmp_path / "own.jsonl", rows))
     assert [r["id"] for r in recs] == [f"q{i}" for i in range(5)]
-    assert recs[3] == {"id": "q3", "problem": "What is 3 + 1?", "answer": "4", "solution": "", "level": 2}
+    assert recs[3] == {"id": "q3", "problem": "What is 3 + 1?", "answer": "4", "solution": "",
+                       "level": 2, "data_source": "", "extra_info": ""}
     assert stats.num_rows == 5 and stats.num_records == 5 and stats.num_skipped == 0
     assert list(stats.layouts.values()) == ["deltajax"]
 
@@ -66,6 +67,9 @@ def test_dapo_layout_parquet_strips_instruction(tmp_path):
     assert [r["problem"] for r in recs] == problems
     assert [r["answer"] for r in recs] == ["5", "4"]
     assert [r["id"] for r in recs] == ["a1b2", "c3d4"]
+    # verl's layout: its data_source and extra_info columns are the records' context fields
+    assert [r["data_source"] for r in recs] == ["math_dapo"] * 2
+    assert [json.loads(r["extra_info"]) for r in recs] == [{"index": "a1b2"}, {"index": "c3d4"}]
 
 
 def test_math_layout_answer_is_last_boxed_or_answer_field(tmp_path):
@@ -85,7 +89,41 @@ def test_custom_dotted_mapping(tmp_path):
     recs, _ = records.load_records(
         write_jsonl(tmp_path / "c.jsonl", rows), fields={"id": "uid", "problem": "q.text", "answer": "meta.gold"}
     )
-    assert recs == [{"id": "7", "problem": "2+2?", "answer": "4", "solution": "", "level": -1}]
+    assert recs == [{"id": "7", "problem": "2+2?", "answer": "4", "solution": "", "level": -1,
+                     "data_source": "", "extra_info": ""}]
+
+
+def test_context_fields_from_the_rows_columns_or_a_mapping(tmp_path):
+    """data_source and extra_info (a reward's context): a row's own columns of those names under
+    any layout, or the (dotted) keys a custom mapping names for them; extra_info as JSON text of
+    any JSON value, "" where a row has none; a value they cannot hold is a malformed row naming
+    the key."""
+    meta = {"targets": ["a", "b"], "weights": [0.5, 1.0], "nested": {"k": None}}
+    rows = [{"problem": "p0", "answer": "1", "data_source": "gsm", "extra_info": meta},
+            {"problem": "p1", "answer": "2", "extra_info": [1, "two"]},
+            {"problem": "p2", "answer": "3", "extra_info": 7}]
+    recs, _ = records.load_records(write_jsonl(tmp_path / "own.jsonl", rows))
+    assert [r["data_source"] for r in recs] == ["gsm", "", ""]
+    assert [records.decode_extra_info(r["extra_info"]) for r in recs] == [meta, [1, "two"], 7]
+    mapped = [{"q": "p", "a": "1", "info": {"src": "olymp", "m": meta}, "extra_info": "unused"},
+              {"q": "p", "a": "1", "info": {}}]
+    fields = {"problem": "q", "answer": "a", "data_source": "info.src", "extra_info": "info.m"}
+    recs, _ = records.load_records(write_jsonl(tmp_path / "m.jsonl", mapped), fields=fields)
+    assert [(r["data_source"], records.decode_extra_info(r["extra_info"])) for r in recs] == [
+        ("olymp", meta), ("", None)]  # a mapped key a row lacks: none, as for solution / level
+    recs, _ = records.load_records(write_jsonl(tmp_path / "m2.jsonl", mapped),
+                                   fields={"problem": "q", "answer": "a"})
+    assert [r["extra_info"] for r in recs] == ['"unused"', ""]  # the rows' own column
+    bad = [{"problem": "p", "answer": "1", "extra_info": {"x": float("nan")}},
+           {"problem": "p", "answer": "1", "data_source": ["a"]}]
+    for i, why in enumerate(["field 'extra_info' is not a JSON value",
+                             "field 'data_source' has type list"]):
+        with pytest.raises(records.MalformedRecordError, match=rf"b{i}\.jsonl:line 1: {why}"):
+            records.load_records(write_jsonl(tmp_path / f"b{i}.jsonl", [bad[i]]))
+    parquet = tmp_path / "ctx.parquet"  # a struct column with a list: plain values back
+    pq.write_table(pa.table({"problem": ["p"], "answer": ["1"], "extra_info": [meta]}), parquet)
+    recs, _ = records.load_records(parquet)
+    assert records.decode_extra_info(recs[0]["extra_info"]) == meta
 
 
 def test_custom_mapping_keeps_a_structured_answer_as_json(tmp_path):
@@ -230,7 +268,8 @@ def test_tfds_builder_works_without_tensorflow(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["records"] == [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i),
-                               "solution": "", "level": -1, "index": i}
+                               "solution": "", "level": -1, "data_source": "",
+                               "extra_info": "", "index": i}
                               for i in range(20)]  # all of them, file order kept
     assert got["last"]["id"] == "r19" and got["past_end"] == "IndexError"
     files = list((tmp_path / "tfds").rglob("*.array_record*"))
@@ -323,6 +362,16 @@ def test_tfds_source_over_jsonl_and_parquet(tmp_path):
     src = builders.build_tfds_source([jsonl, parquet], name="mixed", data_dir=tmp_path / "tfds")
     assert [src[i]["id"] for i in range(len(src))] == ["j0", "j1", "j2", "part2-0", "part2-1"]
     assert src[4]["problem"] == "q1" and src[4]["answer"] == "y"
+
+
+def test_tfds_source_keeps_the_context_fields(tmp_path):
+    rows = [{"problem": "p", "answer": "1", "data_source": "zoo",
+             "extra_info": {"pick": 1, "targets": ["cat", "dog"]}},
+            {"problem": "q", "answer": "2"}]
+    src = builders.build_tfds_source(write_jsonl(tmp_path / "c.jsonl", rows), name="ctx",
+                                     data_dir=tmp_path / "tfds")
+    assert [(src[i]["data_source"], records.decode_extra_info(src[i]["extra_info"]))
+            for i in range(2)] == [("zoo", rows[0]["extra_info"]), ("", None)]
 
 
 def test_hub_name_goes_through_datasets_when_installed(monkeypatch, tmp_path):

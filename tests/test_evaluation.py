@@ -73,6 +73,42 @@ def test_load_benchmark(tmp_path):
         ev.load_benchmark(mixed)
 
 
+def test_a_benchmarks_rows_give_the_scorer_their_context_once_checked(tmp_path):
+    """Each row's data_source and extra_info reach score() with its responses (as text, "" for
+    none), the same whether evaluate() is given the file, load_benchmark's rows (not checked
+    again: its extra_info would be encoded twice) or the raw rows; an extra_info JSON cannot
+    hold names the row."""
+    raw = [{"id": "a", "problem": "1+1?", "answer": "2", "data_source": "gsm",
+            "extra_info": {"split": "test", "tags": ["easy"]}},
+           {"id": "b", "problem": "2+2?", "answer": "4", "extra_info": "just text"},
+           {"id": "c", "problem": "3+3?", "answer": "6"}]
+    path = tmp_path / "ctx.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in raw))
+    want_sources = ["gsm", "gsm", "", "", "", ""]
+    want_extra = [raw[0]["extra_info"]] * 2 + ["just text"] * 2 + [None] * 2
+
+    class Recording:
+        calls = []
+
+        def score(self, responses, golds, response_lengths=None, truncated=None,
+                  problems=None, data_sources=None, extra_infos=None):
+            from delta_jax.data.records import decode_extra_info
+            self.calls.append((list(data_sources), [decode_extra_info(e) for e in extra_infos]))
+            n = len(responses)
+            return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),
+                                            "num_no_box": 0, "num_timeouts": 0, "num_errors": 0}
+
+    gen = lambda batch, n: [["\\boxed{2}"] * n for _ in batch]  # noqa: E731
+    for source in (str(path), ev.load_benchmark(path), raw):
+        Recording.calls.clear()
+        ev.evaluate(gen, {"ctx": source}, k=2, scorer=Recording())
+        assert Recording.calls == [(want_sources, want_extra)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "p", "answer": "1", "extra_info": {"x": NaN}}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'extra_info' is not a JSON value"):
+        ev.load_benchmark(bad)
+
+
 def test_load_benchmark_non_utf8_names_file_and_line(tmp_path):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(b'{"id": "a", "problem": "x", "answer": "1"}\n'
@@ -354,7 +390,7 @@ def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):
         calls = []
 
         def score(self, responses, golds, response_lengths=None, truncated=None,
-                  problems=None):
+                  problems=None, data_sources=None, extra_infos=None):
             self.calls.append((list(golds), list(problems)))
             n = len(responses)
             return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),

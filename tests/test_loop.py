@@ -923,7 +923,8 @@ def test_an_offloaded_optimizer_state_trains_like_one_on_the_device(tmp_path, mo
 class _EqualRewards:
     """A scorer under which every sample of a group gets reward 0: no group has signal."""
 
-    def score(self, texts, golds, response_lengths=None, truncated=None, problems=None):
+    def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
+              data_sources=None, extra_infos=None):
         rewards = np.zeros(len(texts), np.float32)
         return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts),
                          "num_errors": 0}

@@ -212,7 +212,8 @@ class RecordingScorer:
     def __init__(self):
         self.seen, self.problems = [], []
 
-    def score(self, texts, golds, response_lengths=None, truncated=None, problems=None):
+    def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
+              data_sources=None, extra_infos=None):
         self.seen += list(texts)
         self.problems += list(problems)
         acc = np.asarray([float(t == g) for t, g in zip(texts, golds)], np.float32)

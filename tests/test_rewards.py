@@ -2,6 +2,7 @@
 
 One scorer (2 worker processes) is shared by the module to keep start-up cost low.
 """
+import json
 import logging
 import os
 import re
@@ -417,6 +418,20 @@ class Grader:
         return float(problem is None)
 
 grader = Grader()
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's custom reward signature: called by keyword as verl calls it."""
+    if extra_info is None:
+        return {"score": -1.0, "acc": False}
+    target = extra_info["targets"][extra_info["pick"]]
+    right = target in solution_str and ground_truth == "x" and data_source == "zoo"
+    return {"score": float(right), "acc": right}
+
+def echo_keywords(response, answer, **kw):
+    """Raises unless the keywords it gets are the comma-separated names of the response."""
+    if sorted(kw) != (response.split(",") if response else []):
+        raise ValueError(f"got {sorted(kw)}")
+    return 1.0
 '''
 
 
@@ -488,45 +503,67 @@ def test_a_user_reward_returning_a_verl_style_dict(user_reward_file):
     np.testing.assert_array_equal(info["accuracy"], [1, 0])
 
 
-@pytest.mark.parametrize("fn, takes", [
-    (lambda response, answer: 0, False), (lambda response, answer, problem: 0, True),
-    (lambda response, answer, *, problem=None: 0, True), (lambda r, a, **kw: 0, True),
-    (lambda r, a, *problem: 0, False), (lambda problem, /, r, a: 0, False), (len, False)])
-def test_takes_problem_reads_the_signature(fn, takes):
-    assert R.takes_problem(fn) is takes
+@pytest.mark.parametrize("fn, verl, takes", [
+    (lambda response, answer: 0, False, ()),
+    (lambda response, answer, problem: 0, False, ("problem",)),
+    (lambda response, answer, *, problem=None: 0, False, ("problem",)),
+    (lambda r, a, **kw: 0, False, ("problem", "data_source", "extra_info")),
+    (lambda r, a, extra_info=None: 0, False, ("extra_info",)),
+    (lambda r, a, *, extra_info, problem: 0, False, ("problem", "extra_info")),
+    (lambda data_source, solution_str, ground_truth, extra_info=None: 0, True,
+     ("data_source", "extra_info")),
+    (lambda solution_str, ground_truth, **kw: 0, True, ("problem", "data_source", "extra_info")),
+    (lambda solution_str, answer: 0, False, ()),
+    (lambda r, a, *problem: 0, False, ()), (lambda problem, /, r, a: 0, False, ()),
+    (lambda extra_info, /, r, a: 0, False, ()), (len, False, ())])
+def test_user_reward_call_reads_the_signature(fn, verl, takes):
+    assert R.user_reward_call(fn) == R.UserRewardCall(verl, takes)
 
 
-def test_a_user_reward_that_takes_the_problem_gets_each_responses_problem(user_reward_file):
-    """A python_fn with a `problem` parameter or **kwargs gets score(problems=)'s text of each
-    response (through the worker pool); one without is called as fn(response, answer); no
-    problems given: no problem= (a keyword-only default stays None); a count that does not
-    match the responses is refused."""
-    responses = ["cats are nice", "dogs bark", "cats", "a bird"]
-    problems = ["cats please", "cats please", "dogs please", "a bird"]
+def test_a_verl_reward_function_gets_each_records_data_source_and_extra_info(user_reward_file):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) runs
+    unchanged: called by keyword with the response, its answer and its record's data_source and
+    extra_info (JSON text decoded; None for ""), through the worker pool; a count that does not
+    match the responses is refused; without the context its call fails and is counted."""
+    extra = [json.dumps({"targets": ["cat", "dog"], "pick": 1}), "",
+             json.dumps({"targets": ["cat", "dog"], "pick": 0}),
+             json.dumps({"targets": ["bird"], "pick": 0})]
+    responses = ["a dog", "a dog", "a dog", "a bird"]
+    sources = ["zoo", "zoo", "zoo", "farm"]
     with R.RewardScorer("python", num_workers=2,
-                        python_fn=f"{user_reward_file}:mentions_problem") as scorer:
-        rewards, info = scorer.score(responses, ["x"] * 4, problems=problems)
-        np.testing.assert_array_equal(rewards, [1, 0, 0, 1])
+                        python_fn=f"{user_reward_file}:compute_score") as scorer:
+        rewards, info = scorer.score(responses, ["x"] * 4, problems=["p"] * 4,
+                                     data_sources=sources, extra_infos=extra)
+        np.testing.assert_array_equal(rewards, [1, -1, 0, 0])
+        np.testing.assert_array_equal(info["accuracy"], [1, 0, 0, 0])
         assert info["num_errors"] == 0
-        _, info = scorer.score(responses, ["x"] * 4)  # no problems: it cannot be called
+        rewards, _ = scorer.score(responses[:1], ["y"], data_sources=["zoo"], extra_infos=extra[:1])
+        assert rewards.tolist() == [0]  # its ground_truth is the answer given
+        _, info = scorer.score(responses, ["x"] * 4)  # no data_source: it cannot be called
         assert info["num_errors"] == 4
-        with pytest.raises(ValueError, match="4 responses but 3 problems"):
-            scorer.score(responses, ["x"] * 4, problems=problems[:3])
+        for name in ("data_sources", "extra_infos"):
+            with pytest.raises(ValueError, match=f"4 responses but 2 {name}"):
+                scorer.score(responses, ["x"] * 4, **{name: extra[:2]})
+
+
+def test_a_user_reward_gets_only_the_keywords_it_takes_and_was_given(user_reward_file):
+    """**kwargs gets every context keyword score() was given, none it was not."""
     with R.RewardScorer("python", num_workers=1,
-                        python_fn=f"{user_reward_file}:with_kwargs") as scorer:
-        rewards, _ = scorer.score(responses, ["x"] * 4, problems=problems)
-    np.testing.assert_array_equal(rewards, [0, 0, 0, 1])
-    with R.RewardScorer("python", num_workers=1,
-                        python_fn=f"{user_reward_file}:length_parity") as scorer:
-        rewards, info = scorer.score(["ab", "abc"], ["x"] * 2, problems=["p", "q"])
-    np.testing.assert_array_equal(rewards, [1, 0])
-    assert info["num_errors"] == 0
-    with R.RewardScorer("python", num_workers=1,
-                        python_fn=f"{user_reward_file}:grader") as scorer:
-        with_problems, _ = scorer.score(["a", "b"], ["x"] * 2, problems=["p", "q"])
-        without, _ = scorer.score(["a", "b"], ["x"] * 2)
-    np.testing.assert_array_equal(with_problems, [0, 0])
-    np.testing.assert_array_equal(without, [1, 1])
+                        python_fn=f"{user_reward_file}:echo_keywords") as scorer:
+        _, every = scorer.score(["data_source,extra_info,problem"], ["x"], problems=["p"],
+                                data_sources=[""], extra_infos=[""])
+        _, one = scorer.score(["extra_info"], ["x"], extra_infos=["[1, 2]"])
+        _, none = scorer.score([""], ["x"])
+        _, wrong = scorer.score(["problem"], ["x"], extra_infos=["[1, 2]"])
+    assert every["num_errors"] == one["num_errors"] == none["num_errors"] == 0
+    assert wrong["num_errors"] == 1
+
+
+def test_reward_context_repeats_each_records_fields_for_its_responses():
+    records = [{"problem": "p1", "data_source": "s", "extra_info": "{}"}, {"problem": "p2"}]
+    assert R.reward_context(records, 2) == {
+        "problems": ["p1", "p1", "p2", "p2"], "data_sources": ["s", "s", "", ""],
+        "extra_infos": ["{}", "{}", "", ""]}
 
 
 def test_a_slow_importing_user_reward_loads_before_the_workers_take_work(tmp_path):

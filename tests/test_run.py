@@ -321,6 +321,54 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
         run_lib.build_run(bad, str(tmp_path / "w2"), need_data=False, mesh=single_device_mesh())
 
 
+def test_a_verl_reward_gets_each_records_context_in_training_and_evaluation(tmp_path):
+    """A verl custom reward, compute_score(data_source, solution_str, ground_truth,
+    extra_info=None), unchanged as rewards.python_fn: in a training step each response is scored
+    with its own record's answer, data_source and extra_info (the training file's columns, read
+    through the ArrayRecord cache), and a benchmark's rows with theirs."""
+    import json
+
+    from delta_jax.train import loop
+    from tests.rl_fixtures import single_device_mesh
+
+    (tmp_path / "verl_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': extra_info['bonus'] + (100.0 if data_source == 'zoo' else 0.0)\n"
+        "                     + float(ground_truth), 'acc': extra_info.get('right', True)}\n")
+    rows = [{"id": f"r{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1),
+             "data_source": "zoo" if i % 2 else "farm", "extra_info": {"bonus": i / 8}}
+            for i in range(8)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"id": f"b{i}", "problem": "What is 1 + 1?", "answer": "2",
+                                         "extra_info": {"bonus": 0, "right": i < 3}}) + "\n"
+                             for i in range(4)))
+    cfg = tiny_rl_config(
+        "dapo", rewards=dict(name="python", python_fn=f"{tmp_path}/verl_reward.py:compute_score",
+                             num_workers=1, overlong_buffer=0),
+        data=dict(train=str(train), eval=str(bench)), eval=dict(k=2, pass_k="1,2", max_new_tokens=8),
+        train=dict(steps=1, eval_before=False, eval_after=True, export_final=False,
+                   rollouts_every=1))
+    run = run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
+    try:
+        loop.train(cfg, str(tmp_path / "w"), run=run)
+    finally:
+        run.close()
+    with open(tmp_path / "w" / "rollouts" / "step_1.jsonl") as f:
+        got = [json.loads(line) for line in f]
+    by_id = {r["id"]: r for r in rows}
+    assert len(got) == cfg.rollout.batch_prompts * cfg.rollout.group_size
+    assert len({r["id"] for r in got}) == cfg.rollout.batch_prompts
+    for r in got:
+        row = by_id[r["id"]]
+        want = row["extra_info"]["bonus"] + 100.0 * (row["data_source"] == "zoo") + int(row["answer"])
+        assert r["reward"] == pytest.approx(want), (r, row)
+    metrics = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
+    evals = [m for m in metrics if "eval/benchmarks/bench/avg@2" in m]
+    assert evals and evals[-1]["eval/benchmarks/bench/avg@2"] == pytest.approx(0.75)
+
+
 def test_long_eval_prompts_are_reported_at_start_up(tmp_path, caplog):
     """Prompts of data.eval benchmarks over data.max_prompt_len (they would be evaluated from
     their last tokens) are counted per benchmark in a warning at start-up; a math run's code

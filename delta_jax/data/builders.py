@@ -32,7 +32,7 @@ from delta_jax.log_utils import absl_warning_held_back
 log = logging.getLogger("delta_jax.data")
 
 DEFAULT_DATA_DIR_ENV = "DELTA_JAX_DATA_DIR"
-_TEXT_KEYS = ("id", "problem", "answer", "solution")
+_TEXT_KEYS = ("id", "problem", "answer", "solution", *records_lib.CONTEXT_FIELDS)
 
 
 def default_data_dir() -> str:
@@ -66,10 +66,12 @@ class _LocalRecordsInfo(tfds.core.DatasetInfo):
 
 
 class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
-    """Math problems as {"id","problem","answer","solution","level","index"} in one "train" split."""
+    """Math problems as {"id","problem","answer","solution","level","data_source","extra_info","index"} in one
+    "train" split."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Records from local JSONL / parquet files (or a hub name)."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Records from local JSONL / parquet files (or a hub name).",
+                     "1.1.0": "Each record's data_source and extra_info (text; \"\" for none)."}
     # Nothing is downloaded, so there is no checksums file to find next to the code; tfds's own
     # lookup of the code path needs the optional `importlib_resources` package, which we avoid.
     code_path = None
@@ -190,7 +192,7 @@ def build_tfds_source(
       data_dir: where tfds keeps prepared data (default: default_data_dir()).
       fields, on_error, split: as in records.load_records.
     Returns:
-      RecordSource: len() and [i] -> {"id","problem","answer","solution","level","index"}; its
+      RecordSource: len() and [i] -> {"id","problem","answer","solution","level","data_source","extra_info","index"}; its
       `.stats` is the LoadStats of the conversion.
     """
     files = records_lib.resolve_paths(paths)

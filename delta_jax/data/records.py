@@ -2,9 +2,13 @@
 
 Every record comes out in the project's layout::
 
-    {"id": str, "problem": str, "answer": str, "solution": str, "level": int}
+    {"id": str, "problem": str, "answer": str, "solution": str, "level": int,
+     "data_source": str, "extra_info": str}
 
-(`solution` is "" and `level` is -1 when the source has none). Upstream layouts differ, so a field
+(`solution` is "" and `level` is -1 when the source has none). `data_source` and `extra_info` are
+context for a reward of the user's own (rewards.python_fn): the row's own columns of those names
+(verl's layout: the data set's name, and per-row metadata, any JSON value) or the keys a custom
+mapping names for them; data_source as text, extra_info as JSON text, "" when there is none. Upstream layouts differ, so a field
 mapping picks the keys; the presets cover the data sets we train on:
 
     deltajax   {"id", "problem", "answer"}   (our own JSONL, ../shared/data, the synthetic task)
@@ -22,7 +26,8 @@ RewardScorer(name="code")):
     codecontests  "description", "public_tests" / "private_tests" {"input", "output"}
 
 `fields="auto"` picks a preset per file from the keys of its first row. A custom mapping is a dict
-{"problem": key, "answer": key, ["id": key], ["solution": key], ["level": key]} where a key may be
+{"problem": key, "answer": key, ["id": key], ["solution": key], ["level": key],
+["data_source": key], ["extra_info": key]} where a key may be
 dotted ("reward_model.ground_truth") to reach into nested objects; an answer that is a JSON list
 or object there (several answers, a task's tests) is kept as its JSON text, for a reward of the
 user's own (rewards.python_fn) to json.loads.
@@ -45,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from delta_jax.errors import InputError, MissingInputError, first_line
 from delta_jax.rl.rewards import extract_last_boxed
 
-RECORD_KEYS = ("id", "problem", "answer", "solution", "level")
+RECORD_KEYS = ("id", "problem", "answer", "solution", "level", "data_source", "extra_info")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 # DAPO-Math-17k wraps every problem in this instruction; our own templates ask for \boxed{}.
@@ -391,6 +396,47 @@ def _answer_text(value: Any, key: str) -> str:
     return _text(value, key)
 
 
+# Per-row context for a reward of the user's own (rewards.USER_REWARD_KEYWORDS), kept as text:
+# the row's own column of that name (verl's layout has both), or the key a custom mapping names.
+DATA_SOURCE, EXTRA_INFO = "data_source", "extra_info"
+
+
+def extra_info_text(value: Any, key: str = EXTRA_INFO) -> str:
+    """The record's extra_info: the JSON text of a row's value ("" for None / absent), so every
+    record keeps one string field whatever the source holds there; a value JSON cannot hold is
+    a ValueError naming `key`."""
+    if value is None:
+        return ""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, default=_json_plain)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"field {key!r} is not a JSON value ({e})") from None
+
+
+def data_source_text(value: Any, key: str = DATA_SOURCE) -> str:
+    """The record's data_source: a row's string (or number) as text, "" for None / absent."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"field {key!r} has type {type(value).__name__}, expected a string")
+    return str(value)
+
+
+CONTEXT_FIELDS = {DATA_SOURCE: data_source_text, EXTRA_INFO: extra_info_text}
+
+
+def _json_plain(value: Any) -> Any:
+    """json.dumps' default for the numpy values a parquet or datasets row may hold."""
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def decode_extra_info(text: str) -> Any:
+    """A record's extra_info text back to its value (None for "")."""
+    return json.loads(text) if text else None
+
+
 def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
     unknown = set(fields) - set(RECORD_KEYS)
     if unknown or "problem" not in fields or "answer" not in fields:
@@ -408,13 +454,17 @@ def _custom_mapper(fields: Mapping[str, str]) -> RowMapper:
             except KeyError:
                 return default
 
-        return {
+        record = {
             "id": optional("id", None),
             "problem": _text(_get(row, fields["problem"]), fields["problem"]),
             "answer": _answer_text(_get(row, fields["answer"]), fields["answer"]),
             "solution": optional("solution", "") or "",
             "level": _level(optional("level", None)),
         }
+        for name, as_text in CONTEXT_FIELDS.items():  # else the row's own column, as for a preset
+            if name in fields:
+                record[name] = as_text(optional(name, None), fields[name])
+        return record
 
     return mapper
 
@@ -544,6 +594,9 @@ def records_from_rows(
             if isinstance(row, Exception):
                 raise row
             record = mapper(row)
+            for name, as_text in CONTEXT_FIELDS.items():  # the row's own column of that name
+                if name not in record:
+                    record[name] = as_text(row.get(name))
         except (KeyError, ValueError, TypeError) as e:
             reason = (f"missing field {e.args[0]!r}{_fields_of(row)}" if isinstance(e, KeyError)
                       else str(e))
@@ -604,7 +657,8 @@ def load_records(
     on_error: str = "raise",
     split: str = "train",
 ) -> tuple[list[dict], LoadStats]:
-    """Records {"id","problem","answer","solution","level"} and LoadStats from files or a hub name.
+    """Records {"id","problem","answer","solution","level","data_source","extra_info"} and
+    LoadStats from files or a hub name.
 
     Args:
       path_or_name: a .jsonl / .json / .parquet file, a directory, a glob, a list of those, or a

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -317,25 +317,61 @@ def user_reward_value(value) -> tuple[float, float]:
     return reward, float(bool(correct) if correct is not None else reward > 0)
 
 
-def takes_problem(fn: Callable) -> bool:
-    """Whether a user reward takes the problem: a parameter named `problem` (positional or
-    keyword) or **kwargs."""
+# What score() can give a user reward beside the response and its answer, by keyword: the
+# response's problem text and its record's data_source and extra_info (verl's names).
+USER_REWARD_KEYWORDS = ("problem", "data_source", "extra_info")
+# A function with both of these parameters is called as verl calls a custom reward:
+# compute_score(data_source=, solution_str=response, ground_truth=answer, extra_info=).
+VERL_REWARD_ARGS = ("solution_str", "ground_truth")
+
+
+@dataclasses.dataclass(frozen=True)
+class UserRewardCall:
+    """How a user reward is called: fn(response, answer, **kw), or with verl=True
+    fn(solution_str=response, ground_truth=answer, **kw); kw holds those of `keywords`
+    (USER_REWARD_KEYWORDS) that score() was given."""
+    verl: bool = False
+    keywords: tuple[str, ...] = ()
+
+
+def user_reward_call(fn: Callable) -> UserRewardCall:
+    """The call a user reward's signature asks for: verl's when it has VERL_REWARD_ARGS
+    parameters; the USER_REWARD_KEYWORDS it has a parameter of that name for (positional or
+    keyword), all of them with **kwargs."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or C function without a signature
-        return False
-    return any(p.kind is p.VAR_KEYWORD or (p.name == "problem" and p.kind in (
-        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+        return UserRewardCall()
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    verl = all(a in names for a in VERL_REWARD_ARGS)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return UserRewardCall(verl, USER_REWARD_KEYWORDS)
+    return UserRewardCall(verl, tuple(k for k in USER_REWARD_KEYWORDS if k in names))
 
 
-def user_reward_in_worker(spec: str, response: str, answer: str,
-                          problem: str | None = None) -> tuple[float, float]:
-    """VerifyPool item of a user reward: (reward, correct) of one response; `problem`, given
-    only for a function that takes it (takes_problem, decided once by the scorer), as problem=."""
+def user_reward_in_worker(spec: str, response: str, answer: str, keywords: dict | None = None,
+                          verl: bool = False) -> tuple[float, float]:
+    """VerifyPool item of a user reward: (reward, correct) of one response, called as
+    user_reward_call decided once in the scorer (keywords: the ones sent)."""
     fn = load_user_reward(spec)
-    if problem is not None:
-        return user_reward_value(fn(response, answer, problem=problem))
-    return user_reward_value(fn(response, answer))
+    keywords = keywords or {}
+    if verl:
+        return user_reward_value(fn(solution_str=response, ground_truth=answer, **keywords))
+    return user_reward_value(fn(response, answer, **keywords))
+
+
+def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
+    """score()'s problems=, data_sources=, extra_infos= for the responses of `records`, n
+    responses a record in order (a group's samples): each record's problem and its context
+    fields (data.records.CONTEXT_FIELDS; "" for a record without them)."""
+    from delta_jax.data.records import DATA_SOURCE, EXTRA_INFO
+
+    def each(get):
+        return [get(r) for r in records for _ in range(n)]
+
+    return {"problems": each(lambda r: r["problem"]),
+            "data_sources": each(lambda r: r.get(DATA_SOURCE, "")),
+            "extra_infos": each(lambda r: r.get(EXTRA_INFO, ""))}
 
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
@@ -368,9 +404,12 @@ class RewardScorer:
       name: reward function in REWARD_FNS ("math" | "math_format" | "math_pm1" | "code"), or
         USER_REWARD ("python"): python_fn's function grades each response in the pool's workers.
       python_fn: name = "python" only: "<file.py>:<function>" or "<module>:<function>", called
-        as fn(response: str, answer: str), or fn(response, answer, problem=problem) when it
-        takes a `problem` parameter or **kwargs (the problem text score() is given), and
-        returning a number or bool (the reward; correct
+        as fn(response: str, answer: str), with problem= (the problem text score() is given),
+        data_source= and extra_info= (the record's; extra_info decoded: any JSON value, None
+        when it has none) by keyword when it has a parameter of that name or **kwargs; a
+        function with solution_str and ground_truth parameters is called as verl calls one,
+        fn(data_source=, solution_str=response, ground_truth=answer, extra_info=), so verl's
+        custom reward functions run unchanged. It returns a number or bool (the reward; correct
         when > 0) or a dict {"reward" | "score": number, optional "correct" | "acc": bool}. A
         call that raises, returns something else or runs past timeout_s scores 0 and is counted
         (num_errors / num_timeouts; the first error of a batch is logged).
@@ -402,7 +441,7 @@ class RewardScorer:
         self.name = name
         self._code = None
         self.python_fn = ""
-        self._takes_problem = False  # python_fn's signature asks for the problem
+        self._call = UserRewardCall()  # how python_fn's signature asks to be called
         self.reward_fn = None if name == USER_REWARD else get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
         if overlong_buffer_len > 0 and not max_response_len:
@@ -433,7 +472,7 @@ class RewardScorer:
             self.python_fn = _absolute_spec(python_fn)
             try:
                 # here, so that a bad one stops the start
-                self._takes_problem = takes_problem(load_user_reward(self.python_fn))
+                self._call = user_reward_call(load_user_reward(self.python_fn))
             except ValueError as e:
                 raise InputError(f"rewards.python_fn: {e}") from None
             # each worker loads it before it takes work: its imports are not a first timeout
@@ -522,7 +561,9 @@ class RewardScorer:
         return accuracy, timed_out, errored, hits
 
     def score(self, responses: Sequence[str], golds: Sequence[str], response_lengths=None,
-              truncated=None, problems: Sequence[str] | None = None):
+              truncated=None, problems: Sequence[str] | None = None,
+              data_sources: Sequence[str] | None = None,
+              extra_infos: Sequence[str] | None = None):
         """Rewards for N responses.
 
         Args:
@@ -531,6 +572,10 @@ class RewardScorer:
           truncated: bool [N] hit max length without EOS (counted in info only).
           problems: N problem texts (each response's question, untemplated), for a python_fn
             that takes them; the built-in rewards do not read them.
+          data_sources, extra_infos: N records' data_source and extra_info texts
+            (data.records.CONTEXT_FIELDS; extra_info JSON, "" for none), for a python_fn that
+            takes them (extra_info decoded, None for ""); reward_context(records) makes all
+            three; the built-in rewards do not read them.
         Returns:
           rewards: float32 [N].
           info: accuracy f32 [N], num_boxes i32 [N], overlong_penalty f32 [N], timed_out /
@@ -541,15 +586,17 @@ class RewardScorer:
         n = len(responses)
         if len(golds) != n:
             raise ValueError(f"score: {n} responses but {len(golds)} golds")
-        if problems is not None and len(problems) != n:
-            raise ValueError(f"score: {n} responses but {len(problems)} problems")
+        for name, given in (("problems", problems), ("data_sources", data_sources),
+                            ("extra_infos", extra_infos)):
+            if given is not None and len(given) != n:
+                raise ValueError(f"score: {n} responses but {len(given)} {name}")
         extra = {}
         user_rewards = None
         num_too_long = 0
         if self.python_fn:
             with self._lock:
                 user_rewards, accuracy, timed_out, errored = self._user_scores(
-                    responses, golds, problems)
+                    responses, golds, problems, data_sources, extra_infos)
             # no answer to extract: every response counts as answered
             num_boxes, hits, num_no_box = np.zeros(n, np.int32), 0, 0
         elif self._code is not None:
@@ -598,17 +645,23 @@ class RewardScorer:
         }
         return rewards.astype(np.float32), info
 
-    def _user_scores(self, responses, golds, problems=None):
+    def _user_scores(self, responses, golds, problems=None, data_sources=None,
+                     extra_infos=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
-        timed_out, errored bool [N] (those score 0; the batch's first error is logged)."""
+        timed_out, errored bool [N] (those score 0; the batch's first error is logged). The
+        function gets by keyword those of problem= / data_source= / extra_info= that it takes
+        and were given (nothing is sent for nothing)."""
+        from delta_jax.data.records import decode_extra_info
+
         n = len(responses)
         rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
-        if problems is None or not self._takes_problem:  # no problem texts sent for nothing
-            items = [(self.python_fn, r, str(g)) for r, g in zip(responses, golds)]
-        else:
-            items = [(self.python_fn, r, str(g), str(p))
-                     for r, g, p in zip(responses, golds, problems)]
+        given = {"problem": problems, "data_source": data_sources,
+                 "extra_info": None if extra_infos is None else
+                 [decode_extra_info(e) for e in extra_infos]}
+        sent = {k: given[k] for k in self._call.keywords if given[k] is not None}
+        items = [(self.python_fn, r, str(g), {k: v[i] for k, v in sent.items()},
+                  self._call.verl) for i, (r, g) in enumerate(zip(responses, golds))]
         outcomes = self.pool.map(items)
         for i, out in enumerate(outcomes):
             if out.status == vp.OK:
@@ -632,8 +685,10 @@ def _absolute_spec(spec: str) -> str:
 
 
 def score_across_processes(score, responses: Sequence[str], golds: Sequence[str],
-                           response_lengths=None, truncated=None, problems=None):
-    """score(responses, golds, response_lengths=, truncated=[, problems=]) -> (rewards [N],
+                           response_lengths=None, truncated=None, problems=None,
+                           data_sources=None, extra_infos=None):
+    """score(responses, golds, response_lengths=, truncated=[, problems=, data_sources=,
+    extra_infos=]) -> (rewards [N],
     info), shared out
     over the processes of a multi-host run: each scores a contiguous share of the N responses
     (the sandboxes' and graders' work is split) and every process gets all N rewards and
@@ -644,7 +699,8 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     differently on two hosts. One process: score() itself, its whole info."""
     import jax
     count = jax.process_count()
-    given = {} if problems is None else {"problems": problems}
+    given = {k: v for k, v in (("problems", problems), ("data_sources", data_sources),
+                               ("extra_infos", extra_infos)) if v is not None}
     if count == 1:
         return score(responses, golds, response_lengths=response_lengths, truncated=truncated,
                      **given)

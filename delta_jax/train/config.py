@@ -145,8 +145,10 @@ def default_config() -> config_dict.ConfigDict:
     # (refused at start-up) or "truncate" (their last max_prompt_len tokens are kept).
     c.data.overlong_prompts = "drop"
     # Reading data.train (data/records.py): "auto" detects the layout; or a preset name, or a
-    # JSON object string {"problem": "<column>", "answer": "<column>"}. on_error: raise | skip
-    # (malformed rows are counted and left out).
+    # JSON object string {"problem": "<column>", "answer": "<column>"} (optional keys: id,
+    # solution, level, data_source, extra_info; the last two, a rewards.python_fn's context,
+    # default to the rows' own columns of those names). on_error: raise | skip (malformed rows
+    # are counted and left out).
     c.data.fields = "auto"
     c.data.on_error = "raise"
     c.data.synthetic_train = 4096  # synthetic task sizes (data.train == "synthetic")

@@ -125,11 +125,11 @@ def generate_and_score_fn(run: Run, params, step: int,
             should_stop=should_stop)
         t1 = time.perf_counter()
         golds = [str(r["answer"]) for r in records for _ in range(cfg.rollout.group_size)]
-        problems = [r["problem"] for r in records for _ in range(cfg.rollout.group_size)]
         rewards, info = rewards_lib.score_across_processes(
             run.scorer.score, rollout_lib.flat(samples.texts), golds,
             np.asarray(rollout_lib.flat(samples.response_lengths)),
-            np.asarray(rollout_lib.flat(samples.truncated)), problems=problems)
+            np.asarray(rollout_lib.flat(samples.truncated)),
+            **rewards_lib.reward_context(records, cfg.rollout.group_size))
         info = dict(info, time_generate=t1 - t0, time_reward=time.perf_counter() - t1,
                     **samples.counters())
         return samples, rewards, info
