@@ -66,6 +66,10 @@ def run(cfg, workdir: str):
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() != 0:  # one console: the other hosts log only warnings and errors
         logging.getLogger("delta_jax").setLevel(logging.WARNING)
+    devices = jax.devices()
+    logging.getLogger("delta_jax").info(
+        "devices: %d x %s (%s backend), %d process(es)", len(devices), devices[0].device_kind,
+        jax.default_backend(), jax.process_count())
 
     from delta_jax.train.workdir_lock import WorkdirLock
     lock = WorkdirLock(workdir) if jax.process_index() == 0 else None
@@ -202,6 +206,9 @@ def main(argv):
     logging.getLogger("delta_jax").setLevel(logging.INFO)
     # Orbax logs every save step by step at INFO through absl; keep the console readable.
     logging.getLogger("absl").setLevel(logging.WARNING)
+    # jax logs at INFO each backend it could not start: "Unable to initialize backend 'tpu'"
+    # opened every run on a machine without a TPU. run()'s "devices:" line says what runs.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     from delta_jax.train.preemption import TrainingInterrupted
     from delta_jax.train.workdir_lock import WorkdirBusy
     try:

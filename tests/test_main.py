@@ -243,9 +243,10 @@ def test_config_errors_are_one_short_message(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert "Traceback" not in out.stderr, (args, out.stderr[-2000:])
         # The error is one line; the later errors follow the start-up log's lines (absl's
-        # "I1202 01:58:48.378741 ..." records: the data's conversion, model.remat=auto's choice).
+        # "I1202 01:58:48.378741 ..." records: the devices, the data's conversion,
+        # model.remat=auto's choice).
         errors = [line for line in lines if not re.match(r"[IW]\d{4} \d\d:\d\d:\d\d", line)]
-        assert len(errors) == 1 and len(lines) <= 3, (args, lines)
+        assert len(errors) == 1 and len(lines) <= 4, (args, lines)
         assert re.search(pattern, errors[0]), (args, lines)
 
 
@@ -263,13 +264,15 @@ def test_a_halted_run_is_one_line_with_exit_1(tmp_path):
     """A run that cannot go on as configured (errors.RunHalted: here tiny.py's dynamic sampling
     with no SFT warm start, whose random-init policy solves nothing, so no group has reward
     signal) prints one error line naming the fields and the checkpoint, not a traceback, and
-    exits 1."""
+    exits 1. Started as from a user's shell, without the suite's JAX_PLATFORMS, it logs the
+    devices it runs on, and not the backends jax tried and could not start (a TPU's, here)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     out = _main([f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={tmp_path / 'w'}",
                  "--config.sft.steps=0", "--config.train.eval_before=False",
                  "--config.rl.dynamic_sampling_max_rounds=1", "--config.rollout.batch_prompts=4",
                  "--config.rollout.group_size=2", "--config.rl.mini_batch_prompts=4",
                  "--config.rollout.max_new_tokens=8", "--config.rewards.overlong=False",
-                 "--config.train.progress_bar=False"])
+                 "--config.train.progress_bar=False"], env=env)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
@@ -277,6 +280,10 @@ def test_a_halted_run_is_one_line_with_exit_1(tmp_path):
     assert errors[0].startswith("error: step 1: dynamic sampling: only 0 of 4 groups"), errors
     assert "rl.dynamic_sampling_on_max_rounds=pad" in errors[0]
     assert "checkpoint 0 saved in" in errors[0]
+    import re
+    assert re.search(rf"devices: {jax.device_count()} x \S.* \({jax.default_backend()} "
+                     r"backend\), 1 process", out.stderr), out.stderr[-3000:]
+    assert "Unable to initialize backend" not in out.stderr, out.stderr[-3000:]
 
 
 def test_a_workdir_whose_checkpoints_do_not_read_back_is_one_error(tmp_path):
