@@ -228,6 +228,38 @@ def test_chat_template_options_reach_the_prompt(tmp_path, request, tokenizer):
             run.close()
 
 
+def test_data_instruction_replaces_the_tasks_instruction_in_its_prompts(tmp_path):
+    """data.instruction is what the run's prompts and its own task's benchmark prompts ask for
+    (qwen_math's system turn, plain's line after the problem), the other task's benchmarks keep
+    theirs (a math run's code benchmark asks for a ```python program), and "" keeps the task's
+    own (\\boxed{})."""
+    import json
+
+    from delta_jax.data import templates
+    from tests.rl_fixtures import single_device_mesh
+
+    code, math = tmp_path / "code.jsonl", tmp_path / "math.jsonl"
+    code.write_text(json.dumps({"problem": "f", "answer": json.dumps(
+        {"tests": ["assert f() == 1"]})}) + "\n")
+    math.write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
+    said = "Reason, then end with a line 'Answer: <number>'."
+    for template, instruction, want in (
+            ("plain", said, f"Add 2 and 3.\n{said}"),
+            ("plain", "", f"Add 2 and 3.\n{templates.BOXED_INSTRUCTION}"),
+            ("qwen_math", said, f"<|im_start|>system\n{said}<|im_end|>\n")):
+        cfg = tiny_rl_config("grpo", data=dict(template=template, instruction=instruction,
+                                                eval=f"{math},{code}"))
+        run = run_lib.build_run(cfg, str(tmp_path / f"{template}{len(instruction)}"),
+                                need_data=False, need_scorer=False, mesh=single_device_mesh())
+        try:
+            assert run.template("Add 2 and 3.").startswith(want)
+            assert run.eval_prompts["math"]("Add 2 and 3.") == run.template("Add 2 and 3.")
+            assert templates.CODE_INSTRUCTION in run.eval_prompts["code"]("f")
+            assert said not in run.eval_prompts["code"]("f")
+        finally:
+            run.close()
+
+
 def test_math_format_shaping_reaches_the_scorer():
     """rewards.one_box_bonus / no_box_penalty shape the training reward of rewards.name =
     math_format: correct with one box, wrong with one box, no box."""

@@ -132,6 +132,12 @@ def default_config() -> config_dict.ConfigDict:
     # training only (train.eval_before / eval_after). Both unset: the periodic evals are data.eval's.
     c.data.val = ""
     c.data.template = "qwen_math"   # delta_jax.data.templates.KINDS
+    # The instruction the run's template gives with each problem of the run's task (qwen_math's
+    # system turn; base / chat / plain / code: after the problem): "" = the task's own (math:
+    # put the final answer in \boxed{}; code: one ```python block). For a reward of the user's
+    # own that reads another form (verl's DAPO reward reads "Answer: ..."). The other task's
+    # benchmarks keep their task's instruction.
+    c.data.instruction = ""
     # data.template = "chat" only (the tokenizer's own chat template): a system turn before the
     # user's ("" = none), and Qwen3's thinking switch (False opens the answer with an empty
     # <think></think> block: non-thinking mode; templates without the variable ignore it).

@@ -289,17 +289,13 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     """Everything a run needs. mesh: a delta_jax.sharding mesh (default: from config.mesh).
     with_delta: build the passes that feed DelTA (default: method delta; the token view asks for
     them on grpo / dapo runs too)."""
-    from delta_jax.data import templates
-
     os.makedirs(workdir, exist_ok=True)
     assets = prepare_assets(cfg, workdir)
     benchmarks = load_benchmarks(assets["eval"])
     val_benchmarks = load_benchmarks(assets["val"], "data.val") if cfg.data.val else benchmarks
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
-    template = templates.for_task(templates.make_template(cfg.data.template, tokenizer=tokenizer,
-                                                          **template_options(cfg)),
-                                  reward_task(cfg))
+    template = run_template(cfg, tokenizer)
     # The data before the model: a bad data.train stops the run before weights are read.
     data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
                  if need_data and cfg.mode == "train" else None)
@@ -488,6 +484,20 @@ def reward_task(cfg) -> str:
                                       and cfg.data.template == "code"):
         return "code"
     return "math"
+
+
+def run_template(cfg, tokenizer):
+    """The run's prompt template: data.template asking for its reward's task's answer
+    (templates.for_task), in data.instruction's words when it has some."""
+    import dataclasses
+
+    from delta_jax.data import templates
+    template = templates.for_task(templates.make_template(cfg.data.template, tokenizer=tokenizer,
+                                                          **template_options(cfg)),
+                                  reward_task(cfg))
+    if cfg.data.instruction:
+        template = dataclasses.replace(template, instruction=cfg.data.instruction)
+    return template
 
 
 def template_options(cfg) -> dict:
