@@ -379,7 +379,8 @@ def test_a_verl_reward_gets_each_records_context_in_training_and_evaluation(tmp_
     cfg = tiny_rl_config(
         "dapo", rewards=dict(name="python", python_fn=f"{tmp_path}/verl_reward.py:compute_score",
                              num_workers=1, overlong_buffer=0),
-        data=dict(train=str(train), eval=str(bench)), eval=dict(k=2, pass_k="1,2", max_new_tokens=8),
+        data=dict(train=str(train), eval=str(bench)),
+        eval=dict(k=2, pass_k="1,2", max_new_tokens=8),
         train=dict(steps=1, eval_before=False, eval_after=True, export_final=False,
                    rollouts_every=1))
     run = run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
@@ -394,7 +395,8 @@ def test_a_verl_reward_gets_each_records_context_in_training_and_evaluation(tmp_
     assert len({r["id"] for r in got}) == cfg.rollout.batch_prompts
     for r in got:
         row = by_id[r["id"]]
-        want = row["extra_info"]["bonus"] + 100.0 * (row["data_source"] == "zoo") + int(row["answer"])
+        want = (row["extra_info"]["bonus"] + 100.0 * (row["data_source"] == "zoo")
+                + int(row["answer"]))
         assert r["reward"] == pytest.approx(want), (r, row)
     metrics = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
     evals = [m for m in metrics if "eval/benchmarks/bench/avg@2" in m]

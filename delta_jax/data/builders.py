@@ -66,8 +66,8 @@ class _LocalRecordsInfo(tfds.core.DatasetInfo):
 
 
 class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
-    """Math problems as {"id","problem","answer","solution","level","data_source","extra_info","index"} in one
-    "train" split."""
+    """Math problems as {"id","problem","answer","solution","level","data_source","extra_info",
+    "index"} in one "train" split."""
 
     VERSION = tfds.core.Version("1.1.0")
     RELEASE_NOTES = {"1.0.0": "Records from local JSONL / parquet files (or a hub name).",
@@ -192,8 +192,8 @@ def build_tfds_source(
       data_dir: where tfds keeps prepared data (default: default_data_dir()).
       fields, on_error, split: as in records.load_records.
     Returns:
-      RecordSource: len() and [i] -> {"id","problem","answer","solution","level","data_source","extra_info","index"}; its
-      `.stats` is the LoadStats of the conversion.
+      RecordSource: len() and [i] -> {"id","problem","answer","solution","level","data_source",
+      "extra_info","index"}; its `.stats` is the LoadStats of the conversion.
     """
     files = records_lib.resolve_paths(paths)
     if not files:

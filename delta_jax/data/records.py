@@ -8,8 +8,9 @@ Every record comes out in the project's layout::
 (`solution` is "" and `level` is -1 when the source has none). `data_source` and `extra_info` are
 context for a reward of the user's own (rewards.python_fn): the row's own columns of those names
 (verl's layout: the data set's name, and per-row metadata, any JSON value) or the keys a custom
-mapping names for them; data_source as text, extra_info as JSON text, "" when there is none. Upstream layouts differ, so a field
-mapping picks the keys; the presets cover the data sets we train on:
+mapping names for them; data_source as text, extra_info as JSON text, "" when there is none.
+Upstream layouts differ, so a field mapping picks the keys; the presets cover the data sets we
+train on:
 
     deltajax   {"id", "problem", "answer"}   (our own JSONL, ../shared/data, the synthetic task)
     deepmath   DeepMath-103K: "question" / "final_answer"
