@@ -84,31 +84,22 @@ def pass_at_k(n, c, k: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """BenchmarkRows {"id", "problem", "answer", "kind", "data_source", "extra_info"} from a JSONL
-    file (the first `limit`): "math" rows (answer as str) or "code" rows (answer = the test spec
-    as JSON; see _code_row); data_source and extra_info from the row's own fields ("" for none),
-    for a rewards.python_fn."""
+def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[BenchmarkRow]:
+    """BenchmarkRows (the first `limit`) from a JSONL, JSON-array or parquet file in any layout
+    data/records.py reads (its rows, records.iter_rows): the project's {"problem", "answer"},
+    DeepMath, DAPO / verl's parquet, MATH, and the code layouts (_checked_row)."""
+    from delta_jax.data import records
+
     path = pathlib.Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path}: no such benchmark file")
     rows = []
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
-                break
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[e.start]:02x} "
-                                 f"at column {e.start + 1}); re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{line_no}: invalid JSON ({e})") from None
-            rows.append(_check_row(row, f"{path}:{line_no}", len(rows)))
+    for where, row in records.iter_rows(str(path)):
+        if limit is not None and len(rows) >= limit:
+            break
+        if isinstance(row, Exception):  # a line that is not a JSON object
+            raise InputError(f"{where}: {row}") from None
+        rows.append(_check_row(row, where, len(rows)))
     if not rows:
         raise InputError(f"{path}: the benchmark file has no rows")
     benchmark_kind(str(path), rows)
@@ -128,34 +119,21 @@ def default_code_prompt(problem: str) -> str:
     return f"{problem}\n{CODE_INSTRUCTION}"
 
 
-def _code_row(row: Mapping, where: str, index: int) -> dict | None:
-    """A code benchmark row (HumanEval, MBPP, TACO/APPS, CodeContests layouts, or
-    {"problem", "answer": test spec}) as {"id", "problem", "answer": spec JSON, "kind": "code"};
-    None for a math row."""
-    from delta_jax.data import records
+def _spec_row(row: Mapping, index: int) -> dict | None:
+    """The project's layout of a code row, {"problem", "answer": a unit-test spec (JSON text or
+    object)}, as {"id", "problem", "answer": spec JSON, "kind": "code"}; None otherwise."""
     from delta_jax.rl import sandbox
 
     answer = row.get("answer")
-    if "problem" in row and isinstance(answer, (str, Mapping)):
-        if isinstance(answer, str) and not answer.lstrip().startswith("{"):
-            return None
-        if not sandbox.is_spec(answer):
-            return None
-        spec = answer if isinstance(answer, str) else json.dumps(answer, sort_keys=True)
-        return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": spec,
-                "kind": "code"}
-    try:
-        layout = records.detect_layout(row)
-    except ValueError:
+    if "problem" not in row or not isinstance(answer, (str, Mapping)):
         return None
-    if layout not in records.CODE_PRESETS:
+    if isinstance(answer, str) and not answer.lstrip().startswith("{"):
         return None
-    try:
-        rec = records.PRESETS[layout](row)
-    except (KeyError, ValueError, TypeError) as e:
-        raise InputError(f"{where}: {layout} row: {e}") from None
-    return {"id": str(rec["id"] if rec["id"] not in (None, "") else index),
-            "problem": rec["problem"], "answer": rec["answer"], "kind": "code"}
+    if not sandbox.is_spec(answer):
+        return None
+    spec = answer if isinstance(answer, str) else json.dumps(answer, sort_keys=True)
+    return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": spec,
+            "kind": "code"}
 
 
 class BenchmarkRow(dict):
@@ -181,21 +159,29 @@ def _check_row(row: Any, where: str, index: int) -> BenchmarkRow:
 
 
 def _checked_row(row: Mapping, where: str, index: int) -> dict:
-    code = _code_row(row, where, index)
-    if code is not None:
-        return code
-    for field in ("problem", "answer"):
-        if field not in row:
-            raise InputError(f"{where}: row has no {field!r} field (keys: {sorted(row)})")
-    if not isinstance(row["problem"], str) or not row["problem"].strip():
-        raise InputError(f"{where}: 'problem' must be a non-empty string")
-    answer = row["answer"]
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        answer = str(answer)
-    if not isinstance(answer, str) or not answer.strip():
-        raise InputError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
-    return {"id": str(row.get("id", index)), "problem": row["problem"], "answer": answer,
-            "kind": "math"}
+    """{"id", "problem", "answer", "kind"} of a benchmark row: a code row of the project's layout
+    (_spec_row), else the row in the layout data/records.py detects from its keys (its presets:
+    math for deltajax / deepmath / dapo / math, code for the code layouts)."""
+    from delta_jax.data import records
+
+    spec = _spec_row(row, index)
+    if spec is not None:
+        return spec
+    try:
+        layout = records.detect_layout(row)
+    except ValueError:
+        missing = next(f for f in ("problem", "answer") if f not in row)
+        raise InputError(f"{where}: row has no {missing!r} field, nor the keys of another layout "
+                         f"data/records.py reads (keys: {sorted(row)})") from None
+    try:
+        rec = records.PRESETS[layout](row)
+    except KeyError as e:
+        raise InputError(f"{where}: {layout} row has no {e.args[0]!r} field") from None
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{where}: {layout} row: {e}") from None
+    return {"id": str(rec["id"] if rec["id"] not in (None, "") else index),
+            "problem": rec["problem"], "answer": rec["answer"],
+            "kind": "code" if layout in records.CODE_PRESETS else "math"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_bad_inputs_stop_the_run_naming_field_and_file(good_files):
     # data.eval is read at start-up, not at the first evaluation (maybe hours later).
     text = _run(good_files, data=dict(train=train, eval=f"{bench},{good_files}/no_answer.jsonl"),
                 train=dict(eval_before=False, eval_every=1000))
-    assert text.startswith(f"data.eval: {good_files}/no_answer.jsonl:1: row has no 'answer'")
+    assert text.startswith(f"data.eval: {good_files}/no_answer.jsonl:line 1: row has no 'answer'")
     text = _run(good_files, data=dict(train=train), tokenizer=dict(path=str(good_files / "tok")))
     assert text == (f"tokenizer.path: {good_files}/tok: no such tokenizer directory (and not an "
                     "org/name hub id)")

@@ -61,7 +61,7 @@ def test_load_benchmark(tmp_path):
     assert len(ev.load_benchmark(path, limit=2)) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "problem": "x", "answer": "1"}\n{"id": "b", "question": "y"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: row has no 'problem'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:line 2: row has no 'problem'"):
         ev.load_benchmark(bad)
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl: no such benchmark file"):
         ev.load_benchmark(tmp_path / "missing.jsonl")
@@ -71,6 +71,51 @@ def test_load_benchmark(tmp_path):
                      json.dumps({"problem": "f", "answer": spec}) + "\n")
     with pytest.raises(ValueError, match=r"mixed\.jsonl: mixes math and code rows"):
         ev.load_benchmark(mixed)
+
+
+def test_load_benchmark_reads_the_layouts_and_files_of_the_training_records(tmp_path):
+    """A benchmark can be any file and layout data/records.py reads: verl's parquet (a DAPO
+    chat prompt, reward_model.ground_truth, data_source, extra_info), DeepMath and MATH (the
+    last \\boxed{} of a solution) JSONL, a JSON array, and a code layout (MBPP), each row with
+    its id (or its index), problem, answer, kind and context."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from delta_jax.data import records
+    from delta_jax.rl import sandbox
+
+    wrap = ("Solve the following math problem step by step. The last line of your response "
+            "should be of the form Answer: $Answer (without quotes) where $Answer is the answer "
+            "to the problem.\n\n{}\n\nRemember to put your answer on its own line after "
+            "\"Answer:\".")
+    verl = tmp_path / "aime_verl.parquet"
+    pq.write_table(pa.table({
+        "data_source": ["aime24"] * 2,
+        "prompt": [[{"role": "user", "content": wrap.format(p)}] for p in ("P one", "P two")],
+        "reward_model": [{"ground_truth": "7", "style": "rule"}, {"ground_truth": "12", "style": "rule"}],
+        "extra_info": [{"index": "i0"}, {"index": "i1"}]}), verl)
+    rows = ev.load_benchmark(verl)
+    assert [(r["id"], r["problem"], r["answer"], r["kind"], r["data_source"]) for r in rows] == [
+        ("i0", "P one", "7", "math", "aime24"), ("i1", "P two", "12", "math", "aime24")]
+    assert records.decode_extra_info(rows[1]["extra_info"]) == {"index": "i1"}
+    deepmath = tmp_path / "deepmath.jsonl"
+    deepmath.write_text(json.dumps({"question": "Is 7 prime?", "final_answer": "Yes"}) + "\n")
+    math = tmp_path / "math.json"
+    math.write_text(json.dumps([{"problem": "p", "solution": "so \\boxed{\\frac{1}{2}}"}]))
+    assert [(r["id"], r["problem"], r["answer"]) for r in ev.load_benchmark(deepmath)] == [
+        ("0", "Is 7 prime?", "Yes")]
+    assert [(r["problem"], r["answer"]) for r in ev.load_benchmark(math)] == [
+        ("p", "\\frac{1}{2}")]
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text(json.dumps({"task_id": 3, "text": "Write f.", "test_list": ["assert f(1) == 2"]})
+                    + "\n")
+    (code,) = ev.load_benchmark(mbpp)
+    assert code["kind"] == "code" and code["id"] == "3"
+    assert sandbox.parse_spec(code["answer"])["tests"] == ["assert f(1) == 2"]
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"problem": ["p"], "answer": [""]}), bad)
+    with pytest.raises(ValueError, match=r"bad\.parquet:row 1: deltajax row: field 'answer' is empty"):
+        ev.load_benchmark(bad)
 
 
 def test_a_benchmarks_rows_give_the_scorer_their_context_once_checked(tmp_path):
@@ -105,7 +150,7 @@ def test_a_benchmarks_rows_give_the_scorer_their_context_once_checked(tmp_path):
         assert Recording.calls == [(want_sources, want_extra)]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "p", "answer": "1", "extra_info": {"x": NaN}}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'extra_info' is not a JSON value"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:line 1: field 'extra_info' is not a JSON value"):
         ev.load_benchmark(bad)
 
 
@@ -113,7 +158,7 @@ def test_load_benchmark_non_utf8_names_file_and_line(tmp_path):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(b'{"id": "a", "problem": "x", "answer": "1"}\n'
                     b'{"id": "b", "problem": "caf\xe9?", "answer": "2"}\n')
-    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not valid UTF-8 \(byte 0xe9"):
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:line 2: not valid UTF-8 \(byte 0xe9"):
         ev.load_benchmark(bad)
 
 

@@ -124,7 +124,9 @@ def default_config() -> config_dict.ConfigDict:
 
     c.data = config_dict.ConfigDict()
     c.data.train = ""            # JSONL/parquet path(s), comma separated, or "synthetic"
-    c.data.eval = ""             # comma separated benchmark files (name = file stem), or "synthetic"
+    # Comma separated benchmark files (name = file stem; JSONL, JSON or parquet in any layout
+    # data/records.py reads, e.g. verl's parquet; evaluation.load_benchmark), or "synthetic".
+    c.data.eval = ""
     # The periodic evaluations during training (train.eval_every) as a validation of their own,
     # as the paper picks its checkpoint on AIME25 avg@8 every 4 steps while it reports avg@16 on
     # seven benchmarks: these benchmark files ("" = data.eval's) at eval.val_k samples a question,
