@@ -232,7 +232,7 @@ def test_data_instruction_replaces_the_tasks_instruction_in_its_prompts(tmp_path
     """data.instruction is what the run's prompts and its own task's benchmark prompts ask for
     (qwen_math's system turn, plain's line after the problem), the other task's benchmarks keep
     theirs (a math run's code benchmark asks for a ```python program), and "" keeps the task's
-    own (\\boxed{})."""
+    own (\\boxed{}), "none" none."""
     import json
 
     from delta_jax.data import templates
@@ -246,6 +246,7 @@ def test_data_instruction_replaces_the_tasks_instruction_in_its_prompts(tmp_path
     for template, instruction, want in (
             ("plain", said, f"Add 2 and 3.\n{said}"),
             ("plain", "", f"Add 2 and 3.\n{templates.BOXED_INSTRUCTION}"),
+            ("plain", "none", "Add 2 and 3."),
             ("qwen_math", said, f"<|im_start|>system\n{said}<|im_end|>\n")):
         cfg = tiny_rl_config("grpo", data=dict(template=template, instruction=instruction,
                                                 eval=f"{math},{code}"))
@@ -253,6 +254,8 @@ def test_data_instruction_replaces_the_tasks_instruction_in_its_prompts(tmp_path
                                 need_data=False, need_scorer=False, mesh=single_device_mesh())
         try:
             assert run.template("Add 2 and 3.").startswith(want)
+            if instruction == "none":
+                assert run.template("Add 2 and 3.") == want
             assert run.eval_prompts["math"]("Add 2 and 3.") == run.template("Add 2 and 3.")
             assert templates.CODE_INSTRUCTION in run.eval_prompts["code"]("f")
             assert said not in run.eval_prompts["code"]("f")

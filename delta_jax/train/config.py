@@ -137,8 +137,9 @@ def default_config() -> config_dict.ConfigDict:
     # The instruction the run's template gives with each problem of the run's task (qwen_math's
     # system turn; base / chat / plain / code: after the problem): "" = the task's own (math:
     # put the final answer in \boxed{}; code: one ```python block). For a reward of the user's
-    # own that reads another form (verl's DAPO reward reads "Answer: ..."). The other task's
-    # benchmarks keep their task's instruction.
+    # own that reads another form (verl's DAPO reward reads "Answer: ..."); "none" gives none,
+    # for data whose problems carry their own (verl's GSM8K asks for "#### <answer>"). The other
+    # task's benchmarks keep their task's instruction.
     c.data.instruction = ""
     # data.template = "chat" only (the tokenizer's own chat template): a system turn before the
     # user's ("" = none), and Qwen3's thinking switch (False opens the answer with an empty

@@ -488,7 +488,8 @@ def reward_task(cfg) -> str:
 
 def run_template(cfg, tokenizer):
     """The run's prompt template: data.template asking for its reward's task's answer
-    (templates.for_task), in data.instruction's words when it has some."""
+    (templates.for_task), in data.instruction's words when it has some ("none": the problem
+    as the data words it, with no instruction)."""
     import dataclasses
 
     from delta_jax.data import templates
@@ -496,7 +497,8 @@ def run_template(cfg, tokenizer):
                                                           **template_options(cfg)),
                                   reward_task(cfg))
     if cfg.data.instruction:
-        template = dataclasses.replace(template, instruction=cfg.data.instruction)
+        template = dataclasses.replace(
+            template, instruction=None if cfg.data.instruction == "none" else cfg.data.instruction)
     return template
 
 
