@@ -14,8 +14,9 @@ train on:
 
     deltajax   {"id", "problem", "answer"}   (our own JSONL, ../shared/data, the synthetic task)
     deepmath   DeepMath-103K: "question" / "final_answer"
-    dapo       DAPO-Math-17k: "prompt" (a chat list; the last user turn, with DAPO's
-               "Answer:" instruction stripped) / "reward_model"."ground_truth"
+    dapo       verl's RL parquet layout (DAPO-Math-17k, verl's preprocessed GSM8K / MATH ...):
+               "prompt" (a chat list; the last user turn, with DAPO's "Answer:" instruction
+               stripped) / "reward_model"."ground_truth"
     math       MATH: "problem" / the last \\boxed{} of "solution" (or an "answer" field)
 
 Code sets (the "answer" is the unit-test spec as a JSON string, rl/sandbox.py's layouts, scored by
