@@ -66,16 +66,16 @@ def run(cfg, workdir: str):
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() != 0:  # one console: the other hosts log only warnings and errors
         logging.getLogger("delta_jax").setLevel(logging.WARNING)
-    devices = jax.devices()
-    logging.getLogger("delta_jax").info(
-        "devices: %d x %s (%s backend), %d process(es)", len(devices), devices[0].device_kind,
-        jax.default_backend(), jax.process_count())
 
     from delta_jax.train.workdir_lock import WorkdirLock
     lock = WorkdirLock(workdir) if jax.process_index() == 0 else None
     if lock is not None:
-        lock.acquire()
+        lock.acquire()  # before the devices line: a refused second run says one line
     try:
+        devices = jax.devices()
+        logging.getLogger("delta_jax").info(
+            "devices: %d x %s (%s backend), %d process(es)", len(devices),
+            devices[0].device_kind, jax.default_backend(), jax.process_count())
         changes = check_resume_config(cfg, workdir) if cfg.mode in ("train", "sft") else []
         # A resume that changes results (train.allow_config_change) replaces config.json only
         # once its checkpoint has read back: until then the file still describes what trained
