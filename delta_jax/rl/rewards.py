@@ -656,10 +656,10 @@ class RewardScorer:
         n = len(responses)
         rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
-        given = {"problem": problems, "data_source": data_sources,
-                 "extra_info": None if extra_infos is None else
-                 [decode_extra_info(e) for e in extra_infos]}
+        given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos}
         sent = {k: given[k] for k in self._call.keywords if given[k] is not None}
+        if "extra_info" in sent:  # decoded only for a function that takes it
+            sent["extra_info"] = [decode_extra_info(e) for e in sent["extra_info"]]
         items = [(self.python_fn, r, str(g), {k: v[i] for k, v in sent.items()},
                   self._call.verl) for i, (r, g) in enumerate(zip(responses, golds))]
         outcomes = self.pool.map(items)
