@@ -73,15 +73,15 @@ def main(argv=None) -> dict:
                 if f.endswith(".safetensors"))
     devices = jax.local_devices()
     mesh = sharding.make_mesh(1, len(devices), 1, devices=devices)
-    read_bytes = [0]
-    real_read = hf_io._TensorReader.read
+    readers = []  # each way's readers, to sum the bytes they count (_TensorReader.bytes_read)
+    real_reader = hf_io._TensorReader
 
-    def counting_read(self, name, shape, where, index=None):
-        out = real_read(self, name, shape, where, index)
-        read_bytes[0] += out.nbytes
-        return out
+    class RecordedReader(real_reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            readers.append(self)
 
-    hf_io._TensorReader.read = counting_read
+    hf_io._TensorReader = RecordedReader
     ways = {
         "header check": lambda: models.pretrained_config(path, jnp.bfloat16),
         "whole": lambda: models.from_pretrained(path, jnp.bfloat16),
@@ -93,18 +93,18 @@ def main(argv=None) -> dict:
     for r in range(args.repeats + 1):
         order = list(ways) if r % 2 == 0 else list(reversed(ways))
         for name in order:
-            read_bytes[0] = 0
+            readers.clear()
             start = time.perf_counter()
             out = ways[name]()
             if not isinstance(out, models.ModelConfig):
                 jax.block_until_ready(nnx.state(out))
             elapsed = time.perf_counter() - start
             del out
-            read[name] = read_bytes[0]
+            read[name] = sum(reader.bytes_read for reader in readers)
             times[name].append(elapsed)
             print(f"repeat {r}{' (cold)' if r == 0 else ''}: {name}: {elapsed:.3f} s, "
-                  f"{read_bytes[0] / GB:.3f} GB read", flush=True)
-    hf_io._TensorReader.read = real_read
+                  f"{read[name] / GB:.3f} GB read", flush=True)
+    hf_io._TensorReader = real_reader
     result = {"preset": args.preset if not args.path else args.path, "files_gb": files / GB,
               "devices": len(devices), "backend": jax.default_backend(),
               "first_s": {k: v[0] for k, v in times.items()},
