@@ -204,6 +204,8 @@ def test_unknown_and_mistyped_fields_in_a_config_file():
     ("--config.rewards.name=math_typo", "rewards.name"),
     ("--config.rewards.num_workers=0", "rewards.num_workers"),
     ("--config.rewards.timeout_s=0.0", "rewards.timeout_s"),
+    ("--config.rewards.python_batch_size=0", "rewards.python_batch_size"),
+    ("--config.rewards.completion_format=chat", "rewards.completion_format"),
 ])
 def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
     """Each of these used to pass validation and fail only later (a ZeroDivisionError after SFT
@@ -473,6 +475,14 @@ def test_impossible_delta_ablations_name_the_field(overrides, field):
                                 "--config.delta.normalize=False", "--config.delta.fixed_gamma=0.5",
                                 "--config.delta.random_lambda=True"]))
     assert ok.delta.assignment == "hard" and ok.delta.random_lambda
+
+
+def test_completion_format_choices_are_the_scorers_and_auto():
+    """rewards.completion_format's choices are RewardScorer's formats and "auto" (kept as
+    literals so the config module imports no reward code)."""
+    from delta_jax.rl.rewards import COMPLETION_FORMATS
+    from delta_jax.train.config import CHOICES
+    assert CHOICES["rewards.completion_format"] == ("auto", *COMPLETION_FORMATS)
 
 
 def test_attention_choices_are_the_models_names():

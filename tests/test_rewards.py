@@ -432,6 +432,36 @@ def echo_keywords(response, answer, **kw):
     if sorted(kw) != (response.split(",") if response else []):
         raise ValueError(f"got {sorted(kw)}")
     return 1.0
+
+def trl_batch(prompts, completions, ground_truth, **kwargs):
+    """A TRL reward function in the standard form (strings): 10 x the call's size, + 1 when the
+    completion is its ground truth and its prompt the problem "p<ground truth>"; "none" gets
+    None, "boom" fails the call, "short" returns a reward too few, "slow" overruns."""
+    if not all(isinstance(c, str) for c in completions):
+        raise TypeError(f"completions are not strings: {completions[0]!r}")
+    if "boom" in completions:
+        raise ValueError("no rewards for boom")
+    if "slow" in completions:
+        time.sleep(30)
+    out = [None if c == "none" else 10.0 * len(completions) + (c == g and p == "p" + g)
+           for p, c, g in zip(prompts, completions, ground_truth)]
+    return out[:-1] if "short" in completions else out
+
+def trl_accuracy(completions, solution, **kwargs):
+    """open-r1's accuracy reward's shape: TRL's conversational completions, the answer as
+    `solution`; 1 for the solution, else a dict asking for -1 and not correct."""
+    contents = [completion[0]["content"] for completion in completions]
+    assert all(c[0]["role"] == "assistant" for c in completions)
+    assert all(p[0] == {"role": "user", "content": "q"} for p in kwargs["prompts"])
+    return [1.0 if c == s else {"reward": -1.0, "correct": False}
+            for c, s in zip(contents, solution)]
+
+def trl_echo(completions, **kwargs):
+    """1 when the keywords it gets are the comma-separated names of its completion."""
+    return [float(sorted(kwargs) == (c.split(",") if c else [])) for c in completions]
+
+def trl_one_number(completions, **kwargs):
+    return 1.0
 '''
 
 
@@ -518,6 +548,99 @@ def test_a_user_reward_returning_a_verl_style_dict(user_reward_file):
     (lambda extra_info, /, r, a: 0, False, ()), (len, False, ())])
 def test_user_reward_call_reads_the_signature(fn, verl, takes):
     assert R.user_reward_call(fn) == R.UserRewardCall(verl, takes)
+
+
+@pytest.mark.parametrize("fn, takes", [
+    (lambda completions, **kwargs: 0, R.TRL_REWARD_KEYWORDS),
+    (lambda prompts, completions, **kwargs: 0, R.TRL_REWARD_KEYWORDS),
+    (lambda completions, solution: 0, ("solution",)),
+    (lambda prompts, completions, ground_truth, completion_ids=None: 0,
+     ("prompts", "ground_truth")),
+    (lambda completions, *, extra_info, answer, trainer_state=None: 0,
+     ("answer", "extra_info")),
+    (lambda completions, solution_str=None, ground_truth=None: 0, ("ground_truth",))])
+def test_a_reward_taking_completions_is_a_trl_batch_reward(fn, takes):
+    assert R.user_reward_call(fn) == R.UserRewardCall(False, takes, batch=True)
+
+
+@pytest.mark.parametrize("fn, unsent", [
+    (lambda prompts, completions, completion_ids, **kwargs: 0, "completion_ids"),
+    (lambda completions, trainer_state, solution: 0, "trainer_state"),
+    (lambda x, /, completions: 0, "x"),
+    (lambda completions, *, response, label: 0, "response, label")])
+def test_a_batch_reward_with_parameters_that_get_nothing_is_refused(fn, unsent):
+    """TRL passes completion_ids= and trainer_state=, which a run has no value for: a batch
+    reward that needs them (or any other name) stops the start naming them."""
+    with pytest.raises(ValueError, match=f"parameter\\(s\\) {unsent} would get nothing"):
+        R.user_reward_call(fn)
+
+
+def test_a_trl_batch_reward_scores_spans_of_responses_in_the_workers(user_reward_file, caplog):
+    """A TRL-style reward is called once a python_batch_size span of responses, by keyword, with
+    the spans' completions (strings), prompts (the problems) and answers: its rewards land on
+    their responses; None scores 0; a call that raises, returns a reward too few or overruns
+    scores its whole span 0, counted (the first error logged); a short last span."""
+    problems = [f"p{i}" for i in range(7)]
+    golds = [str(i) for i in range(7)]
+    with R.RewardScorer("python", num_workers=2, timeout_s=3.0, python_batch_size=3,
+                        python_fn=f"{user_reward_file}:trl_batch") as scorer:
+        assert scorer.user_call.batch and scorer.pool.fn == R._USER_BATCH_FN
+        responses = ["0", "x", "2", "3", "none", "5", "6"]
+        rewards, info = scorer.score(responses, golds, problems=problems)
+        np.testing.assert_array_equal(rewards, [31, 30, 31, 31, 0, 31, 11])
+        np.testing.assert_array_equal(info["accuracy"], [1, 1, 1, 1, 0, 1, 1])
+        assert info["num_errors"] == info["num_timeouts"] == info["num_no_box"] == 0
+        wrong = ["0", "x", "2", "3", "9", "5", "6"]
+        rewards, _ = scorer.score(wrong, golds, problems=["q"] + problems[1:])
+        np.testing.assert_array_equal(rewards, [30, 30, 31, 31, 30, 31, 11])
+        with caplog.at_level(logging.WARNING, logger="delta_jax.rewards"):
+            rewards, info = scorer.score(["0", "boom", "2", "3", "short", "5", "slow"], golds,
+                                         problems=problems)
+        np.testing.assert_array_equal(rewards, [0] * 7)
+        np.testing.assert_array_equal(info["errored"], [1] * 6 + [0])
+        np.testing.assert_array_equal(info["timed_out"], [0] * 6 + [1])
+        warning = [r.getMessage() for r in caplog.records if "python_fn" in r.getMessage()]
+        assert "6 of 7 responses scored 0 on an error; the first: " in warning[0]
+        assert "ValueError: no rewards for boom" in warning[0]
+        _, info = scorer.score(responses, golds)  # no problems: no prompts= for its parameter
+        assert info["num_errors"] == 7
+    with R.RewardScorer("python", num_workers=1, python_batch_size=3,
+                        python_fn=f"{user_reward_file}:trl_one_number") as scorer:
+        _, info = scorer.score(["a", "b"], ["a", "b"])
+        assert info["num_errors"] == 2
+
+
+def test_a_trl_batch_reward_in_the_conversational_form(user_reward_file):
+    """completion_format="messages": completions as [{"role": "assistant", "content": text}] and
+    prompts as [{"role": "user", "content": problem}] (TRL's conversational form), the answer as
+    `solution`; a dict reward gives its own correctness."""
+    with R.RewardScorer("python", num_workers=2, python_batch_size=2,
+                        completion_format="messages",
+                        python_fn=f"{user_reward_file}:trl_accuracy") as scorer:
+        rewards, info = scorer.score(["a", "b", "c"], ["a", "x", "c"], problems=["q"] * 3)
+        assert info["num_errors"] == 0
+        np.testing.assert_array_equal(rewards, [1, -1, 1])
+        np.testing.assert_array_equal(info["accuracy"], [1, 0, 1])
+    with R.RewardScorer("python", num_workers=1, completion_format="text",
+                        python_fn=f"{user_reward_file}:trl_accuracy") as scorer:
+        _, info = scorer.score(["a"], ["a"], problems=["q"])
+        assert info["num_errors"] == 1  # strings where it reads messages
+    for bad, why in (({"completion_format": "chat"}, "completion_format must be one of"),
+                     ({"python_batch_size": 0}, "python_batch_size must be an int >= 1")):
+        with pytest.raises(ValueError, match=why):
+            R.RewardScorer("python", python_fn=f"{user_reward_file}:trl_accuracy", **bad)
+
+
+def test_a_trl_batch_reward_gets_every_keyword_given_for_kwargs(user_reward_file):
+    """**kwargs gets prompts, the three answer names and the context score() was given."""
+    with R.RewardScorer("python", num_workers=1,
+                        python_fn=f"{user_reward_file}:trl_echo") as scorer:
+        every = ",".join(sorted(R.TRL_REWARD_KEYWORDS))
+        rewards, _ = scorer.score([every], ["x"], problems=["p"], data_sources=["s"],
+                                  extra_infos=[""])
+        assert rewards.tolist() == [1]
+        rewards, _ = scorer.score(["answer,ground_truth,solution", every], ["x", "y"])
+        assert rewards.tolist() == [1, 0]
 
 
 def test_a_verl_reward_function_gets_each_records_data_source_and_extra_info(user_reward_file):

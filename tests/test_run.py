@@ -356,6 +356,58 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
         run_lib.build_run(bad, str(tmp_path / "w2"), need_data=False, mesh=single_device_mesh())
 
 
+def test_a_trl_reward_function_trains_unchanged(tmp_path, caplog):
+    """A TRL reward function, fn(prompts, completions, solution, **kwargs) -> list, unchanged as
+    rewards.python_fn: a training step calls it on rewards.python_batch_size responses at a
+    time with their problems as prompts= and their records' answers as solution= (strings under
+    data.template=plain: completion_format auto), and each response's reward is its entry."""
+    import json
+    import logging
+
+    from delta_jax.train import loop
+    from tests.rl_fixtures import LOOP_WITHOUT_EVAL, single_device_mesh
+
+    (tmp_path / "trl_reward.py").write_text(
+        "def reward(prompts, completions, solution, **kwargs):\n"
+        "    return [len(completions) + (len(c) % 2 == 0) + len(p) / 1e2 + len(s) / 1e4\n"
+        "            for p, c, s in zip(prompts, completions, solution)]\n")
+    cfg = tiny_rl_config("grpo", rewards=dict(name="python", python_fn=f"{tmp_path}/trl_reward.py"
+                                              ":reward", num_workers=1, python_batch_size=8),
+                         train=dict(LOOP_WITHOUT_EVAL, steps=1, rollouts_every=1))
+    with caplog.at_level(logging.INFO, logger="delta_jax.train"):
+        run = run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
+    try:
+        assert run.scorer.user_call.batch and run.scorer.completion_format == "text"
+        assert [m for m in caplog.messages if "a batch reward (TRL's form), called on 8 "
+                "responses at a time" in m and "completions as strings" in m]
+        loop.train(cfg, str(tmp_path / "w"), run=run)
+    finally:
+        run.close()
+    with open(tmp_path / "w" / "rollouts" / "step_1.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    with open(tmp_path / "w" / "synthetic" / "train.jsonl") as f:
+        record = {r["id"]: r for r in map(json.loads, f)}
+    assert len(rows) == 16
+    for r in rows:
+        want = (8.0 + (len(r["response"]) % 2 == 0) + len(record[r["id"]]["problem"]) / 1e2
+                + len(str(record[r["id"]]["answer"])) / 1e4)
+        assert r["reward"] == pytest.approx(want, rel=1e-6), r  # float32 rewards
+
+
+@pytest.mark.parametrize("template, setting, want", [
+    ("qwen_math", "auto", "messages"), ("chat", "auto", "messages"), ("code", "auto", "messages"),
+    ("base", "auto", "text"), ("plain", "auto", "text"), ("qwen_math", "text", "text"),
+    ("plain", "messages", "messages")])
+def test_a_batch_rewards_completion_format_follows_the_prompt_layout(template, setting, want):
+    """rewards.completion_format=auto gives a TRL-style reward chat messages where the prompt is a
+    chat (TRL's conversational form), strings for base / plain prompts."""
+    from tests.rl_fixtures import apply_overrides
+
+    cfg = apply_overrides(tiny_rl_config("grpo"), {"data": dict(template=template),
+                                                   "rewards": dict(completion_format=setting)})
+    assert run_lib.completion_format(cfg) == want
+
+
 def test_a_verl_reward_gets_each_records_context_in_training_and_evaluation(tmp_path):
     """A verl custom reward, compute_score(data_source, solution_str, ground_truth,
     extra_info=None), unchanged as rewards.python_fn: in a training step each response is scored

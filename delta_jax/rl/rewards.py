@@ -323,30 +323,58 @@ USER_REWARD_KEYWORDS = ("problem", "data_source", "extra_info")
 # A function with both of these parameters is called as verl calls a custom reward:
 # compute_score(data_source=, solution_str=response, ground_truth=answer, extra_info=).
 VERL_REWARD_ARGS = ("solution_str", "ground_truth")
+# A function with this parameter is a batch reward, called as TRL's GRPOTrainer calls its
+# reward_funcs: fn(prompts=[...], completions=[...], **columns) -> one reward (or None) each.
+TRL_REWARD_ARG = "completions"
+# What a batch reward gets beside completions=, one list entry per completion: TRL's prompts=
+# (the problems), the answer under the column names TRL recipes give it, and USER_REWARD_KEYWORDS.
+TRL_ANSWER_NAMES = ("answer", "solution", "ground_truth")
+TRL_REWARD_KEYWORDS = ("prompts", *TRL_ANSWER_NAMES, *USER_REWARD_KEYWORDS)
+# How a batch reward gets its completions and prompts: TRL's standard form (strings) or its
+# conversational form ([{"role": "assistant", "content": text}], [{"role": "user", ...}]).
+COMPLETION_FORMATS = ("text", "messages")
 
 
 @dataclasses.dataclass(frozen=True)
 class UserRewardCall:
-    """How a user reward is called: fn(response, answer, **kw), or with verl=True
-    fn(solution_str=response, ground_truth=answer, **kw); kw holds those of `keywords`
-    (USER_REWARD_KEYWORDS) that score() was given."""
+    """How a user reward is called: fn(response, answer, **kw), with verl=True
+    fn(solution_str=response, ground_truth=answer, **kw), or with batch=True once for a list of
+    responses, fn(completions=[...], **kw) (TRL's reward functions); kw holds those of
+    `keywords` (USER_REWARD_KEYWORDS; TRL_REWARD_KEYWORDS for a batch) that score() was
+    given."""
     verl: bool = False
     keywords: tuple[str, ...] = ()
+    batch: bool = False
 
 
 def user_reward_call(fn: Callable) -> UserRewardCall:
-    """The call a user reward's signature asks for: verl's when it has VERL_REWARD_ARGS
-    parameters; the USER_REWARD_KEYWORDS it has a parameter of that name for (positional or
-    keyword), all of them with **kwargs."""
+    """The call a user reward's signature asks for: a batch (TRL's) call when it has a
+    TRL_REWARD_ARG parameter, verl's when it has VERL_REWARD_ARGS parameters; the keywords of
+    its kind it has a parameter of that name for (positional or keyword), all of them with
+    **kwargs. ValueError for a batch reward with a parameter without default that is not one of
+    those (TRL's completion_ids or trainer_state, which are not sent), or positional-only ones
+    (TRL calls by keyword)."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function without a signature
         return UserRewardCall()
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    verl = all(a in names for a in VERL_REWARD_ARGS)
+    batch = TRL_REWARD_ARG in names
+    known = TRL_REWARD_KEYWORDS if batch else USER_REWARD_KEYWORDS
+    if batch:
+        unsent = [p.name for p in params if p.name != TRL_REWARD_ARG and (
+            p.kind is p.POSITIONAL_ONLY or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                                            and p.default is p.empty and p.name not in known))]
+        if unsent:
+            raise ValueError(
+                f"{getattr(fn, '__name__', fn)!r} is a batch reward (it takes "
+                f"{TRL_REWARD_ARG}=, as TRL's reward functions do) whose parameter(s) "
+                f"{', '.join(unsent)} would get nothing: a batch reward is called by keyword with "
+                f"{TRL_REWARD_ARG}= and any of {', '.join(TRL_REWARD_KEYWORDS)}")
+    verl = not batch and all(a in names for a in VERL_REWARD_ARGS)
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        return UserRewardCall(verl, USER_REWARD_KEYWORDS)
-    return UserRewardCall(verl, tuple(k for k in USER_REWARD_KEYWORDS if k in names))
+        return UserRewardCall(verl, known, batch)
+    return UserRewardCall(verl, tuple(k for k in known if k in names), batch)
 
 
 def user_reward_in_worker(spec: str, response: str, answer: str, keywords: dict | None = None,
@@ -358,6 +386,20 @@ def user_reward_in_worker(spec: str, response: str, answer: str, keywords: dict 
     if verl:
         return user_reward_value(fn(solution_str=response, ground_truth=answer, **keywords))
     return user_reward_value(fn(response, answer, **keywords))
+
+
+def user_rewards_in_worker(spec: str, completions: list, keywords: dict) -> list:
+    """VerifyPool item of a batch (TRL-style) user reward: fn(completions=completions,
+    **keywords) once, its (reward, correct) per completion; a None reward is 0, not correct
+    (TRL sums a None as nothing). ValueError for a return that is not one reward a completion."""
+    fn = load_user_reward(spec)
+    out = fn(completions=completions, **keywords)
+    if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
+        raise ValueError(f"returned {type(out).__name__}, not a list of one reward a completion")
+    values = list(out)
+    if len(values) != len(completions):
+        raise ValueError(f"returned {len(values)} rewards for {len(completions)} completions")
+    return [(0.0, 0.0) if v is None else user_reward_value(v) for v in values]
 
 
 def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
@@ -375,6 +417,7 @@ def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
 
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
+_USER_BATCH_FN = f"{__name__}:user_rewards_in_worker"
 _USER_INIT_FN = f"{__name__}:load_user_reward"
 
 
@@ -412,7 +455,17 @@ class RewardScorer:
         custom reward functions run unchanged. It returns a number or bool (the reward; correct
         when > 0) or a dict {"reward" | "score": number, optional "correct" | "acc": bool}. A
         call that raises, returns something else or runs past timeout_s scores 0 and is counted
-        (num_errors / num_timeouts; the first error of a batch is logged).
+        (num_errors / num_timeouts; the first error of a batch is logged). A function with a
+        `completions` parameter is a batch reward, called as TRL's GRPOTrainer calls its
+        reward_funcs: fn(completions=[...], **kw) on python_batch_size responses at a time (a
+        call each within timeout_s), kw by keyword as above from prompts= (the problems),
+        answer= / solution= / ground_truth= (the answers) and problem= / data_source= /
+        extra_info=; it returns one reward a completion (a number, bool, dict as above, or None
+        for 0), and a call that fails scores its whole batch 0.
+      python_batch_size: a batch reward's responses a call.
+      completion_format: how a batch reward gets completions= and prompts=: "text" (strings,
+        TRL's standard form) or "messages" (TRL's conversational form: [{"role": "assistant",
+        "content": response}] and [{"role": "user", "content": problem}] each).
       num_workers, timeout_s, start_method: the VerifyPool (timeout_s = hard wall-clock limit per
         item; the in-worker soft limit is 0.8 of it).
       max_response_len, overlong_buffer_len, overlong_penalty_factor: DAPO overlong penalty in
@@ -437,10 +490,18 @@ class RewardScorer:
                  max_answer_chars: int = 1000, code_sandbox: str = "local",
                  code_sandbox_url: str = "", code_isolation: bool = True,
                  code_memory_mb: int = 1024, code_max_processes: int = 16,
-                 pass_fraction: bool = False, python_fn: str = ""):
+                 pass_fraction: bool = False, python_fn: str = "",
+                 python_batch_size: int = 16, completion_format: str = "text"):
         self.name = name
         self._code = None
         self.python_fn = ""
+        if not (isinstance(python_batch_size, int) and python_batch_size >= 1):
+            raise ValueError(f"python_batch_size must be an int >= 1, got {python_batch_size!r}")
+        if completion_format not in COMPLETION_FORMATS:
+            raise ValueError(f"completion_format must be one of {COMPLETION_FORMATS}, got "
+                             f"{completion_format!r}")
+        self.python_batch_size = python_batch_size
+        self.completion_format = completion_format
         self._call = UserRewardCall()  # how python_fn's signature asks to be called
         self.reward_fn = None if name == USER_REWARD else get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
@@ -476,7 +537,8 @@ class RewardScorer:
             except ValueError as e:
                 raise InputError(f"rewards.python_fn: {e}") from None
             # each worker loads it before it takes work: its imports are not a first timeout
-            grade_fn, init_fn, init_args = _USER_FN, _USER_INIT_FN, (self.python_fn,)
+            grade_fn = _USER_BATCH_FN if self._call.batch else _USER_FN
+            init_fn, init_args = _USER_INIT_FN, (self.python_fn,)
         if pool is not None and pool.fn != grade_fn:
             raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {grade_fn!r}")
         self._owns_pool = pool is None
@@ -492,6 +554,12 @@ class RewardScorer:
             self._code.close()
         elif self._owns_pool:
             self.pool.close()
+
+    @property
+    def user_call(self) -> UserRewardCall:
+        """How python_fn is called (user_reward_call of its signature; the default call for a
+        built-in reward)."""
+        return self._call
 
     @property
     def closed(self) -> bool:
@@ -649,27 +717,46 @@ class RewardScorer:
                      extra_infos=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
         timed_out, errored bool [N] (those score 0; the batch's first error is logged). The
-        function gets by keyword those of problem= / data_source= / extra_info= that it takes
-        and were given (nothing is sent for nothing)."""
+        function gets by keyword those of its call's keywords that it takes and were given
+        (nothing is sent for nothing): one call a response, or for a batch reward one call a
+        python_batch_size span of them (a failed call fails its whole span)."""
         from delta_jax.data.records import decode_extra_info
 
         n = len(responses)
         rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
+        golds = [str(g) for g in golds]
         given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos}
+        if self._call.batch:
+            given.update(dict.fromkeys(TRL_ANSWER_NAMES, golds), prompts=problems)
         sent = {k: given[k] for k in self._call.keywords if given[k] is not None}
         if "extra_info" in sent:  # decoded only for a function that takes it
             sent["extra_info"] = [decode_extra_info(e) for e in sent["extra_info"]]
-        items = [(self.python_fn, r, str(g), {k: v[i] for k, v in sent.items()},
-                  self._call.verl) for i, (r, g) in enumerate(zip(responses, golds))]
+        if self._call.batch:
+            completions = list(responses)
+            if self.completion_format == "messages":
+                completions = [[{"role": "assistant", "content": r}] for r in responses]
+                if "prompts" in sent:
+                    sent["prompts"] = [[{"role": "user", "content": p}] for p in sent["prompts"]]
+            spans = [(lo, min(lo + self.python_batch_size, n))
+                     for lo in range(0, n, self.python_batch_size)]
+            items = [(self.python_fn, completions[lo:hi], {k: v[lo:hi] for k, v in sent.items()})
+                     for lo, hi in spans]
+        else:
+            spans = [(i, i + 1) for i in range(n)]
+            items = [(self.python_fn, r, g, {k: v[i] for k, v in sent.items()}, self._call.verl)
+                     for i, (r, g) in enumerate(zip(responses, golds))]
         outcomes = self.pool.map(items)
-        for i, out in enumerate(outcomes):
+        first = None  # the first failed call's error
+        for (lo, hi), out in zip(spans, outcomes):
             if out.status == vp.OK:
-                rewards[i], accuracy[i] = out.value
+                got = out.value if self._call.batch else [out.value]
+                rewards[lo:hi], accuracy[lo:hi] = zip(*got)
             else:
-                timed_out[i], errored[i] = out.status == vp.TIMEOUT, out.status == vp.ERROR
+                timed_out[lo:hi], errored[lo:hi] = out.status == vp.TIMEOUT, out.status == vp.ERROR
+                if first is None and out.status == vp.ERROR:
+                    first = out.value
         if errored.any():
-            first = outcomes[int(np.argmax(errored))].value
             log.warning("rewards.python_fn %s: %d of %d responses scored 0 on an error; the first: "
                         "%s", self.python_fn, int(errored.sum()), n, first)
         return rewards, accuracy, timed_out, errored

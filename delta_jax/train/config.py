@@ -60,6 +60,7 @@ CHOICES = {
     "data.on_error": ("raise", "skip"),
     "data.overlong_prompts": ("drop", "error", "truncate"),
     "rewards.code_sandbox": ("local", "sandbox_fusion"),
+    "rewards.completion_format": ("auto", "text", "messages"),  # rewards.COMPLETION_FORMATS
     "rl.dynamic_sampling_on_max_rounds": ("raise", "pad"),  # rl.dynamic_sampling.ON_MAX_ROUNDS
     "train.best_mode": ("max", "min"),
     # models.attention.DECODE_IMPLS
@@ -232,7 +233,15 @@ def default_config() -> config_dict.ConfigDict:
     # worker processes (rewards.timeout_s each) and returning a number or bool (the reward;
     # correct, for accuracy and eval, when > 0) or {"reward" | "score": number, "correct": bool}.
     # DAPO's overlong shaping (rewards.overlong) still adds to it; a call that raises scores 0.
+    # A function with a `completions` parameter is a batch reward, TRL's reward_funcs form:
+    # fn(completions=[...], prompts=, answer= / solution= / ground_truth=, ... by keyword) ->
+    # one reward (or None = 0) each, called on python_batch_size responses at a time
+    # (rewards.timeout_s a call), with completions as strings or, completion_format=messages,
+    # TRL's conversational [{"role": "assistant", "content": ...}] ("auto": messages for the
+    # chat templates qwen_math / chat / code, strings for base / plain).
     c.rewards.python_fn = ""
+    c.rewards.python_batch_size = 16
+    c.rewards.completion_format = "auto"
 
     c.rl = config_dict.ConfigDict()
     c.rl.advantage = _P(str)
@@ -727,6 +736,8 @@ def _check_combinations(c):
              f"must be >= 1, got {c.rewards.num_workers}")
     _require(c.rewards.timeout_s > 0, "rewards.timeout_s",
              f"must be > 0, got {c.rewards.timeout_s}")
+    _require(c.rewards.python_batch_size >= 1, "rewards.python_batch_size",
+             f"must be >= 1, got {c.rewards.python_batch_size}")
     for name in ("rewards.code_memory_mb", "rewards.code_max_processes"):
         _require(_get(c, name) >= 1, name, f"must be >= 1, got {_get(c, name)}")
     _require(c.rewards.code_sandbox != "sandbox_fusion" or c.rewards.code_sandbox_url,

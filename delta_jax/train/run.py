@@ -535,7 +535,7 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
     r = cfg.rewards
     overlong = shaped and r.overlong
     own_task = task in (None, reward_task(cfg))
-    return RewardScorer(
+    scorer = RewardScorer(
         name=scorer_name(cfg, task), num_workers=r.num_workers,
         timeout_s=r.timeout_s,
         max_response_len=cfg.rollout.max_new_tokens if shaped else None,
@@ -544,7 +544,29 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction, python_fn=r.python_fn if own_task else "",
+        python_batch_size=r.python_batch_size, completion_format=completion_format(cfg),
         reward_kwargs=reward_options(cfg) if own_task else None, pool=pool)
+    if pool is None and scorer.python_fn and scorer.user_call.batch:  # once: the pool's owner
+        log.info("rewards.python_fn %s takes completions=: a batch reward (TRL's form), called "
+                 "on %d responses at a time (rewards.python_batch_size) with completions as %s "
+                 "(rewards.completion_format=%s)", r.python_fn, r.python_batch_size,
+                 "chat messages [{'role': 'assistant', 'content': ...}]"
+                 if scorer.completion_format == "messages" else "strings", r.completion_format)
+    return scorer
+
+
+# Templates whose prompt is a chat conversation: a batch reward gets TRL's conversational form.
+CHAT_TEMPLATES = ("qwen_math", "chat", "code")
+
+
+def completion_format(cfg) -> str:
+    """rewards.completion_format, "auto" resolved: "messages" (TRL's conversational form) when
+    data.template lays the prompt out as a chat (CHAT_TEMPLATES), "text" for base / plain, as
+    TRL gives a reward function the form its dataset's prompts have."""
+    fmt = cfg.rewards.completion_format
+    if fmt != "auto":
+        return fmt
+    return "messages" if cfg.data.template in CHAT_TEMPLATES else "text"
 
 
 def shared_pool(scorer, name: str):
