@@ -216,20 +216,36 @@ def test_fields_that_used_to_fail_late_fail_at_validation(override, field):
 
 
 def test_a_reward_of_your_own_is_named_with_its_field():
-    """rewards.name=python needs rewards.python_fn, which no other reward takes; with it the
-    code template is allowed (the user's reward reads what it asks for), and the run's task
+    """rewards.name=python needs rewards.python_fn, which no other reward takes (nor
+    rewards.python_weights); several functions take one number each in python_weights; with it
+    the code template is allowed (the user's reward reads what it asks for), and the run's task
     follows the template."""
+    from delta_jax.train.run import python_weights as run_lib_weights
     from delta_jax.train.run import reward_task
     base = f"--config={EXPERIMENTS / 'tiny.py'}"
     for overrides, message in [
             (["rewards.name=python"], r"^rewards\.python_fn: rewards\.name=python grades"),
             (["rewards.python_fn=r.py:f"], r"^rewards\.python_fn: is used by rewards\.name=py"),
-            (["rewards.name=math", "data.template=code"], r"^data\.template: 'code' asks")]:
+            (["rewards.name=math", "data.template=code"], r"^data\.template: 'code' asks"),
+            (["rewards.name=python", "rewards.python_fn=r.py:f,,r.py:g"],
+             r"^rewards\.python_fn: 'r.py:f,,r.py:g' names no function"),
+            (["rewards.name=python", "rewards.python_fn=r.py:f,r.py:g",
+              "rewards.python_weights=1"], r"^rewards\.python_weights: '1' is not 2 comma-sep"),
+            (["rewards.name=python", "rewards.python_fn=r.py:f", "rewards.python_weights=x"],
+             r"^rewards\.python_weights: 'x' is not 1 comma-separated number"),
+            (["rewards.name=python", "rewards.python_fn=r.py:f", "rewards.python_weights=inf"],
+             r"^rewards\.python_weights: 'inf' is not 1"),
+            (["rewards.python_weights=1"], r"^rewards\.python_weights: is used by rewards\.name="
+             "python only")]:
         with pytest.raises(ConfigError, match=message):
             validate_config(parse([base, *(f"--config.{o}" for o in overrides)]))
     cfg = validate_config(parse([base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f"]))
     assert reward_task(cfg) == "math"
+    cfg = validate_config(parse([base, "--config.rewards.name=python",
+                                 "--config.rewards.python_fn=r.py:f, r.py:g",
+                                 "--config.rewards.python_weights=1, -0.5"]))
+    assert run_lib_weights(cfg) == (1.0, -0.5)
     cfg = validate_config(parse([base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f", "--config.data.template=code"]))
     assert reward_task(cfg) == "code"

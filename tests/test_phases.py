@@ -34,7 +34,8 @@ def fake_generate_and_score(kind_of, seen=None):
             truncated=[[False] * G for _ in records],
             texts=[[f"{r['id']}.{j}@{round_index}" for j in range(G)] for r in records])
         r = np.asarray([rewards[kind_of(rec["id"])] for rec in records], np.float32).reshape(-1)
-        return out, r, {"accuracy": r, "num_timeouts": 1.0, "num_no_box": 0.0}
+        return out, r, {"accuracy": r, "num_timeouts": 1.0, "num_no_box": 0.0,
+                        "reward_fn/a": float(r.sum()), "reward_fn/b": 2.0 * len(r)}
     return generate_and_score
 
 
@@ -70,6 +71,10 @@ def test_collect_rollout_dynamic_sampling_refills_with_groups_that_have_signal()
     np.testing.assert_array_equal(roll.accuracy, roll.rewards)
     assert roll.stats["rounds"] == 3 and roll.stats["dropped_groups"] == 8
     assert roll.stats["num_timeouts"] == 3.0
+    # Each reward function's sums and the responses scored, over every round's 4 x G: of the
+    # 12 prompts drawn, 4 are "mixed" (1 a group) and 4 "one" (G a group).
+    assert roll.stats["num_scored"] == 3 * 4 * G
+    assert roll.stats["reward_fn/a"] == 4 * 1 + 4 * G and roll.stats["reward_fn/b"] == 72.0
     with pytest.raises(RuntimeError, match="dynamic sampling: only 3 of 4 groups") as err:
         phases.collect_rollout(fake_generate_and_score(kind), batches(4), num_prompts=4,
                                group_size=G, dynamic_sampling=True, max_rounds=2)

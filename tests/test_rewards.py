@@ -462,6 +462,12 @@ def trl_echo(completions, **kwargs):
 
 def trl_one_number(completions, **kwargs):
     return 1.0
+
+def trl_format(completions, **kwargs):
+    """A format reward: 1 for a completion that starts with "<think>"; "boom" fails the call."""
+    if "boom" in completions:
+        raise ValueError("no format for boom")
+    return [float(c.startswith("<think>")) for c in completions]
 '''
 
 
@@ -584,7 +590,7 @@ def test_a_trl_batch_reward_scores_spans_of_responses_in_the_workers(user_reward
     golds = [str(i) for i in range(7)]
     with R.RewardScorer("python", num_workers=2, timeout_s=3.0, python_batch_size=3,
                         python_fn=f"{user_reward_file}:trl_batch") as scorer:
-        assert scorer.user_call.batch and scorer.pool.fn == R._USER_BATCH_FN
+        assert scorer.user_calls[0].batch and scorer.pool.fn == R._USER_FN
         responses = ["0", "x", "2", "3", "none", "5", "6"]
         rewards, info = scorer.score(responses, golds, problems=problems)
         np.testing.assert_array_equal(rewards, [31, 30, 31, 31, 0, 31, 11])
@@ -641,6 +647,45 @@ def test_a_trl_batch_reward_gets_every_keyword_given_for_kwargs(user_reward_file
         assert rewards.tolist() == [1]
         rewards, _ = scorer.score(["answer,ground_truth,solution", every], ["x", "y"])
         assert rewards.tolist() == [1, 0]
+
+
+def test_several_reward_functions_are_summed_with_their_weights(user_reward_file):
+    """python_fn naming several functions (TRL's reward_funcs with reward_weights), of every
+    call kind: a response's reward is the weighted sum of theirs, its correctness the first
+    function's, each function's unweighted sum is in info under its name (the same name twice
+    made unique); a failed call of any of them fails its responses (0, counted)."""
+    f = str(user_reward_file)
+    fns = f"{f}:verl_style, {f}:trl_format,{f}:length_parity,{f}:trl_format"
+    with R.RewardScorer("python", num_workers=2, python_fn=fns, python_batch_size=2,
+                        python_weights=[1.0, 0.5, -2.0, 0.25]) as scorer:
+        assert scorer.reward_fn_names == ("verl_style", "trl_format", "length_parity",
+                                          "trl_format_2")
+        assert [c.kind for c in scorer.user_calls] == ["plain", "batch", "plain", "batch"]
+        responses = ["<think>x", "x", "<think>", "4"]
+        rewards, info = scorer.score(responses, ["<think>x", "4", "4", "4"])
+        verl = np.array([2.0, -0.5, -0.5, 2.0])
+        fmt = np.array([1.0, 0.0, 1.0, 0.0])
+        parity = np.array([1.0, 0.0, 0.0, 0.0])  # "<think>x" has 8 characters
+        np.testing.assert_allclose(rewards, verl + 0.75 * fmt - 2.0 * parity)
+        np.testing.assert_array_equal(info["accuracy"], [1, 0, 0, 1])  # verl_style's "acc"
+        assert info["reward_fn/verl_style"] == pytest.approx(verl.sum())
+        assert info["reward_fn/trl_format"] == info["reward_fn/trl_format_2"] == 2.0
+        assert info["reward_fn/length_parity"] == 1.0 and info["num_errors"] == 0
+        rewards, info = scorer.score(["4", "boom", "4", "4"], ["4"] * 4)
+        np.testing.assert_array_equal(info["errored"], [1, 1, 0, 0])  # trl_format's first span
+        np.testing.assert_allclose(rewards, [0, 0, 2.0, 2.0])
+        np.testing.assert_array_equal(info["accuracy"], [0, 0, 1, 1])
+        assert info["reward_fn/verl_style"] == 4.0 and info["reward_fn/trl_format"] == 0.0
+    with R.RewardScorer("python", num_workers=1,
+                        python_fn=f"{f}:verl_style") as scorer:  # one function: no sums
+        assert not [k for k in scorer.score(["4"], ["4"])[1] if k.startswith("reward_fn/")]
+    for fns, weights, why in ((f"{f}:verl_style,{f}:trl_format", [1.0],
+                               "rewards.python_weights: 1 weights"),
+                              (f"{f}:verl_style", [float("nan")], "one finite weight each"),
+                              (f"{f}:verl_style,,{f}:trl_format", None, "names no function"),
+                              (f"{f}:verl_style,{f}:missing", None, "has no function 'missing'")):
+        with pytest.raises(R.InputError, match=re.escape(why)):
+            R.RewardScorer("python", python_fn=fns, python_weights=weights)
 
 
 def test_a_verl_reward_function_gets_each_records_data_source_and_extra_info(user_reward_file):

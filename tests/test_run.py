@@ -356,11 +356,13 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
         run_lib.build_run(bad, str(tmp_path / "w2"), need_data=False, mesh=single_device_mesh())
 
 
-def test_a_trl_reward_function_trains_unchanged(tmp_path, caplog):
-    """A TRL reward function, fn(prompts, completions, solution, **kwargs) -> list, unchanged as
-    rewards.python_fn: a training step calls it on rewards.python_batch_size responses at a
-    time with their problems as prompts= and their records' answers as solution= (strings under
-    data.template=plain: completion_format auto), and each response's reward is its entry."""
+def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
+    """TRL reward functions, fn(prompts, completions, solution, **kwargs) -> list, unchanged as
+    rewards.python_fn, two of them with weights (TRL's reward_funcs, reward_weights): a training
+    step calls each on rewards.python_batch_size responses at a time with their problems as
+    prompts= and their records' answers as solution= (strings under data.template=plain:
+    completion_format auto); each response's reward is the weighted sum of its entries, and
+    each function's mean reward is logged as rollout/reward_fn/<name>."""
     import json
     import logging
 
@@ -370,14 +372,17 @@ def test_a_trl_reward_function_trains_unchanged(tmp_path, caplog):
     (tmp_path / "trl_reward.py").write_text(
         "def reward(prompts, completions, solution, **kwargs):\n"
         "    return [len(completions) + (len(c) % 2 == 0) + len(p) / 1e2 + len(s) / 1e4\n"
-        "            for p, c, s in zip(prompts, completions, solution)]\n")
-    cfg = tiny_rl_config("grpo", rewards=dict(name="python", python_fn=f"{tmp_path}/trl_reward.py"
-                                              ":reward", num_workers=1, python_batch_size=8),
+        "            for p, c, s in zip(prompts, completions, solution)]\n\n"
+        "def bonus(completions, **kwargs):\n"
+        "    return [2.0] * len(completions)\n")
+    fns = f"{tmp_path}/trl_reward.py:reward,{tmp_path}/trl_reward.py:bonus"
+    cfg = tiny_rl_config("grpo", rewards=dict(name="python", python_fn=fns, num_workers=1,
+                                              python_batch_size=8, python_weights="1,-0.5"),
                          train=dict(LOOP_WITHOUT_EVAL, steps=1, rollouts_every=1))
     with caplog.at_level(logging.INFO, logger="delta_jax.train"):
         run = run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
     try:
-        assert run.scorer.user_call.batch and run.scorer.completion_format == "text"
+        assert run.scorer.user_calls[0].batch and run.scorer.completion_format == "text"
         assert [m for m in caplog.messages if "a batch reward (TRL's form), called on 8 "
                 "responses at a time" in m and "completions as strings" in m]
         loop.train(cfg, str(tmp_path / "w"), run=run)
@@ -388,10 +393,14 @@ def test_a_trl_reward_function_trains_unchanged(tmp_path, caplog):
     with open(tmp_path / "w" / "synthetic" / "train.jsonl") as f:
         record = {r["id"]: r for r in map(json.loads, f)}
     assert len(rows) == 16
+    own = []
     for r in rows:
-        want = (8.0 + (len(r["response"]) % 2 == 0) + len(record[r["id"]]["problem"]) / 1e2
-                + len(str(record[r["id"]]["answer"])) / 1e4)
-        assert r["reward"] == pytest.approx(want, rel=1e-6), r  # float32 rewards
+        own.append(8.0 + (len(r["response"]) % 2 == 0) + len(record[r["id"]]["problem"]) / 1e2
+                   + len(str(record[r["id"]]["answer"])) / 1e4)
+        assert r["reward"] == pytest.approx(own[-1] - 1.0, rel=1e-6), r  # float32 rewards
+    step = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")][-1]
+    assert step["rollout/reward_fn/reward"] == pytest.approx(sum(own) / len(own), rel=1e-6)
+    assert step["rollout/reward_fn/bonus"] == 2.0
 
 
 @pytest.mark.parametrize("template, setting, want", [

@@ -346,6 +346,11 @@ class UserRewardCall:
     keywords: tuple[str, ...] = ()
     batch: bool = False
 
+    @property
+    def kind(self) -> str:
+        """user_reward_in_worker's call: "batch", "verl" or "plain"."""
+        return "batch" if self.batch else "verl" if self.verl else "plain"
+
 
 def user_reward_call(fn: Callable) -> UserRewardCall:
     """The call a user reward's signature asks for: a batch (TRL's) call when it has a
@@ -377,29 +382,51 @@ def user_reward_call(fn: Callable) -> UserRewardCall:
     return UserRewardCall(verl, tuple(k for k in known if k in names), batch)
 
 
-def user_reward_in_worker(spec: str, response: str, answer: str, keywords: dict | None = None,
-                          verl: bool = False) -> tuple[float, float]:
-    """VerifyPool item of a user reward: (reward, correct) of one response, called as
-    user_reward_call decided once in the scorer (keywords: the ones sent)."""
+def user_reward_in_worker(spec: str, kind: str, response, answer: str | None,
+                          keywords: dict) -> tuple[float, float] | list[tuple[float, float]]:
+    """VerifyPool item of a user reward, called as user_reward_call decided once in the scorer
+    (kind: UserRewardCall.kind; keywords: the ones sent): (reward, correct) of one response,
+    or for a "batch" call fn(completions=response, **keywords) once, (reward, correct) per
+    completion, a None reward 0 and not correct (TRL sums a None as nothing); ValueError for a
+    batch return that is not one reward a completion."""
     fn = load_user_reward(spec)
-    keywords = keywords or {}
-    if verl:
+    if kind == "verl":
         return user_reward_value(fn(solution_str=response, ground_truth=answer, **keywords))
-    return user_reward_value(fn(response, answer, **keywords))
-
-
-def user_rewards_in_worker(spec: str, completions: list, keywords: dict) -> list:
-    """VerifyPool item of a batch (TRL-style) user reward: fn(completions=completions,
-    **keywords) once, its (reward, correct) per completion; a None reward is 0, not correct
-    (TRL sums a None as nothing). ValueError for a return that is not one reward a completion."""
-    fn = load_user_reward(spec)
-    out = fn(completions=completions, **keywords)
+    if kind != "batch":
+        return user_reward_value(fn(response, answer, **keywords))
+    out = fn(completions=response, **keywords)
     if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
         raise ValueError(f"returned {type(out).__name__}, not a list of one reward a completion")
     values = list(out)
-    if len(values) != len(completions):
-        raise ValueError(f"returned {len(values)} rewards for {len(completions)} completions")
+    if len(values) != len(response):
+        raise ValueError(f"returned {len(values)} rewards for {len(response)} completions")
     return [(0.0, 0.0) if v is None else user_reward_value(v) for v in values]
+
+
+def load_user_rewards(*specs: str) -> None:
+    """A worker's initializer: loads each python_fn before the worker takes work."""
+    for spec in specs:
+        load_user_reward(spec)
+
+
+def user_reward_specs(python_fn) -> tuple[str, ...]:
+    """The specs of a python_fn: one "<file.py>:<function>" / "<module>:<function>", several
+    separated by commas, or a sequence of them; ValueError for none or an empty one."""
+    parts = python_fn.split(",") if isinstance(python_fn, str) else list(python_fn)
+    specs = tuple(str(p).strip() for p in parts)
+    if not specs or not all(specs):
+        raise ValueError(f"{python_fn!r} names no function (or an empty one between commas)")
+    return specs
+
+
+def user_reward_names(specs: Sequence[str]) -> tuple[str, ...]:
+    """Each spec's function name, made unique by a _2, _3, ... suffix (its metrics' name)."""
+    names, seen = [], collections.Counter()
+    for spec in specs:
+        name = spec.rpartition(":")[2]
+        seen[name] += 1
+        names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return tuple(names)
 
 
 def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
@@ -417,8 +444,9 @@ def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
 
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
-_USER_BATCH_FN = f"{__name__}:user_rewards_in_worker"
-_USER_INIT_FN = f"{__name__}:load_user_reward"
+_USER_INIT_FN = f"{__name__}:load_user_rewards"
+# score()'s info key prefix of each function's summed reward when python_fn names several
+REWARD_FN_PREFIX = "reward_fn/"
 
 
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:
@@ -462,6 +490,12 @@ class RewardScorer:
         answer= / solution= / ground_truth= (the answers) and problem= / data_source= /
         extra_info=; it returns one reward a completion (a number, bool, dict as above, or None
         for 0), and a call that fails scores its whole batch 0.
+        python_fn may name several functions, separated by commas (or as a sequence), as TRL's
+        reward_funcs list: a response's reward is their python_weights-weighted sum, its
+        correctness the first function's; a failed call of any fails the response; info gets
+        each function's unweighted reward summed over the responses as
+        "reward_fn/<its name>" (REWARD_FN_PREFIX; user_reward_names).
+      python_weights: one weight a python_fn function (TRL's reward_weights); None = 1 each.
       python_batch_size: a batch reward's responses a call.
       completion_format: how a batch reward gets completions= and prompts=: "text" (strings,
         TRL's standard form) or "messages" (TRL's conversational form: [{"role": "assistant",
@@ -490,11 +524,16 @@ class RewardScorer:
                  max_answer_chars: int = 1000, code_sandbox: str = "local",
                  code_sandbox_url: str = "", code_isolation: bool = True,
                  code_memory_mb: int = 1024, code_max_processes: int = 16,
-                 pass_fraction: bool = False, python_fn: str = "",
+                 pass_fraction: bool = False, python_fn: str | Sequence[str] = "",
+                 python_weights: Sequence[float] | None = None,
                  python_batch_size: int = 16, completion_format: str = "text"):
         self.name = name
         self._code = None
         self.python_fn = ""
+        self.python_fns: tuple[str, ...] = ()
+        self.python_weights: tuple[float, ...] = ()
+        self.reward_fn_names: tuple[str, ...] = ()
+        self._calls: tuple[UserRewardCall, ...] = ()  # how each function asks to be called
         if not (isinstance(python_batch_size, int) and python_batch_size >= 1):
             raise ValueError(f"python_batch_size must be an int >= 1, got {python_batch_size!r}")
         if completion_format not in COMPLETION_FORMATS:
@@ -502,7 +541,6 @@ class RewardScorer:
                              f"{completion_format!r}")
         self.python_batch_size = python_batch_size
         self.completion_format = completion_format
-        self._call = UserRewardCall()  # how python_fn's signature asks to be called
         self.reward_fn = None if name == USER_REWARD else get_reward_fn(name)
         self.reward_kwargs = dict(reward_kwargs or {})
         if overlong_buffer_len > 0 and not max_response_len:
@@ -530,15 +568,24 @@ class RewardScorer:
             return
         grade_fn, init_fn, init_args = _GRADE_FN, _INIT_FN, ()
         if name == USER_REWARD:
-            self.python_fn = _absolute_spec(python_fn)
             try:
+                self.python_fns = tuple(_absolute_spec(p) for p in user_reward_specs(python_fn))
                 # here, so that a bad one stops the start
-                self._call = user_reward_call(load_user_reward(self.python_fn))
+                self._calls = tuple(user_reward_call(load_user_reward(p))
+                                    for p in self.python_fns)
             except ValueError as e:
                 raise InputError(f"rewards.python_fn: {e}") from None
-            # each worker loads it before it takes work: its imports are not a first timeout
-            grade_fn = _USER_BATCH_FN if self._call.batch else _USER_FN
-            init_fn, init_args = _USER_INIT_FN, (self.python_fn,)
+            self.python_fn = ",".join(self.python_fns)
+            weights = (1.0,) * len(self.python_fns) if python_weights is None else tuple(
+                float(w) for w in python_weights)
+            if len(weights) != len(self.python_fns) or not np.isfinite(weights).all():
+                raise InputError(f"rewards.python_weights: {len(weights)} weights {weights} for "
+                                 f"{len(self.python_fns)} python_fn functions; one finite "
+                                 "weight each")
+            self.python_weights = weights
+            self.reward_fn_names = user_reward_names(self.python_fns)
+            # each worker loads them before it takes work: their imports are not a first timeout
+            grade_fn, init_fn, init_args = _USER_FN, _USER_INIT_FN, self.python_fns
         if pool is not None and pool.fn != grade_fn:
             raise ValueError(f"pool runs {pool.fn!r}, RewardScorer needs {grade_fn!r}")
         self._owns_pool = pool is None
@@ -556,10 +603,10 @@ class RewardScorer:
             self.pool.close()
 
     @property
-    def user_call(self) -> UserRewardCall:
-        """How python_fn is called (user_reward_call of its signature; the default call for a
+    def user_calls(self) -> tuple[UserRewardCall, ...]:
+        """How each python_fn function is called (user_reward_call of its signature; () for a
         built-in reward)."""
-        return self._call
+        return self._calls
 
     @property
     def closed(self) -> bool:
@@ -663,7 +710,7 @@ class RewardScorer:
         num_too_long = 0
         if self.python_fn:
             with self._lock:
-                user_rewards, accuracy, timed_out, errored = self._user_scores(
+                user_rewards, accuracy, timed_out, errored, extra = self._user_scores(
                     responses, golds, problems, data_sources, extra_infos)
             # no answer to extract: every response counts as answered
             num_boxes, hits, num_no_box = np.zeros(n, np.int32), 0, 0
@@ -716,50 +763,70 @@ class RewardScorer:
     def _user_scores(self, responses, golds, problems=None, data_sources=None,
                      extra_infos=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
-        timed_out, errored bool [N] (those score 0; the batch's first error is logged). The
-        function gets by keyword those of its call's keywords that it takes and were given
-        (nothing is sent for nothing): one call a response, or for a batch reward one call a
-        python_batch_size span of them (a failed call fails its whole span)."""
+        timed_out, errored bool [N] (those score 0; the batch's first error is logged) and, with
+        several functions, {"reward_fn/<name>": summed reward}. Each function gets by keyword
+        those of its call's keywords that it takes and were given (nothing is sent for nothing):
+        one call a response, or for a batch reward one call a python_batch_size span of them (a
+        failed call fails its whole span); one pool map runs every function's calls."""
         from delta_jax.data.records import decode_extra_info
 
         n = len(responses)
-        rewards, accuracy = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        parts = np.zeros((len(self.python_fns), n), np.float32)  # each function's rewards
+        accuracy = np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
         golds = [str(g) for g in golds]
-        given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos}
-        if self._call.batch:
-            given.update(dict.fromkeys(TRL_ANSWER_NAMES, golds), prompts=problems)
-        sent = {k: given[k] for k in self._call.keywords if given[k] is not None}
-        if "extra_info" in sent:  # decoded only for a function that takes it
-            sent["extra_info"] = [decode_extra_info(e) for e in sent["extra_info"]]
-        if self._call.batch:
+        extra_info = None  # decoded once, only when a function takes it
+        spans, items = [], []  # (function, lo, hi) and its pool item
+        for f, (spec, call) in enumerate(zip(self.python_fns, self._calls)):
+            given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos}
+            if call.batch:
+                given.update(dict.fromkeys(TRL_ANSWER_NAMES, golds), prompts=problems)
+            sent = {k: given[k] for k in call.keywords if given[k] is not None}
+            if "extra_info" in sent:
+                if extra_info is None:
+                    extra_info = [decode_extra_info(e) for e in extra_infos]
+                sent["extra_info"] = extra_info
+            if not call.batch:
+                spans += [(f, i, i + 1) for i in range(n)]
+                items += [(spec, call.kind, r, g, {k: v[i] for k, v in sent.items()})
+                          for i, (r, g) in enumerate(zip(responses, golds))]
+                continue
             completions = list(responses)
             if self.completion_format == "messages":
                 completions = [[{"role": "assistant", "content": r}] for r in responses]
                 if "prompts" in sent:
                     sent["prompts"] = [[{"role": "user", "content": p}] for p in sent["prompts"]]
-            spans = [(lo, min(lo + self.python_batch_size, n))
-                     for lo in range(0, n, self.python_batch_size)]
-            items = [(self.python_fn, completions[lo:hi], {k: v[lo:hi] for k, v in sent.items()})
-                     for lo, hi in spans]
-        else:
-            spans = [(i, i + 1) for i in range(n)]
-            items = [(self.python_fn, r, g, {k: v[i] for k, v in sent.items()}, self._call.verl)
-                     for i, (r, g) in enumerate(zip(responses, golds))]
+            for lo in range(0, n, self.python_batch_size):
+                hi = min(lo + self.python_batch_size, n)
+                spans.append((f, lo, hi))
+                items.append((spec, call.kind, completions[lo:hi], None,
+                              {k: v[lo:hi] for k, v in sent.items()}))
         outcomes = self.pool.map(items)
         first = None  # the first failed call's error
-        for (lo, hi), out in zip(spans, outcomes):
+        for (f, lo, hi), out in zip(spans, outcomes):
             if out.status == vp.OK:
-                got = out.value if self._call.batch else [out.value]
-                rewards[lo:hi], accuracy[lo:hi] = zip(*got)
+                got = out.value if self._calls[f].batch else [out.value]
+                values, correct = zip(*got)
+                parts[f, lo:hi] = values
+                if f == 0:  # correctness is the first function's
+                    accuracy[lo:hi] = correct
             else:
-                timed_out[lo:hi], errored[lo:hi] = out.status == vp.TIMEOUT, out.status == vp.ERROR
+                timed_out[lo:hi] |= out.status == vp.TIMEOUT
+                errored[lo:hi] |= out.status == vp.ERROR
                 if first is None and out.status == vp.ERROR:
                     first = out.value
+        failed = timed_out | errored
+        parts[:, failed] = 0.0
+        accuracy[failed] = 0.0
         if errored.any():
             log.warning("rewards.python_fn %s: %d of %d responses scored 0 on an error; the first: "
                         "%s", self.python_fn, int(errored.sum()), n, first)
-        return rewards, accuracy, timed_out, errored
+        rewards = np.asarray(self.python_weights, np.float32) @ parts
+        sums = {}
+        if len(self.python_fns) > 1:
+            sums = {REWARD_FN_PREFIX + name: float(part.sum())
+                    for name, part in zip(self.reward_fn_names, parts)}
+        return rewards, accuracy, timed_out, errored, sums
 
 
 def _absolute_spec(spec: str) -> str:
@@ -779,8 +846,8 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     info), shared out
     over the processes of a multi-host run: each scores a contiguous share of the N responses
     (the sandboxes' and graders' work is split) and every process gets all N rewards and
-    accuracies and the summed counts num_timeouts / num_no_box / num_errors (what training's
-    rollout and evaluation keep of info). Every process must pass the same N responses. The
+    accuracies and the summed counts num_timeouts / num_no_box / num_errors and reward_fn/*
+    sums (what training's rollout and evaluation keep of info). Every process must pass the same N responses. The
     rewards must be the same on every process (dynamic sampling's rounds and the global batch
     are built from them), and a wall-clock timeout of a grader or a program could otherwise land
     differently on two hosts. One process: score() itself, its whole info."""
@@ -802,12 +869,14 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
                           **{k: share_of(v) for k, v in given.items()})
     share = np.zeros((per, 2), np.float32)  # (reward, accuracy) of this share, padded to `per`
     share[:hi - lo, 0], share[:hi - lo, 1] = rewards, info["accuracy"]
-    counts = np.asarray([[info["num_timeouts"], info["num_no_box"], info["num_errors"]]],
-                        np.float32)
+    sums = sorted(k for k in info if k.startswith(REWARD_FN_PREFIX))  # the same on every process
+    counts = np.asarray([[info["num_timeouts"], info["num_no_box"], info["num_errors"],
+                          *(info[k] for k in sums)]], np.float32)
     share, counts = multihost_utils.process_allgather((share, counts), tiled=True)  # in order
     share, counts = np.asarray(share)[:n], np.asarray(counts).sum(0)
     return share[:, 0].copy(), {"accuracy": share[:, 1].copy(), "num_timeouts": int(counts[0]),
-                                "num_no_box": int(counts[1]), "num_errors": int(counts[2])}
+                                "num_no_box": int(counts[1]), "num_errors": int(counts[2]),
+                                **{k: float(v) for k, v in zip(sums, counts[3:])}}
 
 
 # ---------------------------------------------------------------------------------------------

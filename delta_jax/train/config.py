@@ -18,6 +18,7 @@ Methods (one flag, `--config.method=...`; any single field can still be overridd
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from ml_collections import config_dict
@@ -239,7 +240,11 @@ def default_config() -> config_dict.ConfigDict:
     # (rewards.timeout_s a call), with completions as strings or, completion_format=messages,
     # TRL's conversational [{"role": "assistant", "content": ...}] ("auto": messages for the
     # chat templates qwen_math / chat / code, strings for base / plain).
+    # Several functions, separated by commas, are summed with python_weights ("" = 1 each; TRL's
+    # reward_funcs and reward_weights): correctness (accuracy, eval) is the first function's, and
+    # each one's mean reward is logged as rollout/reward_fn/<function name>.
     c.rewards.python_fn = ""
+    c.rewards.python_weights = ""
     c.rewards.python_batch_size = 16
     c.rewards.completion_format = "auto"
 
@@ -713,6 +718,22 @@ def _check_combinations(c):
              "rewards.name=python grades with a function of yours: name it as "
              "'<file.py>:<function>' or '<module>:<function>'")
     _require(user or not c.rewards.python_fn, "rewards.python_fn",
+             f"is used by rewards.name=python only, not {c.rewards.name!r}")
+    if user:
+        try:
+            specs = rewards_lib.user_reward_specs(c.rewards.python_fn)
+        except ValueError as e:
+            raise ConfigError(f"rewards.python_fn: {e}") from None
+        weights = str(c.rewards.python_weights).strip()
+        if weights:
+            try:
+                values = [float(w) for w in weights.split(",")]
+            except ValueError:
+                values = []
+            _require(len(values) == len(specs) and all(math.isfinite(v) for v in values),
+                     "rewards.python_weights", f"{weights!r} is not {len(specs)} comma-separated "
+                     f"number(s), one for each rewards.python_fn function")
+    _require(user or not str(c.rewards.python_weights).strip(), "rewards.python_weights",
              f"is used by rewards.name=python only, not {c.rewards.name!r}")
     # qwen_math and code are task-specific prompts; base / chat / plain get the reward's task's
     # instruction (templates.for_task). A reward of the user's own reads what its template asks.

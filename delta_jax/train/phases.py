@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.rl.rewards import REWARD_FN_PREFIX
 from delta_jax.sampling.output import COUNTERS
 from delta_jax.train import rollout as rollout_lib
 
@@ -65,24 +66,30 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
     generate_and_score(records, round) -> (GenerationOutput over the records x group_size,
       rewards fp32 [len(records) * G], info with "accuracy" [len(records) * G] and optional float
       counters (ROUND_COUNTERS: "num_timeouts", "num_errors", "num_no_box", "time_generate",
-      "time_reward" and the sampler's own, summed over the rounds); `round` counts the
-      generation rounds of this step from 0 (each round draws its own seed).
+      "time_reward" and the sampler's own, summed over the rounds, as are "reward_fn/<name>"
+      sums: rl.rewards.REWARD_FN_PREFIX); `round` counts the generation rounds of this step
+      from 0 (each round draws its own seed).
     record_batches: iterator of lists of prompt records (the data pipeline's batches). Without
       dynamic sampling one batch is drawn and kept whole; with it, rounds of `prompts_per_round`
       records (0: num_prompts) are drawn until `num_prompts` groups with reward variance are kept
       (rl.dynamic_sampling.fill_batch_with_signal); after `max_rounds` rounds a BatchNotFilled, or
       with on_max_rounds "pad" the batch filled up with zero-signal groups (and a warning).
-    stats (with dynamic sampling): rounds, dropped_groups, padded_groups, keep_rate (groups with
-      signal / groups generated), dropped_mean_reward.
+    stats: the ROUND_COUNTERS and reward_fn/* sums over the rounds, num_scored (the responses
+      they scored), rounds, dropped_groups; with dynamic sampling also padded_groups, keep_rate
+      (groups with signal / groups generated), dropped_mean_reward.
     """
     G = group_size
-    stats = dict.fromkeys(ROUND_COUNTERS, 0.0)
+    stats = dict.fromkeys(ROUND_COUNTERS + ("num_scored",), 0.0)
     rounds = itertools.count()
 
     def one_round(records):
         samples, rewards, info = generate_and_score(list(records), next(rounds))
-        for key in stats:
+        for key in ROUND_COUNTERS:
             stats[key] += float(info.get(key, 0.0))
+        for key in info:  # each reward function's summed reward (several python_fn functions)
+            if key.startswith(REWARD_FN_PREFIX):
+                stats[key] = stats.get(key, 0.0) + float(info[key])
+        stats["num_scored"] += len(records) * G
         return (samples, np.asarray(rewards, np.float32).reshape(len(records), G),
                 np.asarray(info["accuracy"], np.float32).reshape(len(records), G))
 

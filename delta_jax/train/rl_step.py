@@ -178,6 +178,9 @@ def prepare_batch(run: Run, params, step: int,
                "rollout/sampling_rounds": roll.stats["rounds"],
                "rollout/dropped_groups": roll.stats["dropped_groups"],
                **metrics_lib.sampler_metrics(roll.stats, "rollout")}
+    for key, total in roll.stats.items():  # each of several python_fn functions' mean reward
+        if key.startswith(rewards_lib.REWARD_FN_PREFIX):
+            metrics[f"rollout/{key}"] = total / max(roll.stats["num_scored"], 1.0)
     if cfg.rl.dynamic_sampling:
         metrics.update({"rollout/padded_groups": roll.stats["padded_groups"],
                         "rollout/keep_rate": roll.stats["keep_rate"],

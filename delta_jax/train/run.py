@@ -544,15 +544,25 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction, python_fn=r.python_fn if own_task else "",
+        python_weights=python_weights(cfg) if own_task else None,
         python_batch_size=r.python_batch_size, completion_format=completion_format(cfg),
         reward_kwargs=reward_options(cfg) if own_task else None, pool=pool)
-    if pool is None and scorer.python_fn and scorer.user_call.batch:  # once: the pool's owner
-        log.info("rewards.python_fn %s takes completions=: a batch reward (TRL's form), called "
-                 "on %d responses at a time (rewards.python_batch_size) with completions as %s "
-                 "(rewards.completion_format=%s)", r.python_fn, r.python_batch_size,
-                 "chat messages [{'role': 'assistant', 'content': ...}]"
-                 if scorer.completion_format == "messages" else "strings", r.completion_format)
+    for spec, call in zip(scorer.python_fns, scorer.user_calls):
+        if pool is None and call.batch:  # once: the pool's owner
+            log.info("rewards.python_fn %s takes completions=: a batch reward (TRL's form), "
+                     "called on %d responses at a time (rewards.python_batch_size) with "
+                     "completions as %s (rewards.completion_format=%s)", spec,
+                     r.python_batch_size, "chat messages [{'role': 'assistant', 'content': ...}]"
+                     if scorer.completion_format == "messages" else "strings",
+                     r.completion_format)
     return scorer
+
+
+def python_weights(cfg) -> tuple[float, ...] | None:
+    """rewards.python_weights as numbers, one a rewards.python_fn function; None for "" (1
+    each)."""
+    text = str(cfg.rewards.python_weights).strip()
+    return tuple(float(w) for w in text.split(",")) if text else None
 
 
 # Templates whose prompt is a chat conversation: a batch reward gets TRL's conversational form.
