@@ -842,13 +842,12 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
                            response_lengths=None, truncated=None, problems=None,
                            data_sources=None, extra_infos=None):
     """score(responses, golds, response_lengths=, truncated=[, problems=, data_sources=,
-    extra_infos=]) -> (rewards [N],
-    info), shared out
-    over the processes of a multi-host run: each scores a contiguous share of the N responses
-    (the sandboxes' and graders' work is split) and every process gets all N rewards and
-    accuracies and the summed counts num_timeouts / num_no_box / num_errors and reward_fn/*
-    sums (what training's rollout and evaluation keep of info). Every process must pass the same N responses. The
-    rewards must be the same on every process (dynamic sampling's rounds and the global batch
+    extra_infos=]) -> (rewards [N], info), shared out over the processes of a multi-host run:
+    each scores a contiguous share of the N responses (the sandboxes' and graders' work is
+    split) and every process gets all N rewards and accuracies and the summed counts
+    num_timeouts / num_no_box / num_errors and reward_fn/* sums (what training's rollout and
+    evaluation keep of info). Every process must pass the same N responses. The rewards must
+    be the same on every process (dynamic sampling's rounds and the global batch
     are built from them), and a wall-clock timeout of a grader or a program could otherwise land
     differently on two hosts. One process: score() itself, its whole info."""
     import jax
