@@ -72,6 +72,50 @@ def test_dapo_layout_parquet_strips_instruction(tmp_path):
     assert [json.loads(r["extra_info"]) for r in recs] == [{"index": "a1b2"}, {"index": "c3d4"}]
 
 
+def test_trl_prompt_only_layout_in_both_forms(tmp_path):
+    """TRL's prompt-only data sets: "prompt" as text or as a chat list (conversational: the last
+    user turn, system turns dropped), the answer from "answer", "ground_truth" or "solution" (a
+    worked solution's last \\boxed{}, the solution kept); parquet lists; the row named when it has
+    no answer or an empty box; a row that has "problem" too keeps the deltajax layout."""
+    rows = [
+        {"prompt": "What is 2 + 3?", "solution": "5"},
+        {"prompt": [{"role": "system", "content": "Think first."},
+                    {"role": "user", "content": "Halve 1."}], "ground_truth": 0.5},
+        {"prompt": [{"role": "user", "content": "Square 3."}],
+         "solution": "3 times 3 is \\boxed{9}.", "answer": ""},
+        {"prompt": "Which primes are below 5?", "answer": ["2", "3"], "id": "p"},
+    ]
+    recs, stats = records.load_records(write_jsonl(tmp_path / "trl.jsonl", rows))
+    assert list(stats.layouts.values()) == ["trl"]
+    assert [r["problem"] for r in recs] == ["What is 2 + 3?", "Halve 1.", "Square 3.",
+                                            "Which primes are below 5?"]
+    assert [r["answer"] for r in recs] == ["5", "0.5", "9", '["2", "3"]']
+    assert [r["solution"] for r in recs] == ["", "", "3 times 3 is \\boxed{9}.", ""]
+    assert recs[3]["id"] == "p"
+    table = pa.table({"prompt": [[{"role": "user", "content": "One?"}]], "solution": ["1"],
+                      "data_source": ["trl-lib"]})
+    pq.write_table(table, tmp_path / "trl.parquet")
+    recs, stats = records.load_records(tmp_path / "trl.parquet")
+    assert (recs[0]["problem"], recs[0]["answer"], recs[0]["data_source"]) == ("One?", "1",
+                                                                                "trl-lib")
+    assert list(stats.layouts.values()) == ["trl"]
+    for bad, why in (({"prompt": "p", "solution": "so \\boxed{ }"}, "empty \\\\boxed"),
+                     ({"prompt": [{"role": "system", "content": "s"}], "answer": "1"},
+                      "no user message"),
+                     ({"prompt": "p", "answer": "", "solution": None, "ground_truth": 1},
+                      None)):
+        path = write_jsonl(tmp_path / "bad.jsonl", [bad])
+        if why is None:  # the first non-empty answer column
+            assert records.load_records(path)[0][0]["answer"] == "1"
+            continue
+        with pytest.raises(records.MalformedRecordError, match=f"bad.jsonl:line 1: .*{why}"):
+            records.load_records(path)
+    with pytest.raises(records.MalformedRecordError, match="no answer: none of the fields"):
+        records.load_records(write_jsonl(tmp_path / "none.jsonl",
+                                         [{"prompt": "p", "answer": None, "solution": ""}]))
+    assert records.detect_layout({"prompt": "p", "problem": "q", "answer": "1"}) == "deltajax"
+
+
 def test_math_layout_answer_is_last_boxed_or_answer_field(tmp_path):
     rows = [
         {"problem": "p1", "solution": "First \\boxed{1}, finally $\\boxed{\\frac{a}{b^{2}}}$.", "level": "Level 3"},

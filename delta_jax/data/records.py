@@ -17,6 +17,9 @@ train on:
     dapo       verl's RL parquet layout (DAPO-Math-17k, verl's preprocessed GSM8K / MATH ...):
                "prompt" (a chat list; the last user turn, with DAPO's "Answer:" instruction
                stripped) / "reward_model"."ground_truth"
+    trl        TRL's prompt-only layout: "prompt" (text, or a chat list: its last user turn) /
+               the first of "answer", "ground_truth", "solution" it has (a "solution" with a
+               \\boxed{}: that box's content, the solution kept as the record's)
     math       MATH: "problem" / the last \\boxed{} of "solution" (or an "answer" field)
 
 Code sets (the "answer" is the unit-test spec as a JSON string, rl/sandbox.py's layouts, scored by
@@ -137,8 +140,8 @@ def _text(value: Any, key: str) -> str:
     return value
 
 
-def _dapo_problem(prompt: Any) -> str:
-    """The last user turn of a DAPO chat prompt, without DAPO's "Answer:" instruction."""
+def _last_user_turn(prompt: Any) -> str:
+    """The content of the last user turn of a chat-list "prompt" field."""
     if hasattr(prompt, "tolist"):  # parquet list columns come back as numpy arrays
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -146,7 +149,12 @@ def _dapo_problem(prompt: Any) -> str:
     users = [m for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"]
     if not users:
         raise ValueError("field 'prompt' has no user message")
-    content = _text(users[-1].get("content"), "prompt[-1].content")
+    return _text(users[-1].get("content"), "prompt[-1].content")
+
+
+def _dapo_problem(prompt: Any) -> str:
+    """The last user turn of a DAPO chat prompt, without DAPO's "Answer:" instruction."""
+    content = _last_user_turn(prompt)
     if content.startswith(_DAPO_PREFIX):
         content = content[len(_DAPO_PREFIX) :]
     if content.endswith(_DAPO_SUFFIX):
@@ -195,6 +203,32 @@ def _map_dapo(row):
         "answer": _text(_get(row, "reward_model.ground_truth"), "reward_model.ground_truth"),
         "solution": "",
         "level": -1,
+    }
+
+
+# TRL's prompt-only data sets: a "prompt" (text, or a chat list in TRL's conversational form)
+# and the column its reward functions read the answer from, the first of these a row has.
+TRL_ANSWER_KEYS = ("answer", "ground_truth", "solution")
+
+
+def _map_trl(row):
+    prompt = _get(row, "prompt")
+    key = next((k for k in TRL_ANSWER_KEYS if row.get(k) not in (None, "")), None)
+    if key is None:
+        raise ValueError(f"no answer: none of the fields {', '.join(TRL_ANSWER_KEYS)} has one")
+    value, solution = row[key], ""
+    if key == "solution" and isinstance(value, str) and last_boxed(value) is not None:
+        solution, answer = value, last_boxed(value)  # a worked solution: its last \boxed{}
+        if not answer.strip():
+            raise ValueError("field 'solution' has an empty \\boxed{} answer")
+    else:
+        answer = _answer_text(value, key)
+    return {
+        "id": row.get("id"),
+        "problem": _text(prompt, "prompt") if isinstance(prompt, str) else _last_user_turn(prompt),
+        "answer": answer,
+        "solution": solution,
+        "level": _level(row.get("level")),
     }
 
 
@@ -328,6 +362,7 @@ PRESETS: dict[str, RowMapper] = {
     "deltajax": _map_deltajax,
     "deepmath": _map_deepmath,
     "dapo": _map_dapo,
+    "trl": _map_trl,
     "math": _map_math,
     "humaneval": _map_humaneval,
     "mbpp": _map_mbpp,
@@ -352,6 +387,8 @@ def detect_layout(row: Mapping[str, Any]) -> str:
         return "deepmath"
     if "prompt" in keys and "reward_model" in keys:
         return "dapo"
+    if "prompt" in keys and "problem" not in keys and keys & set(TRL_ANSWER_KEYS):
+        return "trl"
     if "problem" in keys and "answer" in keys:
         return "deltajax"
     if "problem" in keys and "solution" in keys:
