@@ -50,6 +50,15 @@ def test_rollout_rows_are_prompt_major_with_the_losss_mean_token_weight():
     assert [r["token_ids"] for r in tokens] == [[5, 6], [7], [8, 9, 1], [3, 4, 1]]
     assert [r["token_weights"] for r in tokens] == [[1.2, 0.8], [0.5], [0.0, 0.0, 0.0],
                                                     [1.0, 1.1, 0.9]]
+    assert "reward_fns" not in tokens[0]
+    each = generations.rollout_rows(
+        7, records, texts, rewards=[1, 0, -1, 0.5], correct=[1, 0, 0, 1],
+        advantages=[0.7, -0.7, 0.0, 0.0], response_lengths=[2, 1, 3, 3],
+        truncated=[False, False, True, False], loss_mask=mask, token_weights=weights,
+        reward_fns={"acc": np.array([1, 0, 0, 1], np.float32), "fmt": [0.5, 0.0, 0.25, 1.0]})
+    assert [r["reward_fns"] for r in each] == [{"acc": 1.0, "fmt": 0.5}, {"acc": 0.0, "fmt": 0.0},
+                                               {"acc": 0.0, "fmt": 0.25}, {"acc": 1.0, "fmt": 1.0}]
+    assert json.loads(json.dumps(each)) == each
 
 
 def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tmp_path):

@@ -242,24 +242,26 @@ def eval_scoring_shares(index: int):
     assert (got.num_no_box, got.num_timeouts, got.num_errors) == (6, 0, 9)
 
 
-def reward_fn_sums_across_processes(index: int):
-    """score_across_processes over two processes: each process's score() sums its own share's
-    rewards of each of several python_fn functions (info "reward_fn/<name>"); every process gets
-    the sums over all 9 responses (and no other key of info)."""
+def reward_fns_across_processes(index: int):
+    """score_across_processes over two processes: each process's score() gives its own share's
+    rewards of each of several python_fn functions (info "reward_fns"); every process gets every
+    function's rewards of all 9 responses, in order (and no other key of info)."""
     from delta_jax.rl.rewards import score_across_processes
 
     def score(texts, golds, response_lengths=None, truncated=None):
         lengths = np.asarray([len(t) for t in texts], np.float32)
         return lengths, {"accuracy": lengths > 1, "num_timeouts": 0, "num_no_box": 0,
-                         "num_errors": 0, "reward_fn/length": float(lengths.sum()),
-                         "reward_fn/one": float(len(texts)), "seconds": 1.0 + index}
+                         "num_errors": 0, "seconds": 1.0 + index,
+                         "reward_fns": {"length": lengths, "one": np.ones(len(texts))}}
 
     texts = ["a" * i for i in range(9)]
     rewards, info = score_across_processes(score, texts, ["x"] * 9)
     assert rewards.tolist() == list(range(9)), rewards
-    assert {k: v for k, v in info.items() if k != "accuracy"} == {
-        "num_timeouts": 0, "num_no_box": 0, "num_errors": 0, "reward_fn/length": 36.0,
-        "reward_fn/one": 9.0}, info
+    assert sorted(info) == ["accuracy", "num_errors", "num_no_box", "num_timeouts",
+                            "reward_fns"], info
+    each = info["reward_fns"]
+    assert list(each) == ["length", "one"], each
+    assert each["length"].tolist() == list(range(9)) and each["one"].tolist() == [1] * 9, each
 
 
 def worker(process_id: int, port: int, out_path: str, export_dir: str):
@@ -278,7 +280,7 @@ def worker(process_id: int, port: int, out_path: str, export_dir: str):
               sharding.from_process_0(np.int32(index == 0)))
     assert from_0 == (11 / 24, 2**40 + 1, 1), from_0
     eval_scoring_shares(index)
-    reward_fn_sums_across_processes(index)
+    reward_fns_across_processes(index)
     new_state, weights, metrics = one_step(mesh)
     q = new_state.params["layers"]["q_proj"][...]
     assert not q.is_fully_addressable  # the parameters really span both processes

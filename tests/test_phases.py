@@ -35,7 +35,7 @@ def fake_generate_and_score(kind_of, seen=None):
             texts=[[f"{r['id']}.{j}@{round_index}" for j in range(G)] for r in records])
         r = np.asarray([rewards[kind_of(rec["id"])] for rec in records], np.float32).reshape(-1)
         return out, r, {"accuracy": r, "num_timeouts": 1.0, "num_no_box": 0.0,
-                        "reward_fn/a": float(r.sum()), "reward_fn/b": 2.0 * len(r)}
+                        "reward_fns": {"a": r, "b": 2.0 + np.arange(len(r)) % G}}
     return generate_and_score
 
 
@@ -54,6 +54,7 @@ def test_collect_rollout_keeps_one_batch_without_dynamic_sampling():
     assert [r["id"] for r in roll.records] == [0, 1, 2, 3]
     assert roll.samples.num_prompts == 4 and roll.rewards.shape == (4 * G,)
     assert roll.stats["rounds"] == 1 and roll.stats["num_timeouts"] == 1.0
+    np.testing.assert_array_equal(roll.reward_fns["b"], [2, 3, 4] * 4)
 
 
 def test_collect_rollout_dynamic_sampling_refills_with_groups_that_have_signal():
@@ -72,9 +73,14 @@ def test_collect_rollout_dynamic_sampling_refills_with_groups_that_have_signal()
     assert roll.stats["rounds"] == 3 and roll.stats["dropped_groups"] == 8
     assert roll.stats["num_timeouts"] == 3.0
     # Each reward function's sums and the responses scored, over every round's 4 x G: of the
-    # 12 prompts drawn, 4 are "mixed" (1 a group) and 4 "one" (G a group).
+    # 12 prompts drawn, 4 are "mixed" (1 a group) and 4 "one" (G a group); the kept groups'
+    # own rewards of each function, in the batch's order.
     assert roll.stats["num_scored"] == 3 * 4 * G
-    assert roll.stats["reward_fn/a"] == 4 * 1 + 4 * G and roll.stats["reward_fn/b"] == 72.0
+    assert roll.stats["reward_fn/a"] == 4 * 1 + 4 * G
+    assert roll.stats["reward_fn/b"] == 12 * (2 + 3 + 4)
+    assert list(roll.reward_fns) == ["a", "b"]
+    np.testing.assert_array_equal(roll.reward_fns["a"], roll.rewards)
+    np.testing.assert_array_equal(roll.reward_fns["b"], [2, 3, 4] * 4)
     with pytest.raises(RuntimeError, match="dynamic sampling: only 3 of 4 groups") as err:
         phases.collect_rollout(fake_generate_and_score(kind), batches(4), num_prompts=4,
                                group_size=G, dynamic_sampling=True, max_rounds=2)

@@ -652,8 +652,9 @@ def test_a_trl_batch_reward_gets_every_keyword_given_for_kwargs(user_reward_file
 def test_several_reward_functions_are_summed_with_their_weights(user_reward_file):
     """python_fn naming several functions (TRL's reward_funcs with reward_weights), of every
     call kind: a response's reward is the weighted sum of theirs, its correctness the first
-    function's, each function's unweighted sum is in info under its name (the same name twice
-    made unique); a failed call of any of them fails its responses (0, counted)."""
+    function's, each function's unweighted rewards are in info["reward_fns"] under its name
+    (the same name twice made unique); a failed call of any of them fails its responses (0 from
+    each, counted)."""
     f = str(user_reward_file)
     fns = f"{f}:verl_style, {f}:trl_format,{f}:length_parity,{f}:trl_format"
     with R.RewardScorer("python", num_workers=2, python_fn=fns, python_batch_size=2,
@@ -668,17 +669,22 @@ def test_several_reward_functions_are_summed_with_their_weights(user_reward_file
         parity = np.array([1.0, 0.0, 0.0, 0.0])  # "<think>x" has 8 characters
         np.testing.assert_allclose(rewards, verl + 0.75 * fmt - 2.0 * parity)
         np.testing.assert_array_equal(info["accuracy"], [1, 0, 0, 1])  # verl_style's "acc"
-        assert info["reward_fn/verl_style"] == pytest.approx(verl.sum())
-        assert info["reward_fn/trl_format"] == info["reward_fn/trl_format_2"] == 2.0
-        assert info["reward_fn/length_parity"] == 1.0 and info["num_errors"] == 0
+        each = info[R.REWARD_FNS_KEY]
+        assert list(each) == list(scorer.reward_fn_names)
+        np.testing.assert_array_equal(each["verl_style"], verl)
+        np.testing.assert_array_equal(each["trl_format"], fmt)
+        np.testing.assert_array_equal(each["trl_format_2"], fmt)
+        np.testing.assert_array_equal(each["length_parity"], parity)
+        assert info["num_errors"] == 0
         rewards, info = scorer.score(["4", "boom", "4", "4"], ["4"] * 4)
         np.testing.assert_array_equal(info["errored"], [1, 1, 0, 0])  # trl_format's first span
         np.testing.assert_allclose(rewards, [0, 0, 2.0, 2.0])
         np.testing.assert_array_equal(info["accuracy"], [0, 0, 1, 1])
-        assert info["reward_fn/verl_style"] == 4.0 and info["reward_fn/trl_format"] == 0.0
+        np.testing.assert_array_equal(info[R.REWARD_FNS_KEY]["verl_style"], [0, 0, 2, 2])
+        np.testing.assert_array_equal(info[R.REWARD_FNS_KEY]["trl_format"], [0, 0, 0, 0])
     with R.RewardScorer("python", num_workers=1,
-                        python_fn=f"{f}:verl_style") as scorer:  # one function: no sums
-        assert not [k for k in scorer.score(["4"], ["4"])[1] if k.startswith("reward_fn/")]
+                        python_fn=f"{f}:verl_style") as scorer:  # one function: no reward_fns
+        assert R.REWARD_FNS_KEY not in scorer.score(["4"], ["4"])[1]
     for fns, weights, why in ((f"{f}:verl_style,{f}:trl_format", [1.0],
                                "rewards.python_weights: 1 weights"),
                               (f"{f}:verl_style", [float("nan")], "one finite weight each"),

@@ -362,7 +362,8 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
     step calls each on rewards.python_batch_size responses at a time with their problems as
     prompts= and their records' answers as solution= (strings under data.template=plain:
     completion_format auto); each response's reward is the weighted sum of its entries, and
-    each function's mean reward is logged as rollout/reward_fn/<name>."""
+    each function's mean reward is logged as rollout/reward_fn/<name>, and its reward of each
+    response written with the step's rollouts."""
     import json
     import logging
 
@@ -398,6 +399,7 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
         own.append(8.0 + (len(r["response"]) % 2 == 0) + len(record[r["id"]]["problem"]) / 1e2
                    + len(str(record[r["id"]]["answer"])) / 1e4)
         assert r["reward"] == pytest.approx(own[-1] - 1.0, rel=1e-6), r  # float32 rewards
+        assert r["reward_fns"] == {"reward": pytest.approx(own[-1], rel=1e-6), "bonus": 2.0}
     step = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")][-1]
     assert step["rollout/reward_fn/reward"] == pytest.approx(sum(own) / len(own), rel=1e-6)
     assert step["rollout/reward_fn/bonus"] == 2.0

@@ -445,8 +445,9 @@ def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
 _USER_INIT_FN = f"{__name__}:load_user_rewards"
-# score()'s info key prefix of each function's summed reward when python_fn names several
-REWARD_FN_PREFIX = "reward_fn/"
+# score()'s info key of each function's rewards when python_fn names several:
+# {function name (user_reward_names): float32 [N]}
+REWARD_FNS_KEY = "reward_fns"
 
 
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float = 1.0) -> np.ndarray:
@@ -492,9 +493,9 @@ class RewardScorer:
         for 0), and a call that fails scores its whole batch 0.
         python_fn may name several functions, separated by commas (or as a sequence), as TRL's
         reward_funcs list: a response's reward is their python_weights-weighted sum, its
-        correctness the first function's; a failed call of any fails the response; info gets
-        each function's unweighted reward summed over the responses as
-        "reward_fn/<its name>" (REWARD_FN_PREFIX; user_reward_names).
+        correctness the first function's; a failed call of any fails the response (0 from
+        each); info["reward_fns"] (REWARD_FNS_KEY) holds each function's unweighted rewards
+        {name: float32 [N]} (user_reward_names).
       python_weights: one weight a python_fn function (TRL's reward_weights); None = 1 each.
       python_batch_size: a batch reward's responses a call.
       completion_format: how a batch reward gets completions= and prompts=: "text" (strings,
@@ -764,7 +765,7 @@ class RewardScorer:
                      extra_infos=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
         timed_out, errored bool [N] (those score 0; the batch's first error is logged) and, with
-        several functions, {"reward_fn/<name>": summed reward}. Each function gets by keyword
+        several functions, {REWARD_FNS_KEY: {name: its rewards [N]}}. Each function gets by keyword
         those of its call's keywords that it takes and were given (nothing is sent for nothing):
         one call a response, or for a batch reward one call a python_batch_size span of them (a
         failed call fails its whole span); one pool map runs every function's calls."""
@@ -822,11 +823,10 @@ class RewardScorer:
             log.warning("rewards.python_fn %s: %d of %d responses scored 0 on an error; the first: "
                         "%s", self.python_fn, int(errored.sum()), n, first)
         rewards = np.asarray(self.python_weights, np.float32) @ parts
-        sums = {}
+        each = {}
         if len(self.python_fns) > 1:
-            sums = {REWARD_FN_PREFIX + name: float(part.sum())
-                    for name, part in zip(self.reward_fn_names, parts)}
-        return rewards, accuracy, timed_out, errored, sums
+            each = {REWARD_FNS_KEY: dict(zip(self.reward_fn_names, parts))}
+        return rewards, accuracy, timed_out, errored, each
 
 
 def _absolute_spec(spec: str) -> str:
@@ -845,8 +845,8 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     extra_infos=]) -> (rewards [N], info), shared out over the processes of a multi-host run:
     each scores a contiguous share of the N responses (the sandboxes' and graders' work is
     split) and every process gets all N rewards and accuracies and the summed counts
-    num_timeouts / num_no_box / num_errors and reward_fn/* sums (what training's rollout and
-    evaluation keep of info). Every process must pass the same N responses. The rewards must
+    num_timeouts / num_no_box / num_errors and REWARD_FNS_KEY's rewards (what training's
+    rollout and evaluation keep of info). Every process must pass the same N responses. The rewards must
     be the same on every process (dynamic sampling's rounds and the global batch
     are built from them), and a wall-clock timeout of a grader or a program could otherwise land
     differently on two hosts. One process: score() itself, its whole info."""
@@ -866,16 +866,21 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
                           response_lengths=share_of(response_lengths),
                           truncated=share_of(truncated),
                           **{k: share_of(v) for k, v in given.items()})
-    share = np.zeros((per, 2), np.float32)  # (reward, accuracy) of this share, padded to `per`
+    each = info.get(REWARD_FNS_KEY, {})  # the same functions, in order, on every process
+    # (reward, accuracy, each function's reward) of this share, padded to `per`
+    share = np.zeros((per, 2 + len(each)), np.float32)
     share[:hi - lo, 0], share[:hi - lo, 1] = rewards, info["accuracy"]
-    sums = sorted(k for k in info if k.startswith(REWARD_FN_PREFIX))  # the same on every process
-    counts = np.asarray([[info["num_timeouts"], info["num_no_box"], info["num_errors"],
-                          *(info[k] for k in sums)]], np.float32)
+    for f, part in enumerate(each.values()):
+        share[:hi - lo, 2 + f] = part
+    counts = np.asarray([[info["num_timeouts"], info["num_no_box"], info["num_errors"]]],
+                        np.float32)
     share, counts = multihost_utils.process_allgather((share, counts), tiled=True)  # in order
     share, counts = np.asarray(share)[:n], np.asarray(counts).sum(0)
-    return share[:, 0].copy(), {"accuracy": share[:, 1].copy(), "num_timeouts": int(counts[0]),
-                                "num_no_box": int(counts[1]), "num_errors": int(counts[2]),
-                                **{k: float(v) for k, v in zip(sums, counts[3:])}}
+    out = {"accuracy": share[:, 1].copy(), "num_timeouts": int(counts[0]),
+           "num_no_box": int(counts[1]), "num_errors": int(counts[2])}
+    if each:
+        out[REWARD_FNS_KEY] = {name: share[:, 2 + f].copy() for f, name in enumerate(each)}
+    return share[:, 0].copy(), out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ truncated (cut at rollout.max_new_tokens), in_loss (false for a truncated respon
 rl.mask_truncated, or one without response tokens) and token_weight_mean (the mean over its
 tokens of the weight the loss gave them: DelTA's coefficient for method delta, times the
 rollout-correction weight with rl.rollout_is; 1 for grpo / dapo; null when not in the loss);
-with train.rollouts_token_weights also token_ids (the stop token included) and token_weights
-(that weight token by token, 0 outside the loss).
+with several rewards.python_fn functions reward_fns ({function name: its own reward}, TRL's
+per-function columns); with train.rollouts_token_weights also token_ids (the stop token
+included) and token_weights (that weight token by token, 0 outside the loss).
 
 An eval row: benchmark, id, sample, prompt, answer, response, correct (and response_tokens,
 truncated where the generate_fn reported them, as the sampler's does).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -38,8 +39,8 @@ ROLLOUTS_DIR = "rollouts"
 
 def rollout_rows(step: int, records: Sequence[dict], texts: Sequence[Sequence[str]],
                  rewards, correct, advantages, response_lengths, truncated, loss_mask,
-                 token_weights, response_ids: Sequence[Sequence[Sequence[int]]] | None = None
-                 ) -> list[dict]:
+                 token_weights, response_ids: Sequence[Sequence[Sequence[int]]] | None = None,
+                 reward_fns: Mapping[str, Sequence[float]] | None = None) -> list[dict]:
     """The rows of one RL step's batch (see the module docstring), prompt-major.
 
     records: the P prompt records ("prompt", "answer", optionally "id"); texts[i][j] the
@@ -47,7 +48,9 @@ def rollout_rows(step: int, records: Sequence[dict], texts: Sequence[Sequence[st
     loss_mask, token_weights: [P * G, R] host arrays (the response tokens the loss takes and the
     weight it gives each). response_ids[i][j] (optional): the responses' token ids; given, each
     row also holds them ("token_ids") and the loss's weight of each ("token_weights", rounded
-    to 4 decimals, 0 outside the loss)."""
+    to 4 decimals, 0 outside the loss). reward_fns (optional): each reward function's own
+    rewards {name: [P * G]} (several rewards.python_fn functions); given, each row holds its
+    {name: reward} ("reward_fns")."""
     G = len(texts[0]) if texts else 0
     mask = np.asarray(loss_mask, np.float64)
     counted = mask.sum(axis=1)
@@ -67,6 +70,8 @@ def rollout_rows(step: int, records: Sequence[dict], texts: Sequence[Sequence[st
                 "in_loss": in_loss,
                 "token_weight_mean": float(weight_sum[r] / counted[r]) if in_loss else None,
             })
+            if reward_fns:
+                rows[-1]["reward_fns"] = {name: float(v[r]) for name, v in reward_fns.items()}
             if response_ids is not None:
                 ids = [int(t) for t in response_ids[i][j]]
                 w = np.asarray(token_weights[r, :len(ids)], np.float64) * mask[r, :len(ids)]
@@ -96,7 +101,7 @@ def write_rollouts(run, step: int, out) -> str | None:
                         rb.advantages, rb.response_lengths, rb.truncated,
                         prep.loss_mask, weights,
                         roll.samples.response_ids if run.cfg.train.rollouts_token_weights
-                        else None)
+                        else None, reward_fns=roll.reward_fns)
     path = files.write_jsonl(os.path.join(run.workdir, ROLLOUTS_DIR, f"step_{step}.jsonl"), rows)
     log.debug("step %d: %d responses written to %s", step, len(rows), path)
     return path

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from delta_jax.rl.rewards import REWARD_FN_PREFIX
+from delta_jax.rl.rewards import REWARD_FNS_KEY
 from delta_jax.sampling.output import COUNTERS
 from delta_jax.train import rollout as rollout_lib
 
@@ -39,13 +39,16 @@ class Rollout:
     samples: sampling.GenerationOutput over P prompts x G samples; records: the P prompt records
     (dicts with at least "prompt_ids", "answer"); rewards fp32 [P * G] (shaped: what the
     advantages use); accuracy fp32 [P * G] (0/1, unshaped); stats: float counters (rounds,
-    dropped groups, timeouts, responses without an answer, generate / reward seconds).
+    dropped groups, timeouts, responses without an answer, generate / reward seconds);
+    reward_fns: each reward function's own rewards {name: fp32 [P * G]} when the scorer has
+    several (rl.rewards.REWARD_FNS_KEY), else empty.
     """
     samples: Any
     records: list
     rewards: np.ndarray
     accuracy: np.ndarray
     stats: dict
+    reward_fns: dict = dataclasses.field(default_factory=dict)
 
 
 GenerateAndScore = Callable[[list, int], tuple[Any, np.ndarray, dict]]
@@ -66,17 +69,18 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
     generate_and_score(records, round) -> (GenerationOutput over the records x group_size,
       rewards fp32 [len(records) * G], info with "accuracy" [len(records) * G] and optional float
       counters (ROUND_COUNTERS: "num_timeouts", "num_errors", "num_no_box", "time_generate",
-      "time_reward" and the sampler's own, summed over the rounds, as are "reward_fn/<name>"
-      sums: rl.rewards.REWARD_FN_PREFIX); `round` counts the generation rounds of this step
-      from 0 (each round draws its own seed).
+      "time_reward" and the sampler's own, summed over the rounds) and optional
+      "reward_fns" {name: [len(records) * G]} (rl.rewards.REWARD_FNS_KEY); `round` counts the
+      generation rounds of this step from 0 (each round draws its own seed).
     record_batches: iterator of lists of prompt records (the data pipeline's batches). Without
       dynamic sampling one batch is drawn and kept whole; with it, rounds of `prompts_per_round`
       records (0: num_prompts) are drawn until `num_prompts` groups with reward variance are kept
       (rl.dynamic_sampling.fill_batch_with_signal); after `max_rounds` rounds a BatchNotFilled, or
       with on_max_rounds "pad" the batch filled up with zero-signal groups (and a warning).
-    stats: the ROUND_COUNTERS and reward_fn/* sums over the rounds, num_scored (the responses
-      they scored), rounds, dropped_groups; with dynamic sampling also padded_groups, keep_rate
-      (groups with signal / groups generated), dropped_mean_reward.
+    stats: the ROUND_COUNTERS summed over the rounds, num_scored (the responses they scored),
+      "reward_fn/<name>" (each reward function's rewards summed over those), rounds,
+      dropped_groups; with dynamic sampling also padded_groups, keep_rate (groups with signal /
+      groups generated), dropped_mean_reward. reward_fns: the kept groups' reward_fns.
     """
     G = group_size
     stats = dict.fromkeys(ROUND_COUNTERS + ("num_scored",), 0.0)
@@ -86,23 +90,25 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
         samples, rewards, info = generate_and_score(list(records), next(rounds))
         for key in ROUND_COUNTERS:
             stats[key] += float(info.get(key, 0.0))
-        for key in info:  # each reward function's summed reward (several python_fn functions)
-            if key.startswith(REWARD_FN_PREFIX):
-                stats[key] = stats.get(key, 0.0) + float(info[key])
         stats["num_scored"] += len(records) * G
+        each = {name: np.asarray(part, np.float32).reshape(len(records), G)
+                for name, part in info.get(REWARD_FNS_KEY, {}).items()}
+        for name, part in each.items():
+            stats[f"reward_fn/{name}"] = stats.get(f"reward_fn/{name}", 0.0) + float(part.sum())
         return (samples, np.asarray(rewards, np.float32).reshape(len(records), G),
-                np.asarray(info["accuracy"], np.float32).reshape(len(records), G))
+                np.asarray(info["accuracy"], np.float32).reshape(len(records), G), each)
 
     if not dynamic_sampling:
         records = list(next(record_batches))
-        samples, rewards, accuracy = one_round(records)
+        samples, rewards, accuracy, each = one_round(records)
         stats.update(rounds=1.0, dropped_groups=0.0)
     else:
         from delta_jax.rl.dynamic_sampling import BatchNotFilled, fill_batch_with_signal
 
-        def split_round(records):  # one group per prompt: (its samples, its accuracy [G])
-            samples, rewards, accuracy = one_round(records)
-            return ([(rollout_lib.select_groups(samples, [i]), accuracy[i])
+        def split_round(records):  # one group per prompt: its samples, accuracy [G], reward_fns
+            samples, rewards, accuracy, each = one_round(records)
+            return ([(rollout_lib.select_groups(samples, [i]), accuracy[i],
+                      {name: part[i] for name, part in each.items()})
                      for i in range(len(records))], rewards)
 
         try:
@@ -124,6 +130,8 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
         records, rewards = filled.prompts, filled.rewards
         samples = rollout_lib.concat_samples([g[0] for g in filled.groups])
         accuracy = np.stack([g[1] for g in filled.groups])
+        each = {name: np.stack([g[2][name] for g in filled.groups])
+                for name in filled.groups[0][2]}
         stats.update(rounds=float(filled.stats["rounds"]),
                      dropped_groups=float(filled.stats["groups_dropped"]),
                      padded_groups=float(filled.stats["groups_padded"]),
@@ -131,7 +139,8 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
                      dropped_mean_reward=float(filled.stats["dropped_mean_reward"]))
     return Rollout(samples=samples, records=list(records),
                    rewards=np.asarray(rewards, np.float32).reshape(-1),
-                   accuracy=np.asarray(accuracy, np.float32).reshape(-1), stats=stats)
+                   accuracy=np.asarray(accuracy, np.float32).reshape(-1), stats=stats,
+                   reward_fns={name: part.reshape(-1) for name, part in each.items()})
 
 
 # ----------------------------------------------------------------------------- old policy
