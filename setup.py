@@ -2,7 +2,9 @@
 from setuptools import find_packages, setup
 
 # The top-level kernels/ folder installs as `delta_jax.kernels`, so that the unrelated
-# `kernels` distribution on PyPI can never shadow it.
+# `kernels` distribution on PyPI can never shadow it; the other way round, where the repository's
+# root is on sys.path, kernels/__init__.py hands the top-level name `kernels` to that
+# distribution (transformers >= 5.25 requires and imports it).
 packages = find_packages(include=["delta_jax", "delta_jax.*"])
 packages += ["delta_jax.kernels"] + [
     "delta_jax.kernels." + p for p in find_packages(where="kernels")
