@@ -9,8 +9,6 @@ Hopper GPUs (1.38x the whole decode of jax.experimental.pallas.ops' Triton paged
 H200, 2026-11-26); that Triton kernel was retired on 2026-11-26 too, and other GPUs and problems
 the Mosaic kernel refuses get the jnp page reader (delta_jax.models.attention.resolve_decode_impl).
 """
-import sys
-
 if __name__ == "delta_jax.kernels":
     from delta_jax.kernels.delta_pass import (
         DeltaPassSums,
@@ -38,6 +36,7 @@ else:
     import importlib.machinery
     import importlib.util
     import os
+    import sys
 
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(

@@ -220,7 +220,7 @@ def test_a_reward_of_your_own_is_named_with_its_field():
     rewards.python_weights); several functions take one number each in python_weights; with it
     the code template is allowed (the user's reward reads what it asks for), and the run's task
     follows the template."""
-    from delta_jax.train.run import python_weights as run_lib_weights
+    from delta_jax.rl.rewards import user_reward_weights
     from delta_jax.train.run import reward_task
     base = f"--config={EXPERIMENTS / 'tiny.py'}"
     for overrides, message in [
@@ -245,7 +245,7 @@ def test_a_reward_of_your_own_is_named_with_its_field():
     cfg = validate_config(parse([base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f, r.py:g",
                                  "--config.rewards.python_weights=1, -0.5"]))
-    assert run_lib_weights(cfg) == (1.0, -0.5)
+    assert user_reward_weights(cfg.rewards.python_weights) == (1.0, -0.5)
     cfg = validate_config(parse([base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f", "--config.data.template=code"]))
     assert reward_task(cfg) == "code"

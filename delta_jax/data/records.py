@@ -217,10 +217,11 @@ def _map_trl(row):
     if key is None:
         raise ValueError(f"no answer: none of the fields {', '.join(TRL_ANSWER_KEYS)} has one")
     value, solution = row[key], ""
-    if key == "solution" and isinstance(value, str) and last_boxed(value) is not None:
-        solution, answer = value, last_boxed(value)  # a worked solution: its last \boxed{}
-        if not answer.strip():
+    boxed = last_boxed(value) if key == "solution" and isinstance(value, str) else None
+    if boxed is not None:  # a worked solution: its last \boxed{} is the answer
+        if not boxed.strip():
             raise ValueError("field 'solution' has an empty \\boxed{} answer")
+        solution, answer = value, boxed
     else:
         answer = _answer_text(value, key)
     return {

@@ -419,6 +419,13 @@ def user_reward_specs(python_fn) -> tuple[str, ...]:
     return specs
 
 
+def user_reward_weights(text: str) -> tuple[float, ...] | None:
+    """rewards.python_weights' numbers, comma separated; None for "" (1 a function); ValueError
+    for a part that is not a number."""
+    text = str(text).strip()
+    return tuple(float(w) for w in text.split(",")) if text else None
+
+
 def user_reward_names(specs: Sequence[str]) -> tuple[str, ...]:
     """Each spec's function name, made unique by a _2, _3, ... suffix (its metrics' name)."""
     names, seen = [], collections.Counter()
@@ -776,27 +783,24 @@ class RewardScorer:
         accuracy = np.zeros(n, np.float32)
         timed_out, errored = np.zeros(n, bool), np.zeros(n, bool)
         golds = [str(g) for g in golds]
-        extra_info = None  # decoded once, only when a function takes it
+        messages = self.completion_format == "messages"
+        # Every keyword any function may get; each gets those its call names (sent below).
+        given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos,
+                 **dict.fromkeys(TRL_ANSWER_NAMES, golds), "prompts": problems}
+        if messages and problems is not None:
+            given["prompts"] = [[{"role": "user", "content": p}] for p in problems]
+        if extra_infos is not None and any("extra_info" in c.keywords for c in self._calls):
+            given["extra_info"] = [decode_extra_info(e) for e in extra_infos]  # once, if taken
+        completions = ([[{"role": "assistant", "content": r}] for r in responses] if messages
+                       else list(responses))  # a batch reward's
         spans, items = [], []  # (function, lo, hi) and its pool item
         for f, (spec, call) in enumerate(zip(self.python_fns, self._calls)):
-            given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos}
-            if call.batch:
-                given.update(dict.fromkeys(TRL_ANSWER_NAMES, golds), prompts=problems)
             sent = {k: given[k] for k in call.keywords if given[k] is not None}
-            if "extra_info" in sent:
-                if extra_info is None:
-                    extra_info = [decode_extra_info(e) for e in extra_infos]
-                sent["extra_info"] = extra_info
             if not call.batch:
                 spans += [(f, i, i + 1) for i in range(n)]
                 items += [(spec, call.kind, r, g, {k: v[i] for k, v in sent.items()})
                           for i, (r, g) in enumerate(zip(responses, golds))]
                 continue
-            completions = list(responses)
-            if self.completion_format == "messages":
-                completions = [[{"role": "assistant", "content": r}] for r in responses]
-                if "prompts" in sent:
-                    sent["prompts"] = [[{"role": "user", "content": p}] for p in sent["prompts"]]
             for lo in range(0, n, self.python_batch_size):
                 hi = min(lo + self.python_batch_size, n)
                 spans.append((f, lo, hi))
@@ -846,10 +850,10 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     each scores a contiguous share of the N responses (the sandboxes' and graders' work is
     split) and every process gets all N rewards and accuracies and the summed counts
     num_timeouts / num_no_box / num_errors and REWARD_FNS_KEY's rewards (what training's
-    rollout and evaluation keep of info). Every process must pass the same N responses. The rewards must
-    be the same on every process (dynamic sampling's rounds and the global batch
-    are built from them), and a wall-clock timeout of a grader or a program could otherwise land
-    differently on two hosts. One process: score() itself, its whole info."""
+    rollout and evaluation keep of info). Every process must pass the same N responses. The
+    rewards must be the same on every process (dynamic sampling's rounds and the global batch
+    are built from them), and a wall-clock timeout of a grader or a program could otherwise
+    land differently on two hosts. One process: score() itself, its whole info."""
     import jax
     count = jax.process_count()
     given = {k: v for k, v in (("problems", problems), ("data_sources", data_sources),

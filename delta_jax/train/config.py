@@ -725,14 +725,14 @@ def _check_combinations(c):
         except ValueError as e:
             raise ConfigError(f"rewards.python_fn: {e}") from None
         weights = str(c.rewards.python_weights).strip()
-        if weights:
-            try:
-                values = [float(w) for w in weights.split(",")]
-            except ValueError:
-                values = []
-            _require(len(values) == len(specs) and all(math.isfinite(v) for v in values),
-                     "rewards.python_weights", f"{weights!r} is not {len(specs)} comma-separated "
-                     f"number(s), one for each rewards.python_fn function")
+        try:
+            values = rewards_lib.user_reward_weights(weights)
+        except ValueError:
+            values = ()
+        _require(values is None or (len(values) == len(specs)
+                                    and all(math.isfinite(v) for v in values)),
+                 "rewards.python_weights", f"{weights!r} is not {len(specs)} comma-separated "
+                 f"number(s), one for each rewards.python_fn function")
     _require(user or not str(c.rewards.python_weights).strip(), "rewards.python_weights",
              f"is used by rewards.name=python only, not {c.rewards.name!r}")
     # qwen_math and code are task-specific prompts; base / chat / plain get the reward's task's

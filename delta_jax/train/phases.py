@@ -54,6 +54,9 @@ class Rollout:
 GenerateAndScore = Callable[[list, int], tuple[Any, np.ndarray, dict]]
 
 
+# Rollout.stats' key prefix of each of several reward functions' rewards summed over the rounds
+REWARD_FN_STAT = "reward_fn/"
+
 # The counters collect_rollout sums over a step's generation rounds: the scorer's, the wall time
 # of the sampler and the scorer, and the sampler's own (GenerationOutput.counters).
 ROUND_COUNTERS = ("num_timeouts", "num_errors", "num_no_box", "time_generate",
@@ -94,7 +97,8 @@ def collect_rollout(generate_and_score: GenerateAndScore, record_batches: Iterat
         each = {name: np.asarray(part, np.float32).reshape(len(records), G)
                 for name, part in info.get(REWARD_FNS_KEY, {}).items()}
         for name, part in each.items():
-            stats[f"reward_fn/{name}"] = stats.get(f"reward_fn/{name}", 0.0) + float(part.sum())
+            key = REWARD_FN_STAT + name
+            stats[key] = stats.get(key, 0.0) + float(part.sum())
         return (samples, np.asarray(rewards, np.float32).reshape(len(records), G),
                 np.asarray(info["accuracy"], np.float32).reshape(len(records), G), each)
 

@@ -179,7 +179,7 @@ def prepare_batch(run: Run, params, step: int,
                "rollout/dropped_groups": roll.stats["dropped_groups"],
                **metrics_lib.sampler_metrics(roll.stats, "rollout")}
     for key, total in roll.stats.items():  # each of several python_fn functions' mean reward
-        if key.startswith("reward_fn/"):
+        if key.startswith(phases.REWARD_FN_STAT):
             metrics[f"rollout/{key}"] = total / max(roll.stats["num_scored"], 1.0)
     if cfg.rl.dynamic_sampling:
         metrics.update({"rollout/padded_groups": roll.stats["padded_groups"],

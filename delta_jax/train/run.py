@@ -530,7 +530,7 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
     penalty (training rewards); shaped=False grades accuracy only (evaluation). task: "math" or
     "code" for a benchmark of the other task than the run's (rewards.name is the run's own).
     pool: a scorer's worker pool to grade in (shared_pool), instead of its own."""
-    from delta_jax.rl.rewards import RewardScorer
+    from delta_jax.rl.rewards import RewardScorer, user_reward_weights
 
     r = cfg.rewards
     overlong = shaped and r.overlong
@@ -544,7 +544,7 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
         code_sandbox_url=r.code_sandbox_url, code_isolation=r.code_isolation,
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction, python_fn=r.python_fn if own_task else "",
-        python_weights=python_weights(cfg) if own_task else None,
+        python_weights=user_reward_weights(r.python_weights) if own_task else None,
         python_batch_size=r.python_batch_size, completion_format=completion_format(cfg),
         reward_kwargs=reward_options(cfg) if own_task else None, pool=pool)
     for spec, call in zip(scorer.python_fns, scorer.user_calls):
@@ -556,13 +556,6 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
                      if scorer.completion_format == "messages" else "strings",
                      r.completion_format)
     return scorer
-
-
-def python_weights(cfg) -> tuple[float, ...] | None:
-    """rewards.python_weights as numbers, one a rewards.python_fn function; None for "" (1
-    each)."""
-    text = str(cfg.rewards.python_weights).strip()
-    return tuple(float(w) for w in text.split(",")) if text else None
 
 
 # Templates whose prompt is a chat conversation: a batch reward gets TRL's conversational form.
