@@ -39,7 +39,8 @@ EVAL_TOP_P = 0.7
 EVAL_K = 16
 
 # generate_fn(prompts, n) -> texts[i][j], or an object with .texts and, for the response-length
-# metrics, .response_lengths[i][j] (tokens) and .truncated[i][j] (a sampling.GenerationOutput).
+# metrics, .response_lengths[i][j] (tokens) and .truncated[i][j], and for a batch reward's
+# completion_ids=, .response_ids[i][j] (token ids) (a sampling.GenerationOutput).
 GenerateFn = Callable[[list, int], Any]
 
 
@@ -369,8 +370,12 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
 
 
 def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name: str):
-    """(texts [Q][n], response tokens int [Q, n] or None, truncated bool [Q, n] or None)."""
+    """(texts [Q][n], response tokens int [Q, n] or None, truncated bool [Q, n] or None,
+    response token ids [Q * n] or None)."""
     got = generate_fn(prompts, n)
+    ids = getattr(got, "response_ids", None)
+    if ids is not None:
+        ids = [seq for group in ids for seq in group]
     out = got.texts if hasattr(got, "texts") else got
     lengths = truncated = None
     if getattr(got, "response_lengths", None) is not None:
@@ -389,7 +394,10 @@ def _generate_checked(generate_fn: GenerateFn, prompts: list[str], n: int, name:
             if not isinstance(text, str):
                 raise ValueError(f"{name}: generate_fn must return response texts (str), got "
                                  f"{type(text).__name__}")
-    return out, lengths, truncated
+    if ids is not None and len(ids) != len(prompts) * n:
+        raise ValueError(f"{name}: generate_fn returned {len(ids)} response_ids for "
+                         f"{len(prompts) * n} responses")
+    return out, lengths, truncated, ids
 
 
 def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EVAL_K,
@@ -397,8 +405,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
              format_prompt: Callable[[str], str] | Mapping[str, Callable[[str], str]] =
              default_format_prompt,
              scorer=None, limit: int | None = None,
-             settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
-             ) -> EvalResult:
+             settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None,
+             trainer_state=None) -> EvalResult:
     """Samples k responses per question and scores them with the math (or code) reward.
 
     In a multi-host run every process calls it (generate_fn gives each the same responses) and
@@ -422,6 +430,8 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
       limit: first `limit` questions of each benchmark (quick runs).
       settings: recorded in the result (e.g. temperature, top_p, checkpoint step).
       log: optional callable for progress lines (e.g. logging.info).
+      trainer_state: a user batch reward's trainer_state= (rl.rewards.TrainerState: the RL
+        steps the evaluated policy has had), sent to a scorer's python_fn that takes it.
     Returns:
       EvalResult.
     """
@@ -466,12 +476,13 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             else:
                 fmt = default if format_prompt is default_format_prompt else format_prompt
             prompts = [fmt(r["problem"]) for r in rows]
-            responses, response_tokens, truncated = _generate_checked(generate_fn, prompts, k,
-                                                                      name)
+            responses, response_tokens, truncated, ids = _generate_checked(
+                generate_fn, prompts, k, name)
             flat = [text for group in responses for text in group]
             golds = [r["answer"] for r in rows for _ in range(k)]
             _, info = score_across_processes(scorer_for(kind).score, flat, golds,
-                                             **reward_context(rows, k))
+                                             **reward_context(rows, k), response_ids=ids,
+                                             trainer_state=trainer_state)
             correct = np.asarray(info["accuracy"], np.float32).reshape(len(rows), k)
             results[name] = BenchmarkResult(
                 name=name, ids=[r["id"] for r in rows],

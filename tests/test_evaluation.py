@@ -487,6 +487,39 @@ def test_response_lengths_are_reported_where_the_generate_fn_gives_them(scorer):
     assert "response_len_mean" not in plain["average"]
 
 
+def test_the_responses_token_ids_and_the_trainer_state_reach_the_scorer():
+    """A generate_fn whose result has response_ids (the sampler's GenerationOutput) gives the
+    scorer each response's ids, flattened in the responses' order, and evaluate()'s
+    trainer_state (a batch reward's completion_ids= and trainer_state=); a count of ids that
+    is not one a response names the benchmark."""
+    from delta_jax.rl.rewards import TrainerState
+
+    calls = []
+
+    class Recording:
+        def score(self, responses, golds, response_lengths=None, truncated=None, **kw):
+            calls.append((list(responses), kw.get("response_ids"), kw.get("trainer_state")))
+            n = len(responses)
+            return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),
+                                            "num_no_box": 0, "num_timeouts": 0, "num_errors": 0}
+
+    rows = [{"id": "a", "problem": "P1", "answer": "1"}, {"id": "b", "problem": "P2",
+                                                           "answer": "2"}]
+
+    def generate_fn(prompts, n, drop=0):
+        return SimpleNamespace(texts=[[f"{p}-{j}" for j in range(n)] for p in prompts],
+                               response_ids=[[[int(p[1]), j] for j in range(n)]
+                                             for p in prompts][drop:])
+
+    state = TrainerState(global_step=5, max_steps=7)
+    ev.evaluate(generate_fn, {"b": rows}, k=2, format_prompt=lambda p: p, scorer=Recording(),
+                trainer_state=state)
+    assert calls == [(["P1-0", "P1-1", "P2-0", "P2-1"], [[1, 0], [1, 1], [2, 0], [2, 1]], state)]
+    with pytest.raises(ValueError, match="^b: generate_fn returned 2 response_ids for 4"):
+        ev.evaluate(lambda p, n: generate_fn(p, n, drop=1), {"b": rows}, k=2,
+                    format_prompt=lambda p: p, scorer=Recording())
+
+
 def test_sampler_generate_fn_uses_eval_settings():
     seen = []
 

@@ -213,7 +213,7 @@ class RecordingScorer:
         self.seen, self.problems = [], []
 
     def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
-              data_sources=None, extra_infos=None):
+              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None):
         self.seen += list(texts)
         self.problems += list(problems)
         acc = np.asarray([float(t == g) for t, g in zip(texts, golds)], np.float32)
@@ -245,17 +245,25 @@ def eval_scoring_shares(index: int):
 def reward_fns_across_processes(index: int):
     """score_across_processes over two processes: each process's score() gives its own share's
     rewards of each of several python_fn functions (info "reward_fns"); every process gets every
-    function's rewards of all 9 responses, in order (and no other key of info)."""
-    from delta_jax.rl.rewards import score_across_processes
+    function's rewards of all 9 responses, in order (and no other key of info); each share's
+    score() gets its responses' token ids and the one trainer_state."""
+    from delta_jax.rl.rewards import TrainerState, score_across_processes
 
-    def score(texts, golds, response_lengths=None, truncated=None):
+    state = TrainerState(global_step=4, max_steps=9)
+
+    def score(texts, golds, response_lengths=None, truncated=None, response_ids=None,
+              trainer_state=None):
+        assert response_ids == [[len(t), 7] for t in texts], (texts, response_ids)
+        assert trainer_state == state, trainer_state
         lengths = np.asarray([len(t) for t in texts], np.float32)
         return lengths, {"accuracy": lengths > 1, "num_timeouts": 0, "num_no_box": 0,
                          "num_errors": 0, "seconds": 1.0 + index,
                          "reward_fns": {"length": lengths, "one": np.ones(len(texts))}}
 
     texts = ["a" * i for i in range(9)]
-    rewards, info = score_across_processes(score, texts, ["x"] * 9)
+    rewards, info = score_across_processes(score, texts, ["x"] * 9,
+                                           response_ids=[[i, 7] for i in range(9)],
+                                           trainer_state=state)
     assert rewards.tolist() == list(range(9)), rewards
     assert sorted(info) == ["accuracy", "num_errors", "num_no_box", "num_timeouts",
                             "reward_fns"], info

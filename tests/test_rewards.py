@@ -460,6 +460,13 @@ def trl_echo(completions, **kwargs):
     """1 when the keywords it gets are the comma-separated names of its completion."""
     return [float(sorted(kwargs) == (c.split(",") if c else [])) for c in completions]
 
+def trl_ids(completions, completion_ids, trainer_state):
+    """The span's token ids and the run's step, as TRL gives them: ints, one list a completion,
+    one TrainerState a call."""
+    assert all(type(t) is int for ids in completion_ids for t in ids), completion_ids
+    return [len(completions) + 10 * trainer_state.global_step + 100 * trainer_state.max_steps
+            + 1000 * sum(ids) for ids in completion_ids]
+
 def trl_one_number(completions, **kwargs):
     return 1.0
 
@@ -561,22 +568,24 @@ def test_user_reward_call_reads_the_signature(fn, verl, takes):
     (lambda prompts, completions, **kwargs: 0, R.TRL_REWARD_KEYWORDS),
     (lambda completions, solution: 0, ("solution",)),
     (lambda prompts, completions, ground_truth, completion_ids=None: 0,
-     ("prompts", "ground_truth")),
+     ("prompts", "completion_ids", "ground_truth")),
     (lambda completions, *, extra_info, answer, trainer_state=None: 0,
-     ("answer", "extra_info")),
+     ("answer", "extra_info", "trainer_state")),
+    (lambda completions, trainer_state, completion_ids: 0, ("completion_ids", "trainer_state")),
     (lambda completions, solution_str=None, ground_truth=None: 0, ("ground_truth",))])
 def test_a_reward_taking_completions_is_a_trl_batch_reward(fn, takes):
     assert R.user_reward_call(fn) == R.UserRewardCall(False, takes, batch=True)
 
 
 @pytest.mark.parametrize("fn, unsent", [
-    (lambda prompts, completions, completion_ids, **kwargs: 0, "completion_ids"),
-    (lambda completions, trainer_state, solution: 0, "trainer_state"),
+    (lambda prompts, completions, completion_mask, **kwargs: 0, "completion_mask"),
+    (lambda completions, trainer_state, log_extra: 0, "log_extra"),
     (lambda x, /, completions: 0, "x"),
     (lambda completions, *, response, label: 0, "response, label")])
 def test_a_batch_reward_with_parameters_that_get_nothing_is_refused(fn, unsent):
-    """TRL passes completion_ids= and trainer_state=, which a run has no value for: a batch
-    reward that needs them (or any other name) stops the start naming them."""
+    """A batch reward with a parameter without default that no call fills (a dataset column the
+    run does not send, a name TRL does not use, a positional-only one) stops the start naming
+    it."""
     with pytest.raises(ValueError, match=f"parameter\\(s\\) {unsent} would get nothing"):
         R.user_reward_call(fn)
 
@@ -616,6 +625,31 @@ def test_a_trl_batch_reward_scores_spans_of_responses_in_the_workers(user_reward
         assert info["num_errors"] == 2
 
 
+def test_a_trl_batch_reward_gets_completion_ids_and_trainer_state(user_reward_file):
+    """completion_ids= is each response's token ids, sliced with its span (numpy ids become
+    ints), and trainer_state= the one TrainerState score() is given, whole in every call; a
+    reward that needs them scores 0 (an error, counted) when score() is given neither."""
+    ids = [[1], [2, 3], np.array([4, 5, 6]), [], [7]]
+    state = R.TrainerState(global_step=3, max_steps=8)
+    with R.RewardScorer("python", num_workers=2, python_batch_size=2,
+                        python_fn=f"{user_reward_file}:trl_ids") as scorer:
+        assert scorer.user_calls[0].keywords == ("completion_ids", "trainer_state")
+        rewards, info = scorer.score(list("abcde"), ["x"] * 5, response_ids=ids,
+                                     trainer_state=state)
+        assert info["num_errors"] == 0
+        span = np.array([2, 2, 2, 2, 1])  # spans of 2: the last holds one completion
+        np.testing.assert_array_equal(rewards, span + 830 + 1000 * np.array([1, 5, 15, 0, 7]))
+        with pytest.raises(ValueError, match="5 responses but 4 response_ids"):
+            scorer.score(list("abcde"), ["x"] * 5, response_ids=ids[:4], trainer_state=state)
+        _, info = scorer.score(list("abcde"), ["x"] * 5)
+        assert info["num_errors"] == 5
+    single = R.score_across_processes  # one process: its score() gets both as they are
+    got = {}
+    single(lambda *a, **kw: got.update(kw) or (np.zeros(1), {}), ["a"], ["x"],
+           response_ids=[[9]], trainer_state=state)
+    assert got["response_ids"] == [[9]] and got["trainer_state"] is state
+
+
 def test_a_trl_batch_reward_in_the_conversational_form(user_reward_file):
     """completion_format="messages": completions as [{"role": "assistant", "content": text}] and
     prompts as [{"role": "user", "content": problem}] (TRL's conversational form), the answer as
@@ -643,7 +677,8 @@ def test_a_trl_batch_reward_gets_every_keyword_given_for_kwargs(user_reward_file
                         python_fn=f"{user_reward_file}:trl_echo") as scorer:
         every = ",".join(sorted(R.TRL_REWARD_KEYWORDS))
         rewards, _ = scorer.score([every], ["x"], problems=["p"], data_sources=["s"],
-                                  extra_infos=[""])
+                                  extra_infos=[""], response_ids=[[3]],
+                                  trainer_state=R.TrainerState(0, 1))
         assert rewards.tolist() == [1]
         rewards, _ = scorer.score(["answer,ground_truth,solution", every], ["x", "y"])
         assert rewards.tolist() == [1, 0]

@@ -361,9 +361,11 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
     rewards.python_fn, two of them with weights (TRL's reward_funcs, reward_weights): a training
     step calls each on rewards.python_batch_size responses at a time with their problems as
     prompts= and their records' answers as solution= (strings under data.template=plain:
-    completion_format auto); each response's reward is the weighted sum of its entries, and
-    each function's mean reward is logged as rollout/reward_fn/<name>, and its reward of each
-    response written with the step's rollouts."""
+    completion_format auto), the responses' token ids as completion_ids= and the run's
+    trainer_state= (global_step: the steps done before the rollout; max_steps); each response's
+    reward is the weighted sum of its entries, and each function's mean reward is logged as
+    rollout/reward_fn/<name>, and its reward of each response written with the step's
+    rollouts."""
     import json
     import logging
 
@@ -374,12 +376,19 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
         "def reward(prompts, completions, solution, **kwargs):\n"
         "    return [len(completions) + (len(c) % 2 == 0) + len(p) / 1e2 + len(s) / 1e4\n"
         "            for p, c, s in zip(prompts, completions, solution)]\n\n"
-        "def bonus(completions, **kwargs):\n"
-        "    return [2.0] * len(completions)\n")
+        "def bonus(completions, completion_ids, trainer_state, **kwargs):\n"
+        "    assert all(type(t) is int for ids in completion_ids for t in ids)\n"
+        f"    with open({str(tmp_path / 'states.txt')!r}, 'a') as f:\n"
+        "        f.write(f'{trainer_state.global_step} {len(completions)}\\n')\n"
+        "    return [sum(ids) % 97 + 1000 * trainer_state.global_step\n"
+        "            + 100 * trainer_state.max_steps for ids in completion_ids]\n")
     fns = f"{tmp_path}/trl_reward.py:reward,{tmp_path}/trl_reward.py:bonus"
     cfg = tiny_rl_config("grpo", rewards=dict(name="python", python_fn=fns, num_workers=1,
                                               python_batch_size=8, python_weights="1,-0.5"),
-                         train=dict(LOOP_WITHOUT_EVAL, steps=1, rollouts_every=1))
+                         data=dict(eval="synthetic"),
+                         eval=dict(k=2, pass_k="1,2", limit=2, max_new_tokens=8),
+                         train=dict(LOOP_WITHOUT_EVAL, steps=2, rollouts_every=1,
+                                    rollouts_token_weights=True, eval_after=True))
     with caplog.at_level(logging.INFO, logger="delta_jax.train"):
         run = run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
     try:
@@ -389,20 +398,31 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
         loop.train(cfg, str(tmp_path / "w"), run=run)
     finally:
         run.close()
-    with open(tmp_path / "w" / "rollouts" / "step_1.jsonl") as f:
-        rows = [json.loads(line) for line in f]
     with open(tmp_path / "w" / "synthetic" / "train.jsonl") as f:
         record = {r["id"]: r for r in map(json.loads, f)}
-    assert len(rows) == 16
-    own = []
-    for r in rows:
-        own.append(8.0 + (len(r["response"]) % 2 == 0) + len(record[r["id"]]["problem"]) / 1e2
-                   + len(str(record[r["id"]]["answer"])) / 1e4)
-        assert r["reward"] == pytest.approx(own[-1] - 1.0, rel=1e-6), r  # float32 rewards
-        assert r["reward_fns"] == {"reward": pytest.approx(own[-1], rel=1e-6), "bonus": 2.0}
-    step = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")][-1]
-    assert step["rollout/reward_fn/reward"] == pytest.approx(sum(own) / len(own), rel=1e-6)
-    assert step["rollout/reward_fn/bonus"] == 2.0
+    steps = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
+    for step in (1, 2):
+        with open(tmp_path / "w" / "rollouts" / f"step_{step}.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        assert len(rows) == 16
+        own, bonus = [], []
+        for r in rows:
+            own.append(8.0 + (len(r["response"]) % 2 == 0)
+                       + len(record[r["id"]]["problem"]) / 1e2
+                       + len(str(record[r["id"]]["answer"])) / 1e4)
+            assert len(r["token_ids"]) == r["response_tokens"]
+            bonus.append(sum(r["token_ids"]) % 97 + 1000 * (step - 1) + 200)
+            assert r["reward"] == pytest.approx(own[-1] - 0.5 * bonus[-1], rel=1e-6), r
+            assert r["reward_fns"] == {"reward": pytest.approx(own[-1], rel=1e-6),
+                                       "bonus": bonus[-1]}
+        logged = [m for m in steps if m.get("step") == step and "rollout/reward_fn/reward" in m]
+        assert logged[0]["rollout/reward_fn/reward"] == pytest.approx(sum(own) / len(own),
+                                                                     rel=1e-6)
+        assert logged[0]["rollout/reward_fn/bonus"] == pytest.approx(sum(bonus) / len(bonus),
+                                                                    rel=1e-6)
+    # each step's two calls of 8, then the evaluation after step 2 (2 questions x 2 samples)
+    calls = (tmp_path / "states.txt").read_text().split("\n")[:-1]
+    assert calls == ["0 8", "0 8", "1 8", "1 8", "2 4"], calls
 
 
 @pytest.mark.parametrize("template, setting, want", [

@@ -327,12 +327,26 @@ VERL_REWARD_ARGS = ("solution_str", "ground_truth")
 # reward_funcs: fn(prompts=[...], completions=[...], **columns) -> one reward (or None) each.
 TRL_REWARD_ARG = "completions"
 # What a batch reward gets beside completions=, one list entry per completion: TRL's prompts=
-# (the problems), the answer under the column names TRL recipes give it, and USER_REWARD_KEYWORDS.
+# (the problems) and completion_ids= (each response's token ids, its stop token included), the
+# answer under the column names TRL recipes give it and USER_REWARD_KEYWORDS; and once a call
+# (TRL_CALL_KEYWORDS), trainer_state= (a TrainerState).
 TRL_ANSWER_NAMES = ("answer", "solution", "ground_truth")
-TRL_REWARD_KEYWORDS = ("prompts", *TRL_ANSWER_NAMES, *USER_REWARD_KEYWORDS)
+TRL_CALL_KEYWORDS = ("trainer_state",)
+TRL_REWARD_KEYWORDS = ("prompts", "completion_ids", *TRL_ANSWER_NAMES, *USER_REWARD_KEYWORDS,
+                       *TRL_CALL_KEYWORDS)
 # How a batch reward gets its completions and prompts: TRL's standard form (strings) or its
 # conversational form ([{"role": "assistant", "content": text}], [{"role": "user", ...}]).
 COMPLETION_FORMATS = ("text", "messages")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """A batch reward's trainer_state= (TRL passes its transformers TrainerState; this holds the
+    fields a reward schedule reads): global_step, the RL steps done before the responses were
+    sampled (0 for the first step's rollout, N for an evaluation after step N), and max_steps
+    (train.steps)."""
+    global_step: int
+    max_steps: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,8 +371,7 @@ def user_reward_call(fn: Callable) -> UserRewardCall:
     TRL_REWARD_ARG parameter, verl's when it has VERL_REWARD_ARGS parameters; the keywords of
     its kind it has a parameter of that name for (positional or keyword), all of them with
     **kwargs. ValueError for a batch reward with a parameter without default that is not one of
-    those (TRL's completion_ids or trainer_state, which are not sent), or positional-only ones
-    (TRL calls by keyword)."""
+    those (it would get nothing), or positional-only ones (TRL calls by keyword)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function without a signature
@@ -495,8 +508,9 @@ class RewardScorer:
         `completions` parameter is a batch reward, called as TRL's GRPOTrainer calls its
         reward_funcs: fn(completions=[...], **kw) on python_batch_size responses at a time (a
         call each within timeout_s), kw by keyword as above from prompts= (the problems),
-        answer= / solution= / ground_truth= (the answers) and problem= / data_source= /
-        extra_info=; it returns one reward a completion (a number, bool, dict as above, or None
+        completion_ids= (the responses' token ids), answer= / solution= / ground_truth= (the
+        answers), problem= / data_source= / extra_info= and trainer_state= (a TrainerState,
+        the same for the whole call), each when score() is given it; it returns one reward a completion (a number, bool, dict as above, or None
         for 0), and a call that fails scores its whole batch 0.
         python_fn may name several functions, separated by commas (or as a sequence), as TRL's
         reward_funcs list: a response's reward is their python_weights-weighted sum, its
@@ -686,7 +700,8 @@ class RewardScorer:
     def score(self, responses: Sequence[str], golds: Sequence[str], response_lengths=None,
               truncated=None, problems: Sequence[str] | None = None,
               data_sources: Sequence[str] | None = None,
-              extra_infos: Sequence[str] | None = None):
+              extra_infos: Sequence[str] | None = None, response_ids=None,
+              trainer_state: TrainerState | None = None):
         """Rewards for N responses.
 
         Args:
@@ -699,6 +714,9 @@ class RewardScorer:
             (data.records.CONTEXT_FIELDS; extra_info JSON, "" for none), for a python_fn that
             takes them (extra_info decoded, None for ""); reward_context(records) makes all
             three; the built-in rewards do not read them.
+          response_ids: N responses' token ids (sequences of int, the stop token included), a
+            batch reward's completion_ids=; trainer_state: its trainer_state= (TrainerState).
+            The built-in rewards read neither.
         Returns:
           rewards: float32 [N].
           info: accuracy f32 [N], num_boxes i32 [N], overlong_penalty f32 [N], timed_out /
@@ -710,7 +728,7 @@ class RewardScorer:
         if len(golds) != n:
             raise ValueError(f"score: {n} responses but {len(golds)} golds")
         for name, given in (("problems", problems), ("data_sources", data_sources),
-                            ("extra_infos", extra_infos)):
+                            ("extra_infos", extra_infos), ("response_ids", response_ids)):
             if given is not None and len(given) != n:
                 raise ValueError(f"score: {n} responses but {len(given)} {name}")
         extra = {}
@@ -719,7 +737,8 @@ class RewardScorer:
         if self.python_fn:
             with self._lock:
                 user_rewards, accuracy, timed_out, errored, extra = self._user_scores(
-                    responses, golds, problems, data_sources, extra_infos)
+                    responses, golds, problems, data_sources, extra_infos, response_ids,
+                    trainer_state)
             # no answer to extract: every response counts as answered
             num_boxes, hits, num_no_box = np.zeros(n, np.int32), 0, 0
         elif self._code is not None:
@@ -769,7 +788,7 @@ class RewardScorer:
         return rewards.astype(np.float32), info
 
     def _user_scores(self, responses, golds, problems=None, data_sources=None,
-                     extra_infos=None):
+                     extra_infos=None, response_ids=None, trainer_state=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
         timed_out, errored bool [N] (those score 0; the batch's first error is logged) and, with
         several functions, {REWARD_FNS_KEY: {name: its rewards [N]}}. Each function gets by keyword
@@ -791,11 +810,14 @@ class RewardScorer:
             given["prompts"] = [[{"role": "user", "content": p}] for p in problems]
         if extra_infos is not None and any("extra_info" in c.keywords for c in self._calls):
             given["extra_info"] = [decode_extra_info(e) for e in extra_infos]  # once, if taken
+        if response_ids is not None and any("completion_ids" in c.keywords for c in self._calls):
+            given["completion_ids"] = [[int(t) for t in ids] for ids in response_ids]
+        once = {"trainer_state": trainer_state}  # TRL_CALL_KEYWORDS: the same for every call
         completions = ([[{"role": "assistant", "content": r}] for r in responses] if messages
                        else list(responses))  # a batch reward's
         spans, items = [], []  # (function, lo, hi) and its pool item
         for f, (spec, call) in enumerate(zip(self.python_fns, self._calls)):
-            sent = {k: given[k] for k in call.keywords if given[k] is not None}
+            sent = {k: given[k] for k in call.keywords if given.get(k) is not None}
             if not call.batch:
                 spans += [(f, i, i + 1) for i in range(n)]
                 items += [(spec, call.kind, r, g, {k: v[i] for k, v in sent.items()})
@@ -805,7 +827,9 @@ class RewardScorer:
                 hi = min(lo + self.python_batch_size, n)
                 spans.append((f, lo, hi))
                 items.append((spec, call.kind, completions[lo:hi], None,
-                              {k: v[lo:hi] for k, v in sent.items()}))
+                              {k: v[lo:hi] for k, v in sent.items()}
+                              | {k: once[k] for k in call.keywords
+                                 if once.get(k) is not None}))
         outcomes = self.pool.map(items)
         first = None  # the first failed call's error
         for (f, lo, hi), out in zip(spans, outcomes):
@@ -844,9 +868,11 @@ def _absolute_spec(spec: str) -> str:
 
 def score_across_processes(score, responses: Sequence[str], golds: Sequence[str],
                            response_lengths=None, truncated=None, problems=None,
-                           data_sources=None, extra_infos=None):
+                           data_sources=None, extra_infos=None, response_ids=None,
+                           trainer_state=None):
     """score(responses, golds, response_lengths=, truncated=[, problems=, data_sources=,
-    extra_infos=]) -> (rewards [N], info), shared out over the processes of a multi-host run:
+    extra_infos=, response_ids=, trainer_state=]) -> (rewards [N], info), shared out over the
+    processes of a multi-host run (each its share of the per-response lists, and trainer_state):
     each scores a contiguous share of the N responses (the sandboxes' and graders' work is
     split) and every process gets all N rewards and accuracies and the summed counts
     num_timeouts / num_no_box / num_errors and REWARD_FNS_KEY's rewards (what training's
@@ -857,10 +883,12 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     import jax
     count = jax.process_count()
     given = {k: v for k, v in (("problems", problems), ("data_sources", data_sources),
-                               ("extra_infos", extra_infos)) if v is not None}
+                               ("extra_infos", extra_infos), ("response_ids", response_ids))
+             if v is not None}
+    whole = {} if trainer_state is None else {"trainer_state": trainer_state}
     if count == 1:
         return score(responses, golds, response_lengths=response_lengths, truncated=truncated,
-                     **given)
+                     **given, **whole)
     from jax.experimental import multihost_utils
     n = len(responses)
     per = -(-n // count)
@@ -869,7 +897,7 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     rewards, info = score(responses[lo:hi], golds[lo:hi],
                           response_lengths=share_of(response_lengths),
                           truncated=share_of(truncated),
-                          **{k: share_of(v) for k, v in given.items()})
+                          **{k: share_of(v) for k, v in given.items()}, **whole)
     each = info.get(REWARD_FNS_KEY, {})  # the same functions, in order, on every process
     # (reward, accuracy, each function's reward) of this share, padded to `per`
     share = np.zeros((per, 2 + len(each)), np.float32)

@@ -235,7 +235,8 @@ def default_config() -> config_dict.ConfigDict:
     # correct, for accuracy and eval, when > 0) or {"reward" | "score": number, "correct": bool}.
     # DAPO's overlong shaping (rewards.overlong) still adds to it; a call that raises scores 0.
     # A function with a `completions` parameter is a batch reward, TRL's reward_funcs form:
-    # fn(completions=[...], prompts=, answer= / solution= / ground_truth=, ... by keyword) ->
+    # fn(completions=[...], prompts=, completion_ids=, answer= / solution= / ground_truth=, ...,
+    # trainer_state= (global_step, max_steps) by keyword) ->
     # one reward (or None = 0) each, called on python_batch_size responses at a time
     # (rewards.timeout_s a call), with completions as strings or, completion_format=messages,
     # TRL's conversational [{"role": "assistant", "content": ...}] ("auto": messages for the

@@ -45,6 +45,7 @@ def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
     if not benchmarks:
         return {}, None
     from delta_jax import evaluation
+    from delta_jax.rl.rewards import TrainerState
     from delta_jax.train.run import add_eval_scorers
 
     # Each benchmark is graded by its own kind's reward (accuracy only) and asked for that kind's
@@ -64,7 +65,8 @@ def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
         generate_fn, benchmarks, k=settings.k, pass_ks=settings.pass_ks,
         format_prompt=run.eval_prompts, limit=cfg.eval.limit or None, scorer=run.eval_scorers,
         settings={"step": step, "kind": kind, "temperature": cfg.eval.temperature,
-                  "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens})
+                  "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens},
+        trainer_state=TrainerState(step, cfg.train.steps))
     metrics = result.flat_metrics(prefix=kind)
     metrics[f"time/{kind}_s"] = time.perf_counter() - t0
     if generate_fn.sampler_counters:  # the sampler's side: tokens/s, preemptions, ...

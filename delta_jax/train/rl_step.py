@@ -129,7 +129,9 @@ def generate_and_score_fn(run: Run, params, step: int,
             run.scorer.score, rollout_lib.flat(samples.texts), golds,
             np.asarray(rollout_lib.flat(samples.response_lengths)),
             np.asarray(rollout_lib.flat(samples.truncated)),
-            **rewards_lib.reward_context(records, cfg.rollout.group_size))
+            **rewards_lib.reward_context(records, cfg.rollout.group_size),
+            response_ids=rollout_lib.flat(samples.response_ids),
+            trainer_state=rewards_lib.TrainerState(step - 1, cfg.train.steps))
         info = dict(info, time_generate=t1 - t0, time_reward=time.perf_counter() - t1,
                     **samples.counters())
         return samples, rewards, info
