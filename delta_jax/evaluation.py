@@ -85,10 +85,13 @@ def pass_at_k(n, c, k: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[BenchmarkRow]:
+def load_benchmark(path: str | os.PathLike, limit: int | None = None,
+                   columns: Mapping[str, Mapping[str, bool]] | None = None) -> list[BenchmarkRow]:
     """BenchmarkRows (the first `limit`) from a JSONL, JSON-array or parquet file in any layout
     data/records.py reads (its rows, records.iter_rows): the project's {"problem", "answer"},
-    DeepMath, DAPO / verl's parquet, MATH, and the code layouts (_checked_row)."""
+    DeepMath, DAPO / verl's parquet, MATH, and the code layouts (_checked_row). columns: {kind:
+    {column: required}}, the data set columns a row of that kind keeps for its reward
+    (records.columns_text; a row without a required one is an InputError)."""
     from delta_jax.data import records
 
     path = pathlib.Path(path)
@@ -100,7 +103,7 @@ def load_benchmark(path: str | os.PathLike, limit: int | None = None) -> list[Be
             break
         if isinstance(row, Exception):  # a line that is not a JSON object
             raise InputError(f"{where}: {row}") from None
-        rows.append(_check_row(row, where, len(rows)))
+        rows.append(_check_row(row, where, len(rows), columns))
     if not rows:
         raise InputError(f"{path}: the benchmark file has no rows")
     benchmark_kind(str(path), rows)
@@ -138,25 +141,31 @@ def _spec_row(row: Mapping, index: int) -> dict | None:
 
 
 class BenchmarkRow(dict):
-    """A checked benchmark row, {"id", "problem", "answer", "kind", "data_source", "extra_info"}
-    (the last two: the row's own values of those names as text, records.CONTEXT_FIELDS, for a
-    python_fn): what load_benchmark returns, which evaluate() then takes as it is (checking it
-    again would encode its extra_info text a second time)."""
+    """A checked benchmark row, {"id", "problem", "answer", "solution", "kind", "data_source",
+    "extra_info", "columns"} (the solution "" where the row has none; the last three, for a
+    python_fn: the row's own values of those names as text, records.CONTEXT_FIELDS, and its
+    columns the reward takes by name, records.COLUMNS): what load_benchmark returns, which
+    evaluate() then takes as it is (checking it again would encode its texts a second time)."""
 
 
-def _check_row(row: Any, where: str, index: int) -> BenchmarkRow:
+def _check_row(row: Any, where: str, index: int,
+               columns: Mapping[str, Mapping[str, bool]] | None = None) -> BenchmarkRow:
+    """The BenchmarkRow of a row; columns: as load_benchmark's."""
     from delta_jax.data import records
 
     if isinstance(row, BenchmarkRow):
         return row
     if not isinstance(row, Mapping):
         raise InputError(f"{where}: row must be an object, got {type(row).__name__}")
+    checked = _checked_row(row, where, index)
     try:
         context = {name: as_text(row.get(name))
                    for name, as_text in records.CONTEXT_FIELDS.items()}
+        context[records.COLUMNS] = records.columns_text(
+            row, (columns or {}).get(checked["kind"]))
     except ValueError as e:
         raise InputError(f"{where}: {e}") from None
-    return BenchmarkRow(**_checked_row(row, where, index), **context)
+    return BenchmarkRow(**checked, **context)
 
 
 def _checked_row(row: Mapping, where: str, index: int) -> dict:
@@ -167,7 +176,7 @@ def _checked_row(row: Mapping, where: str, index: int) -> dict:
 
     spec = _spec_row(row, index)
     if spec is not None:
-        return spec
+        return {**spec, "solution": ""}
     try:
         layout = records.detect_layout(row)
     except ValueError:
@@ -182,6 +191,7 @@ def _checked_row(row: Mapping, where: str, index: int) -> dict:
         raise InputError(f"{where}: {layout} row: {e}") from None
     return {"id": str(rec["id"] if rec["id"] not in (None, "") else index),
             "problem": rec["problem"], "answer": rec["answer"],
+            "solution": rec.get("solution") or "",
             "kind": "code" if layout in records.CODE_PRESETS else "math"}
 
 
@@ -460,14 +470,19 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             own_scorers[kind] = RewardScorer(kind, num_workers=2)
         return own_scorers[kind]
 
+    def given_columns():  # {kind: the columns a given scorer's python_fn takes}
+        given = scorer if isinstance(scorer, Mapping) else {
+            kind: scorer for kind in ("math", "code")} if scorer is not None else {}
+        return {kind: getattr(s, "columns", {}) for kind, s in given.items()}
+
     t0 = time.perf_counter()
     results = {}
     try:
         for name, source in benchmarks.items():
             if isinstance(source, (str, os.PathLike)):
-                rows = load_benchmark(source, limit=limit)
+                rows = load_benchmark(source, limit=limit, columns=given_columns())
             else:
-                rows = [_check_row(r, f"benchmark {name!r} row {i}", i)
+                rows = [_check_row(r, f"benchmark {name!r} row {i}", i, given_columns())
                         for i, r in enumerate(source)][:limit]
             kind = benchmark_kind(name, rows)
             default = default_code_prompt if kind == "code" else default_format_prompt

@@ -95,7 +95,8 @@ class TextLengthScorer:
     RL update is not trivially zero (the real math grader is tested in test_rewards.py)."""
 
     def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
-              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None):
+              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None,
+              solutions=None, columns=None):
         rewards = np.asarray([float(len(t) % 2 == 0) for t in texts], np.float32)
         return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts),
                          "num_errors": 0}

@@ -28,7 +28,7 @@ def test_own_layout_keeps_fields_and_order(tmp_path):
     recs, stats = records.load_records(write_jsonl(tmp_path / "own.jsonl", rows))
     assert [r["id"] for r in recs] == [f"q{i}" for i in range(5)]
     assert recs[3] == {"id": "q3", "problem": "What is 3 + 1?", "answer": "4", "solution": "",
-                       "level": 2, "data_source": "", "extra_info": ""}
+                       "level": 2, "data_source": "", "extra_info": "", "columns": ""}
     assert stats.num_rows == 5 and stats.num_records == 5 and stats.num_skipped == 0
     assert list(stats.layouts.values()) == ["deltajax"]
 
@@ -134,7 +134,7 @@ def test_custom_dotted_mapping(tmp_path):
         write_jsonl(tmp_path / "c.jsonl", rows), fields={"id": "uid", "problem": "q.text", "answer": "meta.gold"}
     )
     assert recs == [{"id": "7", "problem": "2+2?", "answer": "4", "solution": "", "level": -1,
-                     "data_source": "", "extra_info": ""}]
+                     "data_source": "", "extra_info": "", "columns": ""}]
 
 
 def test_context_fields_from_the_rows_columns_or_a_mapping(tmp_path):
@@ -168,6 +168,61 @@ def test_context_fields_from_the_rows_columns_or_a_mapping(tmp_path):
     pq.write_table(pa.table({"problem": ["p"], "answer": ["1"], "extra_info": [meta]}), parquet)
     recs, _ = records.load_records(parquet)
     assert records.decode_extra_info(recs[0]["extra_info"]) == meta
+
+
+def test_records_keep_the_columns_a_reward_takes_by_name(tmp_path):
+    """columns= ({name: required}): each record keeps the row's own top-level columns of those
+    names as JSON text (numpy values as lists, a None as absent), under a preset or a custom
+    mapping; a row without a required one is malformed, naming file, row, the field and why it
+    is wanted (or skipped and counted); no columns asked for: ""."""
+    rows = [{"prompt": "1+1?", "answer": "2", "topic": "add", "hint": {"n": [1, 2]}},
+            {"prompt": "2+2?", "answer": "4", "topic": "add", "hint": None},
+            {"prompt": "3+3?", "answer": "6"}]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    recs, _ = records.load_records(path, columns={"topic": False, "hint": False})
+    assert [records.decode_columns(r["columns"]) for r in recs] == [
+        {"topic": "add", "hint": {"n": [1, 2]}}, {"topic": "add"}, {}]
+    assert all(r["columns"] == "" for r in records.load_records(path)[0])
+    with pytest.raises(records.MalformedRecordError,
+                       match=r"t\.jsonl:line 3: missing field 'topic', a column the reward takes "
+                             r"by name \(rewards.python_fn, rewards.python_columns\) \(the "
+                             r"row's fields: answer, prompt\)"):
+        records.load_records(path, columns={"topic": True})
+    recs, stats = records.load_records(path, columns={"topic": True}, on_error="skip")
+    assert [r["problem"] for r in recs] == ["1+1?", "2+2?"] and stats.num_skipped == 1
+    mapped, _ = records.load_records(path, fields={"problem": "prompt", "answer": "answer"},
+                                     columns={"topic": False})
+    assert [r["columns"] for r in mapped] == ['{"topic": "add"}'] * 2 + ["{}"]
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"problem": ["p"], "answer": ["1"], "scores": [[0.5, 1.0]]}),
+                   parquet)
+    recs, _ = records.load_records(parquet, columns={"scores": True})
+    assert records.decode_columns(recs[0]["columns"]) == {"scores": [0.5, 1.0]}
+    bad = write_jsonl(tmp_path / "nan.jsonl",
+                      ['{"problem": "p", "answer": "1", "w": NaN}'])
+    with pytest.raises(records.MalformedRecordError,
+                       match=r"nan\.jsonl:line 1: a field of \['w'\] is not a JSON value"):
+        records.load_records(bad, columns={"w": True})
+
+
+def test_tfds_source_keeps_the_columns_and_caches_per_columns(tmp_path):
+    """The ArrayRecord records hold the kept columns; another columns= is another cache entry
+    (the records differ), the same one the same entry."""
+    rows = [{"problem": "p", "answer": "1", "topic": "t0"}, {"problem": "q", "answer": "2"}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    tfds_dir = tmp_path / "tfds"
+    plain = builders.build_tfds_source(path, name="c", data_dir=tfds_dir)
+    kept = builders.build_tfds_source(path, name="c", data_dir=tfds_dir,
+                                      columns={"topic": False})
+    again = builders.build_tfds_source(path, name="c", data_dir=tfds_dir,
+                                       columns={"topic": False})
+    assert plain.name != kept.name == again.name
+    assert [plain[i]["columns"] for i in range(2)] == ["", ""]
+    assert [records.decode_columns(kept[i]["columns"]) for i in range(2)] == [{"topic": "t0"},
+                                                                            {}]
+    with pytest.raises(records.MalformedRecordError, match=r"c\.jsonl:line 2: missing field "
+                                                           r"'topic'"):
+        builders.build_tfds_source(path, name="c", data_dir=tfds_dir, columns={"topic": True})
 
 
 def test_custom_mapping_keeps_a_structured_answer_as_json(tmp_path):
@@ -313,7 +368,7 @@ def test_tfds_builder_works_without_tensorflow(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["records"] == [{"id": f"r{i}", "problem": f"p{i}", "answer": str(i),
                                "solution": "", "level": -1, "data_source": "",
-                               "extra_info": "", "index": i}
+                               "extra_info": "", "columns": "", "index": i}
                               for i in range(20)]  # all of them, file order kept
     assert got["last"]["id"] == "r19" and got["past_end"] == "IndexError"
     files = list((tmp_path / "tfds").rglob("*.array_record*"))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from delta_jax import evaluation as ev
+from delta_jax.errors import InputError
 from delta_jax.rl.rewards import RewardScorer
 
 
@@ -136,7 +137,7 @@ def test_a_benchmarks_rows_give_the_scorer_their_context_once_checked(tmp_path):
         calls = []
 
         def score(self, responses, golds, response_lengths=None, truncated=None,
-                  problems=None, data_sources=None, extra_infos=None):
+                  problems=None, data_sources=None, extra_infos=None, **kw):
             from delta_jax.data.records import decode_extra_info
             self.calls.append((list(data_sources), [decode_extra_info(e) for e in extra_infos]))
             n = len(responses)
@@ -152,6 +153,44 @@ def test_a_benchmarks_rows_give_the_scorer_their_context_once_checked(tmp_path):
     bad.write_text('{"problem": "p", "answer": "1", "extra_info": {"x": NaN}}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:line 1: field 'extra_info' is not a JSON value"):
         ev.load_benchmark(bad)
+
+
+def test_a_benchmark_s_rows_keep_the_columns_their_kind_s_reward_takes(tmp_path):
+    """load_benchmark(columns={kind: {name: required}}) keeps a row's columns for the reward of
+    its kind only (a code benchmark in a math run's columns is not asked for them), a math row
+    without a required one is an InputError naming file and line; evaluate() asks for the
+    columns of the scorer it is given and passes them, with each row's solution (MATH's worked
+    solution), as score()'s columns= and solutions=."""
+    math_rows = [{"problem": "p1", "solution": "so \\boxed{1}", "topic": "a"},
+                 {"problem": "p2", "answer": "2", "topic": "b"}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in math_rows))
+    rows = ev.load_benchmark(path, columns={"math": {"topic": True}, "code": {"x": True}})
+    assert [r["columns"] for r in rows] == ['{"topic": "a"}', '{"topic": "b"}']
+    assert [r["solution"] for r in rows] == ["so \\boxed{1}", ""]
+    code = tmp_path / "c.jsonl"
+    code.write_text(json.dumps({"problem": "f", "answer": {"tests": ["assert f() == 1"]}}) + "\n")
+    assert [r["columns"] for r in ev.load_benchmark(code, columns={"math": {"topic": True}})] == [
+        ""]
+    with pytest.raises(InputError, match=r"m\.jsonl:line 1: missing field 'level', a column"):
+        ev.load_benchmark(path, columns={"math": {"level": True}})
+
+    class Recording:
+        columns = {"topic": True}
+        calls = []
+
+        def score(self, responses, golds, **kw):
+            self.calls.append((kw["columns"], kw["solutions"]))
+            n = len(responses)
+            return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),
+                                            "num_no_box": 0, "num_timeouts": 0, "num_errors": 0}
+
+    gen = lambda batch, n: [["x"] * n for _ in batch]  # noqa: E731
+    for source in (str(path), math_rows):
+        Recording.calls.clear()
+        ev.evaluate(gen, {"m": source}, k=2, scorer=Recording())
+        assert Recording.calls == [(['{"topic": "a"}'] * 2 + ['{"topic": "b"}'] * 2,
+                                    ["so \\boxed{1}"] * 2 + [""] * 2)]
 
 
 def test_load_benchmark_non_utf8_names_file_and_line(tmp_path):
@@ -435,7 +474,7 @@ def test_evaluate_prompts_and_scores_each_kind_by_its_own_mapping_entry(scorer):
         calls = []
 
         def score(self, responses, golds, response_lengths=None, truncated=None,
-                  problems=None, data_sources=None, extra_infos=None):
+                  problems=None, data_sources=None, extra_infos=None, **kw):
             self.calls.append((list(golds), list(problems)))
             n = len(responses)
             return np.ones(n, np.float32), {"accuracy": np.ones(n, np.float32),

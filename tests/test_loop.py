@@ -924,7 +924,8 @@ class _EqualRewards:
     """A scorer under which every sample of a group gets reward 0: no group has signal."""
 
     def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
-              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None):
+              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None,
+              solutions=None, columns=None):
         rewards = np.zeros(len(texts), np.float32)
         return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": len(texts),
                          "num_errors": 0}

@@ -213,7 +213,8 @@ class RecordingScorer:
         self.seen, self.problems = [], []
 
     def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
-              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None):
+              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None,
+              solutions=None, columns=None):
         self.seen += list(texts)
         self.problems += list(problems)
         acc = np.asarray([float(t == g) for t, g in zip(texts, golds)], np.float32)

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from delta_jax.errors import InputError
 from delta_jax.rl import rewards as R
 from delta_jax.rl import verify_pool as vp
 from tests.rl_fixtures import python_path
@@ -470,6 +471,26 @@ def trl_ids(completions, completion_ids, trainer_state):
 def trl_one_number(completions, **kwargs):
     return 1.0
 
+def trl_columns(completions, level, tag=None, **kwargs):
+    """Reads data set columns as TRL passes them: level (required) and tag (its default when no
+    record of the call has one, else None for those without); **kwargs holds no column named."""
+    assert "level" not in kwargs and "tag" not in kwargs, sorted(kwargs)
+    tags = tag if tag is not None else [None] * len(completions)
+    return [lv + (10 if t is not None else 0) + (1000 if tag is None else 0)
+            for lv, t in zip(level, tags)]
+
+def trl_kwargs_columns(completions, **kwargs):
+    """Every column the run keeps reaches **kwargs: 1 where topic is "algebra"."""
+    return [float(t == "algebra") for t in kwargs["topic"]]
+
+def plain_weighted(response, answer, weight, bonus=0):
+    """A per-response reward reading columns: weight (required) and bonus (when it has one)."""
+    return weight * float(response == answer) + bonus
+
+def trl_solution(completions, solution, **kwargs):
+    """1 where the completion is the solution= it gets."""
+    return [float(c == s) for c, s in zip(completions, solution)]
+
 def trl_format(completions, **kwargs):
     """A format reward: 1 for a completion that starts with "<think>"; "boom" fails the call."""
     if "boom" in completions:
@@ -557,10 +578,43 @@ def test_a_user_reward_returning_a_verl_style_dict(user_reward_file):
      ("data_source", "extra_info")),
     (lambda solution_str, ground_truth, **kw: 0, True, ("problem", "data_source", "extra_info")),
     (lambda solution_str, answer: 0, False, ()),
-    (lambda r, a, *problem: 0, False, ()), (lambda problem, /, r, a: 0, False, ()),
-    (lambda extra_info, /, r, a: 0, False, ()), (len, False, ())])
+    (lambda r, a, *problem: 0, False, ()), (len, False, ())])
 def test_user_reward_call_reads_the_signature(fn, verl, takes):
-    assert R.user_reward_call(fn) == R.UserRewardCall(verl, takes)
+    assert R.user_reward_call(fn) == R.UserRewardCall(  # **kw: every keyword, every column
+        verl, takes, all_columns=takes == R.USER_REWARD_KEYWORDS)
+
+
+@pytest.mark.parametrize("fn, call", [
+    (lambda r, a, level, tag=None: 0, R.UserRewardCall(False, (), False, ("level", "tag"),
+                                                       ("level",))),
+    (lambda r, a, *, problem, level: 0, R.UserRewardCall(False, ("problem",), False, ("level",),
+                                                         ("level",))),
+    (lambda problem, /, r, a: 0, R.UserRewardCall(False, (), False, ("a",), ("a",))),
+    (lambda extra_info, /, r, a=1: 0, R.UserRewardCall(False, (), False, ("a",), ())),
+    (lambda data_source, solution_str, ground_truth, difficulty=1: 0,
+     R.UserRewardCall(True, ("data_source",), False, ("difficulty",), ())),
+    (lambda completions, level, tag=None, **kw: 0,
+     R.UserRewardCall(False, R.TRL_REWARD_KEYWORDS, True, ("level", "tag"), ("level",), True)),
+    (lambda prompts, completions, completion_mask: 0,
+     R.UserRewardCall(False, ("prompts",), True, ("completion_mask",), ("completion_mask",))),
+    (lambda completions, *, response, label=0: 0,
+     R.UserRewardCall(False, (), True, ("response", "label"), ("response",))),
+    (lambda completions, solution_str=None, ground_truth=None: 0,
+     R.UserRewardCall(False, ("ground_truth",), True, ("solution_str",), ()))])
+def test_a_reward_s_other_parameters_are_data_set_columns(fn, call):
+    """The parameters a call does not fill (completions, verl's two, a plain call's first two
+    positional ones) and that are none of its keywords are data set columns, required without
+    a default; reward_columns joins several functions' and python_columns (required)."""
+    assert R.user_reward_call(fn) == call
+    calls = [R.user_reward_call(lambda r, a, level=0, tag=None: 0),
+             R.user_reward_call(lambda completions, tag: 0)]
+    assert R.reward_columns(calls) == {"level": False, "tag": True}
+    assert R.reward_columns(calls, ("topic", "level")) == {"level": True, "tag": True,
+                                                          "topic": True}
+    assert R.user_reward_columns(" topic, level ,") == ("topic", "level")
+    assert R.user_reward_columns("") == ()
+    with pytest.raises(ValueError, match="not column names"):
+        R.user_reward_columns("topic,2x")
 
 
 @pytest.mark.parametrize("fn, takes", [
@@ -572,22 +626,72 @@ def test_user_reward_call_reads_the_signature(fn, verl, takes):
     (lambda completions, *, extra_info, answer, trainer_state=None: 0,
      ("answer", "extra_info", "trainer_state")),
     (lambda completions, trainer_state, completion_ids: 0, ("completion_ids", "trainer_state")),
-    (lambda completions, solution_str=None, ground_truth=None: 0, ("ground_truth",))])
+    (lambda completions, ground_truth=None: 0, ("ground_truth",))])
 def test_a_reward_taking_completions_is_a_trl_batch_reward(fn, takes):
-    assert R.user_reward_call(fn) == R.UserRewardCall(False, takes, batch=True)
+    assert R.user_reward_call(fn) == R.UserRewardCall(  # **kwargs: every keyword and column
+        False, takes, batch=True, all_columns=takes == R.TRL_REWARD_KEYWORDS)
 
 
 @pytest.mark.parametrize("fn, unsent", [
-    (lambda prompts, completions, completion_mask, **kwargs: 0, "completion_mask"),
-    (lambda completions, trainer_state, log_extra: 0, "log_extra"),
     (lambda x, /, completions: 0, "x"),
-    (lambda completions, *, response, label: 0, "response, label")])
+    (lambda x, y=0, /, *, completions, **kw: 0, "x, y")])
 def test_a_batch_reward_with_parameters_that_get_nothing_is_refused(fn, unsent):
-    """A batch reward with a parameter without default that no call fills (a dataset column the
-    run does not send, a name TRL does not use, a positional-only one) stops the start naming
-    it."""
+    """A batch reward with positional-only parameters (called by keyword, they would get
+    nothing) stops the start naming them."""
     with pytest.raises(ValueError, match=f"parameter\\(s\\) {unsent} would get nothing"):
         R.user_reward_call(fn)
+
+
+def test_a_python_fn_gets_the_data_set_columns_it_names(user_reward_file):
+    """score()'s columns= (each record's JSON text of {name: value}) reach a function by the
+    names its parameters give: a batch call a span's list, None for a record without it, and
+    nothing (the default) when no record of the span has it; a per-response call its record's
+    value where it has one; **kwargs every column the scorer keeps (python_fn's and
+    python_columns); scorer.columns says which, required when a function has no default."""
+    f = str(user_reward_file)
+    rows = [{"level": 1, "tag": "a"}, {"level": 2}, {"level": 3}, {"level": 4, "tag": "b"},
+            {"level": 5}]
+    texts = [json.dumps(r) for r in rows]
+    with R.RewardScorer("python", num_workers=2, python_batch_size=2,
+                        python_fn=f"{f}:trl_columns") as scorer:
+        assert scorer.columns == {"level": True, "tag": False}
+        rewards, info = scorer.score(list("abcde"), ["x"] * 5, columns=texts)
+        assert info["num_errors"] == 0
+        # spans [0, 1], [2, 3], [4]: the last has no tag, so tag= is not sent (1000)
+        np.testing.assert_array_equal(rewards, [11, 2, 3, 14, 1005])
+        _, info = scorer.score(list("ab"), ["x"] * 2)  # no columns given: level= is missing
+        assert info["num_errors"] == 2
+        with pytest.raises(ValueError, match="2 responses but 1 columns"):
+            scorer.score(list("ab"), ["x"] * 2, columns=texts[:1])
+    with R.RewardScorer("python", num_workers=1, python_fn=f"{f}:plain_weighted") as scorer:
+        assert scorer.columns == {"weight": True, "bonus": False}
+        rewards, info = scorer.score(["x", "y", "x"], ["x"] * 3, columns=[
+            '{"weight": 2}', '{"weight": 3, "bonus": 0.5}', '{"weight": 4, "bonus": 1}'])
+        np.testing.assert_allclose(rewards, [2, 0.5, 5])
+    with R.RewardScorer("python", num_workers=1, python_batch_size=3, python_columns="topic",
+                        python_fn=f"{f}:trl_kwargs_columns,{f}:trl_columns") as scorer:
+        assert scorer.columns == {"level": True, "tag": False, "topic": True}
+        rewards, info = scorer.score(list("abc"), ["x"] * 3, columns=[
+            '{"topic": "algebra", "level": 0}', '{"topic": "geometry", "level": 0}',
+            '{"topic": "algebra", "level": 0}'])
+        assert info["num_errors"] == 0
+        np.testing.assert_array_equal(info[R.REWARD_FNS_KEY]["trl_kwargs_columns"], [1, 0, 1])
+    with pytest.raises(InputError, match="rewards.python_columns: .* not column names"):
+        R.RewardScorer("python", num_workers=1, python_fn=f"{f}:trl_one_number",
+                       python_columns="a-b")
+
+
+def test_a_batch_reward_s_solution_is_the_record_s_own(user_reward_file):
+    """solution= is a record's own solution where score() is given one (TRL passes the data
+    set's "solution" column), else the gold answer; answer= stays the gold answer."""
+    with R.RewardScorer("python", num_workers=1, python_batch_size=4,
+                        python_fn=f"{user_reward_file}:trl_solution") as scorer:
+        responses = ["worked \\boxed{4}", "4", "4", "5"]
+        rewards, _ = scorer.score(responses, ["4"] * 4,
+                                  solutions=["worked \\boxed{4}", "", "worked", ""])
+        np.testing.assert_array_equal(rewards, [1, 1, 0, 0])
+        rewards, _ = scorer.score(responses, ["4"] * 4)
+        np.testing.assert_array_equal(rewards, [0, 1, 1, 0])
 
 
 def test_a_trl_batch_reward_scores_spans_of_responses_in_the_workers(user_reward_file, caplog):
@@ -769,10 +873,12 @@ def test_a_user_reward_gets_only_the_keywords_it_takes_and_was_given(user_reward
 
 
 def test_reward_context_repeats_each_records_fields_for_its_responses():
-    records = [{"problem": "p1", "data_source": "s", "extra_info": "{}"}, {"problem": "p2"}]
+    records = [{"problem": "p1", "data_source": "s", "extra_info": "{}", "solution": "w",
+                "columns": '{"x": 1}'}, {"problem": "p2"}]
     assert R.reward_context(records, 2) == {
         "problems": ["p1", "p1", "p2", "p2"], "data_sources": ["s", "s", "", ""],
-        "extra_infos": ["{}", "{}", "", ""]}
+        "extra_infos": ["{}", "{}", "", ""], "solutions": ["w", "w", "", ""],
+        "columns": ['{"x": 1}', '{"x": 1}', "", ""]}
 
 
 def test_a_slow_importing_user_reward_loads_before_the_workers_take_work(tmp_path):

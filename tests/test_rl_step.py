@@ -80,7 +80,8 @@ class AllCorrect:
     """A scorer that gives every response reward 1: no group has reward variance."""
 
     def score(self, texts, golds, response_lengths=None, truncated=None, problems=None,
-              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None):
+              data_sources=None, extra_infos=None, response_ids=None, trainer_state=None,
+              solutions=None, columns=None):
         rewards = np.ones(len(texts), np.float32)
         return rewards, {"accuracy": rewards, "num_timeouts": 0, "num_no_box": 0,
                          "num_errors": 0}

@@ -357,10 +357,11 @@ def test_a_reward_of_your_own_trains_and_evaluates(tmp_path):
 
 
 def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
-    """TRL reward functions, fn(prompts, completions, solution, **kwargs) -> list, unchanged as
-    rewards.python_fn, two of them with weights (TRL's reward_funcs, reward_weights): a training
-    step calls each on rewards.python_batch_size responses at a time with their problems as
-    prompts= and their records' answers as solution= (strings under data.template=plain:
+    """TRL reward functions, fn(prompts, completions, solution, level, **kwargs) -> list,
+    unchanged as rewards.python_fn, two of them with weights (TRL's reward_funcs,
+    reward_weights): a training step calls each on rewards.python_batch_size responses at a time
+    with their problems as prompts=, their records' solutions as solution= and the data set's
+    "level" column as level= (strings under data.template=plain:
     completion_format auto), the responses' token ids as completion_ids= and the run's
     trainer_state= (global_step: the steps done before the rollout; max_steps); each response's
     reward is the weighted sum of its entries, and each function's mean reward is logged as
@@ -373,9 +374,9 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
     from tests.rl_fixtures import LOOP_WITHOUT_EVAL, single_device_mesh
 
     (tmp_path / "trl_reward.py").write_text(
-        "def reward(prompts, completions, solution, **kwargs):\n"
+        "def reward(prompts, completions, solution, level, **kwargs):\n"
         "    return [len(completions) + (len(c) % 2 == 0) + len(p) / 1e2 + len(s) / 1e4\n"
-        "            for p, c, s in zip(prompts, completions, solution)]\n\n"
+        "            + lv / 1e3 for p, c, s, lv in zip(prompts, completions, solution, level)]\n\n"
         "def bonus(completions, completion_ids, trainer_state, **kwargs):\n"
         "    assert all(type(t) is int for ids in completion_ids for t in ids)\n"
         f"    with open({str(tmp_path / 'states.txt')!r}, 'a') as f:\n"
@@ -409,7 +410,8 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
         for r in rows:
             own.append(8.0 + (len(r["response"]) % 2 == 0)
                        + len(record[r["id"]]["problem"]) / 1e2
-                       + len(str(record[r["id"]]["answer"])) / 1e4)
+                       + len(record[r["id"]]["solution"]) / 1e4
+                       + record[r["id"]]["level"] / 1e3)
             assert len(r["token_ids"]) == r["response_tokens"]
             bonus.append(sum(r["token_ids"]) % 97 + 1000 * (step - 1) + 200)
             assert r["reward"] == pytest.approx(own[-1] - 0.5 * bonus[-1], rel=1e-6), r
@@ -423,6 +425,25 @@ def test_trl_reward_functions_train_unchanged(tmp_path, caplog):
     # each step's two calls of 8, then the evaluation after step 2 (2 questions x 2 samples)
     calls = (tmp_path / "states.txt").read_text().split("\n")[:-1]
     assert calls == ["0 8", "0 8", "1 8", "1 8", "2 4"], calls
+    with open(tmp_path / "w" / "eval" / "step_2.json") as f:  # its rows had level= too
+        assert json.load(f)["benchmarks"]["synthetic_test"]["num_errors"] == 0
+
+
+@pytest.mark.parametrize("eval_data, field", [("synthetic", "data.eval"), ("", "data.train")])
+def test_a_column_the_data_lacks_stops_the_start(tmp_path, eval_data, field):
+    """A python_fn parameter without default that names no column of the data (a typo, or
+    another data set's): the start stops at the benchmark or training file, naming its row, the
+    field and why it is wanted."""
+    from delta_jax.errors import InputError
+    from tests.rl_fixtures import single_device_mesh
+
+    (tmp_path / "r.py").write_text("def reward(completions, topic, **kwargs):\n"
+                                   "    return [0.0] * len(completions)\n")
+    cfg = tiny_rl_config("grpo", rewards=dict(name="python", python_fn=f"{tmp_path}/r.py:reward",
+                                              num_workers=1), data=dict(eval=eval_data))
+    with pytest.raises(InputError, match=f"^{field}: .*jsonl:line 1: missing field 'topic', a "
+                                         "column the reward takes by name"):
+        run_lib.build_run(cfg, str(tmp_path / "w"), mesh=single_device_mesh())
 
 
 @pytest.mark.parametrize("template, setting, want", [

@@ -32,7 +32,8 @@ from delta_jax.log_utils import absl_warning_held_back
 log = logging.getLogger("delta_jax.data")
 
 DEFAULT_DATA_DIR_ENV = "DELTA_JAX_DATA_DIR"
-_TEXT_KEYS = ("id", "problem", "answer", "solution", *records_lib.CONTEXT_FIELDS)
+_TEXT_KEYS = ("id", "problem", "answer", "solution", *records_lib.CONTEXT_FIELDS,
+              records_lib.COLUMNS)
 
 
 def default_data_dir() -> str:
@@ -50,6 +51,7 @@ class MathRecordsConfig(tfds.core.BuilderConfig):
     fields_json: str = '"auto"'  # json.dumps of the `fields` argument
     on_error: str = "raise"
     split: str = "train"  # only for hub names
+    columns_json: str = "{}"  # json.dumps of the `columns` argument
 
 
 class _LocalRecordsInfo(tfds.core.DatasetInfo):
@@ -67,11 +69,12 @@ class _LocalRecordsInfo(tfds.core.DatasetInfo):
 
 class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
     """Math problems as {"id","problem","answer","solution","level","data_source","extra_info",
-    "index"} in one "train" split."""
+    "columns","index"} in one "train" split."""
 
-    VERSION = tfds.core.Version("1.1.0")
+    VERSION = tfds.core.Version("1.2.0")
     RELEASE_NOTES = {"1.0.0": "Records from local JSONL / parquet files (or a hub name).",
-                     "1.1.0": "Each record's data_source and extra_info (text; \"\" for none)."}
+                     "1.1.0": "Each record's data_source and extra_info (text; \"\" for none).",
+                     "1.2.0": "Each record's columns a reward takes by name (JSON text)."}
     # Nothing is downloaded, so there is no checksums file to find next to the code; tfds's own
     # lookup of the code path needs the optional `importlib_resources` package, which we avoid.
     code_path = None
@@ -106,7 +109,8 @@ class DeltaJaxMathRecords(tfds.core.GeneratorBasedBuilder):
         config: MathRecordsConfig = self.builder_config
         source = list(config.paths) if len(config.paths) > 1 else config.paths[0]
         recs, stats = records_lib.load_records(
-            source, fields=json.loads(config.fields_json), on_error=config.on_error, split=config.split
+            source, fields=json.loads(config.fields_json), on_error=config.on_error,
+            split=config.split, columns=json.loads(config.columns_json),
         )
         if not recs:
             raise InputError(f"{config.paths}: no records to prepare (load stats: {stats})")
@@ -156,9 +160,11 @@ class RecordSource:
         return f"RecordSource(name={self.name!r}, len={len(self)}, data_dir={self.data_dir!r})"
 
 
-def _content_digest(paths: Sequence[str], fields: Any, on_error: str, split: str) -> str:
+def _content_digest(paths: Sequence[str], fields: Any, on_error: str, split: str,
+                    columns: Mapping[str, bool]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"fields": fields, "on_error": on_error, "split": split}, sort_keys=True).encode())
+    h.update(json.dumps({"fields": fields, "on_error": on_error, "split": split,
+                         "columns": columns}, sort_keys=True).encode())
     for path in paths:
         h.update(b"\0file\0")
         if os.path.isfile(path):
@@ -183,6 +189,7 @@ def build_tfds_source(
     fields: str | Mapping[str, str] = "auto",
     on_error: str = "raise",
     split: str = "train",
+    columns: Mapping[str, bool] | None = None,
 ) -> RecordSource:
     """Prepare (once per file content) and open records as a random-access ArrayRecord source.
 
@@ -190,10 +197,10 @@ def build_tfds_source(
       paths: file(s), directory, glob (see records.resolve_paths) or a hub name "org/name".
       name: a readable prefix for the cache entry (default: the first file's stem).
       data_dir: where tfds keeps prepared data (default: default_data_dir()).
-      fields, on_error, split: as in records.load_records.
+      fields, on_error, split, columns: as in records.load_records.
     Returns:
       RecordSource: len() and [i] -> {"id","problem","answer","solution","level","data_source",
-      "extra_info","index"}; its `.stats` is the LoadStats of the conversion.
+      "extra_info","columns","index"}; its `.stats` is the LoadStats of the conversion.
     """
     files = records_lib.resolve_paths(paths)
     if not files:
@@ -204,7 +211,8 @@ def build_tfds_source(
     files = [os.path.abspath(f) if os.path.exists(f) else f for f in files]
     if isinstance(fields, Mapping):
         fields = dict(fields)
-    digest = _content_digest(files, fields, on_error, split)
+    columns = dict(columns or {})
+    digest = _content_digest(files, fields, on_error, split, columns)
     slug = re.sub(r"[^A-Za-z0-9_]+", "_", name or pathlib.Path(files[0]).stem).strip("_") or "records"
     config = MathRecordsConfig(
         name=f"{slug}-{digest}",
@@ -214,6 +222,7 @@ def build_tfds_source(
         fields_json=json.dumps(fields, sort_keys=True),
         on_error=on_error,
         split=split,
+        columns_json=json.dumps(columns, sort_keys=True),
     )
     data_dir = os.fspath(data_dir or default_data_dir())
     builder = _builder(config, data_dir)

@@ -3,12 +3,16 @@
 Every record comes out in the project's layout::
 
     {"id": str, "problem": str, "answer": str, "solution": str, "level": int,
-     "data_source": str, "extra_info": str}
+     "data_source": str, "extra_info": str, "columns": str}
 
 (`solution` is "" and `level` is -1 when the source has none). `data_source` and `extra_info` are
 context for a reward of the user's own (rewards.python_fn): the row's own columns of those names
 (verl's layout: the data set's name, and per-row metadata, any JSON value) or the keys a custom
 mapping names for them; data_source as text, extra_info as JSON text, "" when there is none.
+`columns` holds the row's own top-level columns that a reward asks for by name (`columns=`:
+{name: required}; TRL gives its reward functions a data set's columns by keyword), as the JSON
+text of {name: value} with the names the row has ("" when none is asked for); a row without a
+required one is malformed.
 Upstream layouts differ, so a field mapping picks the keys; the presets cover the data sets we
 train on:
 
@@ -464,6 +468,37 @@ def data_source_text(value: Any, key: str = DATA_SOURCE) -> str:
 
 CONTEXT_FIELDS = {DATA_SOURCE: data_source_text, EXTRA_INFO: extra_info_text}
 
+# The record field holding the row's columns a reward takes by name (columns_text).
+COLUMNS = "columns"
+COLUMNS_WHY = "a column the reward takes by name (rewards.python_fn, rewards.python_columns)"
+
+
+def columns_text(row: Mapping[str, Any], columns: Mapping[str, bool] | None) -> str:
+    """The record's `columns`: the JSON text of {name: the row's value} for the names of
+    `columns` ({name: required}) that the row has (a value of None counts as absent), "" for no
+    names; ValueError for a required name the row lacks or a value JSON cannot hold, naming
+    it."""
+    if not columns:
+        return ""
+    kept = {}
+    for name, required in columns.items():
+        value = row.get(name)
+        if value is None:
+            if required:
+                raise ValueError(f"missing field {name!r}, {COLUMNS_WHY}{_fields_of(row)}")
+            continue
+        kept[name] = value
+    try:
+        return json.dumps(kept, ensure_ascii=False, allow_nan=False, default=_json_plain)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a field of {sorted(kept)} is not a JSON value ({e}), "
+                         f"{COLUMNS_WHY}") from None
+
+
+def decode_columns(text: str) -> dict:
+    """A record's `columns` text back to {name: value} ({} for "")."""
+    return json.loads(text) if text else {}
+
 
 def _json_plain(value: Any) -> Any:
     """json.dumps' default for the numpy values a parquet or datasets row may hold."""
@@ -611,8 +646,10 @@ def records_from_rows(
     id_prefix: str = "row",
     stats: LoadStats | None = None,
     layout_key: str = "",
+    columns: Mapping[str, bool] | None = None,
 ) -> list[dict]:
-    """Map raw rows to records (see the module docstring); errors name `where`."""
+    """Map raw rows to records (see the module docstring); errors name `where`. columns: the
+    row's own columns each record keeps ({name: required}, columns_text)."""
     if on_error not in ("raise", "skip"):
         raise InputError(f"data.on_error: must be 'raise' or 'skip', got {on_error!r}")
     fields = parse_fields(fields)
@@ -637,6 +674,7 @@ def records_from_rows(
             for name, as_text in CONTEXT_FIELDS.items():  # the row's own column of that name
                 if name not in record:
                     record[name] = as_text(row.get(name))
+            record[COLUMNS] = columns_text(row, columns)
         except (KeyError, ValueError, TypeError) as e:
             reason = (f"missing field {e.args[0]!r}{_fields_of(row)}" if isinstance(e, KeyError)
                       else str(e))
@@ -696,9 +734,10 @@ def load_records(
     fields: str | Mapping[str, str] = "auto",
     on_error: str = "raise",
     split: str = "train",
+    columns: Mapping[str, bool] | None = None,
 ) -> tuple[list[dict], LoadStats]:
-    """Records {"id","problem","answer","solution","level","data_source","extra_info"} and
-    LoadStats from files or a hub name.
+    """Records {"id","problem","answer","solution","level","data_source","extra_info","columns"}
+    and LoadStats from files or a hub name.
 
     Args:
       path_or_name: a .jsonl / .json / .parquet file, a directory, a glob, a list of those, or a
@@ -706,13 +745,15 @@ def load_records(
       fields: "auto" (per file, from the first row's keys), a preset name from PRESETS, or a dict
         mapping record keys to (dotted) source keys.
       on_error: "raise" (MalformedRecordError naming file and row) or "skip" (count in stats).
+      columns: {name: required}: the row's own columns each record keeps (its "columns" field).
     """
     stats = LoadStats()
     files = resolve_paths(path_or_name)
     if not files:
         name = os.fspath(path_or_name)  # type: ignore[arg-type]
         if isinstance(path_or_name, (str, os.PathLike)) and looks_like_hub_name(name):
-            return load_hub_records(name, fields=fields, on_error=on_error, split=split)
+            return load_hub_records(name, fields=fields, on_error=on_error, split=split,
+                                    columns=columns)
         raise MissingInputError(f"{name}: no such file, directory or glob (and not an org/name hub id)")
     records: list[dict] = []
     for path in files:
@@ -723,12 +764,14 @@ def load_records(
             id_prefix=pathlib.Path(path).stem,
             stats=stats,
             layout_key=path,
+            columns=columns,
         )
     return records, stats
 
 
 def load_hub_records(
-    name: str, fields: str | Mapping[str, str] = "auto", on_error: str = "raise", split: str = "train"
+    name: str, fields: str | Mapping[str, str] = "auto", on_error: str = "raise",
+    split: str = "train", columns: Mapping[str, bool] | None = None,
 ) -> tuple[list[dict], LoadStats]:
     """Records from a Hugging Face hub data set (network or a warm hub cache needed).
 
@@ -750,7 +793,7 @@ def load_hub_records(
         rows = ((f"{name}[{split}]:row {i + 1}", row) for i, row in enumerate(ds))
         records = records_from_rows(
             rows, fields=fields, on_error=on_error, id_prefix=name.split("/")[-1], stats=stats,
-            layout_key=name,
+            layout_key=name, columns=columns,
         )
         return records, stats
     try:
@@ -772,7 +815,7 @@ def load_hub_records(
     files = split_files or files
     if not files:
         raise MissingInputError(f"hub data set {name!r} has no parquet/JSONL files for split {split!r}")
-    return load_records(files, fields=fields, on_error=on_error)
+    return load_records(files, fields=fields, on_error=on_error, columns=columns)
 
 
 @contextlib.contextmanager

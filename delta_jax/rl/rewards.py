@@ -355,10 +355,15 @@ class UserRewardCall:
     fn(solution_str=response, ground_truth=answer, **kw), or with batch=True once for a list of
     responses, fn(completions=[...], **kw) (TRL's reward functions); kw holds those of
     `keywords` (USER_REWARD_KEYWORDS; TRL_REWARD_KEYWORDS for a batch) that score() was
-    given."""
+    given, and the data set's columns of its other parameters' names, `columns` (`required`:
+    those without a default; all_columns: **kwargs, which gets every column the run keeps, as
+    TRL gives **kwargs all of a data set's columns)."""
     verl: bool = False
     keywords: tuple[str, ...] = ()
     batch: bool = False
+    columns: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    all_columns: bool = False
 
     @property
     def kind(self) -> str:
@@ -370,29 +375,67 @@ def user_reward_call(fn: Callable) -> UserRewardCall:
     """The call a user reward's signature asks for: a batch (TRL's) call when it has a
     TRL_REWARD_ARG parameter, verl's when it has VERL_REWARD_ARGS parameters; the keywords of
     its kind it has a parameter of that name for (positional or keyword), all of them with
-    **kwargs. ValueError for a batch reward with a parameter without default that is not one of
-    those (it would get nothing), or positional-only ones (TRL calls by keyword)."""
+    **kwargs; its other parameters by name (not the ones the call fills: completions, verl's
+    two, a plain call's first two positional ones) are data set columns, as TRL passes a data
+    set's columns by name. ValueError for a batch reward with positional-only parameters (TRL
+    calls by keyword: they would get nothing)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function without a signature
         return UserRewardCall()
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    names = {p.name for p in named}
     batch = TRL_REWARD_ARG in names
     known = TRL_REWARD_KEYWORDS if batch else USER_REWARD_KEYWORDS
     if batch:
-        unsent = [p.name for p in params if p.name != TRL_REWARD_ARG and (
-            p.kind is p.POSITIONAL_ONLY or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                                            and p.default is p.empty and p.name not in known))]
+        unsent = [p.name for p in params if p.kind is p.POSITIONAL_ONLY]
         if unsent:
             raise ValueError(
                 f"{getattr(fn, '__name__', fn)!r} is a batch reward (it takes "
-                f"{TRL_REWARD_ARG}=, as TRL's reward functions do) whose parameter(s) "
-                f"{', '.join(unsent)} would get nothing: a batch reward is called by keyword with "
-                f"{TRL_REWARD_ARG}= and any of {', '.join(TRL_REWARD_KEYWORDS)}")
+                f"{TRL_REWARD_ARG}=, as TRL's reward functions do) whose positional-only "
+                f"parameter(s) {', '.join(unsent)} would get nothing: a batch reward is called "
+                f"by keyword with {TRL_REWARD_ARG}= and any of {', '.join(TRL_REWARD_KEYWORDS)} "
+                "or a data set column of the parameter's name")
     verl = not batch and all(a in names for a in VERL_REWARD_ARGS)
+    if batch:
+        filled = {TRL_REWARD_ARG}
+    elif verl:
+        filled = set(VERL_REWARD_ARGS)
+    else:  # fn(response, answer, ...): its first two positional parameters
+        filled = {p.name for p in params[:2]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    columns = [p for p in named if p.name not in filled and p.name not in known]
+    column_names = tuple(p.name for p in columns)
+    required = tuple(p.name for p in columns if p.default is p.empty)
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        return UserRewardCall(verl, known, batch)
-    return UserRewardCall(verl, tuple(k for k in known if k in names), batch)
+        return UserRewardCall(verl, known, batch, column_names, required, all_columns=True)
+    return UserRewardCall(verl, tuple(k for k in known if k in names), batch, column_names,
+                          required)
+
+
+def reward_columns(calls: Sequence[UserRewardCall], python_columns: Sequence[str] = ()
+                   ) -> dict[str, bool]:
+    """{column name: required} a run's records keep for its python_fn functions (their calls,
+    user_reward_call) and rewards.python_columns (names a **kwargs function reads, required):
+    required when any function (or python_columns) requires it."""
+    out: dict[str, bool] = {}
+    for call in calls:
+        for name in call.columns:
+            out[name] = out.get(name, False) or name in call.required
+    for name in python_columns:
+        out[name] = True
+    return out
+
+
+def user_reward_columns(python_columns) -> tuple[str, ...]:
+    """rewards.python_columns' names, comma separated ("" = none); ValueError for one that is
+    not a Python identifier (a keyword argument's name)."""
+    parts = python_columns.split(",") if isinstance(python_columns, str) else list(python_columns)
+    names = tuple(str(p).strip() for p in parts if str(p).strip())
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise ValueError(f"{bad} are not column names a reward can take by keyword")
+    return names
 
 
 def user_reward_in_worker(spec: str, kind: str, response, answer: str | None,
@@ -450,17 +493,20 @@ def user_reward_names(specs: Sequence[str]) -> tuple[str, ...]:
 
 
 def reward_context(records: Sequence[Mapping], n: int = 1) -> dict:
-    """score()'s problems=, data_sources=, extra_infos= for the responses of `records`, n
-    responses a record in order (a group's samples): each record's problem and its context
-    fields (data.records.CONTEXT_FIELDS; "" for a record without them)."""
-    from delta_jax.data.records import DATA_SOURCE, EXTRA_INFO
+    """score()'s problems=, solutions=, data_sources=, extra_infos=, columns= for the responses
+    of `records`, n responses a record in order (a group's samples): each record's problem, its
+    solution and its context fields (data.records.CONTEXT_FIELDS, data.records.COLUMNS; "" for
+    a record without them)."""
+    from delta_jax.data.records import COLUMNS, DATA_SOURCE, EXTRA_INFO
 
     def each(get):
         return [get(r) for r in records for _ in range(n)]
 
     return {"problems": each(lambda r: r["problem"]),
+            "solutions": each(lambda r: r.get("solution", "")),
             "data_sources": each(lambda r: r.get(DATA_SOURCE, "")),
-            "extra_infos": each(lambda r: r.get(EXTRA_INFO, ""))}
+            "extra_infos": each(lambda r: r.get(EXTRA_INFO, "")),
+            "columns": each(lambda r: r.get(COLUMNS, ""))}
 
 
 _USER_FN = f"{__name__}:user_reward_in_worker"
@@ -509,15 +555,25 @@ class RewardScorer:
         reward_funcs: fn(completions=[...], **kw) on python_batch_size responses at a time (a
         call each within timeout_s), kw by keyword as above from prompts= (the problems),
         completion_ids= (the responses' token ids), answer= / solution= / ground_truth= (the
-        answers), problem= / data_source= / extra_info= and trainer_state= (a TrainerState,
-        the same for the whole call), each when score() is given it; it returns one reward a completion (a number, bool, dict as above, or None
-        for 0), and a call that fails scores its whole batch 0.
+        answers; solution= is a record's own solution where it has one, as TRL passes a data
+        set's "solution" column), problem= / data_source= / extra_info= and trainer_state= (a
+        TrainerState, the same for the whole call), each when score() is given it; it returns
+        one reward a completion (a number, bool, dict as above, or None for 0), and a call that
+        fails scores its whole batch 0. Any other parameter of a python_fn function (of any
+        kind; not the ones its call fills) is a data set column of that name, as TRL gives its
+        reward functions a data set's columns by keyword: `columns` says which the records
+        must keep (data.records.columns_text), and score()'s columns= brings them; a
+        per-response call gets the column where its record has it, a batch call the list of a
+        span's values (None for a record without it) where one of them has it, and **kwargs
+        every column the run keeps.
         python_fn may name several functions, separated by commas (or as a sequence), as TRL's
         reward_funcs list: a response's reward is their python_weights-weighted sum, its
         correctness the first function's; a failed call of any fails the response (0 from
         each); info["reward_fns"] (REWARD_FNS_KEY) holds each function's unweighted rewards
         {name: float32 [N]} (user_reward_names).
       python_weights: one weight a python_fn function (TRL's reward_weights); None = 1 each.
+      python_columns: more data set columns to keep, required (user_reward_columns), for a
+        function that reads them from **kwargs.
       python_batch_size: a batch reward's responses a call.
       completion_format: how a batch reward gets completions= and prompts=: "text" (strings,
         TRL's standard form) or "messages" (TRL's conversational form: [{"role": "assistant",
@@ -548,7 +604,8 @@ class RewardScorer:
                  code_memory_mb: int = 1024, code_max_processes: int = 16,
                  pass_fraction: bool = False, python_fn: str | Sequence[str] = "",
                  python_weights: Sequence[float] | None = None,
-                 python_batch_size: int = 16, completion_format: str = "text"):
+                 python_batch_size: int = 16, completion_format: str = "text",
+                 python_columns: Sequence[str] | str = ()):
         self.name = name
         self._code = None
         self.python_fn = ""
@@ -556,6 +613,7 @@ class RewardScorer:
         self.python_weights: tuple[float, ...] = ()
         self.reward_fn_names: tuple[str, ...] = ()
         self._calls: tuple[UserRewardCall, ...] = ()  # how each function asks to be called
+        self.columns: dict[str, bool] = {}  # reward_columns: what the records keep for them
         if not (isinstance(python_batch_size, int) and python_batch_size >= 1):
             raise ValueError(f"python_batch_size must be an int >= 1, got {python_batch_size!r}")
         if completion_format not in COMPLETION_FORMATS:
@@ -606,6 +664,11 @@ class RewardScorer:
                                  "weight each")
             self.python_weights = weights
             self.reward_fn_names = user_reward_names(self.python_fns)
+            try:
+                extra_columns = user_reward_columns(python_columns)
+            except ValueError as e:
+                raise InputError(f"rewards.python_columns: {e}") from None
+            self.columns = reward_columns(self._calls, extra_columns)
             # each worker loads them before it takes work: their imports are not a first timeout
             grade_fn, init_fn, init_args = _USER_FN, _USER_INIT_FN, self.python_fns
         if pool is not None and pool.fn != grade_fn:
@@ -701,7 +764,8 @@ class RewardScorer:
               truncated=None, problems: Sequence[str] | None = None,
               data_sources: Sequence[str] | None = None,
               extra_infos: Sequence[str] | None = None, response_ids=None,
-              trainer_state: TrainerState | None = None):
+              trainer_state: TrainerState | None = None,
+              solutions: Sequence[str] | None = None, columns: Sequence[str] | None = None):
         """Rewards for N responses.
 
         Args:
@@ -717,6 +781,12 @@ class RewardScorer:
           response_ids: N responses' token ids (sequences of int, the stop token included), a
             batch reward's completion_ids=; trainer_state: its trainer_state= (TrainerState).
             The built-in rewards read neither.
+          solutions: N records' solutions ("" for none): a batch reward's solution= where it is
+            not "" (else the gold answer).
+          columns: N records' data.records.COLUMNS texts (JSON of {name: value}), the data set
+            columns a python_fn takes by name (`self.columns`).
+          reward_context(records) makes problems, solutions, data_sources, extra_infos and
+          columns.
         Returns:
           rewards: float32 [N].
           info: accuracy f32 [N], num_boxes i32 [N], overlong_penalty f32 [N], timed_out /
@@ -728,7 +798,8 @@ class RewardScorer:
         if len(golds) != n:
             raise ValueError(f"score: {n} responses but {len(golds)} golds")
         for name, given in (("problems", problems), ("data_sources", data_sources),
-                            ("extra_infos", extra_infos), ("response_ids", response_ids)):
+                            ("extra_infos", extra_infos), ("response_ids", response_ids),
+                            ("solutions", solutions), ("columns", columns)):
             if given is not None and len(given) != n:
                 raise ValueError(f"score: {n} responses but {len(given)} {name}")
         extra = {}
@@ -738,7 +809,7 @@ class RewardScorer:
             with self._lock:
                 user_rewards, accuracy, timed_out, errored, extra = self._user_scores(
                     responses, golds, problems, data_sources, extra_infos, response_ids,
-                    trainer_state)
+                    trainer_state, solutions, columns)
             # no answer to extract: every response counts as answered
             num_boxes, hits, num_no_box = np.zeros(n, np.int32), 0, 0
         elif self._code is not None:
@@ -788,14 +859,16 @@ class RewardScorer:
         return rewards.astype(np.float32), info
 
     def _user_scores(self, responses, golds, problems=None, data_sources=None,
-                     extra_infos=None, response_ids=None, trainer_state=None):
+                     extra_infos=None, response_ids=None, trainer_state=None, solutions=None,
+                     columns=None):
         """python_fn's (reward, correct) per response in the pool: rewards, accuracy f32 [N],
         timed_out, errored bool [N] (those score 0; the batch's first error is logged) and, with
         several functions, {REWARD_FNS_KEY: {name: its rewards [N]}}. Each function gets by keyword
         those of its call's keywords that it takes and were given (nothing is sent for nothing):
         one call a response, or for a batch reward one call a python_batch_size span of them (a
-        failed call fails its whole span); one pool map runs every function's calls."""
-        from delta_jax.data.records import decode_extra_info
+        failed call fails its whole span); one pool map runs every function's calls; the data
+        set columns of a call (UserRewardCall.columns, all_columns) where a record has them."""
+        from delta_jax.data.records import decode_columns, decode_extra_info
 
         n = len(responses)
         parts = np.zeros((len(self.python_fns), n), np.float32)  # each function's rewards
@@ -806,6 +879,8 @@ class RewardScorer:
         # Every keyword any function may get; each gets those its call names (sent below).
         given = {"problem": problems, "data_source": data_sources, "extra_info": extra_infos,
                  **dict.fromkeys(TRL_ANSWER_NAMES, golds), "prompts": problems}
+        if solutions is not None:  # a record's own solution, as TRL passes the column
+            given["solution"] = [s or g for s, g in zip(solutions, golds)]
         if messages and problems is not None:
             given["prompts"] = [[{"role": "user", "content": p}] for p in problems]
         if extra_infos is not None and any("extra_info" in c.keywords for c in self._calls):
@@ -813,6 +888,9 @@ class RewardScorer:
         if response_ids is not None and any("completion_ids" in c.keywords for c in self._calls):
             given["completion_ids"] = [[int(t) for t in ids] for ids in response_ids]
         once = {"trainer_state": trainer_state}  # TRL_CALL_KEYWORDS: the same for every call
+        taken = {c: self.columns if c.all_columns else c.columns for c in self._calls}
+        rows = ([decode_columns(t) for t in columns]  # once, if a function takes a column
+                if columns is not None and any(taken.values()) else [{}] * n)
         completions = ([[{"role": "assistant", "content": r}] for r in responses] if messages
                        else list(responses))  # a batch reward's
         spans, items = [], []  # (function, lo, hi) and its pool item
@@ -820,16 +898,20 @@ class RewardScorer:
             sent = {k: given[k] for k in call.keywords if given.get(k) is not None}
             if not call.batch:
                 spans += [(f, i, i + 1) for i in range(n)]
-                items += [(spec, call.kind, r, g, {k: v[i] for k, v in sent.items()})
+                items += [(spec, call.kind, r, g, {k: v[i] for k, v in sent.items()}
+                           | {c: rows[i][c] for c in taken[call] if c in rows[i]})
                           for i, (r, g) in enumerate(zip(responses, golds))]
                 continue
             for lo in range(0, n, self.python_batch_size):
                 hi = min(lo + self.python_batch_size, n)
                 spans.append((f, lo, hi))
+                span = rows[lo:hi]
                 items.append((spec, call.kind, completions[lo:hi], None,
                               {k: v[lo:hi] for k, v in sent.items()}
                               | {k: once[k] for k in call.keywords
-                                 if once.get(k) is not None}))
+                                 if once.get(k) is not None}
+                              | {c: [r.get(c) for r in span] for c in taken[call]
+                                 if any(c in r for r in span)}))
         outcomes = self.pool.map(items)
         first = None  # the first failed call's error
         for (f, lo, hi), out in zip(spans, outcomes):
@@ -869,12 +951,13 @@ def _absolute_spec(spec: str) -> str:
 def score_across_processes(score, responses: Sequence[str], golds: Sequence[str],
                            response_lengths=None, truncated=None, problems=None,
                            data_sources=None, extra_infos=None, response_ids=None,
-                           trainer_state=None):
+                           trainer_state=None, solutions=None, columns=None):
     """score(responses, golds, response_lengths=, truncated=[, problems=, data_sources=,
-    extra_infos=, response_ids=, trainer_state=]) -> (rewards [N], info), shared out over the
-    processes of a multi-host run (each its share of the per-response lists, and trainer_state):
-    each scores a contiguous share of the N responses (the sandboxes' and graders' work is
-    split) and every process gets all N rewards and accuracies and the summed counts
+    extra_infos=, response_ids=, trainer_state=, solutions=, columns=]) -> (rewards [N], info),
+    shared out over the processes of a multi-host run (each its share of the per-response
+    lists, and trainer_state): each scores a contiguous share of the N responses (the
+    sandboxes' and graders' work is split) and every process gets all N rewards and accuracies
+    and the summed counts
     num_timeouts / num_no_box / num_errors and REWARD_FNS_KEY's rewards (what training's
     rollout and evaluation keep of info). Every process must pass the same N responses. The
     rewards must be the same on every process (dynamic sampling's rounds and the global batch
@@ -883,7 +966,8 @@ def score_across_processes(score, responses: Sequence[str], golds: Sequence[str]
     import jax
     count = jax.process_count()
     given = {k: v for k, v in (("problems", problems), ("data_sources", data_sources),
-                               ("extra_infos", extra_infos), ("response_ids", response_ids))
+                               ("extra_infos", extra_infos), ("response_ids", response_ids),
+                               ("solutions", solutions), ("columns", columns))
              if v is not None}
     whole = {} if trainer_state is None else {"trainer_state": trainer_state}
     if count == 1:

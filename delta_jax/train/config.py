@@ -244,8 +244,15 @@ def default_config() -> config_dict.ConfigDict:
     # Several functions, separated by commas, are summed with python_weights ("" = 1 each; TRL's
     # reward_funcs and reward_weights): correctness (accuracy, eval) is the first function's, and
     # each one's mean reward is logged as rollout/reward_fn/<function name>.
+    # A function's other parameters (not the ones above) are data set columns, as TRL passes a
+    # data set's columns by keyword: the records keep the row's top-level columns of those names
+    # (a row without one the function takes without a default is malformed, data.on_error),
+    # and a call gets them where its records have them; python_columns names more (comma
+    # separated, each required) for a function that reads them from **kwargs, which gets every
+    # column kept.
     c.rewards.python_fn = ""
     c.rewards.python_weights = ""
+    c.rewards.python_columns = ""
     c.rewards.python_batch_size = 16
     c.rewards.completion_format = "auto"
 
@@ -736,6 +743,12 @@ def _check_combinations(c):
                  f"number(s), one for each rewards.python_fn function")
     _require(user or not str(c.rewards.python_weights).strip(), "rewards.python_weights",
              f"is used by rewards.name=python only, not {c.rewards.name!r}")
+    _require(user or not str(c.rewards.python_columns).strip(), "rewards.python_columns",
+             f"is used by rewards.name=python only, not {c.rewards.name!r}")
+    try:
+        rewards_lib.user_reward_columns(c.rewards.python_columns)
+    except ValueError as e:
+        raise ConfigError(f"rewards.python_columns: {e}") from None
     # qwen_math and code are task-specific prompts; base / chat / plain get the reward's task's
     # instruction (templates.for_task). A reward of the user's own reads what its template asks.
     _require(c.data.template != "code" or c.rewards.name in ("code", rewards_lib.USER_REWARD),

@@ -64,15 +64,36 @@ def prepare_assets(cfg, workdir: str) -> dict:
     return out
 
 
-def load_benchmarks(paths: dict, field: str = "data.eval") -> dict:
+def load_benchmarks(paths: dict, field: str = "data.eval", columns=None) -> dict:
     """{name: rows} of the benchmark files {name: path} of `field` (data.eval, data.val), read at
-    start-up, so a missing or malformed one stops the run before it trains."""
+    start-up, so a missing or malformed one stops the run before it trains. columns: {kind:
+    {column: required}} (evaluation.load_benchmark's; benchmark_columns(cfg))."""
     from delta_jax import evaluation
     benchmarks = {}
     for name, path in paths.items():
         with naming(field):
-            benchmarks[name] = evaluation.load_benchmark(path)
+            benchmarks[name] = evaluation.load_benchmark(path, columns=columns)
     return benchmarks
+
+
+def data_columns(cfg) -> dict:
+    """{column: required}: the data set columns the run's records keep for its reward, the
+    names rewards.python_fn's functions take beside their call's own keywords and
+    rewards.python_columns (rewards.reward_columns); {} for a built-in reward."""
+    from delta_jax.rl import rewards as rewards_lib
+    if cfg.rewards.name != rewards_lib.USER_REWARD:
+        return {}
+    try:
+        calls = [rewards_lib.user_reward_call(rewards_lib.load_user_reward(
+            rewards_lib._absolute_spec(spec)))
+            for spec in rewards_lib.user_reward_specs(cfg.rewards.python_fn)]
+    except ValueError as e:
+        raise InputError(f"rewards.python_fn: {e}") from None
+    try:
+        extra = rewards_lib.user_reward_columns(cfg.rewards.python_columns)
+    except ValueError as e:
+        raise InputError(f"rewards.python_columns: {e}") from None
+    return rewards_lib.reward_columns(calls, extra)
 
 
 def build_model(cfg, vocab_size: int, mesh=None):
@@ -291,13 +312,16 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     them on grpo / dapo runs too)."""
     os.makedirs(workdir, exist_ok=True)
     assets = prepare_assets(cfg, workdir)
-    benchmarks = load_benchmarks(assets["eval"])
-    val_benchmarks = load_benchmarks(assets["val"], "data.val") if cfg.data.val else benchmarks
+    columns = data_columns(cfg)  # before the data: a python_fn that does not load stops here
+    by_kind = {reward_task(cfg): columns}  # the benchmarks the run's own reward grades
+    benchmarks = load_benchmarks(assets["eval"], columns=by_kind)
+    val_benchmarks = (load_benchmarks(assets["val"], "data.val", by_kind) if cfg.data.val
+                      else benchmarks)
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
     template = run_template(cfg, tokenizer)
     # The data before the model: a bad data.train stops the run before weights are read.
-    data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template)
+    data_iter = (make_data_iter(cfg, assets["train"], workdir, tokenizer, template, columns)
                  if need_data and cfg.mode == "train" else None)
     prompts = eval_prompts(cfg, template, {**benchmarks, **val_benchmarks})
     warn_long_eval_prompts(cfg, benchmarks, prompts, tokenizer)
@@ -398,15 +422,17 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     return run
 
 
-def make_data_iter(cfg, train_files, workdir: str, tokenizer, template):
+def make_data_iter(cfg, train_files, workdir: str, tokenizer, template, columns=None):
     """The training prompts (data.train, prepared once into workdir/tfds) as a resumable
     pipeline of rollout.batch_prompts records (a new order each epoch; the file's order with
     data.shuffle=False); prompts over data.max_prompt_len are handled as data.overlong_prompts
-    says (a warning counts those left out)."""
+    says (a warning counts those left out). columns: the data set columns each record keeps
+    (data_columns)."""
     from delta_jax.data import builders, pipeline
     with naming("data.train"):
         source = builders.build_tfds_source(train_files, data_dir=os.path.join(workdir, "tfds"),
-                                            fields=cfg.data.fields, on_error=cfg.data.on_error)
+                                            fields=cfg.data.fields, on_error=cfg.data.on_error,
+                                            columns=columns)
     check_reward_fits_data(source, cfg.rewards.name)
     data_iter = pipeline.make_prompt_pipeline(
         source, batch_size=cfg.rollout.batch_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle,
@@ -545,6 +571,7 @@ def make_scorer(cfg, *, shaped: bool, task: str | None = None, pool=None):
         code_memory_mb=r.code_memory_mb, code_max_processes=r.code_max_processes,
         pass_fraction=r.code_pass_fraction, python_fn=r.python_fn if own_task else "",
         python_weights=user_reward_weights(r.python_weights) if own_task else None,
+        python_columns=r.python_columns if own_task else (),
         python_batch_size=r.python_batch_size, completion_format=completion_format(cfg),
         reward_kwargs=reward_options(cfg) if own_task else None, pool=pool)
     for spec, call in zip(scorer.python_fns, scorer.user_calls):
