@@ -470,19 +470,18 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
             own_scorers[kind] = RewardScorer(kind, num_workers=2)
         return own_scorers[kind]
 
-    def given_columns():  # {kind: the columns a given scorer's python_fn takes}
-        given = scorer if isinstance(scorer, Mapping) else {
-            kind: scorer for kind in ("math", "code")} if scorer is not None else {}
-        return {kind: getattr(s, "columns", {}) for kind, s in given.items()}
-
+    # {kind: the data set columns a given scorer's python_fn takes} (own scorers take none)
+    given = scorer if isinstance(scorer, Mapping) else {
+        kind: scorer for kind in ("math", "code")} if scorer is not None else {}
+    columns = {kind: getattr(s, "columns", {}) for kind, s in given.items()}
     t0 = time.perf_counter()
     results = {}
     try:
         for name, source in benchmarks.items():
             if isinstance(source, (str, os.PathLike)):
-                rows = load_benchmark(source, limit=limit, columns=given_columns())
+                rows = load_benchmark(source, limit=limit, columns=columns)
             else:
-                rows = [_check_row(r, f"benchmark {name!r} row {i}", i, given_columns())
+                rows = [_check_row(r, f"benchmark {name!r} row {i}", i, columns)
                         for i, r in enumerate(source)][:limit]
             kind = benchmark_kind(name, rows)
             default = default_code_prompt if kind == "code" else default_format_prompt

@@ -427,6 +427,27 @@ def reward_columns(calls: Sequence[UserRewardCall], python_columns: Sequence[str
     return out
 
 
+def load_python_fns(python_fn) -> tuple[tuple[str, ...], tuple[UserRewardCall, ...]]:
+    """rewards.python_fn's specs (file paths made absolute) and how each function is called
+    (user_reward_call), each function imported here; InputError naming rewards.python_fn for
+    one that does not load."""
+    try:
+        specs = tuple(_absolute_spec(p) for p in user_reward_specs(python_fn))
+        return specs, tuple(user_reward_call(load_user_reward(p)) for p in specs)
+    except ValueError as e:
+        raise InputError(f"rewards.python_fn: {e}") from None
+
+
+def python_fn_columns(calls: Sequence[UserRewardCall], python_columns) -> dict[str, bool]:
+    """reward_columns of the calls and rewards.python_columns' names (user_reward_columns);
+    InputError naming rewards.python_columns for a bad name."""
+    try:
+        extra = user_reward_columns(python_columns)
+    except ValueError as e:
+        raise InputError(f"rewards.python_columns: {e}") from None
+    return reward_columns(calls, extra)
+
+
 def user_reward_columns(python_columns) -> tuple[str, ...]:
     """rewards.python_columns' names, comma separated ("" = none); ValueError for one that is
     not a Python identifier (a keyword argument's name)."""
@@ -648,13 +669,8 @@ class RewardScorer:
             return
         grade_fn, init_fn, init_args = _GRADE_FN, _INIT_FN, ()
         if name == USER_REWARD:
-            try:
-                self.python_fns = tuple(_absolute_spec(p) for p in user_reward_specs(python_fn))
-                # here, so that a bad one stops the start
-                self._calls = tuple(user_reward_call(load_user_reward(p))
-                                    for p in self.python_fns)
-            except ValueError as e:
-                raise InputError(f"rewards.python_fn: {e}") from None
+            # here, so that a bad one stops the start
+            self.python_fns, self._calls = load_python_fns(python_fn)
             self.python_fn = ",".join(self.python_fns)
             weights = (1.0,) * len(self.python_fns) if python_weights is None else tuple(
                 float(w) for w in python_weights)
@@ -664,11 +680,7 @@ class RewardScorer:
                                  "weight each")
             self.python_weights = weights
             self.reward_fn_names = user_reward_names(self.python_fns)
-            try:
-                extra_columns = user_reward_columns(python_columns)
-            except ValueError as e:
-                raise InputError(f"rewards.python_columns: {e}") from None
-            self.columns = reward_columns(self._calls, extra_columns)
+            self.columns = python_fn_columns(self._calls, python_columns)
             # each worker loads them before it takes work: their imports are not a first timeout
             grade_fn, init_fn, init_args = _USER_FN, _USER_INIT_FN, self.python_fns
         if pool is not None and pool.fn != grade_fn:

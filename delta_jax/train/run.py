@@ -67,7 +67,8 @@ def prepare_assets(cfg, workdir: str) -> dict:
 def load_benchmarks(paths: dict, field: str = "data.eval", columns=None) -> dict:
     """{name: rows} of the benchmark files {name: path} of `field` (data.eval, data.val), read at
     start-up, so a missing or malformed one stops the run before it trains. columns: {kind:
-    {column: required}} (evaluation.load_benchmark's; benchmark_columns(cfg))."""
+    {column: required}} (evaluation.load_benchmark's; build_run gives the run's own task
+    data_columns(cfg))."""
     from delta_jax import evaluation
     benchmarks = {}
     for name, path in paths.items():
@@ -83,17 +84,8 @@ def data_columns(cfg) -> dict:
     from delta_jax.rl import rewards as rewards_lib
     if cfg.rewards.name != rewards_lib.USER_REWARD:
         return {}
-    try:
-        calls = [rewards_lib.user_reward_call(rewards_lib.load_user_reward(
-            rewards_lib._absolute_spec(spec)))
-            for spec in rewards_lib.user_reward_specs(cfg.rewards.python_fn)]
-    except ValueError as e:
-        raise InputError(f"rewards.python_fn: {e}") from None
-    try:
-        extra = rewards_lib.user_reward_columns(cfg.rewards.python_columns)
-    except ValueError as e:
-        raise InputError(f"rewards.python_columns: {e}") from None
-    return rewards_lib.reward_columns(calls, extra)
+    _, calls = rewards_lib.load_python_fns(cfg.rewards.python_fn)
+    return rewards_lib.python_fn_columns(calls, cfg.rewards.python_columns)
 
 
 def build_model(cfg, vocab_size: int, mesh=None):
