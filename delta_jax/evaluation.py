@@ -12,9 +12,11 @@ Code benchmarks (HumanEval, e.g. ../shared/data/humaneval.jsonl; MBPP / TACO / C
 layouts; see data/records.py) are recognised by their rows and scored by RewardScorer("code"):
 unit tests in the sandbox, pass@k over the k programs per problem.
 
-Per benchmark: avg@k (mean accuracy over all k samples of all questions) and pass@k' for each k'
-in pass_ks (Chen et al. 2021's unbiased estimator from the k samples). The summary row is the
-question-count-weighted average over benchmarks, as the paper reports.
+Per benchmark: avg@k (mean accuracy over all k samples of all questions), pass@k' for each k'
+in pass_ks (Chen et al. 2021's unbiased estimator from the k samples) and, for math benchmarks,
+maj@k' for each k' in maj_ks (majority voting, also called cons@k': the accuracy of the answer
+most of k' samples give; maj_at_k). The summary row is the question-count-weighted average over
+benchmarks, as the paper reports.
 """
 from __future__ import annotations
 
@@ -78,6 +80,51 @@ def pass_at_k(n, c, k: int):
             i = np.arange(nq - cq + 1, nq + 1, dtype=np.float64)
             flat_out[q] = 1.0 - np.prod(1.0 - k / i)
     return out if out.ndim else float(out)
+
+
+def maj_at_k(votes: Sequence[Sequence[str | None]], correct, k: int) -> np.ndarray:
+    """Majority-vote accuracy (maj@k, cons@k) per question: of k samples, the answer most of
+    them give, right or wrong.
+
+    The n samples of a question are split into n // k consecutive groups of k (the samples are
+    drawn independently, so each group is a draw of k; with k = n, the one group of all); in a
+    group the answer given most often wins, a tie going to the one given first, and the group
+    scores that answer's verdict (the correct value of the first sample giving it). Samples
+    without an answer (None) do not vote; a group with no answer scores 0. Votes compare as
+    strings (rl.rewards.final_answer: the normalised boxed answer), as lighteval's and verl's
+    maj@k do: two forms of one value ("0.5", "\\frac{1}{2}") are two answers. maj@1 is avg@n.
+
+    Args:
+      votes: [Q][n] each sample's answer (a hashable; None = none). correct: [Q, n] verdicts (1 =
+        right). k: 1 <= k <= n.
+    Returns:
+      float64 [Q]: each question's mean over its groups.
+    """
+    correct = np.asarray(correct, np.float64)
+    if correct.ndim != 2:
+        raise ValueError(f"maj@k needs correct of shape [questions, samples], got "
+                         f"{correct.shape}")
+    num_q, n = correct.shape
+    if len(votes) != num_q or any(len(v) != n for v in votes):
+        raise ValueError(f"maj@k needs votes of shape [{num_q}][{n}] as correct")
+    if not 1 <= k <= n:
+        raise ValueError(f"maj@k needs 1 <= k <= n; got k={k}, n={n}")
+    groups = n // k
+    out = np.zeros(num_q, np.float64)
+    for q in range(num_q):
+        for g in range(groups):
+            counts: dict = {}
+            first: dict = {}
+            for j in range(g * k, (g + 1) * k):
+                vote = votes[q][j]
+                if vote is not None:
+                    counts[vote] = counts.get(vote, 0) + 1
+                    first.setdefault(vote, j)
+            if counts:
+                winner = max(counts, key=lambda v: (counts[v], -first[v]))
+                out[q] += correct[q, first[winner]]
+        out[q] /= groups
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,12 +249,14 @@ def _checked_row(row: Mapping, where: str, index: int) -> dict:
 
 @dataclasses.dataclass
 class BenchmarkResult:
-    """One benchmark: num_correct[q] of k samples for each question q.
+    """One benchmark: num_correct[q] of k samples for each question q, and with maj_ks each
+    question's maj@k' (maj[k'] float64 [Q], maj_at_k).
 
     When evaluate() made it, also what was generated (not in to_dict): prompts[q], answers[q],
-    responses[q][j] (text) and correct fp32 [Q, k] (1 = right); and where the generate_fn
-    reports them (the sampler's does), response_tokens int [Q, k] and truncated bool [Q, k]
-    (cut at the token limit), whose means to_dict gives as response_len_mean, truncated_frac."""
+    responses[q][j] (text), correct fp32 [Q, k] (1 = right) and with maj_ks votes[q][j] (each
+    sample's final answer, None for none); and where the generate_fn reports them (the
+    sampler's does), response_tokens int [Q, k] and truncated bool [Q, k] (cut at the token
+    limit), whose means to_dict gives as response_len_mean, truncated_frac."""
     name: str
     ids: list
     num_correct: np.ndarray  # int [Q]
@@ -222,6 +271,8 @@ class BenchmarkResult:
     correct: np.ndarray | None = None
     response_tokens: np.ndarray | None = None
     truncated: np.ndarray | None = None
+    maj: dict = dataclasses.field(default_factory=dict)  # {k': float64 [Q]}
+    votes: list | None = None
 
     @property
     def num_questions(self) -> int:
@@ -235,12 +286,17 @@ class BenchmarkResult:
     def pass_at(self) -> dict:
         return {kk: float(np.mean(pass_at_k(self.k, self.num_correct, kk))) for kk in self.pass_ks}
 
+    @property
+    def maj_at(self) -> dict:
+        return {kk: float(np.mean(v)) for kk, v in self.maj.items()}
+
     def to_dict(self) -> dict:
         return {
             "num_questions": self.num_questions,
             "k": self.k,
             f"avg@{self.k}": self.avg_at_k,
             **{f"pass@{kk}": v for kk, v in self.pass_at.items()},
+            **{f"maj@{kk}": v for kk, v in self.maj_at.items()},
             "num_no_box": self.num_no_box,
             "num_timeouts": self.num_timeouts,
             "num_errors": self.num_errors,
@@ -248,8 +304,9 @@ class BenchmarkResult:
                 "response_len_mean": float(np.mean(self.response_tokens)),
                 "response_len_max": int(np.max(self.response_tokens)),
                 "truncated_frac": float(np.mean(self.truncated))}),
-            "per_question": [{"id": i, "num_correct": int(c)}
-                             for i, c in zip(self.ids, self.num_correct)],
+            "per_question": [{"id": i, "num_correct": int(c),
+                              **{f"maj@{kk}": float(v[q]) for kk, v in self.maj.items()}}
+                             for q, (i, c) in enumerate(zip(self.ids, self.num_correct))],
         }
 
 
@@ -261,12 +318,15 @@ class EvalResult:
     pass_ks: tuple
     settings: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    maj_ks: tuple = ()
 
     def metric_names(self) -> list[str]:
-        return [f"avg@{self.k}"] + [f"pass@{kk}" for kk in self.pass_ks]
+        return ([f"avg@{self.k}"] + [f"pass@{kk}" for kk in self.pass_ks]
+                + [f"maj@{kk}" for kk in self.maj_ks])
 
     def _row(self, b: BenchmarkResult) -> dict:
-        return {f"avg@{self.k}": b.avg_at_k, **{f"pass@{kk}": v for kk, v in b.pass_at.items()}}
+        return {f"avg@{self.k}": b.avg_at_k, **{f"pass@{kk}": v for kk, v in b.pass_at.items()},
+                **{f"maj@{kk}": v for kk, v in b.maj_at.items()}}
 
     def average(self) -> dict:
         """Each metric averaged over benchmarks weighted by their question counts."""
@@ -278,6 +338,7 @@ class EvalResult:
         return {
             "k": self.k,
             "pass_ks": list(self.pass_ks),
+            **({"maj_ks": list(self.maj_ks)} if self.maj_ks else {}),
             "settings": self.settings,
             "seconds": self.seconds,
             "benchmarks": {name: b.to_dict() for name, b in self.benchmarks.items()},
@@ -346,7 +407,8 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
     before, after: EvalResult.to_dict() of two evaluations (e.g. eval/step_0.json and the last
     step's), each holding "per_question" counts. Questions are matched by (benchmark, id); only
     those in both count. Returns {metric: {"before", "after", "diff", "lo", "hi", "n"}} for avg@k
-    and every pass@k' both evaluations report (fractions), or {} when no question is shared. The
+    and every pass@k' and maj@k' both evaluations report (fractions; maj@k' from the per-question
+    values to_dict writes), or {} when no question is shared. The
     interval covers the variation from which questions were drawn and from the k samples per
     question; it says nothing of how another training run would land.
     """
@@ -355,7 +417,7 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
         out = {}
         for name, bench in result.get("benchmarks", {}).items():
             for q in bench.get("per_question", ()):
-                out[(name, str(q["id"]))] = int(q["num_correct"])
+                out[(name, str(q["id"]))] = q
         return k, out
 
     kb, qb = per_question(before)
@@ -363,12 +425,15 @@ def paired_change(before: Mapping, after: Mapping, confidence: float = 0.95) -> 
     shared = [key for key in qb if key in qa]
     if not shared:
         return {}
-    cb = np.asarray([qb[key] for key in shared])
-    ca = np.asarray([qa[key] for key in shared])
+    cb = np.asarray([int(qb[key]["num_correct"]) for key in shared])
+    ca = np.asarray([int(qa[key]["num_correct"]) for key in shared])
     metrics = {"avg": (cb / kb, ca / ka)}
     both = sorted(set(before.get("pass_ks", ())) & set(after.get("pass_ks", ())))
     for kk in both:  # each evaluation reports pass@kk only for kk <= its own k
         metrics[f"pass@{kk}"] = (pass_at_k(kb, cb, kk), pass_at_k(ka, ca, kk))
+    for kk in sorted(set(before.get("maj_ks", ())) & set(after.get("maj_ks", ()))):
+        metrics[f"maj@{kk}"] = tuple(np.asarray([q[key][f"maj@{kk}"] for key in shared])
+                                     for q in (qb, qa))
     out = {}
     for name, (b, a) in metrics.items():
         diff, _, lo, hi = t_interval(np.asarray(a, np.float64) - np.asarray(b, np.float64),
@@ -416,7 +481,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
              default_format_prompt,
              scorer=None, limit: int | None = None,
              settings: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None,
-             trainer_state=None) -> EvalResult:
+             trainer_state=None, maj_ks: Sequence[int] = ()) -> EvalResult:
     """Samples k responses per question and scores them with the math (or code) reward.
 
     In a multi-host run every process calls it (generate_fn gives each the same responses) and
@@ -442,11 +507,17 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
       log: optional callable for progress lines (e.g. logging.info).
       trainer_state: a user batch reward's trainer_state= (rl.rewards.TrainerState: the RL
         steps the evaluated policy has had), sent to a scorer's python_fn that takes it.
+      maj_ks: k' values for maj@k' (each <= k; maj_at_k): the votes are the responses' final
+        answers (rl.rewards.final_answer: the boxed answer the math rewards read; for a scorer
+        with a python_fn, which reads its own, the majority boxed answer gets that function's
+        verdict of its first response). A code benchmark with maj_ks is a ValueError: its
+        programs are not answers to vote on.
     Returns:
       EvalResult.
     """
     # the pool is only needed when evaluating
-    from delta_jax.rl.rewards import RewardScorer, reward_context, score_across_processes
+    from delta_jax.rl.rewards import (RewardScorer, final_answer, reward_context,
+                                      score_across_processes)
 
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -456,6 +527,10 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
     bad = [x for x in pass_ks if not 1 <= x <= k]
     if bad:
         raise ValueError(f"pass_ks must lie in [1, k={k}], got {bad}")
+    maj_ks = tuple(int(x) for x in maj_ks)
+    bad = [x for x in maj_ks if not 1 <= x <= k]
+    if bad:
+        raise ValueError(f"maj_ks must lie in [1, k={k}], got {bad}")
     if not benchmarks:
         raise ValueError("evaluate: no benchmarks given")
 
@@ -484,6 +559,9 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                 rows = [_check_row(r, f"benchmark {name!r} row {i}", i, columns)
                         for i, r in enumerate(source)][:limit]
             kind = benchmark_kind(name, rows)
+            if maj_ks and kind == "code":
+                raise ValueError(f"{name}: maj@k votes on final answers; a code benchmark's "
+                                 "responses are programs (evaluate it without maj_ks)")
             default = default_code_prompt if kind == "code" else default_format_prompt
             if isinstance(format_prompt, Mapping):
                 fmt = format_prompt.get(kind, default)
@@ -498,13 +576,16 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
                                              **reward_context(rows, k), response_ids=ids,
                                              trainer_state=trainer_state)
             correct = np.asarray(info["accuracy"], np.float32).reshape(len(rows), k)
+            votes = [[final_answer(text) for text in group] for group in responses] \
+                if maj_ks else None
             results[name] = BenchmarkResult(
                 name=name, ids=[r["id"] for r in rows],
                 num_correct=correct.sum(axis=1).round().astype(int), k=k,
                 pass_ks=pass_ks, num_no_box=info["num_no_box"],
                 num_timeouts=info["num_timeouts"], num_errors=info["num_errors"],
                 prompts=prompts, answers=[r["answer"] for r in rows], responses=responses,
-                correct=correct, response_tokens=response_tokens, truncated=truncated)
+                correct=correct, response_tokens=response_tokens, truncated=truncated,
+                maj={kk: maj_at_k(votes, correct, kk) for kk in maj_ks}, votes=votes)
             if log is not None:
                 log(f"eval {name}: {len(rows)} questions, avg@{k} = "
                     f"{100 * results[name].avg_at_k:.1f}")
@@ -512,7 +593,7 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Any], k: int = EV
         for own in own_scorers.values():
             own.close()
     return EvalResult(results, k=k, pass_ks=pass_ks, settings=dict(settings or {}),
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, maj_ks=maj_ks)
 
 
 def sampler_generate_fn(sampler, temperature: float = EVAL_TEMPERATURE, top_p: float = EVAL_TOP_P,

@@ -12,8 +12,8 @@ What runs, and where it goes (all under --workdir):
   tokenizer/                     a byte-level BPE trained on the task's own text (448 ids)
   SFT warm start                 sft.steps supervised steps on the worked solutions: the policy
                                  learns the "a op b = c. ... \\boxed{c}" format and earns reward
-  eval step 0                    avg@16 and pass@1/4/16 on data.synthetic_test held-out
-                                 problems, math reward
+  eval step 0                    avg@16, pass@1/4/16 and maj@4/16 (majority voting) on
+                                 data.synthetic_test held-out problems, math reward
   DelTA RL                       train.steps x 16 prompts x 8 samples, math reward + DAPO overlong
                                  penalty, GRPO advantages, dynamic sampling (groups whose samples
                                  all agree are dropped and refilled from more prompts), DelTA
@@ -84,6 +84,7 @@ def get_config():
     c.sft.max_len = 80          # the longest prompt + solution + EOS is 79 tokens
     c.eval.k = 16                 # 16 samples per problem: avg@16 and the unbiased pass@4
     c.eval.pass_k = "1,4,16"      # (Chen et al.) vary far less between evals than from 4 samples
+    c.eval.maj_k = "4,16"         # majority voting over 4 and 16 samples (self-consistency)
     c.eval.temperature = 1.0
     c.eval.top_p = 1.0
     c.eval.max_new_tokens = 48

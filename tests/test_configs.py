@@ -219,10 +219,12 @@ def test_a_reward_of_your_own_is_named_with_its_field():
     """rewards.name=python needs rewards.python_fn, which no other reward takes (nor
     rewards.python_weights); several functions take one number each in python_weights; with it
     the code template is allowed (the user's reward reads what it asks for), and the run's task
-    follows the template."""
+    follows the template. (tiny.py's eval.maj_k votes on boxed answers, which a function of
+    one's own need not read: it is turned off here, and refused with one in
+    test_eval_maj_k_is_votes_over_at_most_eval_k_samples_with_a_math_reward.)"""
     from delta_jax.rl.rewards import user_reward_weights
     from delta_jax.train.run import reward_task
-    base = f"--config={EXPERIMENTS / 'tiny.py'}"
+    base = f"--config={EXPERIMENTS / 'tiny.py'}", "--config.eval.maj_k="
     for overrides, message in [
             (["rewards.name=python"], r"^rewards\.python_fn: rewards\.name=python grades"),
             (["rewards.python_fn=r.py:f"], r"^rewards\.python_fn: is used by rewards\.name=py"),
@@ -238,15 +240,15 @@ def test_a_reward_of_your_own_is_named_with_its_field():
             (["rewards.python_weights=1"], r"^rewards\.python_weights: is used by rewards\.name="
              "python only")]:
         with pytest.raises(ConfigError, match=message):
-            validate_config(parse([base, *(f"--config.{o}" for o in overrides)]))
-    cfg = validate_config(parse([base, "--config.rewards.name=python",
+            validate_config(parse([*base, *(f"--config.{o}" for o in overrides)]))
+    cfg = validate_config(parse([*base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f"]))
     assert reward_task(cfg) == "math"
-    cfg = validate_config(parse([base, "--config.rewards.name=python",
+    cfg = validate_config(parse([*base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f, r.py:g",
                                  "--config.rewards.python_weights=1, -0.5"]))
     assert user_reward_weights(cfg.rewards.python_weights) == (1.0, -0.5)
-    cfg = validate_config(parse([base, "--config.rewards.name=python",
+    cfg = validate_config(parse([*base, "--config.rewards.name=python",
                                  "--config.rewards.python_fn=r.py:f", "--config.data.template=code"]))
     assert reward_task(cfg) == "code"
 
@@ -306,6 +308,31 @@ def test_random_init_takes_no_checkpoint_and_needs_a_tokenizer():
         validate_config(parse([base, "--config.tokenizer.path="]))
     # plan mode reads shapes only: no tokenizer needed there
     assert validate_config(parse([base, "--config.tokenizer.path=", "--config.mode=plan"]))
+
+
+def test_eval_maj_k_is_votes_over_at_most_eval_k_samples_with_a_math_reward():
+    """eval.maj_k: "" (none) or comma separated k' in [1, eval.k]; the validations keep those
+    <= eval.val_k; train.best_metric may name a maj@k'; a rewards.name=python run is refused (its
+    function reads its own answers, not the boxed ones the votes are)."""
+    from delta_jax.train.config import EVAL, VAL, eval_metric_names, eval_settings
+    base = f"--config={EXPERIMENTS / 'qwen3_8b.py'}"
+    paper = ["--config.model.path=/m", "--config.data.train=/d.jsonl",
+             "--config.data.eval=/b/aime25.jsonl", "--config.eval.k=16"]
+    cfg = validate_config(parse([base, *paper, "--config.eval.maj_k=4, 16",
+                                 "--config.train.best_metric=val/benchmarks/aime25/maj@4"]))
+    assert eval_settings(cfg, EVAL).maj_ks == (4, 16)
+    assert eval_settings(cfg, VAL).maj_ks == (4,)  # the recipe's eval.val_k is 8
+    assert "eval/average/maj@16" in eval_metric_names(cfg)
+    assert "val/average/maj@16" not in eval_metric_names(cfg)
+    assert eval_settings(validate_config(parse([base, *paper])), EVAL).maj_ks == ()
+    for value in ("0", "17", "4,x", "-1"):
+        with pytest.raises(ConfigError, match=r"^eval\.maj_k: comma separated ints in "
+                                              r"\[1, eval\.k\]"):
+            validate_config(parse([base, *paper, f"--config.eval.maj_k={value}"]))
+    with pytest.raises(ConfigError, match=r"^eval\.maj_k: votes on each response's last "):
+        validate_config(parse([base, *paper, "--config.eval.maj_k=4",
+                               "--config.rewards.name=python",
+                               "--config.rewards.python_fn=my_rewards.py:score"]))
 
 
 def test_best_metric_names_a_metric_the_evaluations_log():

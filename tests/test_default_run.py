@@ -26,7 +26,8 @@ SHORT = {
     "train.steps": 2, "train.save_every": 1, "train.progress_bar": False,
     "train.rollouts_every": 1,
     "sft.steps": 3, "sft.batch_size": 4, "sft.max_len": 64,
-    "eval.k": 2, "eval.pass_k": "1,2", "eval.max_new_tokens": 16, "eval.limit": 4,
+    "eval.k": 2, "eval.pass_k": "1,2", "eval.maj_k": "2", "eval.max_new_tokens": 16,
+    "eval.limit": 4,
     # A 3-step warm start solves nothing, so every group's rewards agree and the default's dynamic
     # sampling would stop the run after rl.dynamic_sampling_max_rounds rounds (by design); it is
     # tested in test_dynamic_sampling.py and test_phases.py.
@@ -65,6 +66,9 @@ def test_prints_held_out_accuracy_before_and_after_rl(default_run):
         at = {r["step"]: r[f"eval/average/pass@{k}"] for r in rows
               if f"eval/average/pass@{k}" in r}
         assert f"pass@{k} {100 * at[0]:.1f}% -> {100 * at[2]:.1f}%" in passes
+    votes = next(l for l in stdout.splitlines() if l.startswith("maj@k before -> after RL"))
+    at = {r["step"]: r["eval/average/maj@2"] for r in rows if "eval/average/maj@2" in r}
+    assert sorted(at) == [0, 2] and f"maj@2 {100 * at[0]:.1f}% -> {100 * at[2]:.1f}%" in votes
 
 
 def test_metrics_plots_and_run_assets(default_run):

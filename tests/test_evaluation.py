@@ -379,6 +379,87 @@ def test_evaluate_rows_custom_prompt_and_limit(scorer):
     assert result.pass_ks == (1, 2) and b.pass_at == {1: 0.5, 2: 0.5}
 
 
+# --- majority voting ------------------------------------------------------------------------
+
+
+def test_maj_at_k_known_answers_groups_and_ties():
+    # gold 4: the majority of all four is "5" (wrong) though one sample is right
+    # the last question: three samples without an answer do not outvote the one with it
+    votes = [["5", "5", "4", None], ["7", "3", "3", "7"], [None, None, None, None],
+             [None, None, None, "4"]]
+    correct = [[0, 0, 1, 0], [1, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 1]]
+    # tie 2-2 in the second: "7" came first
+    assert ev.maj_at_k(votes, correct, 4).tolist() == [0.0, 1.0, 0.0, 1.0]
+    # k = 2: groups (s0, s1), (s2, s3): ["5","5"] -> 0, ["4", None] -> 1; ["7","3"] tie -> "7",
+    # ["3","7"] tie -> "3"; [None, None] -> 0, [None, "4"] -> 1
+    assert ev.maj_at_k(votes, correct, 2).tolist() == [0.5, 0.5, 0.0, 0.5]
+    # k = 3 of 4 samples: one group, the first three
+    assert ev.maj_at_k(votes, correct, 3).tolist() == [0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        ev.maj_at_k(votes, correct, 5)
+    with pytest.raises(ValueError, match="votes of shape"):
+        ev.maj_at_k(votes[:2], correct, 2)
+
+
+def test_maj_at_1_is_the_mean_accuracy_and_unanimous_questions_keep_their_verdict():
+    rng = np.random.default_rng(0)
+    answers = np.array(["1", "2", "3", None], dtype=object)
+    votes = [list(rng.choice(answers, 8)) for _ in range(20)]
+    # right where the vote is "1" (gold 1); a sample without an answer is wrong
+    correct = np.asarray([[v == "1" for v in q] for q in votes], np.float32)
+    np.testing.assert_allclose(ev.maj_at_k(votes, correct, 1), correct.mean(axis=1))
+    same = [["x"] * 8, ["y"] * 8]
+    for k in (1, 2, 3, 8):
+        assert ev.maj_at_k(same, [[1] * 8, [0] * 8], k).tolist() == [1.0, 0.0]
+
+
+def test_evaluate_reports_maj_at_k_from_the_boxed_answers(scorer):
+    rows = [{"id": "a", "problem": "p0", "answer": "4"}, {"id": "b", "problem": "p1",
+                                                           "answer": "7"}]
+    texts = {"p0": ["so \\boxed{5}", "\\boxed{ 5 }", "\\boxed{4}", "no answer"],
+             # "7." is 7 (normalize_answer); 2-2 tie, "7" first
+             "p1": ["\\boxed{7}", "\\boxed{7.}", "\\boxed{3}", "\\boxed{3}"]}
+    result = ev.evaluate(lambda prompts, n: [texts[p] for p in prompts], {"toy": rows}, k=4,
+                         pass_ks=(4,), format_prompt=lambda p: p, scorer=scorer, maj_ks=(2, 4))
+    b = result.benchmarks["toy"]
+    assert b.votes == [["5", "5", "4", None], ["7", "7", "3", "3"]]
+    assert b.num_correct.tolist() == [1, 2] and b.pass_at == {4: 1.0}
+    assert b.maj_at == {2: 0.5, 4: 0.5}  # q0: 0 / 0.5 at 4 / 2; q1: 1 / 0.5
+    assert result.metric_names() == ["avg@4", "pass@4", "maj@2", "maj@4"]
+    d = result.to_dict()
+    assert d["maj_ks"] == [2, 4] and d["average"]["maj@4"] == 0.5
+    assert [q["maj@4"] for q in d["benchmarks"]["toy"]["per_question"]] == [0.0, 1.0]
+    assert result.flat_metrics()["eval/benchmarks/toy/maj@2"] == 0.5
+    assert "| maj@2 | maj@4 |" in result.to_markdown()
+    with pytest.raises(ValueError, match=r"maj_ks must lie in \[1, k=4\]"):
+        ev.evaluate(lambda prompts, n: [texts[p] for p in prompts], {"toy": rows}, k=4,
+                    format_prompt=lambda p: p, scorer=scorer, maj_ks=(5,))
+    code = [{"problem": "f", "answer": json.dumps({"tests": ["assert f(2) == 4"]})}]
+    with pytest.raises(ValueError, match="humaneval: maj@k votes on final answers"):
+        ev.evaluate(lambda prompts, n: [["x"] * n] * len(prompts), {"humaneval": code}, k=2,
+                    scorer=scorer, maj_ks=(2,))
+    # without maj_ks nothing of it is reported
+    plain = ev.evaluate(lambda prompts, n: [texts[p] for p in prompts], {"toy": rows}, k=4,
+                        format_prompt=lambda p: p, scorer=scorer).to_dict()
+    assert "maj_ks" not in plain and "maj@4" not in plain["average"]
+    assert plain["benchmarks"]["toy"]["per_question"][0] == {"id": "a", "num_correct": 1}
+
+
+def test_paired_change_pairs_maj_at_k_by_question():
+    def result(maj):
+        b = ev.BenchmarkResult("t", ["q0", "q1", "q2"], np.asarray([1, 1, 1]), 4, (1,),
+                               maj={4: np.asarray(maj, np.float64)})
+        return ev.EvalResult({"t": b}, 4, (1,), maj_ks=(4,)).to_dict()
+
+    change = ev.paired_change(result([0, 1, 0]), result([1, 1, 1]))
+    assert change["maj@4"]["before"] == pytest.approx(1 / 3)
+    assert change["maj@4"]["after"] == 1.0 and change["maj@4"]["diff"] == pytest.approx(2 / 3)
+    assert change["avg@4"]["diff"] == 0.0
+    # only where both evaluations voted
+    assert "maj@4" not in ev.paired_change(result([0, 1, 0]), _eval_dict(
+        {"t": {"q0": 1, "q1": 1, "q2": 1}}, 4))
+
+
 def _eval_dict(counts: dict, k: int, pass_ks=(1, 2)) -> dict:
     """EvalResult.to_dict() of hand-given per-question correct counts {benchmark: {id: c}}."""
     benches = {name: ev.BenchmarkResult(name, list(per), np.asarray(list(per.values())), k,

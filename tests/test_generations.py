@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from delta_jax.rl.rewards import final_answer
 from delta_jax.train import generations, loop
 from tests.rl_fixtures import TextLengthScorer, build_scored_run, tiny_rl_config
 
@@ -67,13 +68,14 @@ def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tm
     decodes from the sampled ids, the rewards TextLengthScorer gives those texts, the packed
     advantages and lengths, the mean of the token weights the loss used); and
     eval/step_0_responses.jsonl, graded by the same rule, whose per-question counts of correct
-    are step_0.json's."""
+    are step_0.json's, each with the answer it voted for in maj@2 (eval.maj_k), and
+    step_0.json's maj@2 of a question the verdict of its first sample with an answer."""
     cfg = tiny_rl_config(
         "delta", train=dict(steps=2, keep=10, save_every=10, rollouts_every=2,
                             rollouts_token_weights=True, eval_before=True,
                             eval_after=False, eval_every=0, export_final=False),
-        data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", limit=3, max_new_tokens=8,
-                                               save_responses=True),
+        data=dict(eval="synthetic"), eval=dict(k=2, pass_k="1,2", maj_k="2", limit=3,
+                                               max_new_tokens=8, save_responses=True),
         rewards=dict(num_workers=1))
     seen = {}
 
@@ -128,8 +130,14 @@ def test_the_trainer_writes_the_rollouts_it_trained_on_and_the_eval_responses(tm
             assert all(0 < r["response_tokens"] <= cfg.eval.max_new_tokens for r in got)
             assert all(r["response_tokens"] == cfg.eval.max_new_tokens
                        for r in got if r["truncated"])
+            assert [r["vote"] for r in got] == [final_answer(r["response"]) for r in got]
+            # of two samples the first with an answer wins (alone, or first of a tie)
+            voted = [r["correct"] for r in sorted(got, key=lambda r: r["sample"])
+                     if r["vote"] is not None]
+            assert q["maj@2"] == (voted[0] if voted else 0.0)
         assert bench["response_len_mean"] == pytest.approx(
             np.mean([r["response_tokens"] for r in mine]))
         assert bench["truncated_frac"] == pytest.approx(np.mean([r["truncated"] for r in mine]))
         assert {r["prompt"] for r in mine} and all(r["answer"] for r in mine)
     assert 0 < sum(r["correct"] for r in responses) < len(responses)
+    assert result["maj_ks"] == [2] and "maj@2" in result["average"]

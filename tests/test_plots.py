@@ -47,7 +47,9 @@ def test_eval_before_after_ignores_sft_rows_and_needs_the_final_eval():
     rows = fake_rows(rl_steps=6)
     out = plots.eval_before_after(rows, rl_steps=6)
     assert out == {"metric": "eval/average/avg@4", "before_step": 0, "before": 0.25,
-                   "after_step": 6, "after": 0.5, "pass": {4: (0.5, 0.75)}}
+                   "after_step": 6, "after": 0.5, "pass": {4: (0.5, 0.75)}, "maj": {}}
+    rows[8]["eval/average/maj@4"], rows[-1]["eval/average/maj@4"] = 0.125, 0.625
+    assert plots.eval_before_after(rows, rl_steps=6)["maj"] == {4: (0.125, 0.625)}
     assert plots.eval_before_after(rows, rl_steps=7) is None  # the run did not finish
     assert plots.eval_before_after(fake_rows(final_eval=False)) is None
     assert plots.eval_before_after([{"step": 1, "sft/loss": 1.0}]) is None
@@ -136,6 +138,23 @@ def test_report_gives_the_paired_interval_from_the_eval_files(tmp_path):
     lo, hi = 100 * (d.mean() - half), 100 * (d.mean() + half)
     assert f"+25.0 points (95% CI {lo:+.1f} to {hi:+.1f})" in text
     assert "pass@4 50.0% -> 75.0% (+25.0, 95% CI [" in text and "paired by problem" in text
+    assert "maj@k" not in text  # the evaluations did not vote
+    # with eval.maj_k: its line, its interval from the per-question maj@4 of the files
+    maj = {0: [0, 0, 0, 0, 0, 1, 1, 1], 6: [0, 0, 0, 1, 1, 1, 1, 1]}
+    rows = fake_rows(rl_steps=6, with_delta=False)
+    rows[8]["eval/average/maj@4"], rows[-1]["eval/average/maj@4"] = 0.375, 0.625
+    write_rows(tmp_path, rows)
+    for step, c in counts.items():
+        bench = evaluation.BenchmarkResult("t", [f"q{i}" for i in range(8)], np.asarray(c), 4,
+                                           (1, 4), maj={4: np.asarray(maj[step], float)})
+        (tmp_path / "eval" / f"step_{step}.json").write_text(
+            evaluation.EvalResult({"t": bench}, 4, (1, 4), maj_ks=(4,)).to_json())
+    d = np.asarray(maj[6]) - np.asarray(maj[0])
+    half = 2.364624 * d.std(ddof=1) / np.sqrt(8)
+    line = next(l for l in plots.write_report(str(tmp_path), rl_steps=6).splitlines()
+                if l.startswith("maj@k before -> after RL: "))
+    assert line == (f"maj@k before -> after RL: maj@4 37.5% -> 62.5% (+25.0, 95% CI "
+                    f"[{100 * (d.mean() - half):+.1f}, {100 * (d.mean() + half):+.1f}])")
     (tmp_path / "eval" / "step_6.json").unlink()                # no files: no interval
     text = plots.write_report(str(tmp_path), rl_steps=6)
     assert "+25.0 points\n" in text and "95% CI" not in text

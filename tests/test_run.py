@@ -594,3 +594,25 @@ def test_build_run_gives_the_sampler_the_rollout_settings(tmp_path):
             assert s.decode_splits == (2 if shrink else 0)
         finally:
             run.close()
+
+
+def test_a_code_benchmark_in_a_run_with_eval_maj_k_stops_it_at_start_up(tmp_path):
+    """eval.maj_k votes on final answers: a code benchmark of data.eval / data.val (MBPP's layout
+    here) is an InputError naming the field, the benchmark and its file when the benchmarks are
+    read, before anything trains; a math one, or the code one without voting, loads."""
+    import json
+
+    from delta_jax.errors import InputError
+    code, math = tmp_path / "mbpp.jsonl", tmp_path / "toy.jsonl"
+    code.write_text(json.dumps({"task_id": 3, "text": "Write f.",
+                                "test_list": ["assert f(1) == 2"]}) + "\n")
+    math.write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
+    assert set(run_lib.load_benchmarks({"toy": str(math), "mbpp": str(code)})) == {"toy", "mbpp"}
+    assert set(run_lib.load_benchmarks({"toy": str(math)}, majority=True)) == {"toy"}
+    with pytest.raises(InputError, match=r"^eval\.maj_k: data\.val benchmark 'mbpp' \(.*mbpp"
+                                         r"\.jsonl\) is a code benchmark"):
+        run_lib.load_benchmarks({"toy": str(math), "mbpp": str(code)}, "data.val",
+                                majority=True)
+    cfg = tiny_rl_config("grpo", data=dict(eval=f"{math},{code}"), eval=dict(k=2, maj_k="2"))
+    with pytest.raises(InputError, match=r"^eval\.maj_k: data\.eval benchmark 'mbpp'"):
+        run_lib.build_run(cfg, str(tmp_path / "run"))

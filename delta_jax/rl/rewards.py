@@ -129,6 +129,17 @@ def normalize_answer(answer: str) -> str:
     return s
 
 
+def final_answer(text: str, max_chars: int = 1000) -> str | None:
+    """The answer a response gives, as the math rewards grade it: its last \\boxed{} content,
+    normalised (normalize_answer); None without one, for an empty one or one over max_chars
+    (RewardScorer's max_answer_chars: graded 0 unverified). Two responses with the same final
+    answer get the same verdict, so it is the vote of majority voting (evaluation.maj_at_k)."""
+    answer = extract_last_boxed(text)
+    if answer is None or len(answer) > max_chars:
+        return None
+    return normalize_answer(answer) or None
+
+
 class _SoftTimeout(BaseException):
     """Raised by SIGALRM inside a worker. A BaseException, so that math-verify's broad
     `except Exception` handlers cannot swallow it."""

@@ -420,6 +420,10 @@ def default_config() -> config_dict.ConfigDict:
     c.eval = config_dict.ConfigDict()
     c.eval.k = 16
     c.eval.pass_k = "1"
+    # Majority voting, comma separated k' <= eval.k ("" = none): maj@k' (cons@k'), the accuracy of
+    # the final answer most of k' samples give (evaluation.maj_at_k; math benchmarks, built-in
+    # math rewards), beside avg@k and pass@k.
+    c.eval.maj_k = ""
     c.eval.temperature = 1.0
     c.eval.top_p = 0.7
     c.eval.max_new_tokens = 30000
@@ -828,6 +832,13 @@ def _check_combinations(c):
     for p in str(c.eval.pass_k).split(","):
         _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.pass_k",
                  f"comma separated ints in [1, eval.k]; got {c.eval.pass_k!r}")
+    for p in str(c.eval.maj_k).split(",") if str(c.eval.maj_k).strip() else ():
+        _require(p.strip().isdigit() and 1 <= int(p) <= c.eval.k, "eval.maj_k",
+                 f"comma separated ints in [1, eval.k] or \"\" (none); got {c.eval.maj_k!r}")
+    _require(not str(c.eval.maj_k).strip() or c.rewards.name != rewards_lib.USER_REWARD,
+             "eval.maj_k", "votes on each response's last \\boxed{} answer, as the built-in math "
+             "rewards read it; a rewards.name=python function reads its own answers (--config."
+             "eval.maj_k= turns it off)")
     _require(0 <= c.rl.entropy_top_frac <= 1, "rl.entropy_top_frac",
              f"must be in [0, 1] (0 = off; the paper's 0.2), got {c.rl.entropy_top_frac}")
     _require(c.eval.val_k >= 0, "eval.val_k", f"must be >= 0 (0 = eval.k), got {c.eval.val_k}")
@@ -891,28 +902,33 @@ class EvalSettings:
     files: str
     k: int
     pass_ks: tuple
+    maj_ks: tuple = ()
 
 
 def eval_settings(cfg, kind: str = EVAL) -> EvalSettings:
     pass_ks = tuple(int(p) for p in str(cfg.eval.pass_k).split(","))
+    maj_ks = tuple(int(p) for p in str(cfg.eval.maj_k).split(",") if p.strip())
     if kind == EVAL:
-        return EvalSettings(EVAL, cfg.data.eval, cfg.eval.k, pass_ks)
+        return EvalSettings(EVAL, cfg.data.eval, cfg.eval.k, pass_ks, maj_ks)
     if kind != VAL:
         raise ValueError(f"kind must be {EVAL!r} or {VAL!r}, got {kind!r}")
     k = cfg.eval.val_k or cfg.eval.k
     return EvalSettings(VAL, cfg.data.val or cfg.data.eval, k,
-                        tuple(p for p in pass_ks if p <= k) or (1,))
+                        tuple(p for p in pass_ks if p <= k) or (1,),
+                        tuple(p for p in maj_ks if p <= k))
 
 
 def eval_metric_names(cfg) -> list[str]:
-    """The accuracy metrics the evaluations of `cfg` log: avg@k and pass@p of each benchmark and
-    of their question-weighted average, for data.eval (eval/..., eval.k and eval.pass_k) and,
+    """The accuracy metrics the evaluations of `cfg` log: avg@k, pass@p and maj@p of each
+    benchmark and of their question-weighted average, for data.eval (eval/..., eval.k,
+    eval.pass_k and eval.maj_k) and,
     with validations (and train.eval_every > 0), for data.val (val/..., eval.val_k); [] without
     benchmarks."""
     out = []
     for kind in (EVAL, VAL) if validation_on(cfg) and cfg.train.eval_every else (EVAL,):
         e = eval_settings(cfg, kind)
-        values = [f"avg@{e.k}"] + [f"pass@{p}" for p in e.pass_ks]
+        values = ([f"avg@{e.k}"] + [f"pass@{p}" for p in e.pass_ks]
+                  + [f"maj@{p}" for p in e.maj_ks])
         names = benchmark_names(e.files)
         out += [f"{kind}/{where}/{value}" for where in
                 [f"benchmarks/{n}" for n in names] + (["average"] if names else [])

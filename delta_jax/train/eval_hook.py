@@ -1,4 +1,4 @@
-"""Evaluation hook of the RL loop: avg@k / pass@k of the current policy on the eval benchmarks
+"""Evaluation hook of the RL loop: avg@k / pass@k / maj@k of the current policy on the eval benchmarks
 (delta_jax.evaluation), written to workdir/eval/step_<n>.json and the metrics log (with
 eval.save_responses every sample's response too: train/generations.py).
 """
@@ -33,7 +33,7 @@ def benchmarks_of(run: Run, kind: str) -> dict:
 
 def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
                     file_stem: str | None = None, should_stop=None):
-    """avg@k / pass@k of `kind`'s benchmarks (EVAL: data.eval at eval.k; VAL: the validation,
+    """avg@k / pass@k (/ maj@k) of `kind`'s benchmarks (EVAL: data.eval at eval.k; VAL: the validation,
     data.val at eval.val_k: config.eval_settings) with the eval sampling settings; writes
     eval/<file_stem>.json (default step_<step>, val_step_<step>) and returns (flat metrics
     "<kind>/...", the evaluation result), ({}, None) without benchmarks. should_stop: asked
@@ -62,7 +62,7 @@ def evaluate_policy(run: Run, params, step: int, *, kind: str = EVAL,
 
     t0 = time.perf_counter()
     result = evaluation.evaluate(
-        generate_fn, benchmarks, k=settings.k, pass_ks=settings.pass_ks,
+        generate_fn, benchmarks, k=settings.k, pass_ks=settings.pass_ks, maj_ks=settings.maj_ks,
         format_prompt=run.eval_prompts, limit=cfg.eval.limit or None, scorer=run.eval_scorers,
         settings={"step": step, "kind": kind, "temperature": cfg.eval.temperature,
                   "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens},

@@ -120,6 +120,8 @@ def eval_rows(result) -> list[dict]:
                 row = {"benchmark": name, "id": qid, "sample": j, "prompt": b.prompts[q],
                        "answer": str(b.answers[q]), "response": text,
                        "correct": float(b.correct[q, j])}
+                if b.votes is not None:  # maj@k: the answer it voted for (None: none)
+                    row["vote"] = b.votes[q][j]
                 if b.response_tokens is not None:
                     row.update(response_tokens=int(b.response_tokens[q, j]),
                                truncated=bool(b.truncated[q, j]))

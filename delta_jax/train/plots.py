@@ -82,9 +82,10 @@ def eval_metric_name(rows: Sequence[dict], kind: str = "eval") -> str | None:
 def eval_before_after(rows: Sequence[dict], rl_steps: int | None = None) -> dict | None:
     """Held-out accuracy of the first and the last evaluation of the run.
 
-    Returns {"metric", "before_step", "before", "after_step", "after", "pass"} (accuracies as
-    fractions; "pass": {k: (pass@k before, pass@k after)} for every pass@k both evaluations
-    logged) or None when the run wrote fewer than two evaluations. rl_steps: when given, "after"
+    Returns {"metric", "before_step", "before", "after_step", "after", "pass", "maj"}
+    (accuracies as fractions; "pass": {k: (pass@k before, pass@k after)} for every pass@k both
+    evaluations logged, "maj" the same of maj@k) or None when the run wrote fewer than two
+    evaluations. rl_steps: when given, "after"
     must be the evaluation at that step (else None), so a half-finished run reports nothing.
     """
     key = eval_metric_name(rows)
@@ -94,14 +95,17 @@ def eval_before_after(rows: Sequence[dict], rl_steps: int | None = None) -> dict
     if len(steps) < 2 or (rl_steps is not None and steps[-1] != rl_steps):
         return None
     before, after = int(steps[0]), int(steps[-1])
-    prefix = key.rsplit("/", 1)[0] + "/pass@"
-    pass_at = {}
-    for name in {k for r in rows for k in r if k.startswith(prefix)}:
-        at = dict(zip(*(x.tolist() for x in series(rows, name))))
-        if before in at and after in at:
-            pass_at[int(name[len(prefix):])] = (float(at[before]), float(at[after]))
-    return {"metric": key, "before_step": before, "before": float(values[0]),
-            "after_step": after, "after": float(values[-1]), "pass": dict(sorted(pass_at.items()))}
+    out = {"metric": key, "before_step": before, "before": float(values[0]),
+           "after_step": after, "after": float(values[-1])}
+    for metric in ("pass", "maj"):
+        prefix = key.rsplit("/", 1)[0] + f"/{metric}@"
+        found = {}
+        for name in {k for r in rows for k in r if k.startswith(prefix)}:
+            at = dict(zip(*(x.tolist() for x in series(rows, name))))
+            if before in at and after in at:
+                found[int(name[len(prefix):])] = (float(at[before]), float(at[after]))
+        out[metric] = dict(sorted(found.items()))
+    return out
 
 
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
@@ -362,11 +366,12 @@ def write_report(workdir: str, rl_steps: int | None = None) -> str:
                      f"(step {result['after_step']}), "
                      f"{100 * (result['after'] - result['before']):+.1f} points"
                      + _interval_text(change.get(metric)))
-        if result["pass"]:
-            lines.append("pass@k before -> after RL: " + ", ".join(
-                f"pass@{k} {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f}"
-                f"{_interval_text(change.get(f'pass@{k}'), short=True)})"
-                for k, (b, a) in result["pass"].items()))
+        for metric in ("pass", "maj"):
+            if result[metric]:
+                lines.append(f"{metric}@k before -> after RL: " + ", ".join(
+                    f"{metric}@{k} {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f}"
+                    f"{_interval_text(change.get(f'{metric}@{k}'), short=True)})"
+                    for k, (b, a) in result[metric].items()))
         if change:
             lines.append("(95% intervals: Student t over the per-problem changes, paired by "
                          "problem; they cover which problems and samples were drawn, not the "

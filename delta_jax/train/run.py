@@ -64,16 +64,22 @@ def prepare_assets(cfg, workdir: str) -> dict:
     return out
 
 
-def load_benchmarks(paths: dict, field: str = "data.eval", columns=None) -> dict:
+def load_benchmarks(paths: dict, field: str = "data.eval", columns=None,
+                    majority: bool = False) -> dict:
     """{name: rows} of the benchmark files {name: path} of `field` (data.eval, data.val), read at
     start-up, so a missing or malformed one stops the run before it trains. columns: {kind:
     {column: required}} (evaluation.load_benchmark's; build_run gives the run's own task
-    data_columns(cfg))."""
+    data_columns(cfg)). majority: the evaluations vote (eval.maj_k), which a code benchmark
+    cannot: an InputError naming it."""
     from delta_jax import evaluation
     benchmarks = {}
     for name, path in paths.items():
         with naming(field):
             benchmarks[name] = evaluation.load_benchmark(path, columns=columns)
+        if majority and evaluation.benchmark_kind(name, benchmarks[name]) == "code":
+            raise InputError(f"eval.maj_k: {field} benchmark {name!r} ({path}) is a code "
+                             "benchmark, whose responses are programs, not answers to vote on: "
+                             f"evaluate it in a run without eval.maj_k")
     return benchmarks
 
 
@@ -306,9 +312,10 @@ def build_run(cfg, workdir: str, *, need_data: bool = True, need_scorer: bool = 
     assets = prepare_assets(cfg, workdir)
     columns = data_columns(cfg)  # before the data: a python_fn that does not load stops here
     by_kind = {reward_task(cfg): columns}  # the benchmarks the run's own reward grades
-    benchmarks = load_benchmarks(assets["eval"], columns=by_kind)
-    val_benchmarks = (load_benchmarks(assets["val"], "data.val", by_kind) if cfg.data.val
-                      else benchmarks)
+    majority = bool(str(cfg.eval.maj_k).strip())
+    benchmarks = load_benchmarks(assets["eval"], columns=by_kind, majority=majority)
+    val_benchmarks = (load_benchmarks(assets["val"], "data.val", by_kind, majority)
+                      if cfg.data.val else benchmarks)
     with naming("tokenizer.path" if cfg.tokenizer.path else "model.path"):
         tokenizer = models.load_tokenizer(assets["tokenizer"])
     template = run_template(cfg, tokenizer)
