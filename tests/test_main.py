@@ -45,7 +45,7 @@ TEST_OVERRIDES = {
     "optim": dict(lr=1e-3),
     "train": dict(steps=6, save_every=3, keep=5, progress_bar=False, **LOOP_WITHOUT_EVAL),
     "sft": dict(steps=2, batch_size=4, max_len=64),
-    "eval": dict(k=2, pass_k="1,2", max_new_tokens=16, limit=2),
+    "eval": dict(k=2, pass_k="1,2", maj_k="2", max_new_tokens=16, limit=2),
 }
 # A config file (the subprocess runs read it too): self-contained, the overrides as a literal.
 TEST_CONFIG = f'''
